@@ -1,0 +1,222 @@
+"""Typed configuration: ``CacheConfig`` and ``ModalitySpec``.
+
+``ModalitySpec`` is frozen and owns the size math (``page_bytes``): every tier sizes itself
+from it. A modality inherits the layers, KV heads, head dim and dtype it leaves unset from the
+model-level fields of ``CacheConfig``; after validation ``CacheConfig.modalities`` holds fully
+resolved specs (``name`` set, nothing left ``None``).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+POLICIES = ("lru", "modality_lru", "cost_aware")
+_MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+
+
+class ModalitySpec(BaseModel):
+    """One modality's page layout. Frozen: the page size math lives here and only here."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str | None = Field(None, description="Modality name; filled from the key in CacheConfig.modalities.")
+    kind: Literal["kv", "embedding"] = Field(
+        "kv", description="'kv': attention K and V per layer; 'embedding': one vector of `width` per token (encoder outputs).")
+    page_size: int = Field(..., gt=0, le=4096, description="Tokens per page.")
+    num_layers: int | None = Field(None, gt=0, description="Layers whose KV this modality holds; default: the model's.")
+    num_kv_heads: int | None = Field(None, gt=0, description="KV heads; default: the model's.")
+    head_dim: int | None = Field(None, gt=0, le=1024, description="Head dimension; default: the model's.")
+    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="Element dtype; default: the model's.")
+    width: int | None = Field(None, gt=0, description="Vector width per token; required for kind='embedding'.")
+    share: float | None = Field(
+        None, gt=0, le=1, description="Fraction of the device arena for this pool; unset shares split the rest equally.")
+    recompute_cost: float = Field(
+        1.0, ge=0, description="Relative cost of recomputing one token of this modality (encoder pass vs re-reading text).")
+    priority: float = Field(
+        1.0, gt=0, description="Weight for modality-aware eviction: higher stays longer.")
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ModalitySpec:
+        if self.kind == "embedding" and self.width is None:
+            raise ValueError("width is required when kind='embedding'")
+        if self.kind == "kv" and self.width is not None:
+            raise ValueError("width is only for kind='embedding'")
+        return self
+
+    # ---- size math (resolved specs only) ----
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self._need("dtype")]
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """Shape of one page: ``[L, 2, P, H, D]`` for kv, ``[P, W]`` for embeddings."""
+        if self.kind == "embedding":
+            return (self.page_size, self._need("width"))
+        return (self._need("num_layers"), 2, self.page_size, self._need("num_kv_heads"), self._need("head_dim"))
+
+    @property
+    def page_elems(self) -> int:
+        return math.prod(self.page_shape)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elems * self.itemsize
+
+    @property
+    def token_bytes(self) -> int:
+        return self.page_bytes // self.page_size
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self._need("dtype"))
+
+    def layout_fields(self) -> tuple[tuple[str, str], ...]:
+        """The payload layout as (name, value) pairs, in a fixed order (enters content keys)."""
+        return (
+            ("kind", self.kind),
+            ("layers", str(self.num_layers)),
+            ("kv_heads", str(self.num_kv_heads)),
+            ("head_dim", str(self.head_dim)),
+            ("width", str(self.width)),
+            ("dtype", str(self.dtype)),
+            ("page_size", str(self.page_size)),
+        )
+
+    def _need(self, field: str):
+        value = getattr(self, field)
+        if value is None:
+            raise ConfigError(f"modality {self.name!r}: {field} is unset (spec not resolved)", (field,))
+        return value
+
+
+class CacheConfig(BaseModel):
+    """The whole cache: model shape, modalities, tiers, attention backend, eviction policy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field(..., min_length=1, description="Model identity; enters every content key.")
+    num_layers: int = Field(..., gt=0, description="Decoder layers (default for modalities).")
+    num_kv_heads: int = Field(..., gt=0, description="KV heads (default for modalities).")
+    head_dim: int = Field(..., gt=0, le=1024, description="Head dimension (default for modalities).")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float16", description="KV dtype (default for modalities).")
+    modalities: dict[str, ModalitySpec] = Field(..., min_length=1, description="Modality name -> page layout.")
+    device: str = Field("cpu", description="Device of the page arena: 'cpu' or 'cuda:N'.")
+    device_bytes: int | None = Field(
+        None, gt=0, description="Bytes of the device arena; None: device_fraction of free memory (NVML) on CUDA.")
+    device_fraction: float = Field(0.5, gt=0, le=0.95, description="Share of free GPU memory when device_bytes is None.")
+    host_bytes: int = Field(0, ge=0, description="Host-memory tier budget in bytes; 0: no host tier.")
+    disk_dir: Path | None = Field(None, description="Directory of the disk tier (Arrow IPC files); None: no disk tier.")
+    disk_bytes: int = Field(8 << 30, ge=0, description="Disk tier budget in bytes.")
+    disk_free_floor_bytes: int = Field(
+        256 << 20, ge=0, description="Never write when the filesystem's free space would drop below this.")
+    attention_backend: Literal["auto", "triton", "torch"] = Field(
+        "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
+    eviction_policy: str = Field("lru", description=f"Eviction policy, one of {POLICIES}.")
+    key_secret: str = Field(
+        "mmtier-default-secret", description="Server-side secret that authenticates keys and derives tenant salts.")
+    max_inflight_bytes: int = Field(256 << 20, gt=0, description="Bytes of tier copies in flight at once.")
+
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(exc) from None
+
+    @field_validator("modalities")
+    @classmethod
+    def _names(cls, value: dict[str, ModalitySpec]) -> dict[str, ModalitySpec]:
+        for name in value:
+            if not name or not name.replace("_", "").replace("-", "").isalnum():
+                raise ValueError(f"modality name {name!r} must be alphanumeric (with _ or -)")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value != "cpu" and not (value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit())):
+            raise ValueError(f"device must be 'cpu' or 'cuda:N', got {value!r}")
+        return "cuda:0" if value == "cuda" else value
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _policy(cls, value: str) -> str:
+        if value not in POLICIES:
+            raise ValueError(f"unknown eviction policy {value!r}; choose one of {POLICIES}")
+        return value
+
+    @model_validator(mode="after")
+    def _resolve(self) -> CacheConfig:
+        resolved = {}
+        for name, spec in self.modalities.items():
+            update: dict[str, Any] = {"name": name}
+            if spec.kind == "kv":
+                for field in _MODEL_FIELDS:
+                    if getattr(spec, field) is None:
+                        update[field] = getattr(self, field)
+            elif spec.dtype is None:
+                update["dtype"] = self.dtype
+            resolved[name] = spec.model_copy(update=update)
+        total_share = sum(s.share or 0.0 for s in resolved.values())
+        if total_share > 1.0 + 1e-9:
+            raise ValueError(f"modality shares add up to {total_share:.3f} > 1")
+        if self.device == "cpu" and self.device_bytes is None:
+            raise ValueError("device_bytes is required when device='cpu'")
+        object.__setattr__(self, "modalities", resolved)
+        return self
+
+    # ---- helpers ----
+    def spec(self, modality: str) -> ModalitySpec:
+        from .errors import UnknownModalityError
+
+        try:
+            return self.modalities[modality]
+        except KeyError:
+            raise UnknownModalityError(
+                f"unknown modality {modality!r}; this cache has {sorted(self.modalities)}") from None
+
+    def pool_bytes(self, arena_bytes: int) -> dict[str, int]:
+        """How the device arena is carved: explicit shares first, the rest split equally."""
+        fixed = {n: s.share for n, s in self.modalities.items() if s.share is not None}
+        rest = [n for n in self.modalities if n not in fixed]
+        left = max(0.0, 1.0 - sum(fixed.values()))
+        out = {n: int(arena_bytes * f) for n, f in fixed.items()}
+        for n in rest:
+            out[n] = int(arena_bytes * left / len(rest))
+        return out
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> CacheConfig:
+        """Load a config file (a mapping; a top-level ``cache:`` section is also accepted)."""
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        if isinstance(data, dict) and "cache" in data and "model" not in data:
+            data = data["cache"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping")
+        return cls(**data)
+
+
+def _config_error(exc: ValidationError) -> ConfigError:
+    fields = []
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+        fields.append(loc)
+        lines.append(f"{loc}: {err['msg']}")
+    return ConfigError("invalid mmtier config: " + "; ".join(lines), tuple(fields))

@@ -1,0 +1,133 @@
+"""Content keys: full-width SHA-256 over length-prefixed, domain-separated fields.
+
+A key covers: the key-format version, the model identity, the payload layout of the modality's
+pool, the modality, the media digest (SHA-256 of the bytes computed here, plus preprocessing
+parameters that change the tokens), the tenant salt and, for prefix-dependent groups, the parent
+key. Every field is written as ``len(name) name len(value) value`` with 8-byte big-endian
+lengths, so no two distinct field lists share an encoding (``"org_1" + "2345"`` differs from
+``"org_12345"``). Keys are never truncated.
+
+A key also carries an HMAC tag under the server-side secret, so a cache accepts only keys it (or
+a cache with the same secret) issued: a caller-supplied id is never trusted on its own.
+No torch here: hashlib and hmac only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+KEY_FORMAT_VERSION = 1
+_DOMAIN = b"mmtier/content-key"
+Sharing = Literal["content", "prefix"]
+
+
+def encode_fields(domain: bytes, fields: Iterable[tuple[str, bytes | str]]) -> bytes:
+    """Length-prefixed, domain-separated encoding of named fields (the hash input)."""
+    out = bytearray()
+    out += len(domain).to_bytes(8, "big") + domain
+    for name, value in fields:
+        nb = name.encode()
+        vb = value.encode() if isinstance(value, str) else bytes(value)
+        out += len(nb).to_bytes(8, "big") + nb + len(vb).to_bytes(8, "big") + vb
+    return bytes(out)
+
+
+def media_digest(data: bytes | bytearray | memoryview, params: Mapping[str, object] | None = None) -> bytes:
+    """SHA-256 of the media bytes, then of that digest and the sorted preprocessing parameters."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"media must be bytes-like, got {type(data).__name__}")
+    raw = hashlib.sha256(data).digest()
+    items = sorted((str(k), repr(v)) for k, v in (params or {}).items())
+    return hashlib.sha256(encode_fields(b"mmtier/media", [("bytes", raw), *items])).digest()
+
+
+def tenant_salt(secret: str, tenant: str) -> bytes:
+    """The salt of a tenant: HMAC-SHA256 under the server-side secret (never from a request)."""
+    return hmac.new(secret.encode(), encode_fields(b"mmtier/tenant", [("tenant", tenant)]), hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class ContentKey:
+    """A modality group's identity. ``digest`` is the full 32-byte SHA-256."""
+
+    digest: bytes
+    modality: str
+    sharing: Sharing
+    tag: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != 32 or len(self.tag) != 32:
+            raise ValueError("ContentKey digest and tag are 32 bytes")
+        if self.sharing not in ("content", "prefix"):
+            raise ValueError(f"sharing must be 'content' or 'prefix', got {self.sharing!r}")
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    def __str__(self) -> str:
+        return f"{self.modality}:{self.digest.hex()}"
+
+    def __repr__(self) -> str:
+        return f"ContentKey({self.modality}:{self.digest.hex()[:16]}…, {self.sharing})"
+
+    def to_wire(self) -> dict[str, str]:
+        """Plain strings for JSON / Arrow metadata (no pickle)."""
+        return {"digest": self.digest.hex(), "modality": self.modality, "sharing": self.sharing, "tag": self.tag.hex()}
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, str]) -> ContentKey:
+        return cls(bytes.fromhex(d["digest"]), d["modality"], d["sharing"], bytes.fromhex(d["tag"]))  # type: ignore[arg-type]
+
+
+class KeyMaker:
+    """Derives and authenticates keys for one model under one server-side secret."""
+
+    def __init__(self, model: str, secret: str):
+        self.model = model
+        self._secret = secret.encode()
+
+    def derive(
+        self,
+        *,
+        modality: str,
+        layout: Iterable[tuple[str, str]],
+        media: bytes,
+        tenant_salt: bytes,
+        parent: ContentKey | None = None,
+    ) -> ContentKey:
+        fields: list[tuple[str, bytes | str]] = [
+            ("version", str(KEY_FORMAT_VERSION)),
+            ("model", self.model),
+            *((f"layout.{k}", v) for k, v in layout),
+            ("modality", modality),
+            ("media", media),
+            ("tenant", tenant_salt),
+            ("sharing", "prefix" if parent is not None else "content"),
+        ]
+        if parent is not None:
+            self.verify(parent)
+            fields.append(("parent", parent.digest))
+        digest = hashlib.sha256(encode_fields(_DOMAIN, fields)).digest()
+        sharing: Sharing = "prefix" if parent is not None else "content"
+        return ContentKey(digest, modality, sharing, self._tag(digest, modality, sharing))
+
+    def is_authentic(self, key: ContentKey) -> bool:
+        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing))
+
+    def verify(self, key: ContentKey) -> None:
+        from .errors import ForeignKeyError
+
+        if not isinstance(key, ContentKey):
+            raise ForeignKeyError(f"expected a ContentKey, got {type(key).__name__}")
+        if not self.is_authentic(key):
+            raise ForeignKeyError(f"key {key!r} was not issued by this cache (other model, secret, or forged)")
+
+    def _tag(self, digest: bytes, modality: str, sharing: str) -> bytes:
+        msg = encode_fields(b"mmtier/key-tag", [("model", self.model), ("digest", digest),
+                                                 ("modality", modality), ("sharing", sharing)])
+        return hmac.new(self._secret, msg, hashlib.sha256).digest()

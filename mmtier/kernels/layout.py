@@ -1,0 +1,102 @@
+"""The operands of paged attention: a query batch and, per pool, a CSR table over its pages.
+
+One ``PagedKV`` describes one pool (one page size, one head dim) for one layer:
+
+- ``kv``: the pool's page-major view ``[num_pages, num_layers, 2, page_size, num_kv_heads,
+  head_dim]`` (index 0 of dim 2 is K, 1 is V);
+- ``seg_indptr`` int32 ``[B+1]``: batch item ``b`` owns segments ``seg_indptr[b]:seg_indptr[b+1]``;
+- ``seg_page_indptr`` int32 ``[S+1]``: segment ``s`` owns ``page_ids[seg_page_indptr[s]:
+  seg_page_indptr[s+1]]``, in token order;
+- ``seg_start`` int32 ``[S]``: absolute position of the segment's first token;
+- ``seg_len`` int32 ``[S]``: its tokens (``0 <= seg_len <= pages * page_size``), packed from the
+  start of its first page.
+
+The queries are ``q [total_q, num_q_heads, head_dim]`` with ``q_indptr`` int32 ``[B+1]`` and
+``q_pos`` int32 ``[total_q]`` (absolute positions; key position ``p`` is visible to a query at
+``qp`` when ``p <= qp`` under causal masking). Results are ``(out, lse)``: ``lse`` float32
+``[total_q, num_q_heads]`` in natural log, ``-inf`` (with ``out == 0``) where a query sees no key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import DTypeError, ShapeError
+
+INDEX_DTYPE = torch.int32
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    kv: torch.Tensor
+    layer: int
+    seg_indptr: torch.Tensor
+    seg_page_indptr: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    page_ids: torch.Tensor
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[3]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[5]
+
+    @property
+    def num_segments(self) -> int:
+        return self.seg_start.shape[0]
+
+    def validate(self, batch: int, head_dim: int) -> None:
+        if self.kv.dim() != 6 or self.kv.shape[2] != 2:
+            raise ShapeError(f"kv must be [pages, layers, 2, page_size, kv_heads, head_dim], got {tuple(self.kv.shape)}")
+        if not 0 <= self.layer < self.kv.shape[1]:
+            raise ShapeError(f"layer {self.layer} out of range for a pool of {self.kv.shape[1]} layers")
+        if self.head_dim != head_dim:
+            raise ShapeError(f"query head dim {head_dim} != pool head dim {self.head_dim}")
+        for name in ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids"):
+            t = getattr(self, name)
+            if t.dtype != INDEX_DTYPE:
+                raise DTypeError(f"{name} must be int32, got {t.dtype}")
+            if t.device != self.kv.device:
+                raise DTypeError(f"{name} is on {t.device}, kv on {self.kv.device}")
+        if self.seg_indptr.shape[0] != batch + 1:
+            raise ShapeError(f"seg_indptr has {self.seg_indptr.shape[0]} entries for a batch of {batch}")
+        if self.seg_page_indptr.shape[0] != self.num_segments + 1 or self.seg_len.shape[0] != self.num_segments:
+            raise ShapeError("seg_page_indptr / seg_len do not match seg_start")
+
+
+def build_paged_kv(kv: torch.Tensor, layer: int, batch_segments: list[list[tuple[list[int], int, int]]]) -> PagedKV:
+    """Build a ``PagedKV`` from Python lists: per batch item, segments ``(page_ids, start, length)``."""
+    seg_indptr, seg_page_indptr, seg_start, seg_len, page_ids = [0], [0], [], [], []
+    for segments in batch_segments:
+        for pages, start, length in segments:
+            page_ids.extend(pages)
+            seg_page_indptr.append(len(page_ids))
+            seg_start.append(start)
+            seg_len.append(length)
+        seg_indptr.append(len(seg_start))
+    dev = kv.device
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=INDEX_DTYPE, device=dev)
+
+    return PagedKV(kv, layer, t(seg_indptr), t(seg_page_indptr), t(seg_start), t(seg_len), t(page_ids))
+
+
+def check_queries(q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise ShapeError(f"q must be [total_q, num_q_heads, head_dim], got {tuple(q.shape)}")
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise DTypeError(f"q dtype {q.dtype} is not one of float32, float16, bfloat16")
+    if q_indptr.dtype != INDEX_DTYPE or q_pos.dtype != INDEX_DTYPE:
+        raise DTypeError("q_indptr and q_pos must be int32")
+    if q_pos.shape[0] != q.shape[0]:
+        raise ShapeError(f"q_pos has {q_pos.shape[0]} entries for {q.shape[0]} queries")

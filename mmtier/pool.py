@@ -1,0 +1,126 @@
+"""Pages on a device: one arena allocated once, carved into one ``PagePool`` per modality spec.
+
+Mechanism only: a pool allocates, frees and counts references, and knows nothing of modalities
+or policies. A pool's view is page-major, ``[num_pages, *spec.page_shape]``, so one page is one
+contiguous chunk that one copy spills or ships. Allocation and free are O(1) per page (a stack
+of free ids); batched forms move many ids at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .config import CacheConfig, ModalitySpec
+from .errors import CapacityError, MMTierError
+
+_ALIGN = 256
+
+
+class PagePool:
+    """Fixed pages of one spec over a slice of an arena; free stack plus reference counts."""
+
+    def __init__(self, spec: ModalitySpec, storage: torch.Tensor):
+        """``storage``: a flat uint8 tensor whose length is a multiple of ``spec.page_bytes``."""
+        self.spec = spec
+        self.num_pages = storage.numel() // spec.page_bytes
+        flat = storage[: self.num_pages * spec.page_bytes]
+        self.view = flat.view(spec.torch_dtype).view(self.num_pages, *spec.page_shape)
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self._refs = np.zeros(self.num_pages, dtype=np.int32)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def device(self) -> torch.device:
+        return self.view.device
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` pages with reference count 1, or ``CapacityError`` (nothing taken)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise CapacityError(
+                f"{self.spec.name} pool: {n} pages wanted, {len(self._free)} of {self.num_pages} free")
+        if n == 0:
+            return []
+        ids = self._free[-n:]
+        del self._free[-n:]
+        ids.reverse()
+        self._refs[ids] = 1
+        return ids
+
+    def incref(self, ids: list[int]) -> None:
+        refs = self._refs[ids]
+        if (refs <= 0).any():
+            raise MMTierError(f"{self.spec.name} pool: incref of a free page")
+        self._refs[ids] = refs + 1
+
+    def free(self, ids: list[int]) -> None:
+        """Drop one reference from each page; pages reaching zero go back to the free stack."""
+        if not ids:
+            return
+        arr = np.asarray(ids, dtype=np.int64)
+        refs = self._refs[arr]
+        if (refs <= 0).any() or len(np.unique(arr)) != len(arr):
+            raise MMTierError(f"{self.spec.name} pool: double free or free of a free page")
+        refs -= 1
+        self._refs[arr] = refs
+        released = arr[refs == 0]
+        self._free.extend(released[::-1].tolist())
+
+    def refcount(self, page: int) -> int:
+        return int(self._refs[page])
+
+    def page_bytes_used(self) -> int:
+        return self.num_used * self.spec.page_bytes
+
+
+class DeviceArena:
+    """One allocation on a device, carved into one pool per modality."""
+
+    def __init__(self, cfg: CacheConfig, arena_bytes: int | None = None):
+        self.device = torch.device(cfg.device)
+        nbytes = arena_bytes if arena_bytes is not None else resolve_arena_bytes(cfg)
+        plan = cfg.pool_bytes(nbytes)
+        sizes = {}
+        offset = 0
+        for name, spec in cfg.modalities.items():
+            pages = plan[name] // spec.page_bytes
+            sizes[name] = (offset, pages * spec.page_bytes)
+            offset += -(-pages * spec.page_bytes // _ALIGN) * _ALIGN
+        self.nbytes = offset
+        self.storage = torch.empty(max(offset, 1), dtype=torch.uint8, device=self.device)
+        self.pools: dict[str, PagePool] = {
+            name: PagePool(cfg.modalities[name], self.storage[start:start + length])
+            for name, (start, length) in sizes.items()
+        }
+
+    def __getitem__(self, modality: str) -> PagePool:
+        return self.pools[modality]
+
+
+def resolve_arena_bytes(cfg: CacheConfig) -> int:
+    """``device_bytes`` when set, else the configured fraction of the free memory NVML reports."""
+    if cfg.device_bytes is not None:
+        return cfg.device_bytes
+    index = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # NVML missing or failing: fall back to torch's view of the device
+        if not torch.cuda.is_available():
+            raise CapacityError(f"cannot size the arena on {cfg.device}: {exc}") from exc
+        free, _ = torch.cuda.mem_get_info(index)
+    return int(free * cfg.device_fraction)
