@@ -1,0 +1,31 @@
+"""mmtier: a tiered, modality-aware, paged KV-cache store for multimodal LLM serving on Ray.
+
+The core (this package minus ``actors/`` and ``serve/``) imports without Ray.
+"""
+
+from .cache import TieredKVCache
+from .config import CacheConfig, ModalitySpec
+from .content import ContentKey
+from .errors import (
+    CapacityError,
+    ConfigError,
+    CorruptDataError,
+    DTypeError,
+    ForeignKeyError,
+    LeaseExpiredError,
+    MMTierError,
+    ShapeError,
+    StorageFullError,
+    UnknownKeyError,
+    UnknownModalityError,
+)
+from .table import SequenceHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheConfig", "ModalitySpec", "TieredKVCache", "ContentKey", "SequenceHandle",
+    "MMTierError", "ConfigError", "ShapeError", "DTypeError", "UnknownModalityError",
+    "UnknownKeyError", "ForeignKeyError", "CapacityError", "StorageFullError",
+    "CorruptDataError", "LeaseExpiredError",
+]

@@ -50,6 +50,11 @@ def tenant_salt(secret: str, tenant: str) -> bytes:
     return hmac.new(secret.encode(), encode_fields(b"mmtier/tenant", [("tenant", tenant)]), hashlib.sha256).digest()
 
 
+def tenant_scope(salt: bytes) -> bytes:
+    """A 16-byte tenant id carried in keys, so a key of tenant A is refused for tenant B."""
+    return hashlib.sha256(b"mmtier/scope" + salt).digest()[:16]
+
+
 @dataclass(frozen=True)
 class ContentKey:
     """A modality group's identity. ``digest`` is the full 32-byte SHA-256."""
@@ -57,11 +62,12 @@ class ContentKey:
     digest: bytes
     modality: str
     sharing: Sharing
+    scope: bytes        # 16 bytes naming the tenant (derived from its salt; not the salt)
     tag: bytes
 
     def __post_init__(self) -> None:
-        if len(self.digest) != 32 or len(self.tag) != 32:
-            raise ValueError("ContentKey digest and tag are 32 bytes")
+        if len(self.digest) != 32 or len(self.tag) != 32 or len(self.scope) != 16:
+            raise ValueError("ContentKey digest and tag are 32 bytes, scope 16")
         if self.sharing not in ("content", "prefix"):
             raise ValueError(f"sharing must be 'content' or 'prefix', got {self.sharing!r}")
 
@@ -77,11 +83,13 @@ class ContentKey:
 
     def to_wire(self) -> dict[str, str]:
         """Plain strings for JSON / Arrow metadata (no pickle)."""
-        return {"digest": self.digest.hex(), "modality": self.modality, "sharing": self.sharing, "tag": self.tag.hex()}
+        return {"digest": self.digest.hex(), "modality": self.modality, "sharing": self.sharing,
+                "scope": self.scope.hex(), "tag": self.tag.hex()}
 
     @classmethod
     def from_wire(cls, d: Mapping[str, str]) -> ContentKey:
-        return cls(bytes.fromhex(d["digest"]), d["modality"], d["sharing"], bytes.fromhex(d["tag"]))  # type: ignore[arg-type]
+        return cls(bytes.fromhex(d["digest"]), d["modality"], d["sharing"],  # type: ignore[arg-type]
+                   bytes.fromhex(d["scope"]), bytes.fromhex(d["tag"]))
 
 
 class KeyMaker:
@@ -112,12 +120,26 @@ class KeyMaker:
         if parent is not None:
             self.verify(parent)
             fields.append(("parent", parent.digest))
+        if parent is not None and parent.scope != tenant_scope(tenant_salt):
+            from .errors import ForeignKeyError
+
+            raise ForeignKeyError("parent key belongs to another tenant")
         digest = hashlib.sha256(encode_fields(_DOMAIN, fields)).digest()
         sharing: Sharing = "prefix" if parent is not None else "content"
-        return ContentKey(digest, modality, sharing, self._tag(digest, modality, sharing))
+        return self._make(digest, modality, sharing, tenant_scope(tenant_salt))
+
+    def chain(self, *, modality: str, chain_digest: bytes, tenant_salt: bytes) -> ContentKey:
+        """The key naming a sequence's whole prefix (its running chain digest): a valid parent."""
+        digest = hashlib.sha256(encode_fields(b"mmtier/prefix", [
+            ("version", str(KEY_FORMAT_VERSION)), ("model", self.model), ("chain", chain_digest),
+            ("tenant", tenant_salt)])).digest()
+        return self._make(digest, modality, "prefix", tenant_scope(tenant_salt))
+
+    def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes) -> ContentKey:
+        return ContentKey(digest, modality, sharing, scope, self._tag(digest, modality, sharing, scope))
 
     def is_authentic(self, key: ContentKey) -> bool:
-        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing))
+        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope))
 
     def verify(self, key: ContentKey) -> None:
         from .errors import ForeignKeyError
@@ -127,7 +149,8 @@ class KeyMaker:
         if not self.is_authentic(key):
             raise ForeignKeyError(f"key {key!r} was not issued by this cache (other model, secret, or forged)")
 
-    def _tag(self, digest: bytes, modality: str, sharing: str) -> bytes:
+    def _tag(self, digest: bytes, modality: str, sharing: str, scope: bytes) -> bytes:
         msg = encode_fields(b"mmtier/key-tag", [("model", self.model), ("digest", digest),
-                                                 ("modality", modality), ("sharing", sharing)])
+                                                 ("modality", modality), ("sharing", sharing),
+                                                 ("scope", scope)])
         return hmac.new(self._secret, msg, hashlib.sha256).digest()

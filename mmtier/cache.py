@@ -1,0 +1,475 @@
+"""``TieredKVCache``: the in-process cache. Composes pools, groups, tables, keys and policy.
+
+Every public method validates its input completely before it changes anything, so a call that
+raises leaves the cache exactly as it was. One re-entrant lock guards the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .config import CacheConfig, ModalitySpec
+from .content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_scope
+from .errors import (
+    CapacityError,
+    ClosedError,
+    DTypeError,
+    ForeignKeyError,
+    ShapeError,
+    UnknownKeyError,
+    UnknownModalityError,
+)
+from .eviction import make_policy
+from .groups import ModalityGroup, Tier
+from .kernels import merge_attention_states, paged_attention, write_kv
+from .pool import DeviceArena, PagePool
+from .stats import CacheStats, Counters, TierUsage
+from .table import SequenceHandle, SequenceTable, compile_segments
+
+DEFAULT_TENANT = "default"
+
+
+class TieredKVCache:
+    """Paged, modality-aware KV cache with content-keyed sharing (see DESIGN.md's contract)."""
+
+    def __init__(self, cfg: CacheConfig):
+        self.cfg = cfg
+        self.arena = DeviceArena(cfg)
+        self.pools: dict[str, PagePool] = self.arena.pools
+        self.keys = KeyMaker(cfg.model, cfg.key_secret)
+        self.policy = make_policy(cfg)
+        self.counters = Counters()
+        self._lock = threading.RLock()
+        self._groups: dict[ContentKey, ModalityGroup] = {}
+        self._seqs: dict[int, SequenceTable] = {}
+        self._gids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._closed = False
+
+    # ------------------------------------------------------------------ keys and tenants
+    def _salt(self, tenant: str | None) -> bytes:
+        tenant = DEFAULT_TENANT if tenant is None else tenant
+        if not isinstance(tenant, str) or not tenant:
+            raise ForeignKeyError(f"tenant must be a non-empty string, got {tenant!r}")
+        return tenant_salt(self.cfg.key_secret, tenant)
+
+    def content_key(
+        self,
+        modality: str,
+        media: bytes | bytearray | memoryview,
+        *,
+        tenant: str | None = None,
+        parent: ContentKey | None = None,
+        params: dict[str, object] | None = None,
+    ) -> ContentKey:
+        """The key of a media item: hashes the bytes here (never trusts a caller's id).
+
+        ``parent`` (a ``prefix_key``) makes the key prefix-dependent; ``params`` are the
+        preprocessing parameters that change the tokens (resolution, sample rate, ...)."""
+        spec = self.cfg.spec(modality)
+        if not isinstance(media, (bytes, bytearray, memoryview)):
+            raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
+        return self.keys.derive(
+            modality=modality, layout=spec.layout_fields(), media=media_digest(media, params),
+            tenant_salt=self._salt(tenant), parent=parent)
+
+    def prefix_key(self, seq: SequenceHandle) -> ContentKey:
+        """A key naming everything ``seq`` holds so far; pass it as ``parent=`` to chain."""
+        with self._lock:
+            table = self._table(seq)
+            modality = table.tail.group.modality if table.tail else next(iter(self.cfg.modalities))
+            return self.keys.chain(modality=modality, chain_digest=table.chain,
+                                   tenant_salt=self._salt(seq.tenant))
+
+    def _check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec:
+        self.keys.verify(key)
+        spec = self.cfg.spec(key.modality)
+        if kind is not None and spec.kind != kind:
+            raise UnknownModalityError(f"modality {key.modality!r} holds {spec.kind!r} payloads, not {kind!r}")
+        return spec
+
+    # ------------------------------------------------------------------ sequences
+    def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
+        self._open()
+        self._salt(tenant)
+        with self._lock:
+            handle = SequenceHandle(next(self._seq_ids), DEFAULT_TENANT if tenant is None else tenant)
+            self._seqs[handle.id] = SequenceTable(handle)
+            return handle
+
+    def _table(self, seq: SequenceHandle) -> SequenceTable:
+        if not isinstance(seq, SequenceHandle):
+            raise UnknownKeyError(f"expected a SequenceHandle, got {type(seq).__name__}")
+        table = self._seqs.get(seq.id)
+        if table is None or table.handle != seq:
+            raise UnknownKeyError(f"unknown sequence {seq.id} (released or never created)")
+        return table
+
+    def sequence(self, seq: SequenceHandle) -> SequenceTable:
+        """The sequence's table (segments, views by modality and by key)."""
+        with self._lock:
+            return self._table(seq)
+
+    def append(self, seq: SequenceHandle, modality: str, k: torch.Tensor, v: torch.Tensor,
+               *, tokens: Sequence[int] | None = None) -> None:
+        """Append tokens' K/V (``[num_layers, n, num_kv_heads, head_dim]``) to the sequence.
+
+        ``tokens`` (their ids) name the content for the prefix chain; without them the chain
+        hashes the K/V bytes."""
+        self._open()
+        spec = self.cfg.spec(modality)
+        if spec.kind != "kv":
+            raise UnknownModalityError(f"modality {modality!r} holds embeddings; use put_embedding")
+        n = self._check_kv(spec, k, v)
+        if tokens is not None and len(tokens) != n:
+            raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
+        identity = _token_identity(modality, k, v, tokens)
+        with self._lock:
+            table = self._table(seq)
+            tail = table.tail
+            extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
+                and tail.group.tier == Tier.DEVICE
+            pool = self.pools[modality]
+            have = tail.group.num_tokens if extend else 0
+            slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
+            new_pages = spec.pages_for(max(0, n - slack))
+            protect = [tail.group] if extend else []
+            pages = self._allocate(pool, new_pages, protect)
+            if extend:
+                group = tail.group
+                all_pages = group.pages + pages
+            else:
+                group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
+                all_pages = pages
+            slots = torch.arange(have, have + n)
+            page_ids = torch.tensor(all_pages, dtype=torch.int64)[slots // spec.page_size]
+            self._write(pool, k, v, page_ids, slots % spec.page_size)
+            if extend:
+                group.pages = all_pages
+                group.num_tokens += n
+                table.extend_chain(identity)
+            else:
+                group.num_tokens = n
+                table.add(group, identity)
+                self.policy.on_insert(group)
+            self.counters.add("appended_tokens", modality, n)
+
+    # ------------------------------------------------------------------ shared groups
+    def contains(self, key: ContentKey) -> bool:
+        self._check_key(key)
+        with self._lock:
+            group = self._groups.get(key)
+            self.counters.add("hits" if group is not None else "misses", key.modality)
+            if group is not None:
+                group.hits += 1
+                self.policy.on_access(group)
+            return group is not None
+
+    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Store a group's K/V once; ``False`` (and nothing written) when it is already held."""
+        self._open()
+        spec = self._check_key(key, "kv")
+        n = self._check_kv(spec, k, v)
+        with self._lock:
+            if key in self._groups:
+                return False
+            pool = self.pools[key.modality]
+            pages = self._allocate(pool, spec.pages_for(n), [])
+            slots = torch.arange(n)
+            page_ids = torch.tensor(pages, dtype=torch.int64)[slots // spec.page_size]
+            self._write(pool, k, v, page_ids, slots % spec.page_size)
+            self._insert_group(key, spec, n, pages)
+            return True
+
+    def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:
+        """Store encoder outputs ``[n_tokens, width]`` under a content-only key."""
+        self._open()
+        spec = self._check_key(key, "embedding")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != spec.width or x.shape[0] == 0:
+            raise ShapeError(f"{key.modality}: embedding must be [n_tokens > 0, {spec.width}], "
+                             f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        self._check_dtype(spec, x)
+        n = x.shape[0]
+        with self._lock:
+            if key in self._groups:
+                return False
+            pool = self.pools[key.modality]
+            pages = self._allocate(pool, spec.pages_for(n), [])
+            flat = pool.view[pages].view(-1, spec.width)
+            flat[:n] = x.to(pool.device)
+            self._insert_group(key, spec, n, pages)
+            return True
+
+    def get_embedding(self, key: ContentKey) -> torch.Tensor:
+        """A copy of the stored encoder outputs ``[n_tokens, width]``."""
+        spec = self._check_key(key, "embedding")
+        with self._lock:
+            group = self._require(key)
+            self._ensure_device(group)
+            group.hits += 1
+            self.counters.add("embedding_reads", key.modality)
+            self.policy.on_access(group)
+            pool = self.pools[key.modality]
+            return pool.view[group.pages].reshape(-1, spec.width)[: group.num_tokens].clone()
+
+    def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """Reference a stored group at the sequence's next position (no copy)."""
+        self._open()
+        spec = self._check_key(key, "kv")
+        del spec
+        with self._lock:
+            table = self._table(seq)
+            if key.scope != tenant_scope(self._salt(seq.tenant)):
+                raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+            group = self._require(key)
+            self._ensure_device(group)
+            shared = group.refs > 0 or group.hits > 0
+            table.add(group, b"group:" + key.digest)
+            group.refs += 1
+            group.hits += 1
+            group.last_access = time.monotonic()
+            self.policy.on_access(group)
+            self.counters.add("attaches", key.modality)
+            if shared:
+                self.counters.add("shared_attaches", key.modality)
+
+    def release(self, seq: SequenceHandle) -> None:
+        """Drop the sequence's references; its private runs are freed, shared groups stay cached."""
+        with self._lock:
+            table = self._table(seq)
+            for seg in table.segments:
+                group = seg.group
+                group.refs -= 1
+                if group.key is None:
+                    if group.refs == 0:
+                        self._free_group(group)
+                elif group.refs == 0:
+                    self.policy.on_release(group)
+            del self._seqs[seq.id]
+
+    def _insert_group(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int]) -> ModalityGroup:
+        group = ModalityGroup(next(self._gids), key, spec, n, pages=pages)
+        self._groups[key] = group
+        self.policy.on_insert(group)
+        self.counters.add("puts", key.modality)
+        self.counters.add("stored_tokens", key.modality, n)
+        return group
+
+    def _require(self, key: ContentKey) -> ModalityGroup:
+        group = self._groups.get(key)
+        if group is None:
+            raise UnknownKeyError(f"{key!r} is not in the cache (put it first)")
+        return group
+
+    # ------------------------------------------------------------------ attention
+    def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
+                  groups: Iterable[ContentKey] | None = None, causal: bool = True,
+                  scale: float | None = None) -> torch.Tensor:
+        """Attention of ``q [n_q, num_q_heads, head_dim]`` over the sequence's pages.
+
+        Queries are the last ``n_q`` positions; causal by absolute position; ``groups`` restricts
+        the keys to those groups (cross-attention)."""
+        out, _ = self.attention_state(seq, layer, q, groups=groups, causal=causal, scale=scale)
+        return out
+
+    def attention_state(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
+                        groups: Iterable[ContentKey] | None = None, causal: bool = True,
+                        scale: float | None = None, q_positions: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)``: the partial state that merges exactly with others (other tiers, nodes)."""
+        self._open()
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ShapeError(f"q must be [n_q, num_q_heads, head_dim], got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise DTypeError(f"q dtype {q.dtype} is not float32, float16 or bfloat16")
+        wanted = None if groups is None else list(groups)
+        with self._lock:
+            table = self._table(seq)
+            segments = table.segments
+            if wanted is not None:
+                for key in wanted:
+                    self.keys.verify(key)
+                keyset = set(wanted)
+                missing = keyset - {s.group.key for s in segments}
+                if missing:
+                    raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
+                segments = [s for s in segments if s.group.key in keyset]
+            n_q = q.shape[0]
+            length = table.length
+            if q_positions is None:
+                if causal and n_q > length:
+                    raise ShapeError(f"{n_q} queries but the sequence holds {length} tokens")
+                q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
+            else:
+                q_pos = q_positions.to(torch.int32).cpu()
+            for s in segments:
+                spec = s.group.spec
+                if spec.kind != "kv":
+                    raise ShapeError(f"segment of {spec.name!r} holds embeddings, not KV")
+                if not 0 <= layer < spec.num_layers:
+                    raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.num_layers} layers)")
+                if spec.head_dim != q.shape[2]:
+                    raise ShapeError(f"q head dim {q.shape[2]} != {spec.name!r} head dim {spec.head_dim}; "
+                                     "restrict with groups=")
+                if q.shape[1] % spec.num_kv_heads:
+                    raise ShapeError(f"{q.shape[1]} query heads are not a multiple of "
+                                     f"{spec.num_kv_heads} KV heads of {spec.name!r}")
+            for s in segments:
+                s.group.pins += 1
+                self.policy.on_access(s.group)
+            try:
+                return self._attend(segments, layer, q, q_pos, causal, scale)
+            finally:
+                for s in segments:
+                    s.group.pins -= 1
+
+    def _attend(self, segments, layer, q, q_pos, causal, scale):
+        """Device-resident segments on the device backend; lower tiers where they live."""
+        device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
+        states = []
+        if device_segs or not segments:
+            ops = compile_segments(device_segs, layer, self._device_view)
+            dev = self.arena.device
+            qd = q.to(dev)
+            states.append(paged_attention(
+                qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
+                causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
+        states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale))
+        if len(states) == 1:
+            out, lse = states[0]
+        else:
+            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
+                                              backend="torch", out_dtype=torch.float32)
+        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+
+    def _attend_lower(self, segments, layer, q, q_pos, causal, scale):
+        """Partial states of host- and disk-resident segments (none without lower tiers)."""
+        return []
+
+    def _device_view(self, group: ModalityGroup):
+        pool = self.pools[group.modality]
+        return (group.modality, pool.view, group.pages)
+
+    def _backend(self) -> str:
+        return self.cfg.attention_backend
+
+    # ------------------------------------------------------------------ room and residency
+    def _allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
+        """``n`` pages of ``pool``, demoting whole unreferenced groups first if needed."""
+        if n > pool.num_free:
+            self._make_room(pool, n - pool.num_free, protect)
+        return pool.allocate(n)
+
+    def _make_room(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup]) -> None:
+        spec = pool.spec
+        victims = [g for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes,
+                                                   spec.name) if g not in protect]
+        chosen, got = [], 0
+        for g in victims:
+            if got >= pages_needed:
+                break
+            chosen.append(g)
+            got += len(g.pages)
+        if got < pages_needed:
+            raise CapacityError(
+                f"{spec.name} pool: {pages_needed} more pages needed, {pool.num_free} free of {pool.num_pages} "
+                f"and only {got} pages held by evictable groups (no lower tier could take more)")
+        for g in chosen:
+            self._demote(g)
+
+    def _demote(self, group: ModalityGroup) -> None:
+        """Move a whole group one tier down; without a lower tier, drop it."""
+        self._drop(group)
+
+    def _drop(self, group: ModalityGroup) -> None:
+        self.counters.add("evictions", group.modality)
+        self._free_group(group)
+
+    def _free_group(self, group: ModalityGroup) -> None:
+        if group.tier == Tier.DEVICE and group.pages:
+            self.pools[group.modality].free(group.pages)
+            group.pages = []
+        if group.key is not None:
+            self._groups.pop(group.key, None)
+        self.policy.on_remove(group)
+
+    def _ensure_device(self, group: ModalityGroup) -> None:
+        """Bring a group to the device when policy wants it there (no lower tiers yet)."""
+
+    # ------------------------------------------------------------------ I/O helpers
+    def _check_kv(self, spec: ModalitySpec, k, v) -> int:
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
+        want = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != want or k.shape != v.shape:
+            raise ShapeError(f"{spec.name}: k and v must be [{spec.num_layers}, n, {spec.num_kv_heads}, "
+                             f"{spec.head_dim}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape[1] == 0:
+            raise ShapeError(f"{spec.name}: no tokens to store")
+        self._check_dtype(spec, k)
+        self._check_dtype(spec, v)
+        return k.shape[1]
+
+    def _check_dtype(self, spec: ModalitySpec, t: torch.Tensor) -> None:
+        if t.dtype != spec.torch_dtype:
+            raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
+        if not bool(torch.isfinite(t).all()):
+            raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+
+    def _write(self, pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+        dev = pool.device
+        write_kv(pool.view, k.to(dev), v.to(dev), page_ids.to(dev), offsets.to(dev), backend=self._backend())
+
+    # ------------------------------------------------------------------ stats and life cycle
+    def stats(self) -> CacheStats:
+        with self._lock:
+            device: dict[str, TierUsage] = {}
+            for name, pool in self.pools.items():
+                device[name] = TierUsage(0, pool.num_used, pool.num_used * pool.spec.page_bytes,
+                                         pool.num_pages * pool.spec.page_bytes)
+            seen: set[int] = set()
+            groups = list(self._groups.values()) + [s.group for t in self._seqs.values() for s in t.segments]
+            for g in groups:
+                if g.gid in seen or g.tier != Tier.DEVICE:
+                    continue
+                seen.add(g.gid)
+                device[g.modality].groups += 1
+            counters, by_modality = self.counters.snapshot()
+            return CacheStats(tiers={"device": device, **self._lower_stats()}, counters=counters,
+                              by_modality=by_modality, sequences=len(self._seqs))
+
+    def _lower_stats(self) -> dict[str, dict[str, TierUsage]]:
+        return {}
+
+    def _open(self) -> None:
+        if self._closed:
+            raise ClosedError("the cache is closed")
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def __enter__(self) -> TieredKVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _token_identity(modality: str, k: torch.Tensor, v: torch.Tensor, tokens: Sequence[int] | None) -> bytes:
+    h = hashlib.sha256(modality.encode() + b"\0")
+    if tokens is not None:
+        h.update(b"tokens:" + ",".join(str(int(t)) for t in tokens).encode())
+    else:
+        h.update(b"kv:")
+        for t in (k, v):
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.digest()

@@ -1,0 +1,172 @@
+"""The torch path: paged attention over CPU (or any) tensors, vectorised per chunk of pages.
+
+For each batch item the pages of its segments are gathered in chunks of about
+``CHUNK_BYTES`` of K+V (small enough to stay in cache between the gather and the two matmuls),
+scores are computed for all query heads of a KV head at once (GQA: ``[Hkv, G * n_q, D]``), and
+chunks are combined by an online log-sum-exp merge. There is no Python loop per token or per
+page; the loops are per batch item and per chunk. Pages wholly in the causal future of every
+query, and empty pages, are never read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ShapeError
+from .layout import PagedKV, check_queries
+
+CHUNK_BYTES = 4 << 20
+
+
+def paged_attention_torch(
+    q: torch.Tensor,
+    q_indptr: torch.Tensor,
+    q_pos: torch.Tensor,
+    operands: Sequence[PagedKV],
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over the pages of every operand, merged exactly; ``(out, lse)``."""
+    check_queries(q, q_indptr, q_pos)
+    total_q, num_q_heads, head_dim = q.shape
+    batch = q_indptr.shape[0] - 1
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    out = torch.zeros(total_q, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((total_q, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
+    q_bounds = q_indptr.tolist()
+    for op in operands:
+        op.validate(batch, head_dim)
+        if num_q_heads % op.num_kv_heads:
+            raise ShapeError(f"{num_q_heads} query heads are not a multiple of {op.num_kv_heads} KV heads")
+        seg_bounds = op.seg_indptr.tolist()
+        for b in range(batch):
+            q0, q1 = q_bounds[b], q_bounds[b + 1]
+            s0, s1 = seg_bounds[b], seg_bounds[b + 1]
+            if q0 == q1 or s0 == s1:
+                continue
+            o, s = _item_attention(q[q0:q1], q_pos[q0:q1], op, s0, s1, causal, scale)
+            out[q0:q1], lse[q0:q1] = _merge_pair(out[q0:q1], lse[q0:q1], o, s)
+    return out.to(out_dtype or q.dtype), lse
+
+
+def _item_pages(op: PagedKV, s0: int, s1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Page ids, first-token positions and valid-token counts of segments ``s0:s1``."""
+    ptr = op.seg_page_indptr[s0:s1 + 1].long()
+    counts = ptr[1:] - ptr[:-1]
+    page_ids = op.page_ids[ptr[0]:ptr[-1]].long()
+    seg_of_page = torch.repeat_interleave(torch.arange(s1 - s0, device=ptr.device), counts)
+    first = ptr[:-1] - ptr[0]
+    index_in_seg = torch.arange(page_ids.shape[0], device=ptr.device) - first[seg_of_page]
+    size = op.page_size
+    pos0 = op.seg_start[s0:s1].long()[seg_of_page] + index_in_seg * size
+    valid = (op.seg_len[s0:s1].long()[seg_of_page] - index_in_seg * size).clamp(0, size)
+    return page_ids, pos0, valid
+
+
+def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale: float):
+    n_q, num_q_heads, head_dim = q.shape
+    hkv = op.num_kv_heads
+    group = num_q_heads // hkv
+    size = op.page_size
+    page_ids, pos0, valid = _item_pages(op, s0, s1)
+    keep = valid > 0
+    qpos = q_pos.long()
+    if causal:
+        keep &= pos0 <= qpos.max()
+    if not bool(keep.all()):
+        page_ids, pos0, valid = page_ids[keep], pos0[keep], valid[keep]
+    out = torch.zeros(hkv, group * n_q, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.full((hkv, group * n_q), -math.inf, dtype=torch.float32, device=q.device)
+    if page_ids.numel() == 0:
+        return _to_rows(out, lse, n_q, group)
+    # [n_q, Hq, D] -> [Hkv, G * n_q, D] with query head h = kv_head * G + g
+    qh = q.float().view(n_q, hkv, group, head_dim).permute(1, 2, 0, 3).reshape(hkv, group * n_q, head_dim)
+    qh = qh * scale
+    offs = torch.arange(size, device=q.device)
+    page_kv_bytes = 2 * size * hkv * head_dim * op.kv.element_size()
+    step = max(1, CHUNK_BYTES // page_kv_bytes)
+    for c0 in range(0, page_ids.shape[0], step):
+        ids = page_ids[c0:c0 + step]
+        kv = op.kv[ids, op.layer]                                    # [n, 2, P, Hkv, D]
+        n = ids.shape[0]
+        k = kv[:, 0].reshape(n * size, hkv, head_dim).permute(1, 2, 0).float()   # [Hkv, D, T]
+        v = kv[:, 1].reshape(n * size, hkv, head_dim).transpose(0, 1).float()    # [Hkv, T, D]
+        scores = torch.bmm(qh, k)                                    # [Hkv, G*n_q, T]
+        mask = (offs[None, :] < valid[c0:c0 + step, None]).reshape(-1)           # [T]
+        if causal:
+            pos = (pos0[c0:c0 + step, None] + offs[None, :]).reshape(-1)
+            allowed = mask[None, :] & (pos[None, :] <= qpos[:, None])            # [n_q, T]
+            allowed = allowed.repeat(group, 1)                                   # [G*n_q, T]
+            scores = scores.masked_fill(~allowed[None], -math.inf)
+        elif not bool(mask.all()):
+            scores = scores.masked_fill(~mask[None, None, :], -math.inf)
+        m = scores.amax(dim=-1, keepdim=True)
+        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        p = torch.exp(scores - m_safe)
+        denom = p.sum(dim=-1)
+        o = torch.bmm(p, v) / denom.clamp_min(1e-38)[..., None]
+        s = torch.where(denom > 0, m_safe.squeeze(-1) + torch.log(denom), torch.full_like(denom, -math.inf))
+        out, lse = _merge_pair(out, lse, o, s)
+    return _to_rows(out, lse, n_q, group)
+
+
+def _to_rows(out: torch.Tensor, lse: torch.Tensor, n_q: int, group: int):
+    hkv, _, head_dim = out.shape
+    out = out.view(hkv, group, n_q, head_dim).permute(2, 0, 1, 3).reshape(n_q, hkv * group, head_dim)
+    lse = lse.view(hkv, group, n_q).permute(2, 0, 1).reshape(n_q, hkv * group)
+    return out, lse
+
+
+def _merge_pair(o1, s1, o2, s2):
+    """Exact merge of two partial states; rows where both are empty stay (0, -inf)."""
+    m = torch.maximum(s1, s2)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w1 = torch.exp(s1 - m_safe)
+    w2 = torch.exp(s2 - m_safe)
+    total = w1 + w2
+    out = (o1 * w1[..., None] + o2 * w2[..., None]) / total.clamp_min(1e-38)[..., None]
+    lse = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(total, -math.inf))
+    return out, lse
+
+
+def merge_attention_states_torch(
+    outs: Sequence[torch.Tensor],
+    lses: Sequence[torch.Tensor],
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine partial ``(out, lse)`` states over disjoint key sets into the exact whole."""
+    if len(outs) != len(lses) or not outs:
+        raise ShapeError("merge needs one lse per output and at least one state")
+    for o, s in zip(outs, lses):
+        if o.shape != outs[0].shape or s.shape != o.shape[:-1]:
+            raise ShapeError(f"state shapes differ: out {tuple(o.shape)}, lse {tuple(s.shape)}")
+    lse = torch.stack([s.float() for s in lses])                    # [N, ...]
+    m = lse.amax(dim=0)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)
+    total = w.sum(dim=0)
+    out = sum(o.float() * wi[..., None] for o, wi in zip(outs, w)) / total.clamp_min(1e-38)[..., None]
+    merged = torch.where(total > 0, m_safe + torch.log(total), torch.full_like(total, -math.inf))
+    return out.to(out_dtype or outs[0].dtype), merged
+
+
+def write_kv_torch(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   page_ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """Scatter tokens into pages: token ``i`` of ``k, v [L, n, Hkv, D]`` goes to page
+    ``page_ids[i]``, slot ``offsets[i]``, in every layer of the page-major view ``kv``."""
+    if k.shape != v.shape or k.dim() != 4:
+        raise ShapeError(f"k and v must both be [layers, n, kv_heads, head_dim], got {tuple(k.shape)}, {tuple(v.shape)}")
+    layers, n, hkv, head_dim = k.shape
+    if (layers, hkv, head_dim) != (kv.shape[1], kv.shape[4], kv.shape[5]):
+        raise ShapeError(f"k/v of shape {tuple(k.shape)} do not fit pages {tuple(kv.shape[1:])}")
+    if page_ids.shape[0] != n or offsets.shape[0] != n:
+        raise ShapeError("one page id and one offset per token")
+    pid = page_ids.long()
+    off = offsets.long()
+    kv[pid, :, 0, off] = k.transpose(0, 1).to(kv.dtype)
+    kv[pid, :, 1, off] = v.transpose(0, 1).to(kv.dtype)

@@ -1,0 +1,125 @@
+"""Sequence tables (the seed's ``MultimodalBlockTable``): ordered segments of modality groups.
+
+A segment places a group at an absolute start position of a sequence. Views: by modality
+(``text_blocks``, ``vision_blocks``, ``audio_blocks``, ``blocks(modality)``) and by content key
+(``by_key``); ``compile`` turns the chosen segments into the int32 CSR operands of the kernels,
+one per (pool view, tier) that holds some of them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from .content import ContentKey
+from .groups import ModalityGroup
+from .kernels.layout import INDEX_DTYPE, PagedKV
+
+
+@dataclass(frozen=True)
+class Segment:
+    group: ModalityGroup
+    start: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.group.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.group.num_tokens
+
+
+@dataclass(frozen=True)
+class SequenceHandle:
+    """What ``create_sequence`` returns: the sequence id and its (server-side) tenant."""
+
+    id: int
+    tenant: str
+
+
+@dataclass
+class SequenceTable:
+    handle: SequenceHandle
+    segments: list[Segment] = field(default_factory=list)
+    chain: bytes = b"\0" * 32        # running digest of everything the sequence holds
+
+    @property
+    def length(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    def add(self, group: ModalityGroup, identity: bytes) -> Segment:
+        seg = Segment(group, self.length)
+        self.segments.append(seg)
+        self.extend_chain(identity)
+        return seg
+
+    def extend_chain(self, identity: bytes) -> None:
+        self.chain = hashlib.sha256(self.chain + identity).digest()
+
+    @property
+    def tail(self) -> Segment | None:
+        return self.segments[-1] if self.segments else None
+
+    # ---- views ----
+    def blocks(self, modality: str) -> list[Segment]:
+        return [s for s in self.segments if s.group.modality == modality]
+
+    @property
+    def text_blocks(self) -> list[Segment]:
+        return self.blocks("text")
+
+    @property
+    def vision_blocks(self) -> list[Segment]:
+        return self.blocks("vision")
+
+    @property
+    def audio_blocks(self) -> list[Segment]:
+        return self.blocks("audio")
+
+    @property
+    def by_key(self) -> dict[ContentKey, list[Segment]]:
+        out: dict[ContentKey, list[Segment]] = {}
+        for s in self.segments:
+            if s.group.key is not None:
+                out.setdefault(s.group.key, []).append(s)
+        return out
+
+    def groups(self) -> list[ModalityGroup]:
+        return [s.group for s in self.segments]
+
+
+def compile_segments(
+    segments: Iterable[Segment],
+    layer: int,
+    view_of: Callable[[ModalityGroup], tuple[object, torch.Tensor, list[int]]],
+) -> list[PagedKV]:
+    """One ``PagedKV`` (batch of one) per distinct page store of the chosen segments.
+
+    ``view_of(group)`` names where the group's pages are: ``(store_id, page-major view,
+    page ids in that view)``; segments in the same store share one operand (one launch).
+    """
+    by_store: dict[object, tuple[torch.Tensor, list[list[int]], list[int], list[int]]] = {}
+    for seg in segments:
+        store, view, pages = view_of(seg.group)
+        entry = by_store.setdefault(store, (view, [], [], []))
+        entry[1].append(pages)
+        entry[2].append(seg.start)
+        entry[3].append(seg.num_tokens)
+    operands = []
+    for view, page_lists, starts, lens in by_store.values():
+        indptr = [0]
+        flat: list[int] = []
+        for pages in page_lists:
+            flat.extend(pages)
+            indptr.append(len(flat))
+        dev = view.device
+
+        def t(x: list[int], dev=dev) -> torch.Tensor:
+            return torch.tensor(x, dtype=INDEX_DTYPE, device=dev)
+
+        operands.append(PagedKV(view, layer, t([0, len(starts)]), t(indptr), t(starts), t(lens), t(flat)))
+    return operands
