@@ -201,8 +201,9 @@ class TieredKVCache:
                 return False
             pool = self.pools[key.modality]
             pages = self._allocate(pool, spec.pages_for(n), [])
-            flat = pool.view[pages].view(-1, spec.width)
-            flat[:n] = x.to(pool.device)
+            slots = torch.arange(n, device=pool.device)
+            page_ids = torch.tensor(pages, dtype=torch.int64, device=pool.device)[slots // spec.page_size]
+            pool.view[page_ids, slots % spec.page_size] = x.to(pool.device)
             self._insert_group(key, spec, n, pages)
             return True
 

@@ -98,6 +98,8 @@ def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale
         v = kv[:, 1].reshape(n * size, hkv, head_dim).transpose(0, 1).float()    # [Hkv, T, D]
         scores = torch.bmm(qh, k)                                    # [Hkv, G*n_q, T]
         mask = (offs[None, :] < valid[c0:c0 + step, None]).reshape(-1)           # [T]
+        if not bool(mask.all()):
+            v = v.masked_fill(~mask[None, :, None], 0.0)   # unwritten slots may hold NaN
         if causal:
             pos = (pos0[c0:c0 + step, None] + offs[None, :]).reshape(-1)
             allowed = mask[None, :] & (pos[None, :] <= qpos[:, None])            # [n_q, T]

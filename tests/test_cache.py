@@ -1,0 +1,338 @@
+"""TieredKVCache's in-process contract, against the float64 oracle and exact bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtier import (
+    CacheConfig,
+    CapacityError,
+    DTypeError,
+    ForeignKeyError,
+    ModalitySpec,
+    ShapeError,
+    TieredKVCache,
+    UnknownKeyError,
+    UnknownModalityError,
+)
+from mmtier.errors import ClosedError
+from tests.oracle import oracle_attention, rel_err
+
+L, H, D = 2, 2, 64
+
+
+def make_cfg(**over) -> CacheConfig:
+    base = dict(
+        model="tiny-mm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+        modalities={
+            "text": ModalitySpec(page_size=16),
+            "vision": ModalitySpec(page_size=64),
+            "audio": ModalitySpec(page_size=32),
+            "vision_embed": ModalitySpec(kind="embedding", width=48, page_size=64),
+        },
+        device="cpu", device_bytes=16 << 20)
+    base.update(over)
+    return CacheConfig(**base)
+
+
+def kv(n, layers=L, heads=H, dim=D, dtype=torch.float32):
+    return torch.randn(layers, n, heads, dim, dtype=dtype), torch.randn(layers, n, heads, dim, dtype=dtype)
+
+
+class Logical:
+    """What a sequence holds, kept independently of the cache, for the oracle."""
+
+    def __init__(self):
+        self.k, self.v, self.tags = [], [], []
+
+    def add(self, k, v, tag):
+        self.k.append(k)
+        self.v.append(v)
+        self.tags.extend([tag] * k.shape[1])
+
+    def gathered(self, layer, select=None):
+        k = torch.cat(self.k, dim=1)[layer]
+        v = torch.cat(self.v, dim=1)[layer]
+        pos = torch.arange(k.shape[0])
+        if select is not None:
+            idx = torch.tensor([i for i, t in enumerate(self.tags) if t in select])
+            return k[idx], v[idx], pos[idx]
+        return k, v, pos
+
+
+@pytest.fixture
+def cache():
+    with TieredKVCache(make_cfg()) as c:
+        yield c
+
+
+def build_multimodal(cache, tenant="acme", image=b"\x89PNG-cat", audio=b"RIFF-clip"):
+    seq = cache.create_sequence(tenant=tenant)
+    ref = Logical()
+    k, v = kv(21)
+    cache.append(seq, "text", k, v)
+    ref.add(k, v, "text0")
+    ikey = cache.content_key("vision", image, tenant=tenant)
+    ki, vi = kv(150)
+    assert not cache.contains(ikey)
+    assert cache.put(ikey, ki, vi)
+    cache.attach(seq, ikey)
+    ref.add(ki, vi, "image")
+    k, v = kv(7)
+    cache.append(seq, "text", k, v)
+    ref.add(k, v, "text1")
+    akey = cache.content_key("audio", audio, tenant=tenant)
+    ka, va = kv(45)
+    cache.put(akey, ka, va)
+    cache.attach(seq, akey)
+    ref.add(ka, va, "audio")
+    k, v = kv(19)
+    cache.append(seq, "text", k, v)
+    ref.add(k, v, "text2")
+    return seq, ref, ikey, akey, (ki, vi)
+
+
+@pytest.mark.parametrize("n_q", [1, 5, 40])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_attention_three_page_sizes_matches_oracle(cache, n_q, layer):
+    seq, ref, *_ = build_multimodal(cache)
+    hq = 8
+    q = torch.randn(n_q, hq, D)
+    out = torch.full((n_q, hq, D), float("nan"))
+    out = cache.attention(seq, layer, q)
+    k, v, pos = ref.gathered(layer)
+    assert k.shape[0] == cache.sequence(seq).length == 242
+    q_pos = torch.arange(242 - n_q, 242)
+    expect, _ = oracle_attention(q, q_pos, k, v, pos, causal=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, expect) < 1e-5
+
+
+def test_attention_state_lse_matches_oracle(cache):
+    seq, ref, *_ = build_multimodal(cache)
+    q = torch.randn(3, 4, D)
+    out, lse = cache.attention_state(seq, 1, q)
+    k, v, pos = ref.gathered(1)
+    expect, expect_lse = oracle_attention(q, torch.arange(239, 242), k, v, pos)
+    assert rel_err(out, expect) < 1e-5
+    assert rel_err(lse, expect_lse) < 1e-6
+
+
+def test_cross_attention_to_one_group(cache):
+    seq, ref, ikey, akey, _ = build_multimodal(cache)
+    q = torch.randn(4, 4, D)
+    out = cache.attention(seq, 0, q, groups=[ikey], causal=False)
+    k, v, pos = ref.gathered(0, select={"image"})
+    expect, _ = oracle_attention(q, torch.zeros(4, dtype=torch.long), k, v, pos, causal=False)
+    assert rel_err(out, expect) < 1e-5
+    both = cache.attention(seq, 0, q, groups=[ikey, akey], causal=False)
+    k, v, pos = ref.gathered(0, select={"image", "audio"})
+    expect, _ = oracle_attention(q, torch.zeros(4, dtype=torch.long), k, v, pos, causal=False)
+    assert rel_err(both, expect) < 1e-5
+
+
+def test_vision_pool_with_its_own_head_dim():
+    cfg = make_cfg(modalities={"text": ModalitySpec(page_size=16),
+                               "vision": ModalitySpec(page_size=64, head_dim=80, num_kv_heads=1)})
+    assert cfg.modalities["vision"].head_dim == 80 and cfg.modalities["text"].head_dim == D
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        cache.append(seq, "text", *kv(10))
+        key = cache.content_key("vision", b"img-80")
+        ki, vi = kv(100, heads=1, dim=80)
+        cache.put(key, ki, vi)
+        cache.attach(seq, key)
+        q = torch.randn(2, 4, 80)
+        out = cache.attention(seq, 1, q, groups=[key], causal=False)
+        expect, _ = oracle_attention(q, torch.zeros(2), ki[1], vi[1], torch.arange(100), causal=False)
+        assert rel_err(out, expect) < 1e-5
+        with pytest.raises(ShapeError):       # 80-dim queries cannot attend to 64-dim text
+            cache.attention(seq, 1, q)
+
+
+def test_second_sequence_reuses_image_stored_once(cache):
+    seq1, _, ikey, _, (ki, vi) = build_multimodal(cache)
+    before = cache.stats()
+    seq2 = cache.create_sequence(tenant="acme")
+    cache.append(seq2, "text", *kv(3))
+    key2 = cache.content_key("vision", b"\x89PNG-cat", tenant="acme")
+    assert key2 == ikey
+    assert cache.contains(key2)                # no second put
+    cache.attach(seq2, key2)
+    after = cache.stats()
+    assert after.tiers["device"]["vision"].groups == 1
+    assert after.tiers["device"]["vision"].pages == before.tiers["device"]["vision"].pages == 3
+    assert after.counters["puts"] == 2         # the image and the audio, once each
+    assert after.by_modality["vision"]["shared_attaches"] == 1
+    # both sequences read the same pages
+    q = torch.randn(1, 2, D)
+    out = cache.attention(seq2, 0, q, groups=[key2], causal=False)
+    expect, _ = oracle_attention(q, torch.zeros(1), ki[0], vi[0], torch.arange(150), causal=False)
+    assert rel_err(out, expect) < 1e-5
+    assert cache.put(key2, ki, vi) is False    # a second put stores nothing
+
+
+def test_tenant_separation(cache):
+    ka = cache.content_key("vision", b"same-bytes", tenant="tenant-a")
+    kb = cache.content_key("vision", b"same-bytes", tenant="tenant-b")
+    assert ka != kb and ka.digest != kb.digest
+    cache.put(ka, *kv(64))
+    assert cache.contains(ka)
+    assert not cache.contains(kb)              # B never hits A's content
+    seq_b = cache.create_sequence(tenant="tenant-b")
+    with pytest.raises(ForeignKeyError):
+        cache.attach(seq_b, ka)                # nor can it attach A's key
+    assert cache.sequence(seq_b).length == 0
+
+
+def test_prefix_keys_chain(cache):
+    s1, s2, s3 = (cache.create_sequence(tenant="acme") for _ in range(3))
+    k, v = kv(12)
+    cache.append(s1, "text", k, v, tokens=list(range(12)))
+    cache.append(s2, "text", k.clone(), v.clone(), tokens=list(range(12)))
+    cache.append(s3, "text", k, v, tokens=list(range(1, 13)))
+    p1, p2, p3 = (cache.prefix_key(s) for s in (s1, s2, s3))
+    assert p1 == p2 and p1 != p3
+    img1 = cache.content_key("vision", b"img", tenant="acme", parent=p1)
+    img3 = cache.content_key("vision", b"img", tenant="acme", parent=p3)
+    plain = cache.content_key("vision", b"img", tenant="acme")
+    assert len({img1, img3, plain}) == 3
+    assert img1.sharing == "prefix" and plain.sharing == "content"
+
+
+def test_embeddings_round_trip(cache):
+    key = cache.content_key("vision_embed", b"img", tenant="acme")
+    x = torch.randn(100, 48)
+    assert cache.put_embedding(key, x)
+    got = cache.get_embedding(key)
+    assert torch.equal(got, x)
+    with pytest.raises(UnknownModalityError):
+        cache.put(key, *kv(4))                 # an embedding key cannot hold KV
+    vkey = cache.content_key("vision", b"img", tenant="acme")
+    with pytest.raises(UnknownModalityError):
+        cache.put_embedding(vkey, x)
+    with pytest.raises(ShapeError):
+        cache.put_embedding(cache.content_key("vision_embed", b"other"), torch.randn(10, 47))
+
+
+def _state(cache):
+    s = cache.stats()
+    return (s.to_dict()["tiers"], {k: v for k, v in s.counters.items() if k not in ("hits", "misses")},
+            s.sequences)
+
+
+def test_bad_input_raises_typed_errors_and_changes_nothing(cache):
+    seq, *_ = build_multimodal(cache)
+    length = cache.sequence(seq).length
+    state = _state(cache)
+    key = cache.content_key("vision", b"new", tenant="acme")
+    other = TieredKVCache(make_cfg(model="other-model"))
+    foreign = other.content_key("vision", b"new")
+    bad_calls = [
+        (ShapeError, lambda: cache.append(seq, "text", *kv(5, heads=3))),
+        (ShapeError, lambda: cache.append(seq, "text", torch.randn(L, 5, H, D), torch.randn(L, 6, H, D))),
+        (ShapeError, lambda: cache.put(key, *kv(0))),
+        (DTypeError, lambda: cache.append(seq, "text", *kv(5, dtype=torch.float16))),
+        (DTypeError, lambda: cache.put(key, torch.full((L, 4, H, D), float("nan")), torch.randn(L, 4, H, D))),
+        (DTypeError, lambda: cache.put(key, torch.randn(L, 4, H, D), torch.full((L, 4, H, D), float("inf")))),
+        (UnknownModalityError, lambda: cache.append(seq, "smell", *kv(5))),
+        (UnknownModalityError, lambda: cache.content_key("smell", b"x")),
+        (UnknownKeyError, lambda: cache.attach(seq, key)),
+        (UnknownKeyError, lambda: cache.attention(seq, 0, torch.randn(1, 2, D), groups=[key])),
+        (ForeignKeyError, lambda: cache.put(foreign, *kv(4))),
+        (ForeignKeyError, lambda: cache.contains(foreign)),
+        (ShapeError, lambda: cache.attention(seq, 2, torch.randn(1, 2, D))),
+        (ShapeError, lambda: cache.attention(seq, 0, torch.randn(1, 3, D))),
+        (ShapeError, lambda: cache.attention(seq, 0, torch.randn(length + 1, 2, D))),
+        (DTypeError, lambda: cache.attention(seq, 0, torch.randn(1, 2, D).double())),
+        (UnknownKeyError, lambda: cache.attach(other.create_sequence(), key)),
+    ]
+    for err, call in bad_calls:
+        with pytest.raises(err):
+            call()
+        assert _state(cache) == state, err
+        assert cache.sequence(seq).length == length
+    forged = type(key)(key.digest, key.modality, key.sharing, key.scope, bytes(32))
+    with pytest.raises(ForeignKeyError):
+        cache.put(forged, *kv(4))
+    other.close()
+
+
+def test_full_device_without_lower_tier_raises_capacity_error():
+    cfg = make_cfg(device_bytes=4 * 64 * (2 * L * H * D * 4) + 4 * 16 * (2 * L * H * D * 4),
+                   modalities={"text": ModalitySpec(page_size=16, share=0.2),
+                               "vision": ModalitySpec(page_size=64, share=0.8)})
+    with TieredKVCache(cfg) as cache:
+        assert cache.pools["vision"].num_pages == 4
+        seq = cache.create_sequence()
+        held = cache.content_key("vision", b"held")
+        cache.put(held, *kv(128))               # 2 pages, attached below: pinned
+        cache.attach(seq, held)
+        loose = cache.content_key("vision", b"loose")
+        cache.put(loose, *kv(64))               # 1 page, unreferenced
+        state = _state(cache)
+        big = cache.content_key("vision", b"big")
+        with pytest.raises(CapacityError):
+            cache.put(big, *kv(200))            # 4 pages: only 1 free + 1 evictable
+        assert _state(cache) == state and cache.contains(loose)
+        cache.put(big, *kv(120))                # 2 pages: evicts the unreferenced group, whole
+        assert not cache.contains(loose) and cache.contains(held)
+        assert cache.stats().counters["evictions"] == 1
+
+
+def test_unreferenced_groups_go_least_recently_used_first():
+    page = 64 * 2 * L * H * D * 4
+    cfg = make_cfg(device_bytes=3 * page, modalities={"vision": ModalitySpec(page_size=64)})
+    with TieredKVCache(cfg) as cache:
+        a, b, c, d = (cache.content_key("vision", x) for x in (b"a", b"b", b"c", b"d"))
+        for key in (a, b, c):
+            cache.put(key, *kv(64))
+        assert cache.contains(a)                # a becomes most recent
+        cache.put(d, *kv(64))                   # evicts b, the least recently used
+        assert [cache.contains(k) for k in (a, b, c, d)] == [True, False, True, True]
+
+
+def test_release_frees_private_pages_and_keeps_shared(cache):
+    seq, _, ikey, akey, _ = build_multimodal(cache)
+    assert cache.pools["text"].num_used > 0
+    cache.release(seq)
+    assert cache.pools["text"].num_used == 0
+    assert cache.contains(ikey) and cache.contains(akey)
+    with pytest.raises(UnknownKeyError):
+        cache.attention(seq, 0, torch.randn(1, 2, D))
+    with pytest.raises(UnknownKeyError):
+        cache.release(seq)
+
+
+def test_append_fills_pages_across_calls(cache):
+    seq = cache.create_sequence()
+    ref = Logical()
+    for n in (5, 11, 1, 30, 16):
+        k, v = kv(n)
+        cache.append(seq, "text", k, v)
+        ref.add(k, v, "t")
+    table = cache.sequence(seq)
+    assert len(table.segments) == 1 and table.length == 63
+    assert len(table.text_blocks[0].group.pages) == 4
+    q = torch.randn(63, 2, D)
+    out = cache.attention(seq, 1, q)
+    k, v, pos = ref.gathered(1)
+    expect, _ = oracle_attention(q, torch.arange(63), k, v, pos)
+    assert rel_err(out, expect) < 1e-5
+
+
+def test_views_by_modality_and_key(cache):
+    seq, _, ikey, akey, _ = build_multimodal(cache)
+    table = cache.sequence(seq)
+    assert [s.group.modality for s in table.segments] == ["text", "vision", "text", "audio", "text"]
+    assert len(table.text_blocks) == 3 and len(table.vision_blocks) == 1 and len(table.audio_blocks) == 1
+    assert set(table.by_key) == {ikey, akey}
+    assert table.vision_blocks[0].start == 21
+
+
+def test_closed_cache_refuses_calls():
+    cache = TieredKVCache(make_cfg())
+    cache.close()
+    with pytest.raises(ClosedError):
+        cache.create_sequence()
