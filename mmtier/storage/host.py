@@ -1,0 +1,433 @@
+"""The host tier: page-major slabs in host memory, one per modality spec, bounded in bytes.
+
+Each spec gets one slab, a view ``[num_slots, *spec.page_shape]`` over an anonymous memory
+mapping sized to the whole budget (``capacity_bytes // page_bytes`` slots). The mapping only
+reserves address space: memory becomes resident as slots are first written, and slots are
+handed out lowest-first from a free stack (O(1) per slot), so each slab stays compact. The
+budget is shared by all specs and enforced in bytes: ``used_bytes <= capacity_bytes`` always.
+``trim()`` gives the memory of free slots back to the OS (unpinned slabs).
+
+Where CUDA exists (``pin_memory=None`` means "when CUDA is available"), the touched part of
+each slab is page-locked with ``cudaHostRegister`` in 64 MiB steps, so copies from the GPU
+run asynchronously on a side stream; the entry then carries a CUDA event (``entry.ready``),
+and ``entry.wait()`` blocks until the copy landed.
+
+Interface (mechanism only; the cache decides what lives here)::
+
+    host = HostTier(capacity_bytes=256 << 20)
+    entry = host.put(key, spec, num_tokens, pages)          # pages: [n, *page_shape], n =
+                                                            # spec.pages_for(num_tokens)
+    entry = host.put(key, spec, num_tokens, pool.view, page_ids=ids)   # rows of a page-major
+                                                            # view, copied run by run (no gather)
+    host.contains(key); entry = host.get(key)               # None on a miss
+    slab_view, slot_ids = entry.view()                      # in-place CPU attention: a PagedKV
+                                                            # over slab_view with these page ids
+    entry.gather()                                          # [n, *page_shape] copy
+    host.remove(key); host.close()
+
+A put that lacks room raises ``CapacityError`` and changes nothing. Readers that copy *out of*
+an entry while the owner may remove it take a hold (``hold(key)`` / ``release(entry)``): a held
+entry leaves the index on ``remove`` but its slots return to the free stack only when the last
+hold is released, so a slot is never reused while a copy from it is in flight. The mover uses
+``reserve`` / ``commit`` / ``abort`` to restore from disk straight into slab slots.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import ModalitySpec
+from ..content import ContentKey
+from ..errors import (
+    CapacityError,
+    ClosedError,
+    DTypeError,
+    MMTierError,
+    ShapeError,
+    UnknownModalityError,
+)
+
+_PIN_STEP = 64 << 20
+
+
+def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
+    """``[(start, length)]`` of maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``[(dst_start, src_start, length)]`` where both id lists advance by one together."""
+    out: list[tuple[int, int, int]] = []
+    for d, s in zip(dst, src):
+        if out and out[-1][0] + out[-1][2] == d and out[-1][1] + out[-1][2] == s:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((d, s, 1))
+    return out
+
+
+class _Slab:
+    """Slots of one spec over an anonymous mapping; free stack of slot ids."""
+
+    def __init__(self, spec: ModalitySpec, num_slots: int, pin: bool):
+        self.spec = spec
+        self.num_slots = num_slots
+        self._map = mmap.mmap(-1, max(num_slots * spec.page_bytes, 1))
+        flat = torch.frombuffer(self._map, dtype=torch.uint8)[: num_slots * spec.page_bytes]
+        self.view = flat.view(spec.torch_dtype).view(num_slots, *spec.page_shape)
+        self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() yields 0, 1, 2, ...
+        self.pin = pin
+        self.pinned_bytes = 0
+
+    def take(self, n: int) -> list[int]:
+        ids = self.free[-n:] if n else []
+        if n:
+            del self.free[-n:]
+        ids.reverse()
+        if self.pin and ids:
+            self._pin_upto((max(ids) + 1) * self.spec.page_bytes)
+        return ids
+
+    def give(self, ids: Iterable[int]) -> None:
+        self.free.extend(sorted(ids, reverse=True))
+
+    def _pin_upto(self, nbytes: int) -> None:
+        if nbytes <= self.pinned_bytes:
+            return
+        total = self.num_slots * self.spec.page_bytes
+        end = min(total, -(-nbytes // _PIN_STEP) * _PIN_STEP)
+        base = self.view.data_ptr() + self.pinned_bytes
+        err = torch.cuda.cudart().cudaHostRegister(base, end - self.pinned_bytes, 0)
+        if int(err) != 0:
+            raise MMTierError(f"cudaHostRegister of {end - self.pinned_bytes} bytes failed: {err}")
+        self.pinned_bytes = end
+
+    def trim(self) -> int:
+        """Give free slots' memory back to the OS; returns bytes advised away."""
+        if self.pin:
+            return 0
+        page, pb, released = mmap.PAGESIZE, self.spec.page_bytes, 0
+        for start, length in contiguous_runs(sorted(self.free)):
+            lo = -(-(start * pb) // page) * page
+            hi = ((start + length) * pb // page) * page
+            if hi > lo:
+                self._map.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+                released += hi - lo
+        return released
+
+    def unpin(self) -> None:
+        if self.pin and self.pinned_bytes:
+            torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+            self.pinned_bytes = 0
+
+
+@dataclass(eq=False)
+class HostEntry:
+    """One group's pages in a host slab. ``slots[i]`` holds page ``i`` of the group."""
+
+    key: ContentKey
+    spec: ModalitySpec
+    num_tokens: int
+    slots: tuple[int, ...]
+    _slab: _Slab = field(repr=False)
+    ready: object | None = field(default=None, repr=False)  # torch.cuda.Event of an async copy
+    _holds: int = field(default=0, repr=False)
+    _removed: bool = field(default=False, repr=False)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.slots)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.slots) * self.spec.page_bytes
+
+    def slot_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.tensor(self.slots, dtype=torch.int32, device=device)
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(slab_view [num_slots, *page_shape], slot_ids int32 [n])`` for in-place attention."""
+        self.wait()
+        return self._slab.view, self.slot_ids()
+
+    def runs(self) -> list[torch.Tensor]:
+        """The group's pages as contiguous slab slices, in page order (views, no copy)."""
+        return [self._slab.view[s:s + n] for s, n in contiguous_runs(self.slots)]
+
+    def gather(self) -> torch.Tensor:
+        """A copy of the group's pages, ``[n, *page_shape]``."""
+        self.wait()
+        runs = self.runs()
+        return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
+
+    def copy_to(self, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> None:
+        """Copy the pages into rows ``dst_ids`` of a page-major view (e.g. a device pool);
+        asynchronous (``non_blocking``) from pinned slabs to a CUDA view."""
+        if len(dst_ids) != len(self.slots):
+            raise ShapeError(f"{len(dst_ids)} destination pages for a group of {len(self.slots)}")
+        self.wait()
+        blocking = not (dst_view.is_cuda and self._slab.pin)
+        for d, s, n in paired_runs(list(dst_ids), self.slots):
+            dst_view[d:d + n].copy_(self._slab.view[s:s + n], non_blocking=not blocking)
+
+    def wait(self) -> None:
+        """Block until the copy into the slots (if asynchronous) has landed."""
+        if self.ready is not None:
+            self.ready.synchronize()  # type: ignore[attr-defined]
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready is None or bool(self.ready.query())  # type: ignore[attr-defined]
+
+
+class HostTier:
+    """Page-major host slabs, one per spec, under one byte budget. Thread-safe."""
+
+    def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None):
+        if capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._lock = threading.Lock()
+        self._slabs: dict[str, _Slab] = {}
+        self._index: dict[bytes, HostEntry] = {}
+        self._pending: dict[bytes, HostEntry] = {}
+        self._used = 0
+        self._closed = False
+        self._streams: dict[int, object] = {}
+        self._counts = {"puts": 0, "hits": 0, "misses": 0, "capacity_rejects": 0, "removes": 0}
+
+    # ---- accounting ----
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self._used
+
+    def stats(self) -> dict[str, object]:
+        with self._lock:
+            pages: dict[str, int] = {}
+            groups: dict[str, int] = {}
+            for e in self._index.values():
+                pages[e.spec.name or "?"] = pages.get(e.spec.name or "?", 0) + e.num_pages
+                groups[e.spec.name or "?"] = groups.get(e.spec.name or "?", 0) + 1
+            return {"capacity_bytes": self.capacity_bytes, "used_bytes": self._used,
+                    "free_bytes": self.capacity_bytes - self._used, "groups": len(self._index),
+                    "pages_by_modality": pages, "groups_by_modality": groups,
+                    "pinned": self.pin_memory, **self._counts}
+
+    # ---- the tier interface ----
+    def contains(self, key: ContentKey) -> bool:
+        with self._lock:
+            e = self._index.get(key.digest)
+            return e is not None and e.key == key
+
+    def get(self, key: ContentKey) -> HostEntry | None:
+        with self._lock:
+            e = self._index.get(key.digest)
+            if e is None or e.key != key:
+                self._counts["misses"] += 1
+                return None
+            self._counts["hits"] += 1
+            return e
+
+    def put(self, key: ContentKey, spec: ModalitySpec, num_tokens: int, pages: torch.Tensor,
+            page_ids: Sequence[int] | None = None) -> HostEntry:
+        """Copy a group in. ``pages``: ``[n, *page_shape]``, or a page-major view whose rows
+        ``page_ids`` are the group's pages. Idempotent: a key already here returns its entry."""
+        n = spec.pages_for(num_tokens)
+        _check_pages(spec, n, pages, page_ids)
+        with self._lock:
+            existing = self._index.get(key.digest)
+        if existing is not None and existing.key == key:
+            return existing
+        entry = self.reserve(key, spec, num_tokens)
+        try:
+            self._copy_in(entry, pages, page_ids)
+        except BaseException:
+            self.abort(entry)
+            raise
+        return self.commit(entry)
+
+    def remove(self, key: ContentKey) -> bool:
+        """Drop a group; ``False`` when absent. Held slots are freed at the last release."""
+        with self._lock:
+            e = self._index.get(key.digest)
+            if e is None or e.key != key:
+                return False
+            del self._index[key.digest]
+            e._removed = True
+            self._counts["removes"] += 1
+            if e._holds == 0:
+                self._free(e)
+            return True
+
+    def close(self) -> None:
+        """Drop every group and the slabs. Later calls raise ``ClosedError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for e in list(self._index.values()) + list(self._pending.values()):
+                e.wait()
+            self._index.clear()
+            self._pending.clear()
+            for slab in self._slabs.values():
+                slab.unpin()
+            self._slabs.clear()
+            self._used = 0
+
+    def __enter__(self) -> HostTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- batched forms ----
+    def contains_many(self, keys: Iterable[ContentKey]) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def get_many(self, keys: Iterable[ContentKey]) -> list[HostEntry | None]:
+        return [self.get(k) for k in keys]
+
+    def remove_many(self, keys: Iterable[ContentKey]) -> list[bool]:
+        return [self.remove(k) for k in keys]
+
+    # ---- holds: no slot is reused while a copy from it is in flight ----
+    def hold(self, key: ContentKey) -> HostEntry | None:
+        with self._lock:
+            e = self._index.get(key.digest)
+            if e is None or e.key != key:
+                return None
+            e._holds += 1
+            return e
+
+    def release(self, entry: HostEntry) -> None:
+        with self._lock:
+            if entry._holds <= 0:
+                raise MMTierError(f"release of an unheld host entry {entry.key!r}")
+            entry._holds -= 1
+            if entry._holds == 0 and entry._removed and not self._closed:
+                self._free(entry)
+
+    # ---- two-phase put (restore from disk straight into slots) ----
+    def reserve(self, key: ContentKey, spec: ModalitySpec, num_tokens: int) -> HostEntry:
+        """Slots for a group, invisible until ``commit``; ``CapacityError`` changes nothing."""
+        if spec.name != key.modality:
+            raise UnknownModalityError(f"key of modality {key.modality!r} with spec {spec.name!r}")
+        n = spec.pages_for(num_tokens)
+        need = n * spec.page_bytes
+        with self._lock:
+            if self._closed:
+                raise ClosedError("host tier is closed")
+            if key.digest in self._index or key.digest in self._pending:
+                raise MMTierError(f"host tier already holds or is filling {key!r}")
+            slab = self._slab(spec)
+            if need > self.capacity_bytes - self._used or n > len(slab.free):
+                self._counts["capacity_rejects"] += 1
+                raise CapacityError(f"host tier: {need} bytes wanted, "
+                                    f"{self.capacity_bytes - self._used} of {self.capacity_bytes} free")
+            entry = HostEntry(key, spec, num_tokens, tuple(slab.take(n)), slab)
+            self._used += need
+            self._pending[key.digest] = entry
+            return entry
+
+    def commit(self, entry: HostEntry) -> HostEntry:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("host tier is closed")
+            if self._pending.pop(entry.key.digest, None) is not entry:
+                raise MMTierError(f"commit of an entry that is not pending: {entry.key!r}")
+            self._index[entry.key.digest] = entry
+            self._counts["puts"] += 1
+            return entry
+
+    def abort(self, entry: HostEntry) -> None:
+        with self._lock:
+            if self._pending.get(entry.key.digest) is entry:
+                del self._pending[entry.key.digest]
+                if not self._closed:
+                    self._free(entry)
+
+    def trim(self) -> int:
+        """Return the memory of free slots to the OS (unpinned slabs); bytes released."""
+        with self._lock:
+            return sum(slab.trim() for slab in self._slabs.values())
+
+    def slab_view(self, spec: ModalitySpec) -> torch.Tensor:
+        """The whole slab of a spec, ``[num_slots, *page_shape]`` (created on first use)."""
+        with self._lock:
+            return self._slab(spec).view
+
+    # ---- internals (lock held where noted) ----
+    def _slab(self, spec: ModalitySpec) -> _Slab:  # lock held
+        name = spec.name or ""
+        slab = self._slabs.get(name)
+        if slab is None:
+            slab = _Slab(spec, self.capacity_bytes // spec.page_bytes, self.pin_memory)
+            self._slabs[name] = slab
+        elif slab.spec != spec:
+            raise ShapeError(f"host slab {name!r} has layout {slab.spec.layout_fields()}, "
+                             f"got {spec.layout_fields()}")
+        return slab
+
+    def _free(self, e: HostEntry) -> None:  # lock held
+        e._slab.give(e.slots)
+        self._used -= e.nbytes
+
+    def _copy_in(self, entry: HostEntry, pages: torch.Tensor, page_ids: Sequence[int] | None) -> None:
+        view = entry._slab.view
+        src_ids = list(page_ids) if page_ids is not None else list(range(entry.num_pages))
+        runs = paired_runs(list(entry.slots), src_ids)
+        if not pages.is_cuda:
+            for d, s, n in runs:
+                view[d:d + n].copy_(pages[s:s + n])
+            return
+        stream = self._side_stream(pages.device)
+        stream.wait_stream(torch.cuda.current_stream(pages.device))
+        with torch.cuda.stream(stream):
+            for d, s, n in runs:
+                view[d:d + n].copy_(pages[s:s + n], non_blocking=entry._slab.pin)
+            pages.record_stream(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
+        entry.ready = event
+
+    def _side_stream(self, device: torch.device):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = torch.cuda.Stream(device=index)
+                self._streams[index] = stream
+            return stream
+
+
+def _check_pages(spec: ModalitySpec, n: int, pages: torch.Tensor, page_ids: Sequence[int] | None) -> None:
+    if not isinstance(pages, torch.Tensor):
+        raise DTypeError(f"pages must be a torch.Tensor, got {type(pages).__name__}")
+    if pages.dtype != spec.torch_dtype:
+        raise DTypeError(f"{spec.name}: pages are {pages.dtype}, spec wants {spec.torch_dtype}")
+    if tuple(pages.shape[1:]) != tuple(spec.page_shape):
+        raise ShapeError(f"{spec.name}: page shape {tuple(pages.shape[1:])} != {spec.page_shape}")
+    if page_ids is None:
+        if pages.shape[0] != n:
+            raise ShapeError(f"{spec.name}: {pages.shape[0]} pages for {n} needed")
+    else:
+        if len(page_ids) != n:
+            raise ShapeError(f"{spec.name}: {len(page_ids)} page ids for {n} pages needed")
+        if any(not 0 <= int(i) < pages.shape[0] for i in page_ids):
+            raise ShapeError(f"{spec.name}: page id out of range [0, {pages.shape[0]})")
