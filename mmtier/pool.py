@@ -8,7 +8,6 @@ of free ids); batched forms move many ids at once.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .config import CacheConfig, ModalitySpec
@@ -27,7 +26,7 @@ class PagePool:
         flat = storage[: self.num_pages * spec.page_bytes]
         self.view = flat.view(spec.torch_dtype).view(self.num_pages, *spec.page_shape)
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() yields 0, 1, 2, ...
-        self._refs = np.zeros(self.num_pages, dtype=np.int32)
+        self._refs: list[int] = [0] * self.num_pages
 
     @property
     def num_free(self) -> int:
@@ -53,30 +52,38 @@ class PagePool:
         ids = self._free[-n:]
         del self._free[-n:]
         ids.reverse()
-        self._refs[ids] = 1
+        refs = self._refs
+        for i in ids:
+            refs[i] = 1
         return ids
 
     def incref(self, ids: list[int]) -> None:
-        refs = self._refs[ids]
-        if (refs <= 0).any():
+        refs = self._refs
+        if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
+            raise MMTierError(f"{self.spec.name} pool: page id out of range")
+        if any(refs[i] <= 0 for i in ids):
             raise MMTierError(f"{self.spec.name} pool: incref of a free page")
-        self._refs[ids] = refs + 1
+        for i in ids:
+            refs[i] += 1
 
     def free(self, ids: list[int]) -> None:
-        """Drop one reference from each page; pages reaching zero go back to the free stack."""
-        if not ids:
-            return
-        arr = np.asarray(ids, dtype=np.int64)
-        refs = self._refs[arr]
-        if (refs <= 0).any() or len(np.unique(arr)) != len(arr):
+        """Drop one reference from each page; pages reaching zero go back to the free stack.
+
+        Validated before anything changes: a double free raises and frees nothing."""
+        refs = self._refs
+        if ids and (min(ids) < 0 or max(ids) >= self.num_pages):
+            raise MMTierError(f"{self.spec.name} pool: page id out of range")
+        if any(refs[i] <= 0 for i in ids) or (len(ids) > 1 and len(set(ids)) != len(ids)):
             raise MMTierError(f"{self.spec.name} pool: double free or free of a free page")
-        refs -= 1
-        self._refs[arr] = refs
-        released = arr[refs == 0]
-        self._free.extend(released[::-1].tolist())
+        released = []
+        for i in reversed(ids):
+            refs[i] -= 1
+            if refs[i] == 0:
+                released.append(i)
+        self._free.extend(released)
 
     def refcount(self, page: int) -> int:
-        return int(self._refs[page])
+        return self._refs[page]
 
     def page_bytes_used(self) -> int:
         return self.num_used * self.spec.page_bytes
