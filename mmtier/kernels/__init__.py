@@ -1,14 +1,89 @@
-"""Attention kernels (temporary torch-only dispatch; the Triton dispatch replaces this)."""
+"""Attention kernels: one public entry point per operation, dispatching by backend.
+
+``backend="auto"`` runs Triton on CUDA tensors and the vectorised torch path (``reference``)
+on CPU tensors; ``"triton"`` forces Triton (on CPU tensors only under ``TRITON_INTERPRET=1``);
+``"torch"`` forces the torch path. Triton is imported lazily: importing this package needs
+neither triton nor a GPU (and never imports Ray).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ConfigError
+from .layout import PagedKV, build_paged_kv, check_queries
 from .reference import merge_attention_states_torch, paged_attention_torch, write_kv_torch
 
+BACKENDS = ("auto", "triton", "torch")
 
-def paged_attention(q, q_indptr, q_pos, operands, *, causal=True, scale=None, backend="auto", out_dtype=None):
-    return paged_attention_torch(q, q_indptr, q_pos, operands, causal=causal, scale=scale, out_dtype=out_dtype)
+__all__ = [
+    "BACKENDS", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
+    "paged_attention", "triton_available", "write_kv",
+]
 
 
-def merge_attention_states(outs, lses, *, backend="auto", out_dtype=None):
+def triton_available() -> bool:
+    """Whether ``import triton`` works in this process."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(backend: str, device: torch.device) -> bool:
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}", fields=("backend",))
+    if backend == "torch":
+        return False
+    if backend == "auto" and device.type != "cuda":
+        return False
+    if not triton_available():
+        if backend == "triton":
+            raise ConfigError("backend 'triton' needs the triton package", fields=("backend",))
+        return False
+    return True
+
+
+def paged_attention(
+    q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[PagedKV],
+    *, causal: bool = True, scale: float | None = None, backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [total_q, Hq, D]`` over the segments of every operand (one per pool,
+    page sizes may differ), merged exactly; returns ``(out [total_q, Hq, D], lse [total_q, Hq])``
+    with ``lse`` float32 in natural log (``-inf``, ``out == 0`` where a query sees no key)."""
+    if _use_triton(backend, q.device):
+        from .triton_attention import paged_attention_triton
+
+        return paged_attention_triton(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
+                                      out_dtype=out_dtype)
+    return paged_attention_torch(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
+                                 out_dtype=out_dtype)
+
+
+def merge_attention_states(
+    outs: Sequence[torch.Tensor], lses: Sequence[torch.Tensor], *, backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of partial ``(out, lse)`` states over disjoint key sets."""
+    device = outs[0].device if len(outs) else torch.device("cpu")
+    if _use_triton(backend, device):
+        from .triton_merge import merge_attention_states_triton
+
+        return merge_attention_states_triton(outs, lses, out_dtype=out_dtype)
     return merge_attention_states_torch(outs, lses, out_dtype=out_dtype)
 
 
-def write_kv(kv, k, v, page_ids, offsets, *, backend="auto"):
-    return write_kv_torch(kv, k, v, page_ids, offsets)
+def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
+             offsets: torch.Tensor, *, backend: str = "auto") -> None:
+    """Scatter ``k, v [num_layers, n, Hkv, D]`` into the page-major pool view ``kv``: token
+    ``i`` to page ``page_ids[i]``, slot ``offsets[i]``, in every layer. In place."""
+    if _use_triton(backend, kv.device):
+        from .triton_write import write_kv_triton
+
+        write_kv_triton(kv, k, v, page_ids, offsets)
+        return
+    write_kv_torch(kv, k, v, page_ids, offsets)

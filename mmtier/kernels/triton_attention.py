@@ -1,0 +1,390 @@
+"""Triton paged attention over heterogeneous pages: one launch per pool, then one exact merge.
+
+Three layers (as in Triton's fused-attention tutorial):
+
+- ``_kernel``: one program per (work item = batch item x query block, KV head, KV split); it
+  streams the split's pages of one pool as ``[BLOCK_N, D]`` tiles gathered token by token
+  (a tile may span several small pages or part of a large one) and keeps an online softmax
+  for a query tile that holds every query head of its KV head group (GQA: each page is read
+  once per KV head, never once per query head);
+- ``_launch``: checks strides, dtypes and devices, builds the plan (grid, splits, config);
+- ``paged_attention_triton``: the torch-facing function, ``(out, lse)``.
+
+A batch item's pages in one pool are ``page_ids[batch_page[b]:batch_page[b+1]]`` (segments of
+a batch item are contiguous in the CSR), so splitting a sequence across programs
+(flash-decoding) is a range split of that slice. With more than one partial result per query
+(several pools or several splits), programs write float32 partials and ``triton_merge``
+combines them by log-sum-exp; with exactly one, the kernel writes ``out`` directly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..errors import DTypeError, ShapeError
+from .layout import INDEX_DTYPE, PagedKV, check_queries
+from .triton_merge import merge_partials
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
+          m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
+          CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """One ``[BLOCK_N, D]`` K/V tile folded into the running ``(m, l, acc)`` (base 2)."""
+    tok = page.to(tl.int64) * s_kp + slot.to(tl.int64) * s_kt
+    k_ptrs = kv_head + tok[:, None] + d64[None, :] * s_kd
+    kv_mask = k_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    vis = row_ok[:, None] & k_ok[None, :]
+    if CAUSAL:
+        vis = vis & (k_pos[None, :] <= q_pos[:, None])
+    s = tl.where(vis, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(k_ptrs + s_kk, mask=kv_mask, other=0.0)
+    if DOT_F32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["layer", "pages_per_split", "part_base"])
+def _kernel(
+    q_ptr, q_indptr_ptr, q_pos_ptr,
+    kv_ptr, page_ids_ptr, page_pos_ptr, page_len_ptr, batch_page_ptr,
+    work_b_ptr, work_qb_ptr,
+    out_ptr, lse_ptr,
+    layer, pages_per_split, part_base, qk_scale,
+    s_qt, s_qh, s_qd,
+    s_kp, s_kl, s_kk, s_kt, s_kh, s_kd,
+    s_op, s_ot, s_oh, s_od,
+    s_lp, s_lt, s_lh,
+    G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    SKIP_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """Softmax attention of one query tile over one split of one batch item's pages.
+
+    Rows ``r`` of the query tile are (query ``q_lo + r // G``, head ``kvh * G + r % G``). Key
+    token ``t`` (in page-slot space of the batch item's page slice) lives in page
+    ``j = t // PAGE_SIZE`` at slot ``t % PAGE_SIZE``; it exists when ``slot < page_len[j]`` and
+    sits at absolute position ``page_pos[j] + slot``. For visible keys (causal:
+    ``key_pos <= q_pos``), with ``s = q . k * scale`` kept in base 2, the online softmax is
+
+        m' = max(m, max_t s_t);  l' = l * 2^(m - m') + sum_t 2^(s_t - m');
+        acc' = acc * 2^(m - m') + sum_t 2^(s_t - m') v_t
+
+    and the program writes ``out = acc / l`` and ``lse = (m + log2 l) * ln 2`` (natural log),
+    or ``out = 0, lse = -inf`` when it saw no visible key. Every address is int64.
+    """
+    w = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(work_b_ptr + w)
+    qb = tl.load(work_qb_ptr + w)
+    QB: tl.constexpr = BLOCK_M // G  # queries per tile
+    q_lo = tl.load(q_indptr_ptr + b) + qb * QB
+    q_end = tl.load(q_indptr_ptr + b + 1)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = q_lo + rows // G
+    head = kvh * G + rows % G
+    row_ok = (rows < QB * G) & (qi < q_end)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    qi64 = qi.to(tl.int64)
+    head64 = head.to(tl.int64)
+    d64 = d.to(tl.int64)
+    q_off = qi64[:, None] * s_qt + head64[:, None] * s_qh + d64[None, :] * s_qd
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:  # the interpreter's tl.dot mishandles bfloat16: it runs this mode in float32
+        q = q.to(tl.float32)
+    else:
+        q = q.to(kv_ptr.dtype.element_ty)
+    q_pos = tl.load(q_pos_ptr + qi, mask=row_ok, other=-1)
+    max_q_pos = tl.max(q_pos, 0)
+
+    p_first = tl.load(batch_page_ptr + b).to(tl.int64)
+    p_lo = p_first + split.to(tl.int64) * pages_per_split
+    p_hi = tl.minimum(tl.load(batch_page_ptr + b + 1).to(tl.int64), p_lo + pages_per_split)
+    t_lo = p_lo * PAGE_SIZE
+    t_hi = p_hi * PAGE_SIZE
+
+    kv_head = kv_ptr + layer.to(tl.int64) * s_kl + kvh.to(tl.int64) * s_kh
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for t0 in range(t_lo, t_hi, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        t_ok = t < t_hi
+        j = t // PAGE_SIZE
+        slot = (t % PAGE_SIZE).to(tl.int32)
+        page = tl.load(page_ids_ptr + j, mask=t_ok, other=0)
+        k_pos = tl.load(page_pos_ptr + j, mask=t_ok, other=0) + slot
+        k_ok = t_ok & (slot < tl.load(page_len_ptr + j, mask=t_ok, other=0))
+        if CAUSAL:
+            k_ok = k_ok & (k_pos <= max_q_pos)
+        if SKIP_TILES:  # prefill: skip tiles with no key visible to any query of the tile
+            if tl.max(k_ok.to(tl.int32), 0) > 0:
+                m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
+                                      m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
+                                      CAUSAL, DOT_PRECISION, DOT_F32)
+        else:
+            m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
+                                  m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
+                                  CAUSAL, DOT_PRECISION, DOT_F32)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    part = (part_base + split).to(tl.int64)
+    o_off = part * s_op + qi64[:, None] * s_ot + head64[:, None] * s_oh + d64[None, :] * s_od
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + part * s_lp + qi64 * s_lt + head64 * s_lh, lse, mask=row_ok)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan: grid, splits and per-page metadata (one host sync, reusable across layers)
+
+
+@dataclass(frozen=True)
+class OperandPlan:
+    """One pool's share of a plan: derived per-page arrays and its split of the work."""
+
+    page_pos: torch.Tensor  # int32 [P]: absolute position of each listed page's first token
+    page_len: torch.Tensor  # int32 [P]: valid tokens in each listed page (0..page_size)
+    batch_page: torch.Tensor  # int32 [B+1]: batch item b's pages are page_ids[bp[b]:bp[b+1]]
+    num_splits: int
+    pages_per_split: int
+    part_base: int  # index of this pool's first partial result
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What a launch needs beyond the tensors: reusable while the CSR tables do not change
+    (for instance across the layers of one step)."""
+
+    work_b: torch.Tensor  # int32 [W]: batch item of each work item
+    work_qb: torch.Tensor  # int32 [W]: query block of each work item inside its batch item
+    block_m: int
+    group: int
+    max_q: int
+    operands: tuple[OperandPlan | None, ...]  # None: the pool holds no page for this batch
+    num_parts: int
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def _block_m(group: int, max_q: int, d_pad: int) -> int:
+    cap = 64 if d_pad <= 128 else 32
+    return max(_next_pow2(group), min(cap, max(16, _next_pow2(max_q * group))))
+
+
+def _target_programs(device: torch.device) -> int:
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter runs programs one after another: no reason to split
+
+
+def plan_paged_attention(
+    q: torch.Tensor, q_indptr: torch.Tensor, operands: Sequence[PagedKV],
+    *, num_splits: int | None = None, min_split_tokens: int = 256,
+) -> AttentionPlan:
+    """Validate the index tables and plan the launches. One host sync (a few dozen ints).
+
+    ``num_splits`` forces that many KV splits per pool (capped by its page count);
+    ``None`` picks enough splits to fill the device, each at least ``min_split_tokens`` long.
+    """
+    total_q, num_q_heads, head_dim = q.shape
+    batch = q_indptr.shape[0] - 1
+    if batch < 0:
+        raise ShapeError("q_indptr needs at least one entry")
+    group = None
+    for op in operands:
+        op.validate(batch, head_dim)
+        if op.kv.device != q.device:
+            raise DTypeError(f"kv is on {op.kv.device}, q on {q.device}")
+        if num_q_heads % op.num_kv_heads:
+            raise ShapeError(f"{num_q_heads} query heads are not a multiple of {op.num_kv_heads} KV heads")
+        g = num_q_heads // op.num_kv_heads
+        if group is not None and g != group:
+            raise ShapeError("all pools of one call must have the same number of KV heads")
+        group = g
+    group = group or 1
+
+    # one small device -> host transfer carries everything the grid depends on
+    dev = q.device
+    stats = [q_indptr.to(torch.int64)]
+    batch_pages = []
+    for op in operands:
+        bp = op.seg_page_indptr.to(torch.int64)[op.seg_indptr.to(torch.int64).clamp(0, op.num_segments)]
+        batch_pages.append(bp)
+        n_ids = op.page_ids.shape[0]
+        per_batch = bp[1:] - bp[:-1]
+        stats.append(torch.stack([
+            per_batch.max() if batch else torch.zeros((), dtype=torch.int64, device=dev),
+            per_batch.min() if batch else torch.zeros((), dtype=torch.int64, device=dev),
+            op.page_ids.min().to(torch.int64) if n_ids else torch.zeros((), dtype=torch.int64, device=dev),
+            op.page_ids.max().to(torch.int64) if n_ids else torch.zeros((), dtype=torch.int64, device=dev),
+            (op.seg_indptr[1:] - op.seg_indptr[:-1]).min().to(torch.int64) if batch
+            else torch.zeros((), dtype=torch.int64, device=dev),
+            op.seg_indptr[0].to(torch.int64), op.seg_indptr[-1].to(torch.int64),
+            (op.seg_page_indptr[1:] - op.seg_page_indptr[:-1]).min().to(torch.int64) if op.num_segments
+            else torch.zeros((), dtype=torch.int64, device=dev),
+            op.seg_page_indptr[0].to(torch.int64), op.seg_page_indptr[-1].to(torch.int64),
+        ]))
+    host = torch.cat(stats).cpu().tolist()
+    qptr, rest = host[: batch + 1], host[batch + 1:]
+    if qptr[0] != 0 or qptr[-1] != total_q or any(b < a for a, b in zip(qptr, qptr[1:])):
+        raise ShapeError(f"q_indptr must rise from 0 to {total_q} queries, got {qptr[0]}..{qptr[-1]}")
+    q_counts = [b - a for a, b in zip(qptr, qptr[1:])]
+    max_q = max(q_counts, default=0)
+
+    d_pad = max(16, _next_pow2(head_dim))
+    block_m = _block_m(group, max_q, d_pad)
+    qb_size = block_m // group
+    blocks = torch.tensor([-(-n // qb_size) for n in q_counts], dtype=torch.int64)
+    work_b = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), blocks)
+    starts = torch.cumsum(blocks, 0) - blocks
+    work_qb = torch.arange(work_b.shape[0], dtype=torch.int64) - starts[work_b]
+
+    target = _target_programs(dev)
+    plans: list[OperandPlan | None] = []
+    parts = 0
+    for i, op in enumerate(operands):
+        (max_pages, min_pages, id_min, id_max, seg_step, seg_first, seg_last,
+         page_step, page_first, page_last) = rest[10 * i: 10 * i + 10]
+        n_ids, n_pool = op.page_ids.shape[0], op.kv.shape[0]
+        if seg_first != 0 or seg_last != op.num_segments or seg_step < 0:
+            raise ShapeError("seg_indptr must rise from 0 to the number of segments")
+        if page_first != 0 or page_last != n_ids or page_step < 0 or min_pages < 0:
+            raise ShapeError("seg_page_indptr must rise from 0 to the number of page ids")
+        if n_ids and (id_min < 0 or id_max >= n_pool):
+            raise ShapeError(f"page ids {id_min}..{id_max} outside a pool of {n_pool} pages")
+        if max_pages == 0 or not work_b.numel():
+            plans.append(None)
+            continue
+        if num_splits is not None:
+            splits = max(1, min(int(num_splits), max_pages))
+        else:
+            base = work_b.shape[0] * op.num_kv_heads
+            by_len = max(1, (max_pages * op.page_size) // max(1, min_split_tokens))
+            splits = max(1, min(-(-target // base), by_len))
+        per_split = -(-max_pages // splits)
+        splits = -(-max_pages // per_split)
+        page_pos, page_len = _page_tables(op)
+        bp = batch_pages[i].to(INDEX_DTYPE)
+        plans.append(OperandPlan(page_pos, page_len, bp, splits, per_split, parts))
+        parts += splits
+    return AttentionPlan(work_b.to(dev, INDEX_DTYPE), work_qb.to(dev, INDEX_DTYPE), block_m,
+                         group, max_q, tuple(plans), parts)
+
+
+def _page_tables(op: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per listed page: the absolute position of its first token and its valid token count."""
+    n = op.page_ids.shape[0]
+    counts = (op.seg_page_indptr[1:] - op.seg_page_indptr[:-1]).to(torch.int64)
+    seg = torch.repeat_interleave(
+        torch.arange(op.num_segments, device=op.kv.device), counts, output_size=n)
+    idx = torch.arange(n, device=op.kv.device, dtype=torch.int64) - op.seg_page_indptr[seg].to(torch.int64)
+    first = idx * op.page_size
+    page_pos = (op.seg_start[seg].to(torch.int64) + first).to(INDEX_DTYPE)
+    page_len = (op.seg_len[seg].to(torch.int64) - first).clamp(0, op.page_size).to(INDEX_DTYPE)
+    return page_pos.contiguous(), page_len.contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# launch
+
+
+def _check_launchable(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise DTypeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
+
+
+def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: AttentionPlan,
+            out, lse, *, causal: bool, scale: float) -> None:
+    kv = op.kv
+    on_gpu = kv.device.type == "cuda"
+    head_dim = kv.shape[5]
+    d_pad = max(16, _next_pow2(head_dim))
+    block_n = 64 if d_pad <= 128 else 32
+    if kv.dtype == torch.float32:
+        block_n = min(block_n, 32)
+    precision = "ieee" if kv.dtype == torch.float32 or q.dtype == torch.float32 else "tf32"
+    dot_f32 = not on_gpu and torch.bfloat16 in (kv.dtype, q.dtype)
+    grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
+    extra = {"num_warps": 4, "num_stages": 2} if on_gpu else {}
+    _kernel[grid](
+        q, q_indptr, q_pos,
+        kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
+        plan.work_b, plan.work_qb,
+        out, lse,
+        op.layer, op_plan.pages_per_split, op_plan.part_base, scale * LOG2E,
+        *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
+        G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
+        SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision,
+        DOT_F32=dot_f32, **extra,
+    )
+
+
+def paged_attention_triton(
+    q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[PagedKV],
+    *, causal: bool = True, scale: float | None = None, out_dtype: torch.dtype | None = None,
+    num_splits: int | None = None, plan: AttentionPlan | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` over the segments of every operand (pool), merged exactly.
+
+    ``num_splits`` forces KV splits per pool (tests); ``plan`` reuses a plan from
+    ``plan_paged_attention`` for the same index tables (skips validation and the host sync).
+    """
+    check_queries(q, q_indptr, q_pos)
+    for t in (q_indptr, q_pos):
+        if t.device != q.device:
+            raise DTypeError(f"index tensor on {t.device}, q on {q.device}")
+    _check_launchable(q)
+    total_q, num_q_heads, head_dim = q.shape
+    out_dtype = out_dtype or q.dtype
+    scale = head_dim ** -0.5 if scale is None else float(scale)
+    if plan is None:
+        plan = plan_paged_attention(q, q_indptr, operands, num_splits=num_splits)
+    out = torch.empty((total_q, num_q_heads, head_dim), dtype=out_dtype, device=q.device)
+    lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device)
+    live = [(op, p) for op, p in zip(operands, plan.operands) if p is not None]
+    if plan.num_parts == 0 or total_q == 0:
+        out.zero_()
+        lse.fill_(float("-inf"))
+        return out, lse
+    if plan.num_parts == 1:
+        op, p = live[0]
+        _launch(q, q_indptr, q_pos, op, p, plan, out.unsqueeze(0), lse.unsqueeze(0),
+                causal=causal, scale=scale)
+        return out, lse
+    parts = torch.empty((plan.num_parts, total_q, num_q_heads, head_dim),
+                        dtype=torch.float32, device=q.device)
+    lse_parts = torch.empty((plan.num_parts, total_q, num_q_heads),
+                            dtype=torch.float32, device=q.device)
+    for op, p in live:
+        _launch(q, q_indptr, q_pos, op, p, plan, parts, lse_parts, causal=causal, scale=scale)
+    merge_partials(parts, lse_parts, out, lse)
+    return out, lse
