@@ -9,5 +9,6 @@
 
 from .arrow_files import DiskEntry, DiskTier, StorageIOError
 from .host import HostEntry, HostTier
+from .mover import Mover, Priority
 
-__all__ = ["DiskEntry", "DiskTier", "HostEntry", "HostTier", "StorageIOError"]
+__all__ = ["DiskEntry", "DiskTier", "HostEntry", "HostTier", "Mover", "Priority", "StorageIOError"]

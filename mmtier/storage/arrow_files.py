@@ -1,43 +1,33 @@
-"""The disk tier: one Arrow IPC file per modality group (per 64 MiB chunk of a large group).
+"""The disk tier: groups as Arrow IPC files in one directory (format: ``arrow_format.py``).
 
-File format (version 1), ``{modality}-{digest hex}-{chunk:04d}of{num_chunks:04d}.arrow``:
+One file per modality group, or per ``chunk_bytes`` (64 MiB) chunk of a large group.
 
-- columns ``page`` (``fixed_size_binary(page_bytes)``, one row per page, the raw page-major
-  bytes) and ``xxh3`` (``uint64``, xxh3_64 of that page);
-- schema metadata ``mmtier.meta``: JSON with the format version, the key's wire fields, the
-  model, the layout (``spec.layout_fields()`` plus ``name`` and ``page_bytes``), the group's
-  ``num_tokens`` and ``num_pages``, and this chunk's ``chunk``, ``num_chunks``, ``first_page``,
-  ``chunk_pages``; ``mmtier.meta.xxh3``: xxh3_64 of that JSON, so no metadata byte can change
-  unnoticed. Nothing is ever unpickled: metadata is JSON, payloads are bytes.
+Writes (``put_async``; ``put`` runs it on the tier's own event loop) go through aiofiles: a
+unique ``.tmp`` file in the same directory, fsync, rename, and one fsync of the directory per
+group. The large buffers handed to aiofiles are the caller's own page memory (no copy). A
+write refused for space (ENOSPC, or the ``free_floor_bytes`` floor checked with ``statvfs``)
+raises ``StorageFullError``; beyond the byte budget, ``CapacityError``; any other I/O error,
+``StorageIOError``. Every failure removes what that write created, counts, and leaves the
+tier working; data already on disk is untouched.
 
-Writes (``put_async``; ``put`` runs it on the tier's own loop) go through aiofiles: a unique
-``.tmp`` file in the same directory, fsync, rename, and one fsync of the directory per group.
-The Arrow writer is fed through a collecting sink, so the payload is never copied before the
-write: the large buffers handed to aiofiles are the caller's own page memory. A write refused
-for space (ENOSPC, the ``free_floor_bytes`` floor checked with ``statvfs``) raises
-``StorageFullError``; beyond the byte budget, ``CapacityError``; other I/O errors,
-``StorageIOError``. Every failure removes what that write created and leaves the tier working.
+Reads (``get``) map the files with ``pyarrow.memory_map`` and copy the pages once, into a new
+tensor or a destination the caller gives (e.g. ``HostEntry.runs()`` of reserved host slots),
+verifying each page's xxh3. Any mismatch (key fields, model, layout, checksums, truncation,
+not Arrow at all) is a miss: ``corrupt_reads`` rises and the group's files move to
+``quarantine/``. Wrong data is never returned, nothing is unpickled.
 
-Reads (``get``) map the files with ``pyarrow.memory_map`` and copy the pages once, block by
-block, into a new tensor or a destination the caller gives (e.g. host slab slots), verifying
-each page's xxh3 right after its copy, while it is hot. Any mismatch (key fields, model,
-layout, checksums, truncation, not Arrow at all) is a miss: ``corrupt_reads`` rises and the
-group's files move to ``quarantine/``. Wrong data is never returned.
-
-Warm restart: the constructor scans the directory, reading only each file's footer and schema,
-removes ``.tmp`` leftovers, indexes complete groups, and quarantines bad files and partial
-groups (``quarantined_at_start``). ``inventory()`` lists what is on disk so the cache can adopt
-it (it should ``KeyMaker.verify`` each key: a file is not trusted to have been issued here).
-"""
+Warm restart: the constructor scans the directory reading only each file's footer and
+schema, removes ``.tmp`` leftovers, indexes complete groups, and quarantines bad files and
+partial groups (``quarantined_at_start``, ``partial_groups_at_start``). ``inventory()`` lists
+the groups so the cache can adopt them; it should ``KeyMaker.verify`` each key (a file is not
+trusted to have been issued by this cache's secret)."""
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import concurrent.futures
 import contextlib
 import errno
-import json
 import logging
 import os
 import threading
@@ -49,10 +39,8 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-import numpy as np
 import pyarrow as pa
 import torch
-import xxhash
 
 from ..config import ModalitySpec
 from ..content import ContentKey
@@ -60,24 +48,31 @@ from ..errors import (
     CapacityError,
     ClosedError,
     CorruptDataError,
-    DTypeError,
     MMTierError,
     ShapeError,
     StorageFullError,
     UnknownModalityError,
 )
+from .arrow_format import (
+    FILE_OVERHEAD,
+    FORMAT_VERSION,
+    SUFFIX,
+    DestPages,
+    file_name,
+    group_fields,
+    layout_of,
+    page_rows,
+    page_sums,
+    read_file,
+    scan_file,
+    serialize,
+    slice_rows,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-SUFFIX = ".arrow"
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
-_META = b"mmtier.meta"
-_META_SUM = b"mmtier.meta.xxh3"
-_CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages")
-_BLOCK_BYTES = 4 << 20
-_FILE_OVERHEAD = 4096
 _afsync = aiofiles.os.wrap(os.fsync)
 
 
@@ -96,143 +91,6 @@ class DiskEntry:
     num_pages: int
     nbytes: int
     files: tuple[str, ...]
-
-
-def layout_of(spec: ModalitySpec) -> dict[str, str]:
-    return {"name": str(spec.name), "page_bytes": str(spec.page_bytes), **dict(spec.layout_fields())}
-
-
-def file_name(modality: str, digest_hex: str, chunk: int, num_chunks: int) -> str:
-    return f"{modality}-{digest_hex}-{chunk:04d}of{num_chunks:04d}{SUFFIX}"
-
-
-def page_rows(spec: ModalitySpec, pages: torch.Tensor | Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """Pages as uint8 numpy rows ``[k, page_bytes]`` sharing the tensors' memory (CPU)."""
-    runs = [pages] if isinstance(pages, torch.Tensor) else list(pages)
-    out = []
-    for t in runs:
-        if not isinstance(t, torch.Tensor):
-            raise DTypeError(f"pages must be torch tensors, got {type(t).__name__}")
-        if t.dtype != spec.torch_dtype:
-            raise DTypeError(f"{spec.name}: pages are {t.dtype}, spec wants {spec.torch_dtype}")
-        if tuple(t.shape[1:]) != tuple(spec.page_shape):
-            raise ShapeError(f"{spec.name}: page shape {tuple(t.shape[1:])} != {spec.page_shape}")
-        t = t.detach().cpu().contiguous()
-        out.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], spec.page_bytes))
-    return out
-
-
-class _Sink:
-    """A write-only file for ``pa.PythonFile`` that keeps the parts instead of copying them."""
-
-    def __init__(self) -> None:
-        self.parts: list[object] = []
-        self.pos = 0
-        self.closed = False
-
-    def write(self, data: object) -> int:
-        n = memoryview(data).nbytes  # type: ignore[arg-type]
-        self.parts.append(data)
-        self.pos += n
-        return n
-
-    def tell(self) -> int:
-        return self.pos
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        self.closed = True
-
-    def coalesced(self, small: int = 1 << 16) -> list[object]:
-        out: list[object] = []
-        pending = bytearray()
-        for p in self.parts:
-            if memoryview(p).nbytes < small:  # type: ignore[arg-type]
-                pending += memoryview(p)  # type: ignore[arg-type]
-                continue
-            if pending:
-                out.append(bytes(pending))
-                pending = bytearray()
-            out.append(p)
-        if pending:
-            out.append(bytes(pending))
-        return out
-
-
-def _schema(meta: dict, page_bytes: int) -> pa.Schema:
-    blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-    return pa.schema([("page", pa.binary(page_bytes)), ("xxh3", pa.uint64())],
-                     metadata={_META: blob, _META_SUM: xxhash.xxh3_64_hexdigest(blob).encode()})
-
-
-def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray) -> list[object]:
-    """The bytes of one Arrow IPC file as parts; large parts alias ``rows`` (no copy)."""
-    schema = _schema(meta, page_bytes)
-    sink = _Sink()
-    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
-        at = 0
-        for r in rows:
-            k = r.shape[0]
-            col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(page_bytes), k, [None, pa.py_buffer(r)])
-            writer.write_batch(pa.record_batch([col, pa.array(sums[at:at + k], pa.uint64())], schema=schema))
-            at += k
-    return sink.coalesced()
-
-
-def read_meta(schema: pa.Schema) -> dict:
-    """The verified JSON metadata of a file's schema, or ``CorruptDataError``."""
-    md = schema.metadata or {}
-    blob, total = md.get(_META), md.get(_META_SUM)
-    if blob is None or total is None or xxhash.xxh3_64_hexdigest(blob).encode() != total:
-        raise CorruptDataError("missing or damaged mmtier metadata")
-    meta = json.loads(blob)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
-        raise CorruptDataError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-    want = pa.schema([("page", pa.binary(int(meta["layout"]["page_bytes"]))), ("xxh3", pa.uint64())])
-    if not schema.remove_metadata().equals(want):
-        raise CorruptDataError(f"unexpected schema {schema.remove_metadata()}")
-    return meta
-
-
-def _group_fields(meta: dict) -> dict:
-    return {k: v for k, v in meta.items() if k not in _CHUNK_FIELDS}
-
-
-class _Dest:
-    """Destination pages: one tensor or several contiguous runs, addressed by page index."""
-
-    def __init__(self, spec: ModalitySpec, out: torch.Tensor | Sequence[torch.Tensor], n: int):
-        runs = [out] if isinstance(out, torch.Tensor) else list(out)
-        self.arrays: list[np.ndarray] = []
-        self.starts: list[int] = []
-        at = 0
-        for t in runs:
-            if t.dtype != spec.torch_dtype or tuple(t.shape[1:]) != tuple(spec.page_shape):
-                raise ShapeError(f"destination {tuple(t.shape)} {t.dtype} does not fit {spec.name}")
-            if t.is_cuda or not t.is_contiguous():
-                raise DTypeError("destination runs must be contiguous CPU tensors")
-            self.starts.append(at)
-            self.arrays.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], spec.page_bytes))
-            at += t.shape[0]
-        if at != n:
-            raise ShapeError(f"destination holds {at} pages, the group has {n}")
-        self.block = max(1, _BLOCK_BYTES // spec.page_bytes)
-
-    def fill(self, first: int, src: np.ndarray, sums: list[int]) -> None:
-        """Copy ``src`` rows to pages ``first..`` and verify each copied page's xxh3."""
-        i, k = 0, src.shape[0]
-        while i < k:
-            r = bisect.bisect_right(self.starts, first + i) - 1
-            local = first + i - self.starts[r]
-            m = min(self.arrays[r].shape[0] - local, k - i, self.block)
-            dst = self.arrays[r][local:local + m]
-            np.copyto(dst, src[i:i + m])
-            for j in range(m):
-                if xxhash.xxh3_64_intdigest(dst[j]) != sums[i + j]:
-                    raise CorruptDataError(f"checksum mismatch at page {first + i + j}")
-            i += m
 
 
 class DiskTier:
@@ -306,7 +164,7 @@ class DiskTier:
             raise ShapeError(f"{spec.name}: {sum(r.shape[0] for r in rows)} pages for {n} needed")
         per_file = max(1, self.chunk_bytes // spec.page_bytes)
         num_chunks = max(1, -(-n // per_file))
-        need = n * spec.page_bytes + num_chunks * _FILE_OVERHEAD
+        need = n * spec.page_bytes + num_chunks * FILE_OVERHEAD
         while True:
             with self._lock:
                 if self._closed:
@@ -374,10 +232,13 @@ class DiskTier:
             return None
         result = out if out is not None else torch.empty(e.num_pages, *spec.page_shape,
                                                          dtype=spec.torch_dtype)
-        dest = _Dest(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
+        dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
         try:
+            at = 0
             for name in e.files:
-                self._read_file(self.dir / name, e, dest)
+                at += read_file(self.dir / name, self._expected_group(e), at, dest)
+            if at != e.num_pages:
+                raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         except FileNotFoundError:
             if self.info(key) is None:  # removed while we read: an ordinary miss
                 self._count("misses")
@@ -432,13 +293,13 @@ class DiskTier:
     # ---- writing ----
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,
                            written: list[Path]) -> DiskEntry:
-        st = await aiofiles.os.statvfs(self.dir)
-        if st.f_bavail * st.f_frsize - need < self.free_floor_bytes:
+        st = await aiofiles.os.statvfs(self.dir) if self.free_floor_bytes > 0 else None
+        if st is not None and st.f_bavail * st.f_frsize - need < self.free_floor_bytes:
             self._count("floor_refusals")
             raise StorageFullError(f"disk tier: writing {need} bytes would cross the free-space floor "
                                    f"({self.free_floor_bytes} bytes; {st.f_bavail * st.f_frsize} free)")
         loop = asyncio.get_running_loop()
-        sums = await loop.run_in_executor(None, _page_sums, rows)
+        sums = await loop.run_in_executor(None, page_sums, rows)
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks}
@@ -446,7 +307,7 @@ class DiskTier:
         for c in range(num_chunks):
             lo, hi = c * per_file, min(n, (c + 1) * per_file)
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            parts = serialize(meta, spec.page_bytes, _slice_rows(rows, lo, hi), sums[lo:hi])
+            parts = serialize(meta, spec.page_bytes, slice_rows(rows, lo, hi), sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
             total += await self._write_file(self.dir / name, parts, written)
             files.append(name)
@@ -478,38 +339,6 @@ class DiskTier:
                 continue
             except OSError as exc:
                 log.warning("mmtier disk tier: cannot remove %s: %s", p, exc)
-
-    # ---- reading ----
-    def _read_file(self, path: Path, e: DiskEntry, dest: _Dest) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        finally:
-            os.close(fd)
-        with pa.memory_map(str(path)) as mm:
-            reader = pa.ipc.open_file(mm)
-            meta = read_meta(reader.schema)
-            if _group_fields(meta) != self._expected_group(e):
-                raise CorruptDataError(f"{path.name}: metadata does not match the index")
-            pb = int(e.layout["page_bytes"])
-            first, rows = int(meta["first_page"]), 0
-            for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
-                batch.validate()
-                col, sums = batch.column(0), batch.column(1)
-                if col.null_count or sums.null_count:
-                    raise CorruptDataError(f"{path.name}: null pages")
-                k = len(col)
-                src = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=k * pb,
-                                    offset=col.offset * pb).reshape(k, pb)
-                sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
-                                         offset=sums.offset * 8).tolist()
-                if first + rows + k > first + int(meta["chunk_pages"]):
-                    raise CorruptDataError(f"{path.name}: more rows than chunk_pages")
-                dest.fill(first + rows, src, sum_list)
-                rows += k
-            if rows != int(meta["chunk_pages"]):
-                raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {meta['chunk_pages']}")
 
     def _expected_group(self, e: DiskEntry) -> dict:
         return {"format": FORMAT_VERSION, "key": e.key.to_wire(), "model": e.model,
@@ -561,7 +390,7 @@ class DiskTier:
                 if not d.name.endswith(SUFFIX):
                     continue
                 try:
-                    meta = _scan_file(d.path)
+                    meta = scan_file(d.path)
                     key = ContentKey.from_wire(meta["key"])
                     if meta["model"] != self.model:
                         raise CorruptDataError(f"model {meta['model']!r}, this tier holds {self.model!r}")
@@ -575,7 +404,9 @@ class DiskTier:
             chunks.sort(key=lambda c: c[0]["chunk"])
             m0 = chunks[0][0]
             ok = ([c[0]["chunk"] for c in chunks] == list(range(m0["num_chunks"]))
-                  and all(_group_fields(c[0]) == _group_fields(m0) for c in chunks)
+                  and all(group_fields(c[0]) == group_fields(m0) for c in chunks)
+                  and [c[0]["first_page"] for c in chunks]
+                  == [sum(x[0]["chunk_pages"] for x in chunks[:i]) for i in range(len(chunks))]
                   and sum(c[0]["chunk_pages"] for c in chunks) == m0["num_pages"])
             if not ok:
                 self._counts["partial_groups_at_start"] += 1
@@ -587,30 +418,6 @@ class DiskTier:
             self._index[key.digest] = DiskEntry(key, m0["model"], m0["layout"], m0["num_tokens"],
                                                 m0["num_pages"], nbytes, tuple(c[1] for c in chunks))
             self._used += nbytes
-
-
-def _scan_file(path: str) -> dict:
-    with pa.memory_map(path) as mm:
-        reader = pa.ipc.open_file(mm)
-        meta = read_meta(reader.schema)
-        if reader.num_record_batches < 1:
-            raise CorruptDataError("no record batches")
-        return meta
-
-
-def _page_sums(rows: list[np.ndarray]) -> np.ndarray:
-    return np.fromiter((xxhash.xxh3_64_intdigest(r[i]) for r in rows for i in range(r.shape[0])),
-                       dtype=np.uint64)
-
-
-def _slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
-    out, at = [], 0
-    for r in rows:
-        a, b = max(lo, at), min(hi, at + r.shape[0])
-        if a < b:
-            out.append(r[a - at:b - at])
-        at += r.shape[0]
-    return out
 
 
 async def _fsync_dir(path: Path) -> None:

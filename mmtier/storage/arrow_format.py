@@ -1,0 +1,253 @@
+"""The Arrow IPC file format of the disk tier (version 1): encode, decode, verify.
+
+A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{n:04d}.arrow``:
+
+- columns ``page`` (``fixed_size_binary(page_bytes)``, one row per page: the raw page-major
+  bytes) and ``xxh3`` (``uint64``: xxh3_64 of that page);
+- schema metadata ``mmtier.meta``: JSON with ``format``, ``key`` (the key's wire fields),
+  ``model``, ``layout`` (``spec.layout_fields()`` plus ``name`` and ``page_bytes``), the
+  group's ``num_tokens``, ``num_pages`` and ``num_chunks``, and this file's ``chunk``,
+  ``first_page`` and ``chunk_pages``; ``mmtier.meta.xxh3``: xxh3_64 of that JSON, so no
+  metadata byte can change unnoticed.
+
+Nothing is ever unpickled: the metadata is JSON, the payloads are bytes, and the schema must
+equal the two plain columns above before any column is touched. ``serialize`` feeds the Arrow
+writer through a collecting sink, so the large parts it returns are the caller's own page
+memory (no copy before the write). ``read_file`` maps a file, checks both magics, the
+metadata against what the index expects, and copies the pages block by block into the
+destination, verifying each page's xxh3 right after its copy, while it is hot.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+import xxhash
+
+from ..config import ModalitySpec
+from ..errors import CorruptDataError, DTypeError, ShapeError
+
+FORMAT_VERSION = 1
+SUFFIX = ".arrow"
+_META = b"mmtier.meta"
+_META_SUM = b"mmtier.meta.xxh3"
+_CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages")
+_BLOCK_BYTES = 4 << 20
+FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
+
+def layout_of(spec: ModalitySpec) -> dict[str, str]:
+    return {"name": str(spec.name), "page_bytes": str(spec.page_bytes), **dict(spec.layout_fields())}
+
+
+def file_name(modality: str, digest_hex: str, chunk: int, num_chunks: int) -> str:
+    return f"{modality}-{digest_hex}-{chunk:04d}of{num_chunks:04d}{SUFFIX}"
+
+
+def page_rows(spec: ModalitySpec, pages: torch.Tensor | Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """Pages as uint8 numpy rows ``[k, page_bytes]`` sharing the tensors' memory (CPU)."""
+    runs = [pages] if isinstance(pages, torch.Tensor) else list(pages)
+    out = []
+    for t in runs:
+        if not isinstance(t, torch.Tensor):
+            raise DTypeError(f"pages must be torch tensors, got {type(t).__name__}")
+        if t.dtype != spec.torch_dtype:
+            raise DTypeError(f"{spec.name}: pages are {t.dtype}, spec wants {spec.torch_dtype}")
+        if tuple(t.shape[1:]) != tuple(spec.page_shape):
+            raise ShapeError(f"{spec.name}: page shape {tuple(t.shape[1:])} != {spec.page_shape}")
+        t = t.detach().cpu().contiguous()
+        out.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], spec.page_bytes))
+    return out
+
+
+class _Sink:
+    """A write-only file for ``pa.PythonFile`` that keeps the parts instead of copying them."""
+
+    def __init__(self) -> None:
+        self.parts: list[object] = []
+        self.pos = 0
+        self.closed = False
+
+    def write(self, data: object) -> int:
+        n = memoryview(data).nbytes  # type: ignore[arg-type]
+        self.parts.append(data)
+        self.pos += n
+        return n
+
+    def tell(self) -> int:
+        return self.pos
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+    def coalesced(self, small: int = 1 << 16) -> list[object]:
+        out: list[object] = []
+        pending = bytearray()
+        for p in self.parts:
+            if memoryview(p).nbytes < small:  # type: ignore[arg-type]
+                pending += memoryview(p)  # type: ignore[arg-type]
+                continue
+            if pending:
+                out.append(bytes(pending))
+                pending = bytearray()
+            out.append(p)
+        if pending:
+            out.append(bytes(pending))
+        return out
+
+
+def schema_of(meta: dict, page_bytes: int) -> pa.Schema:
+    blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
+    return pa.schema([("page", pa.binary(page_bytes)), ("xxh3", pa.uint64())],
+                     metadata={_META: blob, _META_SUM: xxhash.xxh3_64_hexdigest(blob).encode()})
+
+
+def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray) -> list[object]:
+    """The bytes of one Arrow IPC file as parts; large parts alias ``rows`` (no copy)."""
+    schema = schema_of(meta, page_bytes)
+    sink = _Sink()
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+        at = 0
+        for r in rows:
+            k = r.shape[0]
+            col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(page_bytes), k, [None, pa.py_buffer(r)])
+            writer.write_batch(pa.record_batch([col, pa.array(sums[at:at + k], pa.uint64())], schema=schema))
+            at += k
+    return sink.coalesced()
+
+
+def read_meta(schema: pa.Schema) -> dict:
+    """The verified JSON metadata of a file's schema, or ``CorruptDataError``."""
+    md = schema.metadata or {}
+    blob, total = md.get(_META), md.get(_META_SUM)
+    if blob is None or total is None or xxhash.xxh3_64_hexdigest(blob).encode() != total:
+        raise CorruptDataError("missing or damaged mmtier metadata")
+    meta = json.loads(blob)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CorruptDataError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
+    want = pa.schema([("page", pa.binary(int(meta["layout"]["page_bytes"]))), ("xxh3", pa.uint64())])
+    if not schema.remove_metadata().equals(want):
+        raise CorruptDataError(f"unexpected schema {schema.remove_metadata()}")
+    return meta
+
+
+def group_fields(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k not in _CHUNK_FIELDS}
+
+
+class DestPages:
+    """Destination pages: one tensor or several contiguous runs, addressed by page index."""
+
+    def __init__(self, spec: ModalitySpec, out: torch.Tensor | Sequence[torch.Tensor], n: int):
+        runs = [out] if isinstance(out, torch.Tensor) else list(out)
+        self.arrays: list[np.ndarray] = []
+        self.starts: list[int] = []
+        at = 0
+        for t in runs:
+            if t.dtype != spec.torch_dtype or tuple(t.shape[1:]) != tuple(spec.page_shape):
+                raise ShapeError(f"destination {tuple(t.shape)} {t.dtype} does not fit {spec.name}")
+            if t.is_cuda or not t.is_contiguous():
+                raise DTypeError("destination runs must be contiguous CPU tensors")
+            self.starts.append(at)
+            self.arrays.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], spec.page_bytes))
+            at += t.shape[0]
+        if at != n:
+            raise ShapeError(f"destination holds {at} pages, the group has {n}")
+        self.total = at
+        self.block = max(1, _BLOCK_BYTES // spec.page_bytes)
+
+    def fill(self, first: int, src: np.ndarray, sums: list[int]) -> None:
+        """Copy ``src`` rows to pages ``first..`` and verify each copied page's xxh3."""
+        i, k = 0, src.shape[0]
+        if first < 0 or first + k > self.total:
+            raise CorruptDataError(f"pages {first}..{first + k} outside the group's {self.total}")
+        while i < k:
+            r = bisect.bisect_right(self.starts, first + i) - 1
+            local = first + i - self.starts[r]
+            m = min(self.arrays[r].shape[0] - local, k - i, self.block)
+            dst = self.arrays[r][local:local + m]
+            np.copyto(dst, src[i:i + m])
+            for j in range(m):
+                if xxhash.xxh3_64_intdigest(dst[j]) != sums[i + j]:
+                    raise CorruptDataError(f"checksum mismatch at page {first + i + j}")
+            i += m
+
+
+_MAGIC = b"ARROW1\x00\x00"
+
+
+def open_reader(mm: pa.MemoryMappedFile) -> pa.ipc.RecordBatchFileReader:
+    """An IPC file reader after checking the leading magic (Arrow itself checks the trailing)."""
+    if bytes(mm.read_at(len(_MAGIC), 0)) != _MAGIC:
+        raise CorruptDataError("not an Arrow IPC file (leading magic)")
+    return pa.ipc.open_file(mm)
+
+
+def scan_file(path: str) -> dict:
+    with pa.memory_map(path) as mm:
+        reader = open_reader(mm)
+        meta = read_meta(reader.schema)
+        if reader.num_record_batches < 1:
+            raise CorruptDataError("no record batches")
+        return meta
+
+
+def page_sums(rows: list[np.ndarray]) -> np.ndarray:
+    return np.fromiter((xxhash.xxh3_64_intdigest(r[i]) for r in rows for i in range(r.shape[0])),
+                       dtype=np.uint64)
+
+
+def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
+    out, at = [], 0
+    for r in rows:
+        a, b = max(lo, at), min(hi, at + r.shape[0])
+        if a < b:
+            out.append(r[a - at:b - at])
+        at += r.shape[0]
+    return out
+
+
+def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> int:
+    """Verify one file against the group fields the index expects (its pages start at
+    ``first_page``), fill ``dest``; returns the pages it held."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+    with pa.memory_map(str(path)) as mm:
+        reader = open_reader(mm)
+        meta = read_meta(reader.schema)
+        if group_fields(meta) != expected:
+            raise CorruptDataError(f"{path.name}: metadata does not match the index")
+        pb = int(expected["layout"]["page_bytes"])
+        first, rows = int(meta["first_page"]), 0
+        if first != first_page:
+            raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
+            batch.validate()
+            col, sums = batch.column(0), batch.column(1)
+            if col.null_count or sums.null_count:
+                raise CorruptDataError(f"{path.name}: null pages")
+            k = len(col)
+            src = np.frombuffer(col.buffers()[1], dtype=np.uint8, count=k * pb,
+                                offset=col.offset * pb).reshape(k, pb)
+            sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
+                                     offset=sums.offset * 8).tolist()
+            if first + rows + k > first + int(meta["chunk_pages"]):
+                raise CorruptDataError(f"{path.name}: more rows than chunk_pages")
+            dest.fill(first + rows, src, sum_list)
+            rows += k
+        if rows != int(meta["chunk_pages"]):
+            raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {meta['chunk_pages']}")
+        return rows
