@@ -29,6 +29,7 @@ from .eviction import make_policy
 from .groups import ModalityGroup, Tier
 from .kernels import merge_attention_states, paged_attention, write_kv
 from .pool import DeviceArena, PagePool
+from .residency import LowerTiers
 from .stats import CacheStats, Counters, TierUsage
 from .table import SequenceHandle, SequenceTable, compile_segments
 
@@ -51,6 +52,8 @@ class TieredKVCache:
         self._gids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._closed = False
+        self.lower = LowerTiers(self)
+        self.lower.adopt_disk_inventory()
 
     # ------------------------------------------------------------------ keys and tenants
     def _salt(self, tenant: str | None) -> bytes:
@@ -211,13 +214,19 @@ class TieredKVCache:
         """A copy of the stored encoder outputs ``[n_tokens, width]``."""
         spec = self._check_key(key, "embedding")
         with self._lock:
+            self.lower.apply_completions()
             group = self._require(key)
-            self._ensure_device(group)
             group.hits += 1
             self.counters.add("embedding_reads", key.modality)
             self.policy.on_access(group)
-            pool = self.pools[key.modality]
-            return pool.view[group.pages].reshape(-1, spec.width)[: group.num_tokens].clone()
+            if self._ensure_device(group):
+                pool = self.pools[key.modality]
+                pages = pool.view[torch.tensor(group.pages, device=pool.device)]
+            elif group.tier == Tier.HOST:
+                pages = group.location.gather()
+            else:
+                pages = self.lower._read_disk(group)
+            return pages.reshape(-1, spec.width)[: group.num_tokens].clone()
 
     def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
         """Reference a stored group at the sequence's next position (no copy)."""
@@ -351,8 +360,10 @@ class TieredKVCache:
         return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
 
     def _attend_lower(self, segments, layer, q, q_pos, causal, scale):
-        """Partial states of host- and disk-resident segments (none without lower tiers)."""
-        return []
+        """Partial states of host- and disk-resident segments, computed where they live."""
+        if not self.lower.enabled:
+            return []
+        return self.lower.lower_states(segments, layer, q, q_pos, causal, scale)
 
     def _device_view(self, group: ModalityGroup):
         pool = self.pools[group.modality]
@@ -368,25 +379,44 @@ class TieredKVCache:
             self._make_room(pool, n - pool.num_free, protect)
         return pool.allocate(n)
 
-    def _make_room(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup]) -> None:
+    def _make_room(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
+                   referenced: bool = True) -> None:
+        """Free ``pages_needed`` pages of ``pool`` by moving whole groups down (or dropping them
+        at the bottom). Unreferenced groups go first, in the policy's order; with lower tiers,
+        referenced groups not in use may be demoted too (attention serves them where they are).
+        ``CapacityError``, before anything moves, when not enough can go."""
         spec = pool.spec
-        victims = [g for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes,
-                                                   spec.name) if g not in protect]
         chosen, got = [], 0
-        for g in victims:
+        for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes, spec.name):
             if got >= pages_needed:
                 break
-            chosen.append(g)
-            got += len(g.pages)
+            if g not in protect:
+                chosen.append(g)
+                got += len(g.pages)
+        if got < pages_needed and referenced and self.lower.enabled:
+            held = sorted((s.group for t in self._seqs.values() for s in t.segments
+                           if s.group.tier == Tier.DEVICE and s.group.modality == spec.name
+                           and s.group.refs > 0 and s.group.pins == 0 and s.group.busy == 0
+                           and s.group not in protect), key=lambda g: g.last_access)
+            for g in dict.fromkeys(held):
+                if got >= pages_needed:
+                    break
+                if g not in chosen:
+                    chosen.append(g)
+                    got += len(g.pages)
         if got < pages_needed:
             raise CapacityError(
                 f"{spec.name} pool: {pages_needed} more pages needed, {pool.num_free} free of {pool.num_pages} "
-                f"and only {got} pages held by evictable groups (no lower tier could take more)")
+                f"and only {got} pages held by groups that can move (no lower tier could take more)")
         for g in chosen:
             self._demote(g)
 
     def _demote(self, group: ModalityGroup) -> None:
-        """Move a whole group one tier down; without a lower tier, drop it."""
+        """Move a whole device group one tier down; without a lower tier, drop it."""
+        if self.lower.enabled and self.lower.demote_from_device(group):
+            return
+        if group.refs > 0:
+            raise CapacityError(f"{group!r} is in use and no lower tier could take it")
         self._drop(group)
 
     def _drop(self, group: ModalityGroup) -> None:
@@ -397,12 +427,39 @@ class TieredKVCache:
         if group.tier == Tier.DEVICE and group.pages:
             self.pools[group.modality].free(group.pages)
             group.pages = []
-        if group.key is not None:
-            self._groups.pop(group.key, None)
+        if self.lower.enabled:
+            self.lower.forget(group)
+        if group.key is not None and self._groups.get(group.key) is group:
+            del self._groups[group.key]
         self.policy.on_remove(group)
 
-    def _ensure_device(self, group: ModalityGroup) -> None:
-        """Bring a group to the device when policy wants it there (no lower tiers yet)."""
+    def _forget_corrupt(self, group: ModalityGroup) -> None:
+        """A stored copy failed verification: the group is a miss from now on."""
+        if group.key is not None and self._groups.get(group.key) is group:
+            del self._groups[group.key]
+        self.policy.on_remove(group)
+        group.location = None
+
+    def flush(self) -> None:
+        """Wait for the copies in flight (background spills, prefetches) and apply them."""
+        with self._lock:
+            if self.lower.enabled:
+                self.lower.flush()
+
+    def prefetch(self, key: ContentKey) -> bool:
+        """Start bringing a disk-resident group up to host memory; ``True`` if a copy started."""
+        self._check_key(key)
+        with self._lock:
+            self.lower.apply_completions()
+            group = self._require(key)
+            return self.lower.prefetch(group) is not None
+
+    def _ensure_device(self, group: ModalityGroup) -> bool:
+        """Bring a lower-tier group to the device when room can be made without demoting
+        groups in use; ``False`` when it stays below (attention serves it there)."""
+        if group.tier == Tier.DEVICE:
+            return True
+        return self.lower.promote(group)
 
     # ------------------------------------------------------------------ I/O helpers
     def _check_kv(self, spec: ModalitySpec, k, v) -> int:
@@ -444,19 +501,24 @@ class TieredKVCache:
                 seen.add(g.gid)
                 device[g.modality].groups += 1
             counters, by_modality = self.counters.snapshot()
+            counters.update(self.lower.storage_counters())
             return CacheStats(tiers={"device": device, **self._lower_stats()}, counters=counters,
                               by_modality=by_modality, sequences=len(self._seqs))
 
     def _lower_stats(self) -> dict[str, dict[str, TierUsage]]:
-        return {}
+        return self.lower.stats() if self.lower.enabled else {}
 
     def _open(self) -> None:
         if self._closed:
             raise ClosedError("the cache is closed")
 
     def close(self) -> None:
+        """Wait for in-flight copies, then close the lower tiers (files stay for a restart)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            self.lower.close()
 
     def __enter__(self) -> TieredKVCache:
         return self

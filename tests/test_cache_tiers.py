@@ -1,0 +1,242 @@
+"""The cache across device, host and disk: demotion of whole groups, attention where the pages
+live merged by log-sum-exp, warm restart over the same directory, corrupt files as misses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmtier import CacheConfig, ModalitySpec, TieredKVCache, UnknownKeyError
+from mmtier.errors import CorruptDataError
+from mmtier.groups import Tier
+from tests.oracle import oracle_attention, rel_err
+
+L, H, D = 2, 2, 32
+TOKEN_BYTES = 2 * L * H * D * 4          # K and V, all layers, float32
+VISION_PAGE = 32 * TOKEN_BYTES
+TEXT_PAGE = 16 * TOKEN_BYTES
+
+
+def make_cfg(tmp_path, device_pages=4, host_pages=4, disk=True, **over):
+    base = dict(
+        model="tiny-tiers", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+        modalities={"text": ModalitySpec(page_size=16, share=0.25),
+                    "vision": ModalitySpec(page_size=32, share=0.5),
+                    "vision_embed": ModalitySpec(kind="embedding", width=16, page_size=32, share=0.25)},
+        device="cpu", device_bytes=2 * device_pages * VISION_PAGE + 64,
+        host_bytes=host_pages * VISION_PAGE, disk_dir=(tmp_path / "spill") if disk else None,
+        disk_bytes=64 << 20, disk_free_floor_bytes=0)
+    base.update(over)
+    return CacheConfig(**base)
+
+
+def kv(n):
+    return torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+
+
+def tiers_of(cache, keys):
+    return [cache._groups[k].tier for k in keys]
+
+
+def test_unreferenced_groups_cascade_device_host_disk(tmp_path):
+    with TieredKVCache(make_cfg(tmp_path)) as cache:
+        assert cache.pools["vision"].num_pages == 4
+        keys = [cache.content_key("vision", f"img{i}".encode()) for i in range(6)]
+        data = {}
+        for key in keys:                      # 2 pages each: 12 pages over device 4 + host 4
+            data[key] = kv(64)
+            cache.put(key, *data[key])
+        cache.flush()                         # let background spills land
+        where = tiers_of(cache, keys)
+        assert where[-2:] == [Tier.DEVICE, Tier.DEVICE]
+        assert Tier.DISK in where and where.count(Tier.DEVICE) == 2
+        s = cache.stats()
+        assert s.tiers["device"]["vision"].groups == 2
+        total = sum(s.tiers[t]["vision"].groups for t in ("device", "host", "disk"))
+        assert total == 6                     # nothing lost, nothing split
+        assert s.counters["spills"] >= 4 and s.counters.get("evictions", 0) == 0
+
+
+def test_attention_across_three_tiers_equals_oracle(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=4, host_pages=4)
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        ks, vs = [], []
+        for i in range(5):                    # 5 images x 2 pages, all attached: referenced
+            k, v = kv(60)
+            key = cache.content_key("vision", f"img{i}".encode())
+            cache.put(key, k, v)
+            cache.attach(seq, key)
+            ks.append(k)
+            vs.append(v)
+        k, v = kv(20)
+        cache.append(seq, "vision", k, v)     # a private run of the same pool
+        ks.append(k)
+        vs.append(v)
+        where = {s.group.tier for s in cache.sequence(seq).segments}
+        assert Tier.DEVICE in where and (Tier.HOST in where or Tier.DISK in where)
+        q = torch.randn(3, 4, D)
+        for layer in range(L):
+            out = cache.attention(seq, layer, q)
+            kk = torch.cat(ks, dim=1)[layer]
+            vv = torch.cat(vs, dim=1)[layer]
+            t = kk.shape[0]
+            expect, _ = oracle_attention(q, torch.arange(t - 3, t), kk, vv, torch.arange(t))
+            assert rel_err(out, expect) < 1e-5
+        cache.release(seq)
+        assert cache.pools["vision"].num_used == sum(
+            len(g.pages) for g in cache._groups.values() if g.tier == Tier.DEVICE)
+
+
+def test_disk_groups_stream_for_attention(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0)
+    cfg = cfg.model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        ks, vs = [], []
+        for i in range(3):
+            k, v = kv(64)
+            key = cache.content_key("vision", f"d{i}".encode())
+            cache.put(key, k, v)
+            cache.attach(seq, key)
+            ks.append(k)
+            vs.append(v)
+        assert [s.group.tier for s in cache.sequence(seq).segments].count(Tier.DISK) == 2
+        q = torch.randn(2, 2, D)
+        out = cache.attention(seq, 1, q, causal=False)
+        expect, _ = oracle_attention(q, torch.zeros(2), torch.cat(ks, 1)[1], torch.cat(vs, 1)[1],
+                                     torch.arange(192), causal=False)
+        assert rel_err(out, expect) < 1e-5
+
+
+def test_warm_restart_knows_every_group_on_disk(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    data = {}
+    with TieredKVCache(cfg) as cache:
+        for i in range(4):
+            key = cache.content_key("vision", f"w{i}".encode(), tenant="acme")
+            data[key] = kv(50)
+            cache.put(key, *data[key])
+        on_disk = [k for k in data if cache._groups[k].tier == Tier.DISK]
+        assert len(on_disk) == 3
+    (tmp_path / "spill" / "leftover.arrow.tmp").write_bytes(b"partial write")
+    with TieredKVCache(cfg) as again:
+        assert not (tmp_path / "spill" / "leftover.arrow.tmp").exists()
+        for key in on_disk:
+            key2 = again.content_key("vision", f"w{list(data).index(key)}".encode(), tenant="acme")
+            assert key2 == key and again.contains(key2)
+        seq = again.create_sequence(tenant="acme")
+        key = on_disk[0]
+        again.attach(seq, key)
+        q = torch.randn(1, 2, D)
+        out = again.attention(seq, 0, q, causal=False)
+        k, v = data[key]
+        expect, _ = oracle_attention(q, torch.zeros(1), k[0], v[0], torch.arange(50), causal=False)
+        assert rel_err(out, expect) < 1e-5
+        assert again.stats().counters["adopted_from_disk"] == 3
+
+
+def _flip_one_byte(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "zero_tail"])
+def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        keys = [cache.content_key("vision", f"c{i}".encode()) for i in range(3)]
+        for key in keys:
+            cache.put(key, *kv(64))
+        victim = keys[0]
+        assert cache._groups[victim].tier == Tier.DISK
+        files = sorted((tmp_path / "spill").glob(f"vision-{victim.hex}*.arrow"))
+        assert files
+        raw = files[0].read_bytes()
+        if damage == "flip":
+            _flip_one_byte(files[0])
+        elif damage == "truncate":
+            files[0].write_bytes(raw[: len(raw) // 3])
+        else:
+            files[0].write_bytes(raw[: len(raw) // 2] + bytes(len(raw) - len(raw) // 2))
+        seq = cache.create_sequence()
+        # The restart path checks the footer; the read path checks every page's checksum.
+        with pytest.raises((UnknownKeyError, CorruptDataError)):
+            cache.attach(seq, victim)
+            cache.attention(seq, 0, torch.randn(1, 2, D), groups=[victim], causal=False)
+        assert not cache.contains(victim)               # now a plain miss
+        counters = cache.stats().counters
+        assert counters.get("corrupt_reads", 0) + counters.get("disk_corrupt_reads", 0) >= 1
+
+
+def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=4, disk=False)
+    with TieredKVCache(cfg) as cache:
+        keys = [cache.content_key("vision", f"h{i}".encode()) for i in range(4)]
+        for key in keys:
+            cache.put(key, *kv(64))
+        assert [cache.contains(k) for k in keys] == [False, True, True, True]
+        assert cache._groups[keys[1]].tier == Tier.HOST
+        assert cache.stats().counters["evictions"] == 1
+
+
+def test_attach_promotes_a_host_group_when_room_allows(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=4, host_pages=4, disk=False)
+    with TieredKVCache(cfg) as cache:
+        a, b, c = (cache.content_key("vision", x) for x in (b"a", b"b", b"c"))
+        k, v = kv(64)
+        cache.put(a, k, v)
+        cache.put(b, *kv(64))
+        cache.put(c, *kv(64))                 # a goes to host
+        assert cache._groups[a].tier == Tier.HOST
+        seq = cache.create_sequence()
+        cache.attach(seq, a)                  # room is made by demoting b (unreferenced)
+        assert cache._groups[a].tier == Tier.DEVICE
+        assert cache.stats().counters["restores"] == 1
+        q = torch.randn(1, 2, D)
+        out = cache.attention(seq, 0, q, causal=False)
+        expect, _ = oracle_attention(q, torch.zeros(1), k[0], v[0], torch.arange(64), causal=False)
+        assert rel_err(out, expect) < 1e-5
+
+
+def test_prefetch_brings_a_disk_group_to_host(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=6)
+    with TieredKVCache(cfg) as cache:
+        keys = [cache.content_key("vision", f"p{i}".encode()) for i in range(6)]
+        data = {}
+        for key in keys:
+            data[key] = kv(64)
+            cache.put(key, *data[key])
+        cache.flush()
+        on_disk = [k for k in keys if cache._groups[k].tier == Tier.DISK]
+        assert on_disk, [cache._groups[k].tier for k in keys]
+        target = on_disk[0]
+        for key in keys:                        # free the host tier: drop what sits there
+            g = cache._groups[key]
+            if g.tier == Tier.HOST:
+                cache._drop(g)
+        assert cache.prefetch(target) is True
+        cache.flush()
+        assert cache._groups[target].tier == Tier.HOST
+        assert cache.stats().counters["prefetched"] == 1
+        seq = cache.create_sequence()
+        cache.attach(seq, target)
+        q = torch.randn(1, 2, D)
+        k, v = data[target]
+        out = cache.attention(seq, 1, q, causal=False)
+        expect, _ = oracle_attention(q, torch.zeros(1), k[1], v[1], torch.arange(64), causal=False)
+        assert rel_err(out, expect) < 1e-5
+
+
+def test_embeddings_spill_and_come_back(tmp_path):
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=1)
+    with TieredKVCache(cfg) as cache:
+        assert cache.pools["vision_embed"].num_pages >= 1
+        xs = {}
+        for i in range(4):
+            key = cache.content_key("vision_embed", f"e{i}".encode())
+            xs[key] = torch.randn(30, 16)
+            cache.put_embedding(key, xs[key])
+        for key, x in xs.items():
+            assert torch.equal(cache.get_embedding(key), x)
