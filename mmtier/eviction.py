@@ -1,81 +1,286 @@
 """Eviction policies over modality groups (policy only: no pages, no copies).
 
-A policy sees ``on_insert / on_access / on_release / on_remove`` and answers
+A policy sees ``on_insert / on_access / on_release / on_move / on_remove`` and answers
 ``victims(tier, bytes_needed, modality=None)``: evictable groups in that tier (optionally of one
 modality's pool), in eviction order, until their bytes cover ``bytes_needed`` (fewer when not
 enough can go; the caller decides what that means). A new policy is one class plus one line in
 ``POLICIES``.
+
+Mechanism shared by every policy: each group has a static *key* computed whenever it is
+touched (insert, access, release); groups sit in one min-heap per ``(tier, modality)`` ordered
+by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up. Within
+one modality the eviction order is the key order; across modalities ``victims`` merges the
+heaps' heads by ``_rank(key, modality)``, which a policy may make depend on the current
+time as long as it is increasing in the key for a fixed modality. So ``victims`` costs
+O((k + s) log n) for k victims and s skipped (pinned, leased, busy) groups, not O(n).
+
+Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``) and no
+live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``).
+
+Tier changes: the cache should call ``on_move(group, old_tier)`` after moving a group; a policy
+also notices a group whose tier changed without the hook (it re-files groups it handed out as
+victims, or accessed in a lower tier, at the next ``victims`` call, and any misplaced group
+it meets while scanning), so a missing hook costs order quality, never correctness.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from .config import CacheConfig
 from .groups import ModalityGroup, Tier
 
+Clock = Callable[[], float]
+_HeapItem = tuple[float, int, int]          # (key, seq, gid)
+
+
+@dataclass
+class _Entry:
+    group: ModalityGroup
+    key: float = 0.0
+    seq: int = -1                            # seq of this group's live heap item
+    tier: Tier = Tier.DEVICE                 # the heap (tier) that live item sits in
+    freq: int = 0                            # insert + accesses
+
 
 class EvictionPolicy:
-    """Base: tracks groups in recency order; subclasses change ``_order``."""
+    """Base: heap-per-(tier, modality) mechanism. Subclasses define ``_key`` (and ``_rank``)."""
 
     name = "base"
 
-    def __init__(self, cfg: CacheConfig):
+    def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         self.cfg = cfg
-        self._groups: OrderedDict[int, ModalityGroup] = OrderedDict()   # oldest first
+        self.clock: Clock = clock or time.monotonic
+        self.tick = 0                         # logical clock: one per insert / access / release
+        self._entries: dict[int, _Entry] = {}
+        self._heaps: dict[tuple[Tier, str], list[_HeapItem]] = {}
+        self._seq = itertools.count()
+        self._items = 0                       # heap items, live and stale
+        self._watch: set[int] = set()         # gids whose tier may have changed without on_move
+        self._scanning = False                # no heap rebuild while victims() holds popped items
 
+    # ------------------------------------------------------------------ hooks
     def on_insert(self, group: ModalityGroup) -> None:
-        self._groups[group.gid] = group
-        self._groups.move_to_end(group.gid)
+        """A new group exists (in ``group.tier``)."""
+        self.tick += 1
+        entry = _Entry(group, freq=1)
+        self._entries[group.gid] = entry
+        self._file(entry, self._key(entry))
 
     def on_access(self, group: ModalityGroup) -> None:
-        if group.gid in self._groups:
-            self._groups.move_to_end(group.gid)
+        """A hit, attach or attention over the group."""
+        entry = self._entries.get(group.gid)
+        if entry is None:
+            self.on_insert(group)
+            return
+        self.tick += 1
+        entry.freq += 1
+        self._file(entry, self._key(entry))
+        if group.tier != Tier.DEVICE:
+            self._watch.add(group.gid)        # likely promoted next
 
     def on_release(self, group: ModalityGroup) -> None:
-        """The last reference went away: the group became a candidate."""
+        """The last reference went away: the group became a candidate; its last use is now."""
+        entry = self._entries.get(group.gid)
+        if entry is None:
+            return
+        self.tick += 1
+        self._file(entry, self._key(entry))
+
+    def on_move(self, group: ModalityGroup, old_tier: Tier) -> None:
+        """The cache moved the group from ``old_tier`` to ``group.tier`` (demotion, promotion)."""
+        entry = self._entries.get(group.gid)
+        if entry is not None:
+            self._resync(entry)
 
     def on_remove(self, group: ModalityGroup) -> None:
-        self._groups.pop(group.gid, None)
+        """The group was freed (dropped at the bottom, or deleted)."""
+        entry = self._entries.pop(group.gid, None)
+        if entry is not None:
+            self._left(entry.tier, entry)
+        self._watch.discard(group.gid)
 
+    # ------------------------------------------------------------------ queries
     def victims(self, tier: Tier, bytes_needed: int, modality: str | None = None) -> list[ModalityGroup]:
         out: list[ModalityGroup] = []
-        got = 0
         if bytes_needed <= 0:
             return out
-        for group in self._order(tier, modality):
-            out.append(group)
-            got += group.nbytes
-            if got >= bytes_needed:
-                break
+        self._flush_watch()
+        self._scanning = True
+        held: list[tuple[tuple[Tier, str], _HeapItem]] = []
+        try:
+            now = self.clock()
+            mods = [modality] if modality is not None else [m for (t, m) in self._heaps if t == tier]
+            scans = [self._scan(tier, m, now, held) for m in mods]
+            merge: list[tuple[float, int, int, ModalityGroup]] = []
+            for i, scan in enumerate(scans):
+                self._advance(merge, scans, i, scan)
+            got = 0
+            while merge and got < bytes_needed:
+                _, _, i, group = heapq.heappop(merge)
+                out.append(group)
+                got += group.nbytes
+                self._advance(merge, scans, i, scans[i])
+        finally:
+            for hkey, item in held:
+                heapq.heappush(self._heaps.setdefault(hkey, []), item)
+            self._scanning = False
+        self._watch.update(g.gid for g in out)
         return out
 
-    def _candidates(self, tier: Tier, modality: str | None) -> Iterator[ModalityGroup]:
-        for group in self._groups.values():
-            if group.tier == tier and (modality is None or group.modality == modality) and group.evictable:
-                yield group
+    def order(self, tier: Tier, modality: str | None = None) -> list[ModalityGroup]:
+        """Every evictable group of the tier in eviction order (for tests and reports)."""
+        return self.victims(tier, 1 << 62, modality)
 
-    def _order(self, tier: Tier, modality: str | None) -> Iterator[ModalityGroup]:
-        return self._candidates(tier, modality)
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # ------------------------------------------------------------------ policy hooks
+    def _key(self, entry: _Entry) -> float:
+        """Static key of a group at its latest touch: smaller goes first."""
+        raise NotImplementedError
+
+    def _rank(self, key: float, modality: str) -> float:
+        """Merge rank across modalities at this moment; must increase with ``key``."""
+        return key
+
+    def _left(self, tier: Tier, entry: _Entry) -> None:
+        """The group left ``tier`` (demoted or dropped)."""
+
+    # ------------------------------------------------------------------ mechanism
+    def _evictable(self, group: ModalityGroup, now: float) -> bool:
+        return group.refs == 0 and group.pins == 0 and group.busy == 0 and group.live_leases(now) == 0
+
+    def _file(self, entry: _Entry, key: float) -> None:
+        entry.key = key
+        entry.seq = next(self._seq)
+        entry.tier = entry.group.tier
+        heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality), []),
+                       (key, entry.seq, entry.group.gid))
+        self._items += 1
+        if self._items > 4 * len(self._entries) + 1024 and not self._scanning:
+            self._rebuild()
+
+    def _resync(self, entry: _Entry) -> None:
+        if entry.group.tier != entry.tier:
+            old = entry.tier
+            self._file(entry, entry.key)
+            self._left(old, entry)
+
+    def _flush_watch(self) -> None:
+        for gid in self._watch:
+            entry = self._entries.get(gid)
+            if entry is not None:
+                self._resync(entry)
+        self._watch.clear()
+
+    def _rebuild(self) -> None:
+        self._heaps = {}
+        for entry in self._entries.values():
+            if entry.tier != entry.group.tier:
+                self._left(entry.tier, entry)
+                entry.tier = entry.group.tier
+            self._heaps.setdefault((entry.tier, entry.group.modality), []).append(
+                (entry.key, entry.seq, entry.group.gid))
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+        self._items = len(self._entries)
+
+    def _scan(self, tier: Tier, modality: str, now: float,
+              held: list[tuple[tuple[Tier, str], _HeapItem]]) -> Iterator[ModalityGroup]:
+        """Evictable groups of one heap in key order; popped items are kept in ``held``."""
+        hkey = (tier, modality)
+        heap = self._heaps.get(hkey, [])
+        while heap:
+            item = heapq.heappop(heap)
+            entry = self._entries.get(item[2])
+            if entry is None or entry.seq != item[1]:
+                self._items -= 1              # stale: dropped for good
+                continue
+            if entry.group.tier != tier:      # moved without on_move: re-file it, never hand it out
+                self._items -= 1
+                self._resync(entry)
+                continue
+            held.append((hkey, item))
+            if self._evictable(entry.group, now):
+                yield entry.group
+
+    def _advance(self, merge: list, scans: list, i: int, scan: Iterator[ModalityGroup]) -> None:
+        group = next(scan, None)
+        if group is not None:
+            entry = self._entries[group.gid]
+            heapq.heappush(merge, (self._rank(entry.key, group.modality), entry.seq, i, group))
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used group first."""
+    """Least recently used group first (recency = the policy's logical clock at the last touch;
+    a release counts as a touch, since the group was in use until then)."""
 
     name = "lru"
+
+    def _key(self, entry: _Entry) -> float:
+        return float(self.tick)
+
+
+class ModalityLRUPolicy(EvictionPolicy):
+    """Modality-priority LRU. Rule: victims go in decreasing ``age / priority``, where ``age`` is
+    the number of policy ticks (inserts, accesses, releases) since the group's last touch plus
+    one, and ``priority`` is ``ModalitySpec.priority`` of its modality. Within one modality this
+    is exactly LRU; across modalities a group of priority 4 survives as long as a group of
+    priority 1 that is four times younger. With vision at 4 and audio at 1, the active
+    conversation's images (touched at every turn) stay while audio of an old session goes first.
+    """
+
+    name = "modality_lru"
+
+    def _key(self, entry: _Entry) -> float:
+        return float(self.tick)
+
+    def _rank(self, key: float, modality: str) -> float:
+        age = self.tick - key + 1.0
+        return -age / self.cfg.modalities[modality].priority
+
+
+class CostAwarePolicy(EvictionPolicy):
+    """Greedy-dual-size-frequency. A group's priority at its latest touch is
+    ``H = L[tier] + freq * recompute_cost / nbytes``, where ``freq`` counts its insert and
+    accesses, ``recompute_cost = num_tokens * ModalitySpec.recompute_cost`` and ``nbytes`` its
+    page bytes; lowest ``H`` goes first. ``L[tier]`` (the inflation value, one per tier) rises to
+    the ``H`` of each group that leaves the tier, so groups not touched for a long time age out.
+    ``H`` is scaled per MiB so that the ratios stay readable."""
+
+    name = "cost_aware"
+
+    def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
+        super().__init__(cfg, clock)
+        self.inflation: dict[Tier, float] = {t: 0.0 for t in Tier}
+
+    def _key(self, entry: _Entry) -> float:
+        g = entry.group
+        return self.inflation[g.tier] + entry.freq * g.recompute_cost * (1 << 20) / max(g.nbytes, 1)
+
+    def _left(self, tier: Tier, entry: _Entry) -> None:
+        if entry.key > self.inflation[tier]:
+            self.inflation[tier] = entry.key
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
+    "modality_lru": ModalityLRUPolicy,
+    "cost_aware": CostAwarePolicy,
 }
 
 
-def make_policy(cfg: CacheConfig) -> EvictionPolicy:
+def make_policy(cfg: CacheConfig, clock: Clock | None = None) -> EvictionPolicy:
     try:
-        return POLICIES[cfg.eviction_policy](cfg)
+        cls = POLICIES[cfg.eviction_policy]
     except KeyError:
         from .errors import ConfigError
 
         raise ConfigError(f"eviction_policy {cfg.eviction_policy!r} is not implemented",
                           ("eviction_policy",)) from None
+    return cls(cfg, clock)
