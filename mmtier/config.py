@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .errors import ConfigError
 
@@ -30,12 +38,13 @@ class ModalitySpec(BaseModel):
     name: str | None = Field(None, description="Modality name; filled from the key in CacheConfig.modalities.")
     kind: Literal["kv", "embedding"] = Field(
         "kv", description="'kv': attention K and V per layer; 'embedding': one vector of `width` per token (encoder outputs).")
-    page_size: int = Field(..., gt=0, le=4096, description="Tokens per page.")
-    num_layers: int | None = Field(None, gt=0, description="Layers whose KV this modality holds; default: the model's.")
-    num_kv_heads: int | None = Field(None, gt=0, description="KV heads; default: the model's.")
-    head_dim: int | None = Field(None, gt=0, le=1024, description="Head dimension; default: the model's.")
+    page_size: int = Field(..., gt=0, le=4096, strict=True, description="Tokens per page.")
+    num_layers: int | None = Field(None, gt=0, strict=True, description="Layers whose KV this modality holds; default: the model's.")
+    num_kv_heads: int | None = Field(None, gt=0, strict=True, description="KV heads; default: the model's.")
+    head_dim: int | None = Field(None, gt=0, le=1024, strict=True, description="Head dimension; default: the model's.")
     dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="Element dtype; default: the model's.")
-    width: int | None = Field(None, gt=0, description="Vector width per token; required for kind='embedding'.")
+    width: int | None = Field(None, gt=0, strict=True, validate_default=True,
+                              description="Vector width per token; required for kind='embedding'.")
     share: float | None = Field(
         None, gt=0, le=1, description="Fraction of the device arena for this pool; unset shares split the rest equally.")
     recompute_cost: float = Field(
@@ -43,13 +52,21 @@ class ModalitySpec(BaseModel):
     priority: float = Field(
         1.0, gt=0, description="Weight for modality-aware eviction: higher stays longer.")
 
-    @model_validator(mode="after")
-    def _kind_fields(self) -> ModalitySpec:
-        if self.kind == "embedding" and self.width is None:
+    def __init__(self, **data: Any):
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise _config_error(exc) from None
+
+    @field_validator("width")
+    @classmethod
+    def _width_for_kind(cls, value: int | None, info: ValidationInfo) -> int | None:
+        kind = info.data.get("kind", "kv")
+        if kind == "embedding" and value is None:
             raise ValueError("width is required when kind='embedding'")
-        if self.kind == "kv" and self.width is not None:
+        if kind == "kv" and value is not None:
             raise ValueError("width is only for kind='embedding'")
-        return self
+        return value
 
     # ---- size math (resolved specs only) ----
     @property
@@ -109,32 +126,39 @@ class CacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(..., min_length=1, description="Model identity; enters every content key.")
-    num_layers: int = Field(..., gt=0, description="Decoder layers (default for modalities).")
-    num_kv_heads: int = Field(..., gt=0, description="KV heads (default for modalities).")
-    head_dim: int = Field(..., gt=0, le=1024, description="Head dimension (default for modalities).")
+    num_layers: int = Field(..., gt=0, strict=True, description="Decoder layers (default for modalities).")
+    num_kv_heads: int = Field(..., gt=0, strict=True, description="KV heads (default for modalities).")
+    head_dim: int = Field(..., gt=0, le=1024, strict=True, description="Head dimension (default for modalities).")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float16", description="KV dtype (default for modalities).")
     modalities: dict[str, ModalitySpec] = Field(..., min_length=1, description="Modality name -> page layout.")
     device: str = Field("cpu", description="Device of the page arena: 'cpu' or 'cuda:N'.")
     device_bytes: int | None = Field(
-        None, gt=0, description="Bytes of the device arena; None: device_fraction of free memory (NVML) on CUDA.")
+        None, gt=0, strict=True, description="Bytes of the device arena; None: device_fraction of free memory (NVML) on CUDA.")
     device_fraction: float = Field(0.5, gt=0, le=0.95, description="Share of free GPU memory when device_bytes is None.")
-    host_bytes: int = Field(0, ge=0, description="Host-memory tier budget in bytes; 0: no host tier.")
+    host_bytes: int = Field(0, ge=0, strict=True, description="Host-memory tier budget in bytes; 0: no host tier.")
     disk_dir: Path | None = Field(None, description="Directory of the disk tier (Arrow IPC files); None: no disk tier.")
-    disk_bytes: int = Field(8 << 30, ge=0, description="Disk tier budget in bytes.")
+    disk_bytes: int = Field(8 << 30, ge=0, strict=True, description="Disk tier budget in bytes.")
     disk_free_floor_bytes: int = Field(
-        256 << 20, ge=0, description="Never write when the filesystem's free space would drop below this.")
+        256 << 20, ge=0, strict=True, description="Never write when the filesystem's free space would drop below this.")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("lru", description=f"Eviction policy, one of {POLICIES}.")
     key_secret: str = Field(
         "mmtier-default-secret", description="Server-side secret that authenticates keys and derives tenant salts.")
-    max_inflight_bytes: int = Field(256 << 20, gt=0, description="Bytes of tier copies in flight at once.")
+    max_inflight_bytes: int = Field(256 << 20, gt=0, strict=True, description="Bytes of tier copies in flight at once.")
 
     def __init__(self, **data: Any):
         try:
             super().__init__(**data)
         except ValidationError as exc:
             raise _config_error(exc) from None
+        shares = {n: s.share for n, s in self.modalities.items() if s.share is not None}
+        if sum(shares.values()) > 1.0 + 1e-9:
+            raise ConfigError(f"invalid mmtier config: modality shares add up to {sum(shares.values()):.3f} > 1",
+                              tuple(f"modalities.{n}.share" for n in shares))
+        if self.device == "cpu" and self.device_bytes is None:
+            raise ConfigError("invalid mmtier config: device_bytes: required when device='cpu'",
+                              ("device_bytes",))
 
     @field_validator("modalities")
     @classmethod
@@ -170,11 +194,6 @@ class CacheConfig(BaseModel):
             elif spec.dtype is None:
                 update["dtype"] = self.dtype
             resolved[name] = spec.model_copy(update=update)
-        total_share = sum(s.share or 0.0 for s in resolved.values())
-        if total_share > 1.0 + 1e-9:
-            raise ValueError(f"modality shares add up to {total_share:.3f} > 1")
-        if self.device == "cpu" and self.device_bytes is None:
-            raise ValueError("device_bytes is required when device='cpu'")
         object.__setattr__(self, "modalities", resolved)
         return self
 
@@ -217,6 +236,14 @@ def _config_error(exc: ValidationError) -> ConfigError:
     lines = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(config)"
+        inner = (err.get("ctx") or {}).get("error")
+        if isinstance(inner, ConfigError):       # a nested ModalitySpec's own error
+            for field, line in zip(inner.fields, inner.lines):
+                fields.append(f"{loc}.{field}")
+                lines.append(f"{loc}.{line}")
+            continue
         fields.append(loc)
         lines.append(f"{loc}: {err['msg']}")
-    return ConfigError("invalid mmtier config: " + "; ".join(lines), tuple(fields))
+    out = ConfigError("invalid mmtier config: " + "; ".join(lines), tuple(fields))
+    out.lines = tuple(lines)
+    return out

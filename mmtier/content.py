@@ -41,8 +41,27 @@ def media_digest(data: bytes | bytearray | memoryview, params: Mapping[str, obje
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"media must be bytes-like, got {type(data).__name__}")
     raw = hashlib.sha256(data).digest()
-    items = sorted((str(k), repr(v)) for k, v in (params or {}).items())
+    items = sorted((str(k), _param_bytes(k, v)) for k, v in (params or {}).items())
     return hashlib.sha256(encode_fields(b"mmtier/media", [("bytes", raw), *items])).digest()
+
+
+def _param_bytes(name: object, value: object) -> bytes:
+    """A preprocessing parameter as typed bytes: scalars only (no repr of arbitrary objects,
+    whose text may be abbreviated or differ between processes)."""
+    if isinstance(value, bool) or value is None:
+        return f"b:{value}".encode()
+    if isinstance(value, int):
+        return f"i:{value}".encode()
+    if isinstance(value, float):
+        return b"f:" + value.hex().encode()
+    if isinstance(value, str):
+        return b"s:" + value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        return b"y:" + bytes(value)
+    if isinstance(value, (tuple, list)):
+        return (b"t:" if isinstance(value, tuple) else b"l:") + encode_fields(b"mmtier/param-seq", [(str(i), _param_bytes(name, v)) for i, v in enumerate(value)])
+    raise TypeError(f"preprocessing parameter {name!r}: {type(value).__name__} is not a str, number, "
+                    "bytes or a sequence of them")
 
 
 def tenant_salt(secret: str, tenant: str) -> bytes:

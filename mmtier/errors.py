@@ -17,6 +17,7 @@ class ConfigError(MMTierError, ValueError):
     def __init__(self, message: str, fields: tuple[str, ...] = ()):
         super().__init__(message)
         self.fields = fields
+        self.lines: tuple[str, ...] = tuple(f"{f}: {message}" for f in fields)
 
 
 class ShapeError(MMTierError, ValueError):

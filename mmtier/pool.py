@@ -99,9 +99,11 @@ class DeviceArena:
         sizes = {}
         offset = 0
         for name, spec in cfg.modalities.items():
-            pages = plan[name] // spec.page_bytes
-            sizes[name] = (offset, pages * spec.page_bytes)
-            offset += -(-pages * spec.page_bytes // _ALIGN) * _ALIGN
+            start = -(-offset // _ALIGN) * _ALIGN          # alignment comes out of the budget
+            room = max(0, min(plan[name] - (start - offset), nbytes - start))
+            pages = room // spec.page_bytes
+            sizes[name] = (start, pages * spec.page_bytes)
+            offset = start + pages * spec.page_bytes
         self.nbytes = offset
         self.storage = torch.empty(max(offset, 1), dtype=torch.uint8, device=self.device)
         self.pools: dict[str, PagePool] = {

@@ -269,9 +269,6 @@ def test_cpu_without_device_bytes_is_refused():
     assert "device_bytes" in str(err)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lead bug (config.py _resolve): model-level checks raise from a model_validator, so the "
-    "loc is empty and ConfigError.fields is ('(config)',) instead of naming the field"))
 @pytest.mark.parametrize("over,suffix", [
     ({"modalities": {"a": {"page_size": 16, "share": 0.7}, "b": {"page_size": 16, "share": 0.4}}},
      ".share"),
@@ -282,25 +279,16 @@ def test_model_level_errors_name_the_field(over, suffix):
     assert any(f.endswith(suffix) for f in err.fields), err.fields
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lead bug (config.py ModalitySpec._kind_fields): the width check raises from a model_validator, "
-    "so fields names 'modalities.e', not 'modalities.e.width'"))
 def test_embedding_without_width_names_width():
     err = config_error(modalities={"e": {"kind": "embedding", "page_size": 16}})
     assert "modalities.e.width" in err.fields
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lead bug (config.py ModalitySpec): built directly (as in the DESIGN.md contract), an invalid "
-    "ModalitySpec raises pydantic.ValidationError, not ConfigError; only CacheConfig wraps errors"))
 def test_invalid_modality_spec_raises_config_error():
     with pytest.raises(ConfigError):
         ModalitySpec(page_size=-1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lead bug (config.py): int fields are lax, so a bool is taken as 1 (YAML 'num_layers: yes' "
-    "silently means one layer); Field(strict=True) or StrictInt would refuse it"))
 def test_bool_is_not_a_layer_count():
     config_error(num_layers=True)
 
