@@ -28,6 +28,7 @@ from .errors import (
 from .eviction import make_policy
 from .groups import ModalityGroup, Tier
 from .kernels import merge_attention_states, paged_attention, write_kv
+from .leases import Lease, LeaseTable
 from .pool import DeviceArena, PagePool
 from .residency import LowerTiers
 from .stats import CacheStats, Counters, TierUsage
@@ -52,6 +53,7 @@ class TieredKVCache:
         self._gids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._closed = False
+        self.leases = LeaseTable(ttl=30.0, clock=self.policy.clock)
         self.lower = LowerTiers(self)
         self.lower.adopt_disk_inventory()
 
@@ -134,6 +136,7 @@ class TieredKVCache:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
         identity = _token_identity(modality, k, v, tokens)
         with self._lock:
+            self.lower.apply_completions()
             table = self._table(seq)
             tail = table.tail
             extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
@@ -167,6 +170,7 @@ class TieredKVCache:
     def contains(self, key: ContentKey) -> bool:
         self._check_key(key)
         with self._lock:
+            self.lower.apply_completions()
             group = self._groups.get(key)
             self.counters.add("hits" if group is not None else "misses", key.modality)
             if group is not None:
@@ -180,6 +184,7 @@ class TieredKVCache:
         spec = self._check_key(key, "kv")
         n = self._check_kv(spec, k, v)
         with self._lock:
+            self.lower.apply_completions()
             if key in self._groups:
                 return False
             pool = self.pools[key.modality]
@@ -200,6 +205,7 @@ class TieredKVCache:
         self._check_dtype(spec, x)
         n = x.shape[0]
         with self._lock:
+            self.lower.apply_completions()
             if key in self._groups:
                 return False
             pool = self.pools[key.modality]
@@ -234,6 +240,7 @@ class TieredKVCache:
         spec = self._check_key(key, "kv")
         del spec
         with self._lock:
+            self.lower.apply_completions()
             table = self._table(seq)
             if key.scope != tenant_scope(self._salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
@@ -252,6 +259,7 @@ class TieredKVCache:
     def release(self, seq: SequenceHandle) -> None:
         """Drop the sequence's references; its private runs are freed, shared groups stay cached."""
         with self._lock:
+            self.lower.apply_completions()
             table = self._table(seq)
             for seg in table.segments:
                 group = seg.group
@@ -301,6 +309,7 @@ class TieredKVCache:
             raise DTypeError(f"q dtype {q.dtype} is not float32, float16 or bfloat16")
         wanted = None if groups is None else list(groups)
         with self._lock:
+            self.lower.apply_completions()
             table = self._table(seq)
             segments = table.segments
             if wanted is not None:
@@ -433,6 +442,52 @@ class TieredKVCache:
             del self._groups[group.key]
         self.policy.on_remove(group)
 
+    # ------------------------------------------------------------------ leases and export
+    def lease(self, key: ContentKey, ttl: float = 30.0) -> Lease:
+        """Protect a group from eviction for ``ttl`` seconds (a read or transfer in progress)."""
+        self._check_key(key)
+        with self._lock:
+            return self.leases.grant(self._require(key), ttl)
+
+    def release_lease(self, lease: Lease) -> None:
+        with self._lock:
+            self.leases.release(lease)
+
+    def read_group(self, key: ContentKey, *, lease: Lease | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of a stored group's ``(k, v)`` ``[num_layers, n, num_kv_heads, head_dim]`` on
+        the CPU, from whichever tier holds it (export, transfer to another node). With a
+        ``lease``, the copy is returned only if the lease was still live when it finished
+        (``LeaseExpiredError`` otherwise): memory reused meanwhile is never returned."""
+        spec = self._check_key(key, "kv")
+        with self._lock:
+            self._open()
+            self.lower.apply_completions()
+            group = self._require(key)
+            if lease is not None:
+                self.leases.check(lease)
+            if group.tier == Tier.DEVICE:
+                pool = self.pools[key.modality]
+                pages = pool.view[torch.tensor(group.pages, device=pool.device)].cpu()
+            elif group.tier == Tier.HOST:
+                pages = group.location.gather()
+            else:
+                pages = self.lower._read_disk(group)
+            if lease is not None:
+                self.leases.check(lease)
+            group.hits += 1
+            self.policy.on_access(group)
+            self.counters.add("exports", key.modality)
+        n = group.num_tokens
+        flat = pages.permute(1, 2, 0, 3, 4, 5).reshape(spec.num_layers, 2, -1, spec.num_kv_heads, spec.head_dim)
+        return flat[:, 0, :n].contiguous(), flat[:, 1, :n].contiguous()
+
+    def inventory(self) -> list[tuple[ContentKey, str, int]]:
+        """Every stored shared group: ``(key, tier name, bytes)`` (registries rebuild from it)."""
+        with self._lock:
+            self.lower.apply_completions()
+            return [(g.key, g.tier.name.lower(), g.nbytes) for g in self._groups.values()]
+
     def _forget_corrupt(self, group: ModalityGroup) -> None:
         """A stored copy failed verification: the group is a miss from now on."""
         if group.key is not None and self._groups.get(group.key) is group:
@@ -489,6 +544,7 @@ class TieredKVCache:
     # ------------------------------------------------------------------ stats and life cycle
     def stats(self) -> CacheStats:
         with self._lock:
+            self.lower.apply_completions()
             device: dict[str, TierUsage] = {}
             for name, pool in self.pools.items():
                 device[name] = TierUsage(0, pool.num_used, pool.num_used * pool.spec.page_bytes,

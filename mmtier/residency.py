@@ -120,10 +120,17 @@ class LowerTiers:
             if self.disk is not None and (group.key is None or group.key not in cache._groups):
                 self.disk.remove(self.storage_key(group))
             return
-        group.tier = Tier.DISK
-        group.location = entry
+        self._move(group, Tier.DISK, entry)
         cache.counters.add("spills", group.modality)
         cache.counters.add("spills_to_disk", group.modality)
+
+    def _move(self, group: ModalityGroup, tier: Tier, location: object) -> None:
+        old = group.tier
+        group.tier = tier
+        group.location = location
+        if tier != Tier.DEVICE:
+            group.pages = []
+        self.cache.policy.on_move(group, old)
 
     def _dead(self, group: ModalityGroup) -> bool:
         cache = self.cache
@@ -156,9 +163,7 @@ class LowerTiers:
             if entry is not None:
                 entry.wait()                              # the device pages are read: free them
                 pool.free(group.pages)
-                group.pages = []
-                group.tier = Tier.HOST
-                group.location = entry
+                self._move(group, Tier.HOST, entry)
                 cache.counters.add("spills", group.modality)
                 cache.counters.add("spills_to_host", group.modality)
                 self.maybe_background_spill()
@@ -171,9 +176,7 @@ class LowerTiers:
                 cache.counters.add("spill_failures", group.modality)
                 return False
             pool.free(group.pages)
-            group.pages = []
-            group.tier = Tier.DISK
-            group.location = entry
+            self._move(group, Tier.DISK, entry)
             cache.counters.add("spills", group.modality)
             cache.counters.add("spills_to_disk", group.modality)
             return True
@@ -278,8 +281,7 @@ class LowerTiers:
             group.location.copy_to(pool.view, pages)
             self.host.remove(key)
         group.pages = pages
-        group.tier = Tier.DEVICE
-        group.location = None
+        self._move(group, Tier.DEVICE, None)
         cache.counters.add("restores", group.modality)
         return True
 
@@ -315,8 +317,7 @@ class LowerTiers:
     def finish_prefetch(self, group: ModalityGroup, fut: Future) -> None:
         if fut.exception() is not None or fut.result() is None or group.tier != Tier.DISK:
             return
-        group.tier = Tier.HOST
-        group.location = fut.result()
+        self._move(group, Tier.HOST, fut.result())
         self.cache.counters.add("restores", group.modality)
         self.cache.counters.add("prefetched", group.modality)
 

@@ -336,3 +336,25 @@ def test_closed_cache_refuses_calls():
     cache.close()
     with pytest.raises(ClosedError):
         cache.create_sequence()
+
+
+def test_read_group_exports_exact_kv_and_leases_protect(cache):
+    from mmtier import LeaseExpiredError
+
+    key = cache.content_key("vision", b"export")
+    k, v = kv(100)
+    cache.put(key, k, v)
+    got_k, got_v = cache.read_group(key)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    lease = cache.lease(key, ttl=60)
+    g = cache._groups[key]
+    assert not g.evictable                          # a live lease protects it
+    assert g not in cache.policy.victims(g.tier, 1 << 40, "vision")
+    got_k, _ = cache.read_group(key, lease=lease)
+    assert torch.equal(got_k, k)
+    cache.release_lease(lease)
+    assert g.evictable
+    dead = cache.lease(key, ttl=1e-9)               # expires at once: the read must fail cleanly
+    with pytest.raises(LeaseExpiredError):
+        cache.read_group(key, lease=dead)
+    assert [(kk, tier) for kk, tier, _ in cache.inventory()] == [(key, "device")]
