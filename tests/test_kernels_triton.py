@@ -508,3 +508,61 @@ def test_bad_writes_raise_and_write_nothing():
     with pytest.raises(ShapeError):
         write_kv(kv, k[:1], k[:1], ids, offs, backend="triton")
     assert torch.equal(kv, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernels compile for a real GPU target (sm_90) even where there is no GPU
+
+_COMPILE_CHECK = r'''
+import os
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mmtier.kernels import triton_attention as ta, triton_merge as tm, triton_write as tw
+
+def compile(fn, types, consts):
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+
+for dt, d, causal, skip, bm, bn, g, ps in [("fp16", 128, True, False, 16, 64, 4, 16),
+                                           ("bf16", 80, True, True, 64, 64, 1, 256),
+                                           ("fp32", 96, False, False, 32, 32, 8, 64)]:
+    ptrs = dict(q_ptr=f"*{dt}", q_indptr_ptr="*i32", q_pos_ptr="*i32", kv_ptr=f"*{dt}",
+                page_ids_ptr="*i32", page_pos_ptr="*i32", page_len_ptr="*i32",
+                batch_page_ptr="*i32", work_b_ptr="*i32", work_qb_ptr="*i32",
+                out_ptr="*fp32", lse_ptr="*fp32", qk_scale="fp32")
+    compile(ta._kernel, ptrs, dict(G=g, PAGE_SIZE=ps, HEAD_DIM=d, D_PAD=128, BLOCK_M=bm,
+                                   BLOCK_N=bn, CAUSAL=causal, SKIP_TILES=skip,
+                                   DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
+                                   DOT_F32=False))
+compile(tm._kernel, dict(parts_ptr="*fp32", lses_ptr="*fp32", out_ptr="*bf16",
+                         lse_out_ptr="*fp32"), dict(HEAD_DIM=80, D_PAD=128, BLOCK_R=32))
+compile(tw._kernel, dict(kv_ptr="*fp16", k_ptr="*fp32", v_ptr="*fp32", page_ids_ptr="*i32",
+                         offsets_ptr="*i32"),
+        dict(HEADS=8, HEAD_DIM=128, D_PAD=128, HD_PAD=1024, BLOCK_T=4))
+print("compiled")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(HAS_CUDA, reason="on a GPU the other tests compile and run the kernels")
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter does not type-check like the compiler does; compile each kernel (with
+    the bundled ptxas) for sm_90 so that GPU-only failures show up on CPU-only CI too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]

@@ -19,6 +19,7 @@ combines them by log-sum-exp; with exactly one, the kernel writes ``out`` direct
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -96,14 +97,13 @@ def _kernel(
     split = tl.program_id(2)
     b = tl.load(work_b_ptr + w)
     qb = tl.load(work_qb_ptr + w)
-    QB: tl.constexpr = BLOCK_M // G  # queries per tile
-    q_lo = tl.load(q_indptr_ptr + b) + qb * QB
+    q_lo = tl.load(q_indptr_ptr + b) + qb * (BLOCK_M // G)  # BLOCK_M // G queries per tile
     q_end = tl.load(q_indptr_ptr + b + 1)
 
     rows = tl.arange(0, BLOCK_M)
     qi = q_lo + rows // G
     head = kvh * G + rows % G
-    row_ok = (rows < QB * G) & (qi < q_end)
+    row_ok = (rows < (BLOCK_M // G) * G) & (qi < q_end)
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
     qi64 = qi.to(tl.int64)
@@ -198,6 +198,7 @@ def _block_m(group: int, max_q: int, d_pad: int) -> int:
     return max(_next_pow2(group), min(cap, max(16, _next_pow2(max_q * group))))
 
 
+@functools.cache
 def _target_programs(device: torch.device) -> int:
     if device.type == "cuda":
         return 4 * torch.cuda.get_device_properties(device).multi_processor_count

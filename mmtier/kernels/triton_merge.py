@@ -39,24 +39,28 @@ def _kernel(
     h = r % num_heads
     d = tl.arange(0, D_PAD).to(tl.int64)
     d_ok = d < HEAD_DIM
-    lse_row = t * s_lt + h * s_lh
+    lse_row = lses_ptr + t * s_lt + h * s_lh  # pointers advance by one partial per step:
+    part_row = parts_ptr + t * s_pt + h * s_ph  # 64-bit however many partials there are
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    for i in range(n_parts):
-        li = tl.load(lses_ptr + i * s_ln + lse_row, mask=r_ok, other=float("-inf"))
-        m = tl.maximum(m, li)
+    lp = lse_row
+    for _ in range(n_parts):
+        m = tl.maximum(m, tl.load(lp, mask=r_ok, other=float("-inf")))
+        lp += s_ln
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
-    part_row = t * s_pt + h * s_ph
-    for i in range(n_parts):
-        li = tl.load(lses_ptr + i * s_ln + lse_row, mask=r_ok, other=float("-inf"))
+    lp = lse_row
+    pp = part_row
+    for _ in range(n_parts):
+        li = tl.load(lp, mask=r_ok, other=float("-inf"))
         w = tl.exp(li - m_safe)
         w = tl.where(li == float("-inf"), 0.0, w)
         o_mask = (r_ok & (w > 0.0))[:, None] & d_ok[None, :]
-        o = tl.load(parts_ptr + i * s_pn + part_row[:, None] + d[None, :] * s_pd,
-                    mask=o_mask, other=0.0).to(tl.float32)
+        o = tl.load(pp[:, None] + d[None, :] * s_pd, mask=o_mask, other=0.0).to(tl.float32)
         acc += w[:, None] * o
         total += w
+        lp += s_ln
+        pp += s_pn
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
     out = acc / t_safe[:, None]
