@@ -97,7 +97,8 @@ class DiskTier:
     """Arrow IPC files of groups in one directory, under a byte budget. Thread-safe."""
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
-                 free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0):
+                 free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
+                 scan_threads: int = 16):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = model
@@ -105,6 +106,7 @@ class DiskTier:
         self.free_floor_bytes = free_floor_bytes
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
+        self.scan_threads = scan_threads
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -376,8 +378,22 @@ class DiskTier:
         self._count(counter)
 
     # ---- warm restart ----
+    def _scan_one(self, name: str) -> tuple[dict, int] | None:
+        """``(metadata, size)`` of a well-formed file of this model, else ``None``."""
+        path = self.dir / name
+        try:
+            meta = scan_file(str(path))
+            key = ContentKey.from_wire(meta["key"])
+            if meta["model"] != self.model:
+                return None
+            if name != file_name(key.modality, key.hex, meta["chunk"], meta["num_chunks"]):
+                return None
+            return meta, path.stat().st_size
+        except (OSError, pa.ArrowException, CorruptDataError, ValueError, KeyError, TypeError):
+            return None
+
     def _scan(self) -> None:
-        groups: dict[str, list[tuple[dict, str, int]]] = {}
+        candidates: list[str] = []
         with os.scandir(self.dir) as it:
             for d in it:
                 if not d.is_file(follow_symlinks=False):
@@ -386,20 +402,20 @@ class DiskTier:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(d.path)
                     self._counts["tmp_removed_at_start"] += 1
-                    continue
-                if not d.name.endswith(SUFFIX):
-                    continue
-                try:
-                    meta = scan_file(d.path)
-                    key = ContentKey.from_wire(meta["key"])
-                    if meta["model"] != self.model:
-                        raise CorruptDataError(f"model {meta['model']!r}, this tier holds {self.model!r}")
-                    if d.name != file_name(key.modality, key.hex, meta["chunk"], meta["num_chunks"]):
-                        raise CorruptDataError(f"file name does not match its metadata: {d.name}")
-                except (OSError, pa.ArrowException, CorruptDataError, ValueError, KeyError, TypeError):
-                    self._quarantine(Path(d.path), "quarantined_at_start")
-                    continue
-                groups.setdefault(key.hex, []).append((meta, d.name, d.stat().st_size))
+                elif d.name.endswith(SUFFIX):
+                    candidates.append(d.name)
+        # Footers are small random reads: overlap them (the GIL is released inside Arrow).
+        if len(candidates) > 64:
+            with concurrent.futures.ThreadPoolExecutor(self.scan_threads) as pool:
+                results = list(pool.map(self._scan_one, candidates, chunksize=64))
+        else:
+            results = [self._scan_one(name) for name in candidates]
+        groups: dict[str, list[tuple[dict, str, int]]] = {}
+        for name, found in zip(candidates, results):
+            if found is None:
+                self._quarantine(self.dir / name, "quarantined_at_start")
+            else:
+                groups.setdefault(found[0]["key"]["digest"], []).append((found[0], name, found[1]))
         for chunks in groups.values():
             chunks.sort(key=lambda c: c[0]["chunk"])
             m0 = chunks[0][0]
