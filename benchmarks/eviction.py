@@ -243,15 +243,16 @@ def plot(fig: dict, fractions, names) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    xs = [fig[f"device_gib__cap{f}"] for f in fractions]
+    xs = [100 * f for f in fractions]
     f, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.2))
     for n in names:
         style = "--" if n in REFERENCE else (":" if n == "page_lru" else "-")
         a1.plot(xs, [fig[f"hit__{n}__cap{c}"] for c in fractions], style, marker="o", label=n)
         a2.plot(xs, [fig[f"moved_gib__{n}__cap{c}"] for c in fractions], style, marker="o", label=n)
-    a1.set(xlabel="device KV arena (GiB)", ylabel="hit ratio (recompute-cost weighted)",
+    xlabel = "cache size, all tiers (% of distinct KV)"
+    a1.set(xlabel=xlabel, ylabel="hit ratio (recompute-cost weighted)",
            title="hits, any tier")
-    a2.set(xlabel="device KV arena (GiB)", ylabel="GiB moved between tiers", title="tier traffic")
+    a2.set(xlabel=xlabel, ylabel="GiB moved between tiers", title="tier traffic")
     a1.legend(fontsize=7)
     keys = ["waste_fraction_modality_pages", "waste_fraction_uniform16", "waste_fraction_padded"]
     a3.bar(["modality pages", "uniform 16", "padded (max bytes)"], [fig[k] for k in keys])
