@@ -174,8 +174,7 @@ class TieredKVCache:
             group = self._groups.get(key)
             self.counters.add("hits" if group is not None else "misses", key.modality)
             if group is not None:
-                group.hits += 1
-                self.policy.on_access(group)
+                group.hits += 1          # a lookup hit; recency moves on use (attach, read)
             return group is not None
 
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -189,9 +188,7 @@ class TieredKVCache:
                 return False
             pool = self.pools[key.modality]
             pages = self._allocate(pool, spec.pages_for(n), [])
-            slots = torch.arange(n)
-            page_ids = torch.tensor(pages, dtype=torch.int64)[slots // spec.page_size]
-            self._write(pool, k, v, page_ids, slots % spec.page_size)
+            self._write_fresh(pool, k, v, pages)
             self._insert_group(key, spec, n, pages)
             return True
 
@@ -249,7 +246,6 @@ class TieredKVCache:
             shared = group.refs > 0 or group.hits > 0
             table.add(group, b"group:" + key.digest)
             group.refs += 1
-            group.hits += 1
             group.last_access = time.monotonic()
             self.policy.on_access(group)
             self.counters.add("attaches", key.modality)
@@ -288,18 +284,19 @@ class TieredKVCache:
     # ------------------------------------------------------------------ attention
     def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
                   groups: Iterable[ContentKey] | None = None, causal: bool = True,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, modalities: Iterable[str] | None = None) -> torch.Tensor:
         """Attention of ``q [n_q, num_q_heads, head_dim]`` over the sequence's pages.
 
         Queries are the last ``n_q`` positions; causal by absolute position; ``groups`` restricts
         the keys to those groups (cross-attention)."""
-        out, _ = self.attention_state(seq, layer, q, groups=groups, causal=causal, scale=scale)
+        out, _ = self.attention_state(seq, layer, q, groups=groups, causal=causal, scale=scale,
+                                      modalities=modalities)
         return out
 
     def attention_state(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
                         groups: Iterable[ContentKey] | None = None, causal: bool = True,
                         scale: float | None = None, q_positions: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        modalities: Iterable[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``: the partial state that merges exactly with others (other tiers, nodes)."""
         self._open()
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
@@ -320,6 +317,11 @@ class TieredKVCache:
                 if missing:
                     raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
                 segments = [s for s in segments if s.group.key in keyset]
+            if modalities is not None:
+                mods = set(modalities)
+                for m in mods:
+                    self.cfg.spec(m)
+                segments = [s for s in segments if s.group.modality in mods]
             n_q = q.shape[0]
             length = table.length
             if q_positions is None:
@@ -534,8 +536,28 @@ class TieredKVCache:
     def _check_dtype(self, spec: ModalitySpec, t: torch.Tensor) -> None:
         if t.dtype != spec.torch_dtype:
             raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
-        if not bool(torch.isfinite(t).all()):
+        # One float64 reduction: NaN and Inf propagate into it, and no finite payload can
+        # overflow it, so this is exact and far cheaper than an elementwise isfinite.
+        if not bool(torch.isfinite(t.sum(dtype=torch.float64))):
             raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+
+    def _write_fresh(self, pool: PagePool, k, v, pages: list[int]) -> None:
+        """Fill new pages from token 0: whole pages in one indexed copy each for K and V, the
+        partial last page through the slot-mapped write."""
+        size = pool.spec.page_size
+        n = k.shape[1]
+        full = n // size
+        dev = pool.device
+        if full:
+            layers, _, heads, dim = k.shape
+            idx = torch.tensor(pages[:full], dtype=torch.int64, device=dev)
+            for j, t in ((0, k), (1, v)):
+                block = t[:, : full * size].to(dev).reshape(layers, full, size, heads, dim)
+                pool.view[idx, :, j] = block.transpose(0, 1).to(pool.view.dtype)
+        if n > full * size:
+            slots = torch.arange(full * size, n)
+            page_ids = torch.full((n - full * size,), pages[full], dtype=torch.int64)
+            self._write(pool, k[:, full * size:], v[:, full * size:], page_ids, slots - full * size)
 
     def _write(self, pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor) -> None:
         dev = pool.device

@@ -288,7 +288,8 @@ def test_unreferenced_groups_go_least_recently_used_first():
         a, b, c, d = (cache.content_key("vision", x) for x in (b"a", b"b", b"c", b"d"))
         for key in (a, b, c):
             cache.put(key, *kv(64))
-        assert cache.contains(a)                # a becomes most recent
+        assert cache.contains(a)                # a lookup does not count as a use...
+        cache.read_group(a)                     # ...a read does: a becomes most recent
         cache.put(d, *kv(64))                   # evicts b, the least recently used
         assert [cache.contains(k) for k in (a, b, c, d)] == [True, False, True, True]
 
@@ -358,3 +359,14 @@ def test_read_group_exports_exact_kv_and_leases_protect(cache):
     with pytest.raises(LeaseExpiredError):
         cache.read_group(key, lease=dead)
     assert [(kk, tier) for kk, tier, _ in cache.inventory()] == [(key, "device")]
+
+
+def test_attention_restricted_to_modalities(cache):
+    seq, ref, *_ = build_multimodal(cache)
+    q = torch.randn(2, 2, D)
+    out = cache.attention(seq, 0, q, modalities=["text"])
+    k, v, pos = ref.gathered(0, select={"text0", "text1", "text2"})
+    expect, _ = oracle_attention(q, torch.tensor([240, 241]), k, v, pos)
+    assert rel_err(out, expect) < 1e-5
+    with pytest.raises(UnknownModalityError):
+        cache.attention(seq, 0, q, modalities=["smell"])

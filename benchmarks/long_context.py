@@ -1,0 +1,254 @@
+"""A 2M-token multimodal context across device, host and disk: decode against the bandwidth floor.
+
+``python -m benchmarks.long_context --tokens 2000000 [--preset NAME] [--device cuda] [--quick]``
+
+Builds one sequence of interleaved text, images (576 tokens), audio clips (1500 tokens per
+30 s) and video segments under budgets that force it across the device, host and disk tiers,
+then measures one decode step of one layer over every token, computed where the pages live and
+merged by log-sum-exp:
+
+- ``decode_s`` and the bytes read from each tier;
+- ``floor_s``: the sum over tiers of bytes / bandwidth, each bandwidth measured in this run
+  (device and host: a streaming read of a buffer of the same size class; disk: a cold read of
+  the tier's own files after dropping them from the page cache);
+- ``decode_over_floor`` (target <= 1.3);
+- ``max_rel_err`` against a float64 oracle over gathered K/V for sampled query heads;
+- ingestion: tokens/s written through the tiers, against the disk's measured write bandwidth;
+- the extrapolation to a whole model (decode time x layers, with that model's per-token bytes).
+
+Here (CPU) the per-token footprint is small (stated in the output): one layer, one KV head,
+head dim 64, float16, so the whole context fits this machine; on a GPU use ``--preset`` for a
+real model's per-layer shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import print_table, write_results
+from mmtier import CacheConfig, ModalitySpec, TieredKVCache
+from mmtier.groups import Tier
+
+PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)
+    "tiny": (1, 64, 4, "float16", 32),
+    "llama-3-8b": (8, 128, 32, "bfloat16", 32),
+    "qwen2.5-vl-7b": (4, 128, 28, "bfloat16", 28),
+}
+MEDIA = {"vision": 576, "audio": 1500, "video": 1024}
+
+
+def build_config(tokens: int, preset: str, device: str, spill_dir: Path) -> CacheConfig:
+    hkv, dim, _, dtype, _ = PRESETS[preset]
+    token_bytes = 2 * hkv * dim * (2 if dtype != "float32" else 4)
+    total = tokens * token_bytes
+    return CacheConfig(
+        model=f"long-context-{preset}", num_layers=1, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
+        modalities={"text": ModalitySpec(page_size=16, share=0.25),
+                    "vision": ModalitySpec(page_size=64, share=0.25),
+                    "audio": ModalitySpec(page_size=60, share=0.25),
+                    "video": ModalitySpec(page_size=128, share=0.25)},
+        device=device, device_bytes=max(8 << 20, int(total * 0.30)),
+        host_bytes=max(8 << 20, int(total * 0.30)),
+        disk_dir=spill_dir, disk_bytes=4 * total, disk_free_floor_bytes=0,
+        max_inflight_bytes=64 << 20)
+
+
+def plan_segments(tokens: int, seed: int) -> list[tuple[str, int]]:
+    """Interleaved (modality, tokens): text turns between media items, until ``tokens``."""
+    rng = random.Random(seed)
+    out, total = [], 0
+    while total < tokens:
+        kind = rng.choices(["text", "vision", "audio", "video"], weights=[4, 3, 1, 1])[0]
+        n = rng.randint(40, 400) if kind == "text" else MEDIA[kind]
+        n = min(n, tokens - total)
+        out.append((kind, n))
+        total += n
+    return out
+
+
+def read_bandwidth(nbytes: int, device: str) -> float:
+    """Bytes/s of a streaming read (sum) over a buffer of ``nbytes`` on ``device``."""
+    x = torch.randn(max(1, nbytes // 2), dtype=torch.float16, device=device)
+    for _ in range(2):
+        x.float().sum() if device == "cpu" else x.sum()
+    best = float("inf")
+    for _ in range(3):
+        if device != "cpu":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        (x.sum() if device != "cpu" else torch.sum(x, dtype=torch.float32))
+        if device != "cpu":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 2 / best
+
+
+def drop_file_cache(directory: Path) -> None:
+    for path in directory.glob("*.arrow"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def disk_read_bandwidth(directory: Path, limit: int) -> float:
+    """Cold sequential read of the tier's own files (page cache dropped first)."""
+    drop_file_cache(directory)
+    files = sorted(directory.glob("*.arrow"))
+    got, t0 = 0, time.perf_counter()
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(8 << 20):
+                got += len(chunk)
+        if got >= limit:
+            break
+    return got / max(time.perf_counter() - t0, 1e-9)
+
+
+def disk_write_bandwidth(directory: Path, nbytes: int) -> float:
+    path = directory / "raw-write-probe.bin"
+    block = os.urandom(8 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        written = 0
+        while written < nbytes:
+            written += f.write(block)
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return written / dt
+
+
+def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> dict:
+    hkv, dim, hq, dtype, model_layers = PRESETS[preset]
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with tempfile.TemporaryDirectory(prefix="mmtier-long-", dir=os.environ.get("MMTIER_BENCH_DIR")) as tmp:
+        spill = Path(tmp) / "spill"
+        cfg = build_config(tokens, preset, device, spill)
+        plan = plan_segments(tokens, seed)
+        ks, vs = [], []
+        t0 = time.perf_counter()
+        with TieredKVCache(cfg) as cache:
+            seq = cache.create_sequence(tenant="bench")
+            for i, (kind, n) in enumerate(plan):
+                k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+                v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+                if kind == "text":
+                    cache.append(seq, "text", k, v)
+                else:
+                    key = cache.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
+                    cache.put(key, k, v)
+                    cache.attach(seq, key)
+                ks.append(k[0])
+                vs.append(v[0])
+            cache.flush()
+            ingest_s = time.perf_counter() - t0
+            table = cache.sequence(seq)
+            assert table.length == tokens
+            per_tier = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+            tok_tier = {Tier.DEVICE: 0, Tier.HOST: 0, Tier.DISK: 0}
+            for s in table.segments:
+                per_tier[s.group.tier] += s.group.nbytes
+                tok_tier[s.group.tier] += s.group.num_tokens
+            total_bytes = sum(per_tier.values())
+            bw_dev = read_bandwidth(min(per_tier[Tier.DEVICE] or (64 << 20), 512 << 20), device)
+            bw_host = read_bandwidth(min(per_tier[Tier.HOST] or (64 << 20), 512 << 20), "cpu")
+            bw_disk = disk_read_bandwidth(spill, per_tier[Tier.DISK])
+            bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
+            floor = (per_tier[Tier.DEVICE] / bw_dev + per_tier[Tier.HOST] / bw_host
+                     + per_tier[Tier.DISK] / bw_disk)
+            q = torch.randn(1, hq, dim, generator=gen).to(tdtype).to(device)
+            out = torch.full_like(q, float("nan"))
+            times = []
+            for _ in range(3):
+                drop_file_cache(spill)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                out = cache.attention(seq, 0, q)
+                if device != "cpu":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t1)
+            decode_s = min(times)
+            err = oracle_error(q.cpu(), out.cpu(), ks, vs, oracle_heads, hq // hkv)
+            stats = cache.stats()
+        model_token_bytes = {"tiny": 2 * 8 * 128 * 2, "llama-3-8b": 2 * 8 * 128 * 2,
+                             "qwen2.5-vl-7b": 2 * 4 * 128 * 2}[preset]
+        figures = {
+            "tokens": tokens,
+            "preset": preset,
+            "device": device,
+            "per_token_bytes_per_layer": 2 * hkv * dim * tdtype.itemsize,
+            "segments": len(plan),
+            "device_tokens": tok_tier[Tier.DEVICE], "host_tokens": tok_tier[Tier.HOST],
+            "disk_tokens": tok_tier[Tier.DISK],
+            "device_bytes_read": per_tier[Tier.DEVICE], "host_bytes_read": per_tier[Tier.HOST],
+            "disk_bytes_read": per_tier[Tier.DISK],
+            "device_read_gbps": bw_dev / 1e9, "host_read_gbps": bw_host / 1e9,
+            "disk_read_gbps": bw_disk / 1e9, "disk_write_gbps": bw_write / 1e9,
+            "decode_s": decode_s,
+            "floor_s": floor,
+            "decode_over_floor": decode_s / floor,
+            "max_rel_err": err,
+            "ingest_s": ingest_s,
+            "ingest_tokens_per_s": tokens / ingest_s,
+            "ingest_over_disk_write": (total_bytes / ingest_s) / bw_write,
+            "spills": stats.counters.get("spills", 0),
+            "extrapolated_model": "llama-3-8b-like (32 layers, 8 KV heads, head dim 128, 16-bit)"
+            if preset == "tiny" else preset,
+            "extrapolated_decode_s_all_layers": decode_s * model_layers
+            * (model_token_bytes / (2 * hkv * dim * tdtype.itemsize)),
+        }
+    return figures
+
+
+def oracle_error(q, out, ks, vs, heads: int, group: int) -> float:
+    """Max relative error over ``heads`` sampled query heads, float64 over gathered K/V."""
+    k_all = torch.cat(ks)            # [T, Hkv, D]
+    v_all = torch.cat(vs)
+    t, _, dim = k_all.shape
+    rng = random.Random(0)
+    worst = 0.0
+    for h in rng.sample(range(q.shape[1]), min(heads, q.shape[1])):
+        kv_head = h // group
+        k = k_all[:, kv_head].double()
+        v = v_all[:, kv_head].double()
+        s = (k @ q[0, h].double()) * dim ** -0.5
+        p = torch.softmax(s, dim=0)
+        ref = p @ v
+        worst = max(worst, float((out[0, h].double() - ref).abs().max() / ref.abs().max()))
+        del k, v
+    return worst
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=2_000_000)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--oracle-heads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="200k tokens")
+    args = ap.parse_args(argv)
+    tokens = 200_000 if args.quick else args.tokens
+    figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads)
+    print_table(f"long context: {tokens:,} tokens, one decode step of one layer", list(figures.items()))
+    print("\nThe footprint per token and layer is stated above; the extrapolation multiplies the "
+          "measured decode time by the model's layers and its per-token bytes, assuming decode "
+          "stays bandwidth-bound.")
+    path = write_results("long_context", figures)
+    print(f"wrote {path}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
