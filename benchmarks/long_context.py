@@ -37,7 +37,7 @@ from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.groups import Tier
 
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)
-    "tiny": (1, 64, 4, "float16", 32),
+    "tiny": (1, 64, 4, "float32", 32),
     "llama-3-8b": (8, 128, 32, "bfloat16", 32),
     "qwen2.5-vl-7b": (4, 128, 28, "bfloat16", 28),
 }
@@ -74,20 +74,18 @@ def plan_segments(tokens: int, seed: int) -> list[tuple[str, int]]:
 
 
 def read_bandwidth(nbytes: int, device: str) -> float:
-    """Bytes/s of a streaming read (sum) over a buffer of ``nbytes`` on ``device``."""
-    x = torch.randn(max(1, nbytes // 2), dtype=torch.float16, device=device)
-    for _ in range(2):
-        x.float().sum() if device == "cpu" else x.sum()
+    """Bytes/s of a streaming read (a float32 sum) over a buffer of ``nbytes`` on ``device``."""
+    x = torch.randn(max(1, nbytes // 4), dtype=torch.float32, device=device)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(4):
         if device != "cpu":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        (x.sum() if device != "cpu" else torch.sum(x, dtype=torch.float32))
+        x.sum()
         if device != "cpu":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
-    return x.numel() * 2 / best
+    return x.numel() * 4 / best
 
 
 def drop_file_cache(directory: Path) -> None:

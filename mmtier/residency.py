@@ -295,6 +295,38 @@ class LowerTiers:
             raise CorruptDataError(f"{key!r}: stored copy missing or failed verification (a miss)")
         return pages
 
+    def _stream_disk_groups(self, groups: list[ModalityGroup]) -> dict[int, tuple[torch.Tensor, int]]:
+        """Read disk groups into one host buffer per modality (one attention operand each), all
+        reads queued at once on the mover: ``gid -> (buffer, first page)``."""
+        unique = list({g.gid: g for g in groups}.values())
+        by_mod: dict[str, list[ModalityGroup]] = {}
+        for g in unique:
+            by_mod.setdefault(g.modality, []).append(g)
+        out: dict[int, tuple[torch.Tensor, int]] = {}
+        jobs = []
+        for members in by_mod.values():
+            spec = members[0].spec
+            buffer = torch.empty(sum(g.num_pages for g in members), *spec.page_shape, dtype=spec.torch_dtype)
+            first = 0
+            for g in members:
+                out[g.gid] = (buffer, first)
+                view = buffer[first:first + g.num_pages]
+                jobs.append((g, self.mover.fetch(self.storage_key(g), g.spec, out=view)))
+                first += g.num_pages
+        failed = None
+        for g, fut in jobs:
+            try:
+                got = self.wait_for(fut)
+            except (MMTierError, OSError):
+                got = None
+            if got is None and failed is None:
+                failed = g
+        if failed is not None:
+            self.cache.counters.add("corrupt_reads", failed.modality)
+            self.cache._forget_corrupt(failed)
+            raise CorruptDataError(f"{failed!r}: stored copy missing or failed verification (a miss)")
+        return out
+
     def prefetch(self, group: ModalityGroup) -> Future | None:
         """Disk -> host in the background (at prefetch priority)."""
         if group.tier != Tier.DISK or self.mover is None or self.host is None:
@@ -331,23 +363,20 @@ class LowerTiers:
         qc = q.cpu()
         q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
         held = []
-        streamed: dict[int, torch.Tensor] = {}
         try:
             for s in host_segs:
                 entry = self.host.hold(self.storage_key(s.group))
                 if entry is None:
                     raise CorruptDataError(f"{s.group!r}: host copy vanished")
                 held.append(entry)
-            for s in disk_segs:
-                if s.group.gid not in streamed:
-                    streamed[s.group.gid] = self._read_disk(s.group)
+            streamed = self._stream_disk_groups([s.group for s in disk_segs])
 
             def view_of(group: ModalityGroup):
                 if group.tier == Tier.HOST:
                     entry = group.location
                     return (("host", group.modality), self.host.slab_view(group.spec), list(entry.slots))
-                pages = streamed[group.gid]
-                return (("disk", group.gid), pages, list(range(pages.shape[0])))
+                buffer, first = streamed[group.gid]
+                return (("disk", group.modality), buffer, list(range(first, first + group.num_pages)))
 
             ops = compile_segments(host_segs + disk_segs, layer, view_of)
             state = paged_attention(qc, q_indptr, q_pos.cpu(), ops, causal=causal, scale=scale,
