@@ -6,7 +6,6 @@ raises leaves the cache exactly as it was. One re-entrant lock guards the bookke
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import threading
 import time
@@ -27,8 +26,9 @@ from .errors import (
 )
 from .eviction import make_policy
 from .groups import ModalityGroup, Tier
-from .kernels import merge_attention_states, paged_attention, write_kv
+from .kernels import merge_attention_states, paged_attention
 from .leases import Lease, LeaseTable
+from .payload import check_kv, check_payload, token_identity, write_fresh_pages, write_slots
 from .pool import DeviceArena, PagePool
 from .residency import LowerTiers
 from .stats import CacheStats, Counters, TierUsage
@@ -134,7 +134,7 @@ class TieredKVCache:
         n = self._check_kv(spec, k, v)
         if tokens is not None and len(tokens) != n:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
-        identity = _token_identity(modality, k, v, tokens)
+        identity = token_identity(modality, k, v, tokens)
         with self._lock:
             self.lower.apply_completions()
             table = self._table(seq)
@@ -520,48 +520,16 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ I/O helpers
     def _check_kv(self, spec: ModalitySpec, k, v) -> int:
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
-        want = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != want or k.shape != v.shape:
-            raise ShapeError(f"{spec.name}: k and v must be [{spec.num_layers}, n, {spec.num_kv_heads}, "
-                             f"{spec.head_dim}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape[1] == 0:
-            raise ShapeError(f"{spec.name}: no tokens to store")
-        self._check_dtype(spec, k)
-        self._check_dtype(spec, v)
-        return k.shape[1]
+        return check_kv(spec, k, v)
 
     def _check_dtype(self, spec: ModalitySpec, t: torch.Tensor) -> None:
-        if t.dtype != spec.torch_dtype:
-            raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
-        # One float64 reduction: NaN and Inf propagate into it, and no finite payload can
-        # overflow it, so this is exact and far cheaper than an elementwise isfinite.
-        if not bool(torch.isfinite(t.sum(dtype=torch.float64))):
-            raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+        check_payload(spec, t)
 
     def _write_fresh(self, pool: PagePool, k, v, pages: list[int]) -> None:
-        """Fill new pages from token 0: whole pages in one indexed copy each for K and V, the
-        partial last page through the slot-mapped write."""
-        size = pool.spec.page_size
-        n = k.shape[1]
-        full = n // size
-        dev = pool.device
-        if full:
-            layers, _, heads, dim = k.shape
-            idx = torch.tensor(pages[:full], dtype=torch.int64, device=dev)
-            for j, t in ((0, k), (1, v)):
-                block = t[:, : full * size].to(dev).reshape(layers, full, size, heads, dim)
-                pool.view[idx, :, j] = block.transpose(0, 1).to(pool.view.dtype)
-        if n > full * size:
-            slots = torch.arange(full * size, n)
-            page_ids = torch.full((n - full * size,), pages[full], dtype=torch.int64)
-            self._write(pool, k[:, full * size:], v[:, full * size:], page_ids, slots - full * size)
+        write_fresh_pages(pool, k, v, pages, self._backend())
 
     def _write(self, pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor) -> None:
-        dev = pool.device
-        write_kv(pool.view, k.to(dev), v.to(dev), page_ids.to(dev), offsets.to(dev), backend=self._backend())
+        write_slots(pool, k, v, page_ids, offsets, self._backend())
 
     # ------------------------------------------------------------------ stats and life cycle
     def stats(self) -> CacheStats:
@@ -603,14 +571,3 @@ class TieredKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _token_identity(modality: str, k: torch.Tensor, v: torch.Tensor, tokens: Sequence[int] | None) -> bytes:
-    h = hashlib.sha256(modality.encode() + b"\0")
-    if tokens is not None:
-        h.update(b"tokens:" + ",".join(str(int(t)) for t in tokens).encode())
-    else:
-        h.update(b"kv:")
-        for t in (k, v):
-            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.digest()

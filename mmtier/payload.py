@@ -1,0 +1,77 @@
+"""Payloads going into pages: validation (shape, dtype, NaN/Inf), writes, and content identity."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import torch
+
+from .config import ModalitySpec
+from .errors import DTypeError, ShapeError
+from .kernels import write_kv
+from .pool import PagePool
+
+
+def check_kv(spec: ModalitySpec, k, v) -> int:
+    """K and V must both be ``[num_layers, n > 0, num_kv_heads, head_dim]`` of the spec's dtype,
+    finite. Returns ``n``."""
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
+    want = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+    if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != want or k.shape != v.shape:
+        raise ShapeError(f"{spec.name}: k and v must be [{spec.num_layers}, n, {spec.num_kv_heads}, "
+                         f"{spec.head_dim}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[1] == 0:
+        raise ShapeError(f"{spec.name}: no tokens to store")
+    check_payload(spec, k)
+    check_payload(spec, v)
+    return k.shape[1]
+
+
+def check_payload(spec: ModalitySpec, t: torch.Tensor) -> None:
+    if t.dtype != spec.torch_dtype:
+        raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
+    # One float64 reduction: NaN and Inf propagate into it, and no finite payload can overflow
+    # it, so this is exact and far cheaper than an elementwise isfinite.
+    if not bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+
+
+def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> None:
+    """Fill new pages from token 0: whole pages in one indexed copy each for K and V, the
+    partial last page through the slot-mapped write."""
+    size = pool.spec.page_size
+    n = k.shape[1]
+    full = n // size
+    dev = pool.device
+    if full:
+        layers, _, heads, dim = k.shape
+        idx = torch.tensor(pages[:full], dtype=torch.int64, device=dev)
+        for j, t in ((0, k), (1, v)):
+            block = t[:, : full * size].to(dev).reshape(layers, full, size, heads, dim)
+            pool.view[idx, :, j] = block.transpose(0, 1).to(pool.view.dtype)
+    if n > full * size:
+        slots = torch.arange(full * size, n)
+        page_ids = torch.full((n - full * size,), pages[full], dtype=torch.int64)
+        write_slots(pool, k[:, full * size:], v[:, full * size:], page_ids, slots - full * size, backend)
+
+
+def write_slots(pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor, backend: str) -> None:
+    """Token ``i`` goes to page ``page_ids[i]``, slot ``offsets[i]`` (all layers)."""
+    dev = pool.device
+    write_kv(pool.view, k.to(dev), v.to(dev), page_ids.to(dev), offsets.to(dev), backend=backend)
+
+
+def token_identity(modality: str, k: torch.Tensor, v: torch.Tensor, tokens: Sequence[int] | None) -> bytes:
+    """What appended tokens contribute to a sequence's prefix chain: their ids when given, else
+    the bytes of their K/V."""
+    h = hashlib.sha256(modality.encode() + b"\0")
+    if tokens is not None:
+        h.update(b"tokens:" + ",".join(str(int(t)) for t in tokens).encode())
+    else:
+        h.update(b"kv:")
+        for t in (k, v):
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.digest()
