@@ -363,7 +363,7 @@ def _oracle_merge(outs, lses):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n", [1, 2, 5])
+@pytest.mark.parametrize("n", [1, 2, 5, 70])
 def test_merge_states(dtype, n):
     gen = torch.Generator().manual_seed(n)
     t, h, d = 9, 4, 80
@@ -538,7 +538,7 @@ for dt, d, causal, skip, bm, bn, g, ps in [("fp16", 128, True, False, 16, 64, 4,
                                    DOT_PRECISION="ieee" if dt == "fp32" else "tf32",
                                    DOT_F32=False))
 compile(tm._kernel, dict(parts_ptr="*fp32", lses_ptr="*fp32", out_ptr="*bf16",
-                         lse_out_ptr="*fp32"), dict(HEAD_DIM=80, D_PAD=128, BLOCK_R=32))
+                         lse_out_ptr="*fp32"), dict(HEAD_DIM=80, D_PAD=128, BLOCK_R=2, BLOCK_P=64))
 compile(tw._kernel, dict(kv_ptr="*fp16", k_ptr="*fp32", v_ptr="*fp32", page_ids_ptr="*i32",
                          offsets_ptr="*i32"),
         dict(HEADS=8, HEAD_DIM=128, D_PAD=128, HD_PAD=1024, BLOCK_T=4))

@@ -1,7 +1,7 @@
 """Triton exact merge of attention states ``(out, lse)`` by log-sum-exp.
 
-Three layers: ``_kernel`` (one program per block of (query, head) rows, a loop over the
-partials) -> ``merge_partials`` (checks strides and shapes, picks the grid) ->
+Three layers: ``_kernel`` (one program per block of (query, head) rows, partials read in
+wide tiles) -> ``merge_partials`` (checks strides and shapes, picks the grid) ->
 ``merge_attention_states_triton`` (torch-facing: a sequence of ``(out, lse)`` pairs).
 """
 
@@ -24,43 +24,46 @@ def _kernel(
     s_ln, s_lt, s_lh,
     s_ot, s_oh, s_od,
     s_rt, s_rh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """For each row (query t, head h), with ``M = max_i lse_i`` over the partials:
 
         w_i = exp(lse_i - M);  out = sum_i w_i out_i / sum_i w_i;  lse = M + log(sum_i w_i)
 
-    A partial with ``lse_i = -inf`` has weight 0 and its ``out_i`` is not read; a row where
-    every partial is empty gets ``out = 0`` and ``lse = -inf``. Addresses are int64.
+    A program holds ``BLOCK_R`` rows and reads ``BLOCK_P`` partials per step as one
+    ``[BLOCK_R, BLOCK_P, D]`` tile (many partials, as split-KV makes, cost a few wide loads,
+    not a chain of dependent ones). A partial with ``lse_i = -inf`` has weight 0 and its
+    ``out_i`` is not read; a row where every partial is empty gets ``out = 0`` and
+    ``lse = -inf``. Addresses are int64.
     """
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     r_ok = r < n_rows
     t = r // num_heads
     h = r % num_heads
+    i = tl.arange(0, BLOCK_P).to(tl.int64)
     d = tl.arange(0, D_PAD).to(tl.int64)
     d_ok = d < HEAD_DIM
-    lse_row = lses_ptr + t * s_lt + h * s_lh  # pointers advance by one partial per step:
-    part_row = parts_ptr + t * s_pt + h * s_ph  # 64-bit however many partials there are
+    lse_row = (t * s_lt + h * s_lh)[:, None]  # [R, 1]
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-    lp = lse_row
-    for _ in range(n_parts):
-        m = tl.maximum(m, tl.load(lp, mask=r_ok, other=float("-inf")))
-        lp += s_ln
+    for p0 in range(0, n_parts, BLOCK_P):
+        ip = p0 + i
+        ok = r_ok[:, None] & (ip < n_parts)[None, :]
+        li = tl.load(lses_ptr + lse_row + ip[None, :] * s_ln, mask=ok, other=float("-inf"))
+        m = tl.maximum(m, tl.max(li, 1))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, D_PAD], tl.float32)
-    lp = lse_row
-    pp = part_row
-    for _ in range(n_parts):
-        li = tl.load(lp, mask=r_ok, other=float("-inf"))
-        w = tl.exp(li - m_safe)
-        w = tl.where(li == float("-inf"), 0.0, w)
-        o_mask = (r_ok & (w > 0.0))[:, None] & d_ok[None, :]
-        o = tl.load(pp[:, None] + d[None, :] * s_pd, mask=o_mask, other=0.0).to(tl.float32)
-        acc += w[:, None] * o
-        total += w
-        lp += s_ln
-        pp += s_pn
+    part_row = (t * s_pt + h * s_ph)[:, None, None]  # [R, 1, 1]
+    for p0 in range(0, n_parts, BLOCK_P):
+        ip = p0 + i
+        ok = r_ok[:, None] & (ip < n_parts)[None, :]
+        li = tl.load(lses_ptr + lse_row + ip[None, :] * s_ln, mask=ok, other=float("-inf"))
+        w = tl.where(li == float("-inf"), 0.0, tl.exp(li - m_safe[:, None]))  # [R, P]
+        o_ptrs = parts_ptr + part_row + ip[None, :, None] * s_pn + d[None, None, :] * s_pd
+        o_mask = (w > 0.0)[:, :, None] & d_ok[None, None, :]
+        o = tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)  # [R, P, D]
+        acc += tl.sum(w[:, :, None] * o, 1)
+        total += tl.sum(w, 1)
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
     out = acc / t_safe[:, None]
@@ -87,14 +90,18 @@ def merge_partials(parts: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
     n_rows = total_q * num_heads
     if n_rows == 0:
         return
-    d_pad = max(16, triton.next_power_of_2(head_dim))
-    block_r = max(1, min(64, 4096 // d_pad))
+    d_pad = triton.next_power_of_2(head_dim)
+    block_p = min(triton.next_power_of_2(n), max(1, 8192 // d_pad))
+    block_r = max(1, min(64, 8192 // (d_pad * block_p)))
+    if parts.device.type == "cuda":  # enough programs to spread the reads over the device
+        while block_r > 1 and triton.cdiv(n_rows, block_r) < 256:
+            block_r //= 2
     extra = {"num_warps": 4} if parts.device.type == "cuda" else {}
     grid = (triton.cdiv(n_rows, block_r),)
     _kernel[grid](
         parts, lses, out, lse, n, n_rows, num_heads,
         *parts.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, **extra,
+        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_P=block_p, **extra,
     )
 
 
