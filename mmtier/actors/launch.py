@@ -1,0 +1,342 @@
+"""Start and stop mmtier on a running Ray cluster: the one place where actors are created.
+
+``start(cfg)`` is idempotent. It creates what is missing, by deterministic name in namespace
+``mmtier``:
+
+- ``mmtier-registry``: the ContentRegistry (detached, ``max_restarts=-1``, calls retried across
+  restarts; rebuilds its state from the holders' inventories after a restart);
+- per alive node, ``mmtier-store:<node id>``: the NodeStoreActor (pinned to the node);
+- per unit of ``settings.device_resource`` on a node, ``mmtier-pool:<node id>:gpu<i>`` (or
+  ``dev<i>`` for a custom resource standing in for GPUs): a PagePoolActor pinned to the node;
+  a node with no such resource gets one CPU pool ``mmtier-pool:<node id>:cpu0``.
+
+Nodes that join later: run ``start()`` again; it adds actors for the new nodes and leaves the
+existing ones untouched (``StartReport.created`` / ``existing`` say which). Actors of a node
+that died are gone with it (pool and store actors are pinned, ``soft=False``); ``start()`` never
+recreates them elsewhere. ``shutdown()`` kills every mmtier actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from .metrics import ActorMetrics
+from .node_store import NodeStoreService
+from .pool_actor import PoolService
+from .registry import ContentRegistry, HolderInfo
+from .settings import ClusterSettings
+
+log = logging.getLogger(__name__)
+
+POOL_PREFIX = "mmtier-pool:"
+STORE_PREFIX = "mmtier-store:"
+
+
+def pool_name(node_id: str, kind: str, index: int) -> str:
+    return f"{POOL_PREFIX}{node_id}:{kind}{index}"
+
+
+def store_name(node_id: str) -> str:
+    return f"{STORE_PREFIX}{node_id}"
+
+
+@dataclass
+class StartReport:
+    """What ``start`` found and made: actor names, and the nodes it covered."""
+
+    registry: str
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- actor classes (the edge)
+class PagePoolActor(PoolService):
+    """A pool on its node's device: resolves the arena there (NVML sees the physical GPU)."""
+
+    def __init__(self, cfg_json: dict, name: str, node: str, device: str, settings_json: dict):
+        settings = ClusterSettings(**settings_json)
+        base = CacheConfig(**cfg_json)
+        update: dict[str, Any] = {"host_bytes": 0, "disk_dir": None}   # lower tiers: the node store
+        if device == "cuda":
+            update.update(device="cuda:0", device_bytes=base.device_bytes or _nvml_free_bytes(base))
+        else:
+            update.update(device="cpu", device_bytes=base.device_bytes if base.device == "cpu"
+                          else settings.cpu_pool_bytes)
+        super().__init__(CacheConfig(**{**base.model_dump(), **update}), name=name, node=node)
+        self.metrics = ActorMetrics(name)
+        _announce(settings, super().ping(), [])     # a restarted pool starts empty: say so
+
+    def ping(self) -> dict[str, str]:
+        if self.metrics.due():                       # the registry's sweep drives publishing
+            self.metrics.publish(self.stats())
+        return super().ping()
+
+
+class NodeStoreActor(NodeStoreService):
+    def __init__(self, cfg_json: dict, name: str, node: str, settings_json: dict):
+        settings = ClusterSettings(**settings_json)
+        cfg = CacheConfig(**cfg_json)
+        super().__init__(cfg, name=name, node=node,
+                         capacity_bytes=cfg.host_bytes or settings.store_bytes)
+        self.metrics = ActorMetrics(name)
+        _announce(settings, super().ping(), [])
+
+    def ping(self) -> dict[str, str]:
+        if self.metrics.due():
+            self.metrics.publish(self.tier_stats())
+        return super().ping()
+
+
+class ContentRegistryActor:
+    """Async actor around ``ContentRegistry``: liveness sweep, rebuild after restart, waits."""
+
+    def __init__(self, cfg_json: dict, settings_json: dict):
+        self.cfg_json = cfg_json
+        self.settings = ClusterSettings(**settings_json)
+        self.reg = ContentRegistry(sweep_misses=self.settings.sweep_misses)
+        self._ready: asyncio.Future | None = None
+        self._sweeper: asyncio.Task | None = None
+        self._waiters: dict[str, asyncio.Event] = {}
+        self._handles: dict[str, Any] = {}
+
+    async def _started(self) -> None:
+        if self._ready is None:
+            self._ready = asyncio.ensure_future(self._rebuild())
+            self._sweeper = asyncio.ensure_future(self._sweep_forever())
+        await asyncio.wait_for(asyncio.shield(self._ready), self.settings.call_timeout_s)
+
+    async def _rebuild(self) -> None:
+        """Ask every live holder actor for its inventory (after a start or a restart)."""
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == self.settings.namespace
+                 and a["name"].startswith((POOL_PREFIX, STORE_PREFIX))]
+
+        async def one(name: str) -> None:
+            h = self._handle(name)
+            if h is None:
+                return
+            try:
+                info = await asyncio.wait_for(h.ping.remote(), self.settings.ping_timeout_s * 5)
+                inv = await asyncio.wait_for(h.inventory.remote(), self.settings.call_timeout_s)
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
+                log.warning("registry rebuild: %s did not answer (%s)", name, type(exc).__name__)
+                return
+            self.reg.sync_holder(HolderInfo(**info), inv)
+            self._wake(item["key"]["digest"] for item in inv)
+
+        await asyncio.gather(*(one(n) for n in names))
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)      # a timer, not a poll
+            self.reg.expire_claims()
+            await asyncio.gather(*(self._ping(i.name) for i in self.reg.holders()))
+
+    async def _ping(self, name: str) -> None:
+        h = self._handle(name)
+        if h is None:                                # no such actor any more
+            self.reg.drop_holder(name)
+            return
+        try:
+            await asyncio.wait_for(h.ping.remote(), self.settings.ping_timeout_s)
+        except asyncio.TimeoutError:
+            if self.reg.note_miss(name):
+                self._handles.pop(name, None)
+                log.warning("registry: %s missed %d pings; its holdings are dropped", name,
+                            self.settings.sweep_misses)
+        except ray.exceptions.RayError:
+            self.reg.drop_holder(name)
+            self._handles.pop(name, None)
+        else:
+            self.reg.note_alive(name)
+
+    def _handle(self, name: str):
+        h = self._handles.get(name)
+        if h is None:
+            try:
+                h = self._handles[name] = ray.get_actor(name, namespace=self.settings.namespace)
+            except ValueError:
+                return None
+        return h
+
+    def _wake(self, digests) -> None:
+        for d in digests:
+            ev = self._waiters.pop(d, None)
+            if ev is not None:
+                ev.set()
+
+    # ---- the registry's remote interface ----
+    async def config(self) -> dict:
+        return self.cfg_json
+
+    async def sync_holder(self, info: dict, inventory: list[dict]) -> None:
+        await self._started()
+        self.reg.sync_holder(HolderInfo(**info), inventory)
+        self._wake(item["key"]["digest"] for item in inventory)
+
+    async def add(self, holder: str, items: list[dict], info: dict | None = None) -> None:
+        await self._started()
+        self.reg.add(holder, items, HolderInfo(**info) if info else None)
+        self._wake(item["key"]["digest"] for item in items)
+
+    async def remove(self, holder: str, digests: list[str]) -> int:
+        await self._started()
+        return self.reg.remove(holder, digests)
+
+    async def drop_holder(self, name: str) -> list[str]:
+        await self._started()
+        self._handles.pop(name, None)
+        return self.reg.drop_holder(name)
+
+    async def lookup(self, digests: list[str]):
+        await self._started()
+        return self.reg.lookup(digests)
+
+    async def ref(self, digests: list[str], delta: int) -> None:
+        await self._started()
+        self.reg.ref(digests, delta)
+
+    async def claim(self, digest: str, claimant: str, wire: dict | None = None) -> str:
+        await self._started()
+        return self.reg.claim(digest, claimant, self.settings.lease_ttl_s, wire)
+
+    async def unclaim(self, digest: str, claimant: str) -> None:
+        await self._started()
+        self.reg.unclaim(digest, claimant)
+        self._wake([digest])
+
+    async def wait_held(self, digest: str, timeout_s: float):
+        """The group's ``Location`` once someone holds it, or ``None`` after ``timeout_s``."""
+        await self._started()
+        loc = self.reg.lookup([digest])[0]
+        if loc is not None:
+            return loc
+        ev = self._waiters.setdefault(digest, asyncio.Event())
+        try:
+            await asyncio.wait_for(ev.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            pass                                  # a timed-out wait answers "not held"
+        return self.reg.lookup([digest])[0]
+
+    async def holders(self) -> list[HolderInfo]:
+        await self._started()
+        return self.reg.holders()
+
+    async def stats(self) -> dict[str, int]:
+        await self._started()
+        return self.reg.stats()
+
+    async def ping(self) -> str:
+        return "ok"
+
+
+def _announce(settings: ClusterSettings, info: dict, inventory: list[dict]) -> None:
+    """Tell the registry this holder (re)started with this inventory; fire and forget."""
+    try:
+        reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+    except ValueError:
+        return
+    reg.sync_holder.remote(info, inventory)
+
+
+def _nvml_free_bytes(cfg: CacheConfig) -> int:
+    """``cfg.device_fraction`` of the free memory NVML reports for this actor's GPU."""
+    import pynvml
+
+    ids = ray.get_gpu_ids()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ident = str(ids[0]) if ids else (visible.split(",")[0] if visible else "0")
+    pynvml.nvmlInit()
+    try:
+        handle = (pynvml.nvmlDeviceGetHandleByUUID(ident) if ident.startswith(("GPU-", "MIG-"))
+                  else pynvml.nvmlDeviceGetHandleByIndex(int(ident)))
+        free = pynvml.nvmlDeviceGetMemoryInfo(handle).free
+    finally:
+        pynvml.nvmlShutdown()
+    return int(free * cfg.device_fraction)
+
+
+# ---------------------------------------------------------------------- start / shutdown
+def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartReport:
+    """Create the registry, a store per node and a pool per device where missing (idempotent)."""
+    settings = settings or ClusterSettings()
+    if not ray.is_initialized():
+        ray.init(namespace=settings.namespace)
+    ns = settings.namespace
+    cfg_json = cfg.model_dump(mode="json")
+    s_json = settings.model_dump(mode="json")
+    have = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns}
+    report = StartReport(registry=settings.registry_name)
+    made: list[Any] = []
+
+    common = {"namespace": ns, "lifetime": "detached", "num_cpus": settings.actor_num_cpus}
+    if settings.registry_name in have:
+        report.existing.append(settings.registry_name)
+        reg = ray.get_actor(settings.registry_name, namespace=ns)
+        running = ray.get(reg.config.remote(), timeout=settings.call_timeout_s)
+        if CacheConfig(**running) != CacheConfig(**cfg_json):
+            raise ConfigError("mmtier is already running with another CacheConfig; shut it down first")
+    else:
+        reg = ray.remote(ContentRegistryActor).options(
+            name=settings.registry_name, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
+            max_concurrency=1000, **common).remote(cfg_json, s_json)
+        report.created.append(settings.registry_name)
+        made.append(reg)
+
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        report.nodes.append(node_id)
+        pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+               "max_restarts": settings.pool_max_restarts, "max_concurrency": settings.pool_concurrency,
+               "get_if_exists": True, **common}
+        name = store_name(node_id)
+        if name in have:
+            report.existing.append(name)
+        else:
+            made.append(ray.remote(NodeStoreActor).options(name=name, **pin).remote(
+                cfg_json, name, node_id, s_json))
+            report.created.append(name)
+        units = int(node.get("Resources", {}).get(settings.device_resource, 0))
+        if settings.device_resource == "GPU":
+            pools = [(pool_name(node_id, "gpu", i), "cuda", {"num_gpus": 1}) for i in range(units)]
+        else:
+            pools = [(pool_name(node_id, "dev", i), "cpu", {"resources": {settings.device_resource: 1}})
+                     for i in range(units)]
+        if not pools:
+            pools = [(pool_name(node_id, "cpu", 0), "cpu", {})]
+        for name, device, res in pools:
+            if name in have:
+                report.existing.append(name)
+                continue
+            made.append(ray.remote(PagePoolActor).options(name=name, **pin, **res).remote(
+                cfg_json, name, node_id, device, s_json))
+            report.created.append(name)
+    ray.get([a.ping.remote() for a in made], timeout=settings.start_timeout_s)
+    return report
+
+
+def shutdown(settings: ClusterSettings | None = None) -> list[str]:
+    """Kill every mmtier actor (registry, pools, stores); returns their names."""
+    settings = settings or ClusterSettings()
+    if not ray.is_initialized():
+        return []
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == settings.namespace and a["name"].startswith("mmtier-")]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=settings.namespace), no_restart=True)
+        except ValueError:
+            continue                 # already gone
+    return names

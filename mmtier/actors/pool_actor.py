@@ -1,0 +1,282 @@
+"""PagePoolActor logic: one device's ``TieredKVCache`` served to the cluster (plain class, no Ray).
+
+What the cluster asks of a pool, all in wire terms (``ContentKey.to_wire()`` dicts, tensors):
+
+- groups: ``put`` / ``put_embedding`` / ``get_embedding`` / ``holds`` / ``inventory``;
+- sequences homed here: ``create`` / ``append`` / ``attach`` / ``release`` (local handles);
+- remote use of groups held here by sequences homed elsewhere: a *proxy sequence* per (remote
+  sequence, this pool) attaches the groups (so this cache pins them while referenced);
+- partial attention: ``attend(parts, ...)`` over local handles, each part with the offset
+  between its local positions and the cluster sequence's absolute positions, merged here by
+  log-sum-exp: only ``q`` and ``(out, lse)`` travel;
+- copies: ``export`` gives a group's pages as one raw page-major buffer (numpy ``uint8``) and
+  ``import_group`` takes one, so a group moves between nodes as plain bytes through the object
+  store and lands in pages of the same layout.
+
+Every mutating call returns the digests this cache evicted meanwhile, so the caller can tell
+the registry at once. Page export / import uses ``TieredKVCache`` internals (``_groups``,
+``_allocate``, ``_insert_group``) in the two helpers at the bottom: the seam
+to replace by public ``export_pages`` / ``import_pages`` methods of the cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..cache import TieredKVCache
+from ..config import CacheConfig
+from ..content import ContentKey
+from ..errors import ShapeError, UnknownKeyError
+from ..groups import Tier
+from ..kernels import merge_attention_states
+from ..table import SequenceHandle
+
+_TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
+
+
+@dataclass(frozen=True)
+class Part:
+    """A slice of a cluster sequence's attention: local handle, position offset, group filter."""
+
+    seq: SequenceHandle
+    offset: int                                  # absolute position = local position + offset
+    keys: tuple[dict[str, str], ...] | None      # None: every segment of the handle
+
+
+def group_item(key: ContentKey, num_tokens: int, nbytes: int, tier: str, refs: int = 0) -> dict:
+    """The registry's record of one held group."""
+    return {"key": key.to_wire(), "tier": tier, "num_tokens": num_tokens, "nbytes": nbytes, "refs": refs}
+
+
+class PoolService:
+    """The logic of a PagePoolActor (also used, with a CPU config, for CPU-only nodes)."""
+
+    kind = "pool"
+
+    def __init__(self, cfg: CacheConfig, *, name: str, node: str):
+        self.cfg = cfg
+        self.name = name
+        self.node = node
+        self.cache = TieredKVCache(cfg)
+        self._lock = threading.RLock()
+        self._handles: dict[int, SequenceHandle] = {}
+        self._evictions_seen = 0
+        self._known: set[ContentKey] = set()
+
+    # ------------------------------------------------------------------ identity and inventory
+    def ping(self) -> dict[str, str]:
+        return {"name": self.name, "node": self.node, "kind": self.kind}
+
+    def inventory(self) -> list[dict]:
+        """Every content-keyed group this cache holds (the registry rebuilds itself from these)."""
+        with self.cache._lock:
+            return [group_item(k, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
+                    for k, g in self.cache._groups.items()]
+
+    def holds(self, wires: Sequence[dict[str, str]]) -> list[bool]:
+        with self.cache._lock:
+            groups = self.cache._groups
+            return [ContentKey.from_wire(w) in groups for w in wires]
+
+    # ------------------------------------------------------------------ groups
+    def put(self, wire: dict[str, str], k: torch.Tensor, v: torch.Tensor) -> tuple[dict | None, list[str]]:
+        """Store a group; ``(item or None when already held, evicted digests)``."""
+        key = ContentKey.from_wire(wire)
+        with self._lock:
+            stored = self.cache.put(key, k, v)
+            return (self._item(key) if stored else None), self._evicted()
+
+    def put_embedding(self, wire: dict[str, str], x: torch.Tensor) -> tuple[dict | None, list[str]]:
+        key = ContentKey.from_wire(wire)
+        with self._lock:
+            stored = self.cache.put_embedding(key, x)
+            return (self._item(key) if stored else None), self._evicted()
+
+    def get_embedding(self, wire: dict[str, str]) -> torch.Tensor:
+        return self.cache.get_embedding(ContentKey.from_wire(wire))
+
+    def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
+        """A group's pages as one page-major raw buffer, with the token count to rebuild it."""
+        return export_pages(self.cache, ContentKey.from_wire(wire))
+
+    def import_group(self, wire: dict[str, str], meta: dict, buf: np.ndarray) -> tuple[dict | None, list[str]]:
+        """Store a group shipped by ``export`` (``None`` when it was already here)."""
+        key = ContentKey.from_wire(wire)
+        with self._lock:
+            stored = import_pages(self.cache, key, meta, buf)
+            return (self._item(key) if stored else None), self._evicted()
+
+    def drop(self, wires: Sequence[dict[str, str]]) -> list[str]:
+        """Drop unreferenced groups (an explicit move elsewhere); returns the dropped digests."""
+        with self._lock, self.cache._lock:
+            out = []
+            for w in wires:
+                g = self.cache._groups.get(ContentKey.from_wire(w))
+                if g is not None and g.evictable:
+                    self.cache._free_group(g)
+                    out.append(w["digest"])
+            self._known.difference_update(ContentKey.from_wire(w) for w in wires if w["digest"] in out)
+            return out
+
+    # ------------------------------------------------------------------ sequences
+    def create(self, tenant: str) -> SequenceHandle:
+        with self._lock:
+            h = self.cache.create_sequence(tenant)
+            self._handles[h.id] = h
+            return h
+
+    def append(self, seq: SequenceHandle | None, tenant: str, modality: str, k: torch.Tensor,
+               v: torch.Tensor, tokens: Sequence[int] | None = None) -> tuple[SequenceHandle, list[str]]:
+        """Append to ``seq`` (a fresh local run when ``None``); ``(handle, evicted)``."""
+        with self._lock:
+            created = seq is None
+            if created:
+                seq = self.create(tenant)
+            try:
+                self.cache.append(seq, modality, k, v, tokens=tokens)
+            except Exception:
+                if created:
+                    self.release([seq])
+                raise
+            return seq, self._evicted()
+
+    def attach(self, seq: SequenceHandle | None, tenant: str, wire: dict[str, str]
+               ) -> tuple[SequenceHandle, int, int, list[str]]:
+        """Attach a held group to ``seq`` (created here when ``None``: a proxy or a fresh local
+        run); returns ``(handle, local start, tokens, evicted)``."""
+        key = ContentKey.from_wire(wire)
+        with self._lock:
+            created = seq is None
+            if created:
+                seq = self.create(tenant)
+            try:
+                start = self.cache.sequence(seq).length
+                self.cache.attach(seq, key)
+            except Exception:
+                if created:
+                    self.release([seq])
+                raise
+            n = self.cache.sequence(seq).segments[-1].num_tokens
+            return seq, start, n, self._evicted()
+
+    def release(self, seqs: Sequence[SequenceHandle]) -> int:
+        """Release local handles (unknown ones are skipped: release is idempotent)."""
+        n = 0
+        with self._lock:
+            for s in seqs:
+                if self._handles.pop(s.id, None) is not None:
+                    self.cache.release(s)
+                    n += 1
+        return n
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, parts: Sequence[Part], layer: int, q: torch.Tensor, q_pos: torch.Tensor,
+               causal: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Partial attention of ``q`` (absolute positions ``q_pos``) over the parts, merged."""
+        if not parts:
+            raise ShapeError("attend needs at least one part")
+        outs, lses = [], []
+        for p in parts:
+            keys = None if p.keys is None else [ContentKey.from_wire(w) for w in p.keys]
+            out, lse = self.cache.attention_state(
+                p.seq, layer, q, groups=keys, causal=causal, scale=scale,
+                q_positions=q_pos.to(torch.int64) - p.offset)
+            outs.append(out.float())
+            lses.append(lse.float())
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        return merge_attention_states(outs, lses, backend="torch", out_dtype=torch.float32)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> dict:
+        return self.cache.stats().to_dict()
+
+    def leak_report(self) -> dict[str, int]:
+        """Pages in use against pages of cached groups: equal when no sequence leaked pages."""
+        with self.cache._lock:
+            used = sum(p.num_used for p in self.cache.pools.values())
+            cached = sum(len(g.pages) for g in self.cache._groups.values() if g.tier == Tier.DEVICE)
+            return {"sequences": len(self.cache._seqs), "handles": len(self._handles),
+                    "used_pages": used, "cached_pages": cached}
+
+    def close(self) -> None:
+        self.cache.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _item(self, key: ContentKey) -> dict:
+        with self.cache._lock:
+            g = self.cache._groups[key]
+            self._known.add(key)
+            return group_item(key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
+
+    def _evicted(self) -> list[str]:
+        """Digests of groups this cache dropped since the last call (cheap when none were)."""
+        n = self.cache.counters.total["evictions"]
+        if n == self._evictions_seen:
+            return []
+        self._evictions_seen = n
+        with self.cache._lock:
+            gone = [k for k in self._known if k not in self.cache._groups]
+        self._known.difference_update(gone)
+        return [k.hex for k in gone]
+
+
+# ---------------------------------------------------------------------- page I/O (cache internals)
+def export_pages(cache: TieredKVCache, key: ContentKey) -> tuple[dict, np.ndarray]:
+    """``({"num_tokens"}, pages as uint8 [n_pages * page_bytes])``, page-major: one copy when
+    the group is on the device (a slice when its pages are one run), else through
+    ``read_group`` from whichever tier holds it."""
+    spec = cache._check_key(key, "kv")
+    with cache._lock:
+        group = cache._groups.get(key)
+        if group is None:
+            raise UnknownKeyError(f"{key!r} is not held here")
+        if group.tier == Tier.DEVICE:
+            view = cache.pools[key.modality].view
+            pages = group.pages
+            if pages == list(range(pages[0], pages[0] + len(pages))):
+                data = view[pages[0]:pages[0] + len(pages)].clone()
+            else:
+                data = view[torch.tensor(pages, dtype=torch.int64, device=view.device)]
+            flat = data.cpu().contiguous().view(torch.uint8).reshape(-1)
+            return {"num_tokens": group.num_tokens}, flat.numpy()
+    k, v = cache.read_group(key)
+    n = k.shape[1]
+    n_pages = spec.pages_for(n)
+    kv = torch.zeros(spec.num_layers, 2, n_pages * spec.page_size, spec.num_kv_heads, spec.head_dim,
+                     dtype=k.dtype)
+    kv[:, 0, :n], kv[:, 1, :n] = k, v
+    pages = kv.view(spec.num_layers, 2, n_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
+    flat = pages.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8).reshape(-1)
+    return {"num_tokens": n}, flat.numpy()
+
+
+def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndarray) -> bool:
+    """Store a group from an ``export`` buffer: one copy into freshly allocated pages."""
+    spec = cache._check_key(key)
+    n = int(meta["num_tokens"])
+    n_pages = spec.pages_for(n)
+    if buf.dtype != np.uint8 or buf.size != n_pages * spec.page_bytes or n <= 0:
+        raise ShapeError(f"{key.modality}: buffer of {buf.size} bytes for {n} tokens "
+                         f"({n_pages} pages of {spec.page_bytes} bytes)")
+    with warnings.catch_warnings():        # a read-only object-store buffer: only read from
+        warnings.simplefilter("ignore", UserWarning)
+        src = torch.from_numpy(buf)
+    src = src.view(spec.torch_dtype).view(n_pages, *spec.page_shape)
+    with cache._lock:
+        if key in cache._groups:
+            return False
+        pool = cache.pools[key.modality]
+        pages = cache._allocate(pool, n_pages, [])
+        if pages == list(range(pages[0], pages[0] + n_pages)):
+            pool.view[pages[0]:pages[0] + n_pages].copy_(src)
+        else:
+            pool.view[torch.tensor(pages, dtype=torch.int64, device=pool.device)] = src.to(pool.device)
+        cache._insert_group(key, spec, n, pages)
+        return True

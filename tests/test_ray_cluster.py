@@ -1,0 +1,414 @@
+"""The Ray layer on a real three-node cluster on loopback (one module-scoped cluster).
+
+Nodes: head (one CPU pool), A (custom resource ``fake_gpu: 2`` standing in for two GPUs: two
+pools), B (one CPU pool); a store on each. Faults are real: ``ray.kill`` of actors and
+``cluster.remove_node``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+import mmtier.actors as mma  # noqa: E402
+from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, UnknownKeyError  # noqa: E402
+from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
+from tests.oracle import oracle_attention, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+L, H, D = 2, 2, 16
+HQ = 4
+STORE = 100 << 20
+
+CFG = CacheConfig(
+    model="tiny-mm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+    modalities={"text": ModalitySpec(page_size=4), "vision": ModalitySpec(page_size=8),
+                "vision_embed": ModalitySpec(kind="embedding", width=12, page_size=8)},
+    device="cpu", device_bytes=2 << 20, key_secret="test-secret")
+SETTINGS = ClusterSettings(device_resource="fake_gpu", sweep_interval_s=0.5, ping_timeout_s=1.0,
+                           sweep_misses=2, call_timeout_s=20.0, copy_after_remote_uses=2,
+                           store_bytes=4 << 20)
+
+
+def _node_args(cpus: int, res: dict) -> dict:
+    return {"num_cpus": cpus, "resources": res, "object_store_memory": STORE}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_head": 1}, "object_store_memory": STORE,
+        "include_dashboard": False})
+    c.add_node(**_node_args(1, {"node_a": 1, "fake_gpu": 2}))
+    c.add_node(**_node_args(1, {"node_b": 1}))
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="mmtier", include_dashboard=False)
+    try:
+        yield c
+    finally:
+        mma.shutdown(SETTINGS)
+        ray.shutdown()
+        c.shutdown()
+
+
+def node_of(resource: str) -> str:
+    for n in ray.nodes():
+        if n["Alive"] and resource in n["Resources"]:
+            return n["NodeID"]
+    raise LookupError(resource)
+
+
+@pytest.fixture(scope="module")
+def cc(cluster):
+    report = mma.start(CFG, SETTINGS)
+    assert len(report.created) == 1 + 3 + 4
+    client = mma.connect(SETTINGS)
+    yield client
+    client.close()
+
+
+def kv(n):
+    return torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+
+
+class Logical:
+    """What a sequence holds, for the oracle."""
+
+    def __init__(self):
+        self.k, self.v, self.tags = [], [], []
+
+    def add(self, k, v, tag):
+        self.k.append(k)
+        self.v.append(v)
+        self.tags.extend([tag] * k.shape[1])
+
+    def check(self, cc, seq, layer=1, n_q=3, groups=None, keys=None, causal=True, tol=2e-5):
+        """``groups``: the tags the oracle keeps; ``keys``: the same groups for the cache."""
+        k = torch.cat(self.k, 1)[layer]
+        v = torch.cat(self.v, 1)[layer]
+        pos = torch.arange(k.shape[0])
+        if groups is not None:
+            idx = torch.tensor([i for i, t in enumerate(self.tags) if t in groups])
+            k, v, pos = k[idx], v[idx], pos[idx]
+        q = torch.randn(n_q, HQ, D)
+        total = len(self.tags)
+        q_pos = torch.arange(total - n_q, total)
+        out = cc.attention(seq, layer, q, groups=keys, causal=causal)
+        ref, _ = oracle_attention(q, q_pos, k, v, pos, causal=causal)
+        assert rel_err(out, ref) < tol
+        return out
+
+
+# ---------------------------------------------------------------------- start, names, pinning
+def test_start_is_idempotent_and_pins_by_node(cc):
+    again = mma.start(CFG, SETTINGS)
+    assert again.created == [] and len(again.existing) == 8
+    a, b, head = node_of("node_a"), node_of("node_b"), node_of("node_head")
+    assert cc.pools(a) == [f"mmtier-pool:{a}:dev0", f"mmtier-pool:{a}:dev1"]
+    assert cc.pools(b) == [f"mmtier-pool:{b}:cpu0"] and cc.pools(head) == [f"mmtier-pool:{head}:cpu0"]
+    for name in cc.pools() + cc.stores():
+        h = ray.get_actor(name, namespace="mmtier")
+        assert ray.get(h.ping.remote(), timeout=20)["node"] == name.split(":")[1]
+    # a mismatching config is refused, not silently mixed
+    with pytest.raises(ValueError):
+        mma.start(CFG.model_copy(update={"key_secret": "other"}), SETTINGS)
+
+
+# ---------------------------------------------------------------------- hits and keys everywhere
+@ray.remote(num_cpus=0)
+def _probe(media: bytes, settings_json: dict):
+    import mmtier.actors as m
+
+    c = m.connect(ClusterSettings(**settings_json))
+    key = c.content_key("vision", media, tenant="acme")
+    found = c.contains(key)
+    other = c.contains(c.content_key("vision", media, tenant="evil"))
+    c.close()
+    return key.to_wire(), found, other, ray.get_runtime_context().get_node_id()
+
+
+def test_content_put_once_is_found_from_every_node(cc):
+    media = b"image-cross-node"
+    key = cc.content_key("vision", media, tenant="acme")
+    assert cc.put(key, *kv(20), node=node_of("node_a")) is True
+    assert cc.put(key, *kv(20)) is False                       # stored once, whoever asks
+    for res in ("node_head", "node_a", "node_b"):
+        wire, found, other, where = ray.get(_probe.options(resources={res: 0.01}).remote(
+            media, SETTINGS.model_dump()), timeout=120)
+        assert where == node_of(res)
+        assert wire == key.to_wire() and found and not other
+
+
+# ---------------------------------------------------------------------- attention for any placement
+@pytest.mark.parametrize("transfer", ["local", "remote", "copy"])
+def test_attention_equals_oracle_for_any_placement(cc, transfer):
+    a, b = node_of("node_a"), node_of("node_b")
+    img1 = cc.content_key("vision", f"img1-{transfer}".encode(), tenant="acme")
+    img2 = cc.content_key("vision", f"img2-{transfer}".encode(), tenant="acme")
+    k1, v1 = kv(19)
+    k2, v2 = kv(9)
+    home = a if transfer == "local" else b
+    assert cc.put(img1, k1, v1, node=a)
+    assert cc.put(img2, k2, v2, node=home)
+    seq = cc.create_sequence("acme", node=home)
+    log = Logical()
+    t1 = kv(7)
+    cc.append(seq, "text", *t1)
+    log.add(*t1, "t1")
+    cc.attach(seq, img1, transfer=None if transfer == "local" else transfer)
+    log.add(k1, v1, "img1")
+    t2 = kv(5)
+    cc.append(seq, "text", *t2)
+    log.add(*t2, "t2")
+    cc.attach(seq, img2)
+    log.add(k2, v2, "img2")
+    t3 = kv(3)
+    cc.append(seq, "text", *t3)
+    log.add(*t3, "t3")
+    before = cc.counters["remote_attentions"]
+    log.check(cc, seq, layer=1, n_q=4)
+    log.check(cc, seq, layer=0, n_q=1)
+    log.check(cc, seq, layer=1, n_q=2, groups={"img1"}, keys=[img1], causal=False)
+    out = cc.attention(seq, 1, torch.randn(2, HQ, D), groups=[img1], causal=False)
+    assert out.shape == (2, HQ, D)
+    remote = cc.counters["remote_attentions"] - before
+    assert (remote > 0) == (transfer == "remote")
+    loc = cc.locate(img1)
+    holders = {h for h, _ in loc.holders}
+    assert (f"mmtier-pool:{b}:cpu0" in holders) == (transfer == "copy")
+    # the prefix chain does not depend on placement
+    assert cc.prefix_key(seq) == _single_process_prefix(t1, k1, t2, k2, t3, img1, img2)
+    cc.release(seq)
+
+
+def _single_process_prefix(t1, k1, t2, k2, t3, img1, img2):
+    from mmtier import TieredKVCache
+
+    c = TieredKVCache(CFG)
+    c.put(img1, k1, torch.zeros_like(k1))
+    c.put(img2, k2, torch.zeros_like(k2))
+    s = c.create_sequence("acme")
+    c.append(s, "text", *t1)
+    c.attach(s, img1)
+    c.append(s, "text", *t2)
+    c.attach(s, img2)
+    c.append(s, "text", *t3)
+    return c.prefix_key(s)
+
+
+def test_copy_after_n_remote_uses(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    img = cc.content_key("vision", b"popular", tenant="acme")
+    k, v = kv(16)
+    cc.put(img, k, v, node=a)
+    home = f"mmtier-pool:{b}:cpu0"
+    seqs = []
+    for i in range(2):                      # copy_after_remote_uses=2: remote, then copy
+        s = cc.create_sequence("acme", node=b)
+        cc.attach(s, img)
+        seqs.append(s)
+        holders = {h for h, _ in cc.locate(img).holders}
+        assert (home in holders) == (i == 1)
+        log = Logical()
+        log.add(k, v, "img")
+        log.check(cc, s, n_q=2)
+    for s in seqs:
+        cc.release(s)
+
+
+def test_hint_keys_place_by_affinity_and_embeddings(cc):
+    a = node_of("node_a")
+    img = cc.content_key("vision", b"affinity", tenant="acme")
+    cc.put(img, *kv(8), node=a)
+    holder = next(h for h, _ in cc.locate(img).holders)
+    seq = cc.create_sequence("acme", hint_keys=[img])
+    assert cc.where(seq) == holder
+    lazy = cc.create_sequence("acme")
+    cc.attach(lazy, img)                    # placed at first attach: on the holder
+    assert cc.where(lazy) == holder
+    cc.release(seq)
+    cc.release(lazy)
+    e = cc.content_key("vision_embed", b"affinity", tenant="acme")
+    x = torch.randn(10, 12)
+    assert cc.put_embedding(e, x, node=node_of("node_b"))
+    assert torch.equal(cc.get_embedding(e), x)
+
+
+def test_tenant_separation_across_nodes(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    ka = cc.content_key("vision", b"secret-image", tenant="tenant-a")
+    kb = cc.content_key("vision", b"secret-image", tenant="tenant-b")
+    assert ka != kb
+    cc.put(ka, *kv(8), node=a)
+    assert cc.contains(ka) and not cc.contains(kb)
+    seq = cc.create_sequence("tenant-b", node=b)
+    with pytest.raises(ForeignKeyError):
+        cc.attach(seq, ka)
+    with pytest.raises(ForeignKeyError):
+        cc.attach(seq, ka, transfer="copy")
+    cc.release(seq)
+    forged = type(ka)(ka.digest, ka.modality, ka.sharing, ka.scope, b"\0" * 32)
+    with pytest.raises(ForeignKeyError):
+        cc.contains(forged)
+
+
+def test_offload_to_node_store_serves_remote_and_copy(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    img = cc.content_key("vision", b"offloaded", tenant="acme")
+    k, v = kv(13)
+    cc.put(img, k, v, node=a)
+    assert cc.offload(img)
+    assert {h for h, _ in cc.locate(img).holders} == {f"mmtier-store:{a}"}
+    s1 = cc.create_sequence("acme", node=b)
+    t = kv(3)
+    cc.append(s1, "text", *t)
+    cc.attach(s1, img, transfer="remote")    # partial attention in the store, in place
+    log = Logical()
+    log.add(*t, "t")
+    log.add(k, v, "img")
+    log.check(cc, s1, n_q=2)
+    s2 = cc.create_sequence("acme", node=b)
+    cc.attach(s2, img, transfer="copy")      # restore into B's pool
+    log2 = Logical()
+    log2.add(k, v, "img")
+    log2.check(cc, s2, n_q=2)
+    cc.release(s1)
+    cc.release(s2)
+
+
+# ---------------------------------------------------------------------- faults
+def _wait_until(pred, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return pred()
+
+
+def test_killed_pool_loses_only_its_own_and_nothing_hangs(cc):
+    a, b, head = node_of("node_a"), node_of("node_b"), node_of("node_head")
+    victim = f"mmtier-pool:{a}:dev1"
+    only = cc.content_key("vision", b"only-on-victim", tenant="acme")
+    safe = cc.content_key("vision", b"on-head", tenant="acme")
+    ko, vo = kv(10)
+    ks, vs = kv(10)
+    cc.put(only, ko, vo, node=a)
+    while victim not in {h for h, _ in cc.locate(only).holders}:    # make it land on dev1
+        cc.offload(only)
+        cc.put(only, ko, vo, node=a)
+    cc.put(safe, ks, vs, node=head)
+    s_only = cc.create_sequence("acme", node=b)
+    cc.attach(s_only, only, transfer="remote")
+    s_safe = cc.create_sequence("acme", node=b)
+    cc.attach(s_safe, safe, transfer="remote")
+    s_home = cc.create_sequence("acme", node=a)
+    cc.append(s_home, "text", *kv(4))
+    if cc.where(s_home) != victim:
+        cc.release(s_home)
+        s_home = None
+    ray.kill(ray.get_actor(victim, namespace="mmtier"))
+    t0 = time.monotonic()
+    assert _wait_until(lambda: not cc.contains(only)), "the dead pool's holdings stayed"
+    assert time.monotonic() - t0 < 10
+    assert cc.contains(safe)
+    log = Logical()
+    log.add(ks, vs, "safe")
+    log.check(cc, s_safe, n_q=2)                 # unaffected
+    t0 = time.monotonic()
+    with pytest.raises(HolderLostError):
+        cc.attention(s_only, 0, torch.randn(1, HQ, D))
+    assert time.monotonic() - t0 < SETTINGS.call_timeout_s
+    if s_home is not None:
+        with pytest.raises(UnknownKeyError):
+            cc.attention(s_home, 0, torch.randn(1, HQ, D))
+    cc.release(s_only)
+    # recompute: put again, lands on a live pool, serves
+    assert cc.put(only, ko, vo, node=a)
+    s = cc.create_sequence("acme", node=b)
+    cc.attach(s, only, transfer="remote")
+    log = Logical()
+    log.add(ko, vo, "only")
+    log.check(cc, s, n_q=1)
+    cc.release(s)
+    cc.release(s_safe)
+
+
+def test_registry_restart_keeps_serving(cc):
+    a = node_of("node_a")
+    img = cc.content_key("vision", b"survives-registry", tenant="acme")
+    k, v = kv(11)
+    cc.put(img, k, v, node=a)
+    reg = ray.get_actor(SETTINGS.registry_name, namespace="mmtier")
+    ray.kill(reg, no_restart=False)
+    assert _wait_until(lambda: cc.contains(img), timeout=60)     # rebuilt from inventories
+    seq = cc.create_sequence("acme", node=node_of("node_b"))
+    cc.attach(seq, img)
+    log = Logical()
+    log.add(k, v, "img")
+    log.check(cc, seq, n_q=2)
+    cc.release(seq)
+    new = cc.content_key("vision", b"after-restart", tenant="acme")
+    assert cc.put(new, *kv(5)) and cc.contains(new)
+
+
+def test_nodes_join_later_and_removed_node_leaves(cluster, cc):
+    node = cluster.add_node(num_cpus=1, resources={"node_c": 1}, object_store_memory=STORE)
+    cluster.wait_for_nodes()
+    c = node_of("node_c")
+    report = mma.start(CFG, SETTINGS)
+    assert sorted(report.created) == sorted([f"mmtier-store:{c}", f"mmtier-pool:{c}:cpu0"])
+    assert len(report.existing) >= 7
+    cc.refresh()
+    assert cc.pools(c) == [f"mmtier-pool:{c}:cpu0"]
+    img = cc.content_key("vision", b"on-node-c", tenant="acme")
+    k, v = kv(9)
+    cc.put(img, k, v, node=c)
+    seq = cc.create_sequence("acme", node=node_of("node_b"))
+    cc.attach(seq, img, transfer="remote")
+    log = Logical()
+    log.add(k, v, "img")
+    log.check(cc, seq, n_q=1)
+    cluster.remove_node(node)
+    t0 = time.monotonic()
+    assert _wait_until(lambda: not cc.contains(img), timeout=60), "removed node's holdings stayed"
+    elapsed = time.monotonic() - t0
+    t0 = time.monotonic()
+    with pytest.raises(UnknownKeyError):
+        cc.attention(seq, 0, torch.randn(1, HQ, D))
+    assert time.monotonic() - t0 < 2 * SETTINGS.call_timeout_s
+    cc.release(seq)
+    assert elapsed < 60
+
+
+def test_no_pages_leak_once_every_sequence_is_released(cc):
+    b = node_of("node_b")
+    img = cc.content_key("vision", b"leak-check", tenant="acme")
+    cc.put(img, *kv(12), node=node_of("node_a"))
+    seqs = []
+    for mode in ("remote", "copy", None):
+        s = cc.create_sequence("acme", node=b)
+        cc.append(s, "text", *kv(6))
+        cc.attach(s, img, transfer=mode)
+        cc.append(s, "text", *kv(2))
+        seqs.append(s)
+    for s in seqs:
+        cc.release(s)
+    reports = cc.leak_report()
+    assert len(reports) >= 7
+    for name, r in reports.items():
+        assert r["sequences"] == 0 and r["handles"] == 0, name
+        assert r["used_pages"] == r["cached_pages"], name
+    st = cc.stats()
+    assert st.sequences == 0 and st.total_bytes("device") > 0
