@@ -562,7 +562,47 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         pytest.skip("this triton build has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH"), str(root)]))
     res = subprocess.run([sys.executable, "-c", _COMPILE_CHECK], env=env, cwd=root,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
+
+
+def test_kernels_package_imports_without_triton_or_ray():
+    """``import mmtier.kernels`` and the torch path work where triton cannot be imported, and
+    never pull in Ray; ``backend="triton"`` then raises a typed error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = r'''
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("triton", "ray"):
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import torch
+import mmtier.kernels as k
+from mmtier.errors import ConfigError
+assert not k.triton_available()
+kv = torch.randn(4, 1, 2, 16, 2, 64)
+op = k.build_paged_kv(kv, 0, [[([2, 0], 0, 20)]])
+i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+out, lse = k.paged_attention(torch.randn(1, 4, 64), i32([0, 1]), i32([19]), [op])
+assert out.shape == (1, 4, 64) and torch.isfinite(lse).all()
+try:
+    k.paged_attention(torch.randn(1, 4, 64), i32([0, 1]), i32([19]), [op], backend="triton")
+except ConfigError:
+    pass
+else:
+    raise AssertionError("backend='triton' without triton must raise ConfigError")
+assert not any(m.split(".")[0] in ("triton", "ray") for m in sys.modules)
+print("ok")
+'''
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(root)]))}
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-4000:]
