@@ -61,13 +61,13 @@ class DemoReport:
 def run_demo(conversations: int = 6, turns: int = 3, seed: int = 0) -> DemoReport:
     cfg = demo_config()
     rng = random.Random(seed)
-    images = [f"image-{i}".encode() * 64 for i in range(4)]
+    images = [f"image-{i}".encode() * 64 for i in range(max(2, min(4, conversations - 1)))]
     clips = [f"clip-{i}".encode() * 64 for i in range(2)]
     report = DemoReport(tally={m: ModalityTally() for m in ("text", "vision", "audio")})
     t0 = time.perf_counter()
     with TieredKVCache(cfg) as cache:
         for c in range(conversations):
-            tenant = f"tenant-{c % 2}"
+            tenant = f"tenant-{(c // 2) % 2}"       # pairs of conversations per tenant
             seq = cache.create_sequence(tenant=tenant)
             dense_k, dense_v = [], []
             for _ in range(turns):
