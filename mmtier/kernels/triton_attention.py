@@ -7,7 +7,10 @@ Three layers (as in Triton's fused-attention tutorial):
   (a tile may span several small pages or part of a large one) and keeps an online softmax
   for a query tile that holds every query head of its KV head group (GQA: each page is read
   once per KV head, never once per query head);
-- ``_launch``: checks strides, dtypes and devices, builds the plan (grid, splits, config);
+- the launch layer: ``plan_paged_attention`` validates the index tables (ranges, monotone
+  CSR, devices, GQA ratio) and picks the grid (work items, KV splits per pool: enough
+  programs to fill the GPU), one host sync; ``_launch`` picks the tile config and passes
+  every stride, so any strided view works;
 - ``paged_attention_triton``: the torch-facing function, ``(out, lse)``.
 
 A batch item's pages in one pool are ``page_ids[batch_page[b]:batch_page[b+1]]`` (segments of
@@ -357,7 +360,9 @@ def paged_attention_triton(
     """Attention of ``q`` over the segments of every operand (pool), merged exactly.
 
     ``num_splits`` forces KV splits per pool (tests); ``plan`` reuses a plan from
-    ``plan_paged_attention`` for the same index tables (skips validation and the host sync).
+    ``plan_paged_attention`` (skips validation and the host sync; no sync remains, so the call
+    can be captured in a CUDA graph). A plan is only valid for the very index tensors it was
+    built from (the layer and the pool contents may change).
     """
     check_queries(q, q_indptr, q_pos)
     for t in (q_indptr, q_pos):
