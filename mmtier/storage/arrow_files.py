@@ -148,7 +148,8 @@ class DiskTier:
 
     def put(self, key: ContentKey, spec: ModalitySpec, num_tokens: int,
             pages: torch.Tensor | Sequence[torch.Tensor]) -> DiskEntry:
-        """Write a group (blocking). ``pages``: ``[n, *page_shape]`` or contiguous runs of it."""
+        """Write a group (blocking; from async code await ``put_async``). ``pages``:
+        ``[n, *page_shape]`` or contiguous runs of it. Idempotent per key."""
         with self._sync_lock:
             if self._closed:
                 raise ClosedError("disk tier is closed")
