@@ -299,15 +299,12 @@ def _wait_until(pred, timeout=15.0):
 
 def test_killed_pool_loses_only_its_own_and_nothing_hangs(cc):
     a, b, head = node_of("node_a"), node_of("node_b"), node_of("node_head")
-    victim = f"mmtier-pool:{a}:dev1"
     only = cc.content_key("vision", b"only-on-victim", tenant="acme")
     safe = cc.content_key("vision", b"on-head", tenant="acme")
     ko, vo = kv(10)
     ks, vs = kv(10)
     cc.put(only, ko, vo, node=a)
-    while victim not in {h for h, _ in cc.locate(only).holders}:    # make it land on dev1
-        cc.offload(only)
-        cc.put(only, ko, vo, node=a)
+    (victim, _), = cc.locate(only).holders
     cc.put(safe, ks, vs, node=head)
     s_only = cc.create_sequence("acme", node=b)
     cc.attach(s_only, only, transfer="remote")
@@ -367,9 +364,12 @@ def test_nodes_join_later_and_removed_node_leaves(cluster, cc):
     node = cluster.add_node(num_cpus=1, resources={"node_c": 1}, object_store_memory=STORE)
     cluster.wait_for_nodes()
     c = node_of("node_c")
+    before = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     report = mma.start(CFG, SETTINGS)
-    assert sorted(report.created) == sorted([f"mmtier-store:{c}", f"mmtier-pool:{c}:cpu0"])
-    assert len(report.existing) >= 7
+    # the new node gets its store and pool; a pool killed earlier on a live node is recreated;
+    # nothing that exists is touched
+    assert {f"mmtier-store:{c}", f"mmtier-pool:{c}:cpu0"} <= set(report.created)
+    assert not set(report.created) & before and set(report.existing) <= before
     cc.refresh()
     assert cc.pools(c) == [f"mmtier-pool:{c}:cpu0"]
     img = cc.content_key("vision", b"on-node-c", tenant="acme")
