@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -156,6 +157,7 @@ def bench_cpu(quick: bool) -> dict:
     figures["cpu_paged_over_contiguous"] = max(ratios)
     figures["cpu_bandwidth_fraction"] = min(fractions)
     figures["cpu_dtype"] = "float32"
+    figures["cpu_load_avg_1min"] = os.getloadavg()[0]  # other work on the machine skews figures
     return figures
 
 
