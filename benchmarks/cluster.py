@@ -1,0 +1,178 @@
+"""Ray layer figures on a two-node cluster on loopback (``python -m benchmarks.cluster [--quick]``).
+
+- ``registry_lookups_per_s`` (batched: 1,000 keys per call) and ``registry_single_lookups_per_s``
+  (one key per call), from the driver to the registry actor;
+- ``remote_attention_ms`` vs ``local_attention_ms``: the same attention through the client, the
+  group in the home pool against the group on the other node (partial attention there, merged);
+- ``copy_gb_per_s`` (a group's pages exported by a pool on node B, imported by a pool on node A)
+  against ``object_store_gb_per_s`` (the same bytes put by an actor on B and got by one on A), in
+  the same run: ``transfer_over_object_store`` = copy throughput / raw throughput.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+import mmtier.actors as mma  # noqa: E402
+from benchmarks._common import best_time, print_table, write_results  # noqa: E402
+from mmtier import CacheConfig, ModalitySpec  # noqa: E402
+from mmtier.actors import ClusterSettings  # noqa: E402
+from mmtier.content import KeyMaker, media_digest, tenant_salt  # noqa: E402
+
+
+@ray.remote(num_cpus=0)
+class _Source:
+    def __init__(self, nbytes: int):
+        self.buf = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+
+    def make(self) -> np.ndarray:
+        return self.buf                      # the object store takes a copy (a put on this node)
+
+
+@ray.remote(num_cpus=0)
+class _Sink:
+    def take(self, buf: np.ndarray) -> int:  # a get on this node (transfer from the other)
+        return int(buf.nbytes)
+
+
+def _pin(node: str):
+    return NodeAffinitySchedulingStrategy(node, soft=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
+    args = ap.parse_args()
+    quick = args.quick
+    group_mb = 8 if quick else 32
+    store = (group_mb * 6 + 64) << 20
+    cfg = CacheConfig(
+        model="bench-mm", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",
+        modalities={"text": ModalitySpec(page_size=16), "vision": ModalitySpec(page_size=64)},
+        device="cpu", device_bytes=(group_mb * 4 + 16) << 20, key_secret="bench")
+    settings = ClusterSettings(call_timeout_s=120.0, copy_after_remote_uses=0)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"node_a": 1}, "object_store_memory": store, "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1}, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="mmtier", include_dashboard=False)
+    try:
+        figures = _run(cfg, settings, group_mb, quick)
+    finally:
+        mma.shutdown(settings)
+        ray.shutdown()
+        cluster.shutdown()
+    path = write_results("cluster", figures)
+    print_table("mmtier cluster (2 nodes on loopback)", list(figures.items()))
+    print(f"\nwrote {path}")
+
+
+def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool) -> dict:
+    mma.start(cfg, settings)
+    cc = mma.connect(settings)
+    nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
+    a, b = nodes["node_a"], nodes["node_b"]
+    pool_a, pool_b = cc.pools(a)[0], cc.pools(b)[0]
+    reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+    figures: dict[str, object] = {"quick": quick}
+
+    # ---- registry lookups
+    maker = KeyMaker(cfg.model, cfg.key_secret)
+    salt = tenant_salt(cfg.key_secret, "bench")
+    layout = cfg.spec("vision").layout_fields()
+    n_keys = 2000 if quick else 20000
+    keys = [maker.derive(modality="vision", layout=layout, media=media_digest(str(i).encode()),
+                         tenant_salt=salt) for i in range(n_keys)]
+    items = [{"key": k.to_wire(), "tier": "device", "num_tokens": 64, "nbytes": 1 << 20} for k in keys]
+    for i in range(0, n_keys, 5000):      # recorded at a live pool, so the liveness sweep keeps them
+        ray.get(reg.add.remote(pool_a, items[i:i + 5000]), timeout=120)
+    digests = [k.hex for k in keys]
+    batch = 1000
+    batches = [digests[i:i + batch] for i in range(0, n_keys, batch)]
+    ray.get(reg.lookup.remote(batches[0]), timeout=60)
+    t0 = time.perf_counter()
+    rounds = 3 if quick else 5
+    for _ in range(rounds):
+        refs = [reg.lookup.remote(bt) for bt in batches]
+        for r in ray.get(refs, timeout=120):
+            assert r[0] is not None
+    figures["registry_lookups_per_s"] = rounds * n_keys / (time.perf_counter() - t0)
+    singles = 300 if quick else 2000
+    t0 = time.perf_counter()
+    for d in digests[:singles]:
+        ray.get(reg.lookup.remote([d]), timeout=60)
+    figures["registry_single_lookups_per_s"] = singles / (time.perf_counter() - t0)
+    ray.get(reg.remove.remote(pool_a, digests), timeout=60)
+
+    # ---- local vs remote partial attention
+    n_img = 1024 if quick else 4096
+    spec = cfg.spec("vision")
+    k = torch.randn(spec.num_layers, n_img, spec.num_kv_heads, spec.head_dim, dtype=torch.float16)
+    v = torch.randn_like(k)
+    img_a = cc.content_key("vision", b"bench-image-a", tenant="bench")
+    img_b = cc.content_key("vision", b"bench-image-b", tenant="bench")
+    cc.put(img_a, k, v, node=a)
+    cc.put(img_b, k, v, node=b)
+    local = cc.create_sequence("bench", node=a)
+    cc.attach(local, img_a)
+    remote = cc.create_sequence("bench", node=a)
+    cc.attach(remote, img_b, transfer="remote")
+    q = torch.randn(4, 32, spec.head_dim, dtype=torch.float16)
+    t_local = best_time(lambda: cc.attention(local, 1, q, causal=False), repeat=5)
+    t_remote = best_time(lambda: cc.attention(remote, 1, q, causal=False), repeat=5)
+    ref = cc.attention(local, 1, q, causal=False).float()
+    got = cc.attention(remote, 1, q, causal=False).float()
+    assert float((ref - got).abs().max()) < 1e-2
+    figures.update(local_attention_ms=t_local * 1e3, remote_attention_ms=t_remote * 1e3,
+                   remote_attention_overhead_ms=(t_remote - t_local) * 1e3,
+                   remote_over_local_attention=t_remote / t_local)
+    cc.release(local)
+    cc.release(remote)
+
+    # ---- group copy vs raw object store, same bytes, same run
+    n_big = (group_mb << 20) // spec.token_bytes
+    kb = torch.randn(spec.num_layers, n_big, spec.num_kv_heads, spec.head_dim, dtype=torch.float16)
+    big = cc.content_key("vision", b"bench-big", tenant="bench")
+    cc.put(big, kb, kb, node=b)
+    nbytes = spec.pages_for(n_big) * spec.page_bytes
+    wire = big.to_wire()
+    src, dst = ray.get_actor(pool_b, namespace="mmtier"), ray.get_actor(pool_a, namespace="mmtier")
+
+    def copy_once() -> None:
+        meta, buf = src.export.options(num_returns=2).remote(wire)
+        item, _ = ray.get(dst.import_group.remote(wire, meta, buf), timeout=120)
+        assert item is not None
+        assert ray.get(dst.drop.remote([wire]), timeout=60) == [big.hex]
+
+    source = _Source.options(scheduling_strategy=_pin(b)).remote(nbytes)
+    sink = _Sink.options(scheduling_strategy=_pin(a)).remote()
+
+    def raw_once() -> None:
+        assert ray.get(sink.take.remote(source.make.remote()), timeout=120) == nbytes
+
+    reps = 3 if quick else 5
+    t_copy, t_raw = [], []
+    for _ in range(reps):                  # interleaved, so both see the same machine state
+        t_raw.append(best_time(raw_once, repeat=1, min_time=0))
+        t_copy.append(best_time(copy_once, repeat=1, min_time=0))
+    gb = nbytes / 1e9
+    figures.update(group_bytes=nbytes, copy_gb_per_s=gb / min(t_copy), object_store_gb_per_s=gb / min(t_raw),
+                   transfer_over_object_store=min(t_raw) / min(t_copy))
+    cc.close()
+    return figures
+
+
+if __name__ == "__main__":
+    main()
