@@ -29,3 +29,12 @@ __all__ = [
     "UnknownKeyError", "ForeignKeyError", "CapacityError", "StorageFullError",
     "CorruptDataError", "LeaseExpiredError",
 ]
+
+
+def __getattr__(name: str):
+    """``mmtier.start`` / ``connect`` / ``shutdown`` import Ray only when first used."""
+    if name in ("start", "connect", "shutdown"):
+        from . import actors
+
+        return getattr(actors, name)
+    raise AttributeError(f"module 'mmtier' has no attribute {name!r}")
