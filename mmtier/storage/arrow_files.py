@@ -30,6 +30,7 @@ import contextlib
 import errno
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -74,6 +75,25 @@ log = logging.getLogger(__name__)
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
 _afsync = aiofiles.os.wrap(os.fsync)
+
+# Test hook for crash injection (tests/chaos): ``MMTIER_CRASH_STEP=<step>[:<n>]``, read once at
+# import (or set ``_CRASH_STEP`` / ``_CRASH_AT`` in a fresh process), SIGKILLs this process the
+# n-th time (default 1st) a write reaches ``step``: ``before_write`` (tmp file open, empty),
+# ``after_write`` (bytes written, not fsynced), ``after_fsync`` (before the rename),
+# ``after_rename`` (final name, directory not fsynced), ``after_dir_fsync`` (durable, index not
+# updated). Unset (production): one falsy check per step, nothing else.
+CRASH_STEPS = ("before_write", "after_write", "after_fsync", "after_rename", "after_dir_fsync")
+_CRASH_STEP, _, _CRASH_AT = (os.environ.get("MMTIER_CRASH_STEP") or "").partition(":")
+_CRASH_AT = int(_CRASH_AT or 1)
+_crash_hits = 0
+
+
+def _crash_point(step: str) -> None:
+    global _crash_hits
+    if step == _CRASH_STEP:
+        _crash_hits += 1
+        if _crash_hits == _CRASH_AT:
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class StorageIOError(MMTierError):
@@ -315,6 +335,8 @@ class DiskTier:
             total += await self._write_file(self.dir / name, parts, written)
             files.append(name)
         await _fsync_dir(self.dir)
+        if _CRASH_STEP:
+            _crash_point("after_dir_fsync")
         return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files))
 
     async def _write_file(self, final: Path, parts: list[object], written: list[Path]) -> int:
@@ -322,12 +344,20 @@ class DiskTier:
         size = 0
         try:
             async with aiofiles.open(tmp, "wb") as f:
+                if _CRASH_STEP:
+                    _crash_point("before_write")
                 for p in parts:
                     await f.write(p)
                     size += memoryview(p).nbytes  # type: ignore[arg-type]
                 await f.flush()
+                if _CRASH_STEP:
+                    _crash_point("after_write")
                 await _afsync(f.fileno())
+                if _CRASH_STEP:
+                    _crash_point("after_fsync")
             await aiofiles.os.replace(tmp, final)
+            if _CRASH_STEP:
+                _crash_point("after_rename")
         except BaseException:
             await self._cleanup([tmp])
             raise
