@@ -90,31 +90,58 @@ def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale
     offs = torch.arange(size, device=q.device)
     page_kv_bytes = 2 * size * hkv * head_dim * op.kv.element_size()
     step = max(1, CHUNK_BYTES // page_kv_bytes)
+    layers = op.kv.shape[1]
+    # K (or V) of one page in one layer is one contiguous row of this view: gathering rows
+    # lands K and V each as [T, Hkv, D], contiguous, with no copy after the gather.
+    rows = op.kv.view(op.kv.shape[0] * layers * 2, size * hkv * head_dim) if op.kv.is_contiguous() else None
+    kbuf = vbuf = None
+    q_min = int(qpos.min())
+    m_run = torch.full((hkv, group * n_q, 1), -1e30, dtype=torch.float32, device=q.device)
+    l_run = torch.zeros(hkv, group * n_q, 1, dtype=torch.float32, device=q.device)
+    acc = torch.zeros(hkv, group * n_q, head_dim, dtype=torch.float32, device=q.device)
     for c0 in range(0, page_ids.shape[0], step):
         ids = page_ids[c0:c0 + step]
-        kv = op.kv[ids, op.layer]                                    # [n, 2, P, Hkv, D]
         n = ids.shape[0]
-        k = kv[:, 0].reshape(n * size, hkv, head_dim).permute(1, 2, 0).float()   # [Hkv, D, T]
-        v = kv[:, 1].reshape(n * size, hkv, head_dim).transpose(0, 1).float()    # [Hkv, T, D]
+        if rows is not None:
+            if kbuf is None:
+                kbuf = torch.empty(step, rows.shape[1], dtype=rows.dtype, device=rows.device)
+                vbuf = torch.empty_like(kbuf)
+            base = (ids * layers + op.layer) * 2
+            k_rows = torch.index_select(rows, 0, base, out=kbuf[:n])
+            v_rows = torch.index_select(rows, 0, base + 1, out=vbuf[:n])
+            k = k_rows.view(n * size, hkv, head_dim)
+            v = v_rows.view(n * size, hkv, head_dim)
+        else:
+            kv = op.kv[ids, op.layer]                                # [n, 2, P, Hkv, D]
+            k = kv[:, 0].reshape(n * size, hkv, head_dim)
+            v = kv[:, 1].reshape(n * size, hkv, head_dim)
+        k = k.permute(1, 2, 0).float()                               # [Hkv, D, T]
+        v = v.transpose(0, 1).float()                                # [Hkv, T, D]
         scores = torch.bmm(qh, k)                                    # [Hkv, G*n_q, T]
-        mask = (offs[None, :] < valid[c0:c0 + step, None]).reshape(-1)           # [T]
-        if not bool(mask.all()):
+        chunk_valid = valid[c0:c0 + step]
+        whole = bool((chunk_valid == size).all())
+        mask = None if whole else (offs[None, :] < chunk_valid[:, None]).reshape(-1)   # [T]
+        if mask is not None:
             v = v.masked_fill(~mask[None, :, None], 0.0)   # unwritten slots may hold NaN
-        if causal:
+        last = int(pos0[c0 + n - 1]) + size - 1
+        if causal and last > q_min:                        # some key is in some query's future
             pos = (pos0[c0:c0 + step, None] + offs[None, :]).reshape(-1)
-            allowed = mask[None, :] & (pos[None, :] <= qpos[:, None])            # [n_q, T]
-            allowed = allowed.repeat(group, 1)                                   # [G*n_q, T]
-            scores = scores.masked_fill(~allowed[None], -math.inf)
-        elif not bool(mask.all()):
+            allowed = pos[None, :] <= qpos[:, None]                              # [n_q, T]
+            if mask is not None:
+                allowed &= mask[None, :]
+            scores = scores.masked_fill(~allowed.repeat(group, 1)[None], -math.inf)
+        elif mask is not None:
             scores = scores.masked_fill(~mask[None, None, :], -math.inf)
-        m = scores.amax(dim=-1, keepdim=True)
-        m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(scores - m_safe)
-        denom = p.sum(dim=-1)
-        o = torch.bmm(p, v) / denom.clamp_min(1e-38)[..., None]
-        s = torch.where(denom > 0, m_safe.squeeze(-1) + torch.log(denom), torch.full_like(denom, -math.inf))
-        out, lse = _merge_pair(out, lse, o, s)
-    return _to_rows(out, lse, n_q, group)
+        m_new = torch.maximum(m_run, scores.amax(dim=-1, keepdim=True))
+        alpha = torch.exp(m_run - m_new)
+        p = torch.exp(scores - m_new)
+        l_run = l_run * alpha + p.sum(dim=-1, keepdim=True)
+        acc = acc * alpha + torch.bmm(p, v)
+        m_run = m_new
+    seen = l_run > 0
+    out = torch.where(seen, acc / l_run.clamp_min(1e-38), torch.zeros_like(acc))
+    lse = torch.where(seen, m_run + torch.log(l_run.clamp_min(1e-38)), torch.full_like(l_run, -math.inf))
+    return _to_rows(out, lse.squeeze(-1), n_q, group)
 
 
 def _to_rows(out: torch.Tensor, lse: torch.Tensor, n_q: int, group: int):
