@@ -64,3 +64,7 @@ class StorageFullError(CapacityError):
 
 class ClosedError(MMTierError):
     """The cache (or tier) was closed."""
+
+
+class HolderLostError(UnknownKeyError):
+    """What a call needed lived only on an actor that died (or did not answer): recompute it."""

@@ -45,6 +45,7 @@ from ..content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_sc
 from ..errors import (
     DTypeError,
     ForeignKeyError,
+    HolderLostError,
     MMTierError,
     ShapeError,
     UnknownKeyError,
@@ -61,10 +62,6 @@ from .registry import HolderInfo, Location
 from .settings import ClusterSettings
 
 Transfer = Literal["remote", "copy"]
-
-
-class HolderLostError(UnknownKeyError):
-    """What a call needed lived only on an actor that died (or did not answer): recompute it."""
 
 
 @dataclass
