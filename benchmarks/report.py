@@ -26,6 +26,8 @@ COMMANDS = {
     "multiturn": "python -m benchmarks.multiturn",
 }
 
+OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG
+
 # (benchmark, figure, target as text, predicate on the value)
 HEADLINES = [
     ("alloc", "alloc_free_pages_per_s_batched", ">= 1,000,000", lambda v: v >= 1e6),
@@ -111,9 +113,44 @@ def render(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_missing(results: dict[str, dict]) -> list[Path]:
+    """A PNG for each benchmark that did not draw its own: its ratio figures as bars."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    for name, data in results.items():
+        if name.startswith("gpu/") or name in OWN_PLOTS:
+            continue
+        ratios = {k: float(v) for k, v in data.items()
+                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  and any(t in k for t in ("_over_", "fraction", "ratio", "speedup"))}
+        if not ratios:
+            continue
+        fig, ax = plt.subplots(figsize=(8, 0.35 * len(ratios) + 1.2))
+        keys = sorted(ratios)
+        ax.barh(keys, [ratios[k] for k in keys], color="#4c72b0")
+        ax.axvline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_title(f"{name} ({data.get('machine', '?')}, {str(data.get('date', '?'))[:10]})", fontsize=9)
+        ax.tick_params(labelsize=7)
+        fig.tight_layout()
+        path = RESULTS / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        made.append(path)
+    return made
+
+
 def main(argv: list[str] | None = None) -> Path:
+    results = load()
+    for path in plot_missing(results):
+        print(f"wrote {path}")
     out = HERE / "RESULTS.md"
-    out.write_text(render(load()))
+    out.write_text(render(results))
     print(f"wrote {out}")
     return out
 
