@@ -295,9 +295,12 @@ class LowerTiers:
             raise CorruptDataError(f"{key!r}: stored copy missing or failed verification (a miss)")
         return pages
 
-    def _stream_disk_groups(self, groups: list[ModalityGroup]) -> dict[int, tuple[torch.Tensor, int]]:
-        """Read disk groups into one host buffer per modality (one attention operand each), all
-        reads queued at once on the mover: ``gid -> (buffer, first page)``."""
+    def start_streaming(self, segments) -> tuple[dict, list] | None:
+        """Queue the reads of the disk-resident groups among ``segments`` (one host buffer per
+        modality) so they overlap the device part of an attention call."""
+        groups = [s.group for s in segments if s.group.tier == Tier.DISK]
+        if not groups or self.mover is None:
+            return None
         unique = list({g.gid: g for g in groups}.values())
         by_mod: dict[str, list[ModalityGroup]] = {}
         for g in unique:
@@ -313,6 +316,14 @@ class LowerTiers:
                 view = buffer[first:first + g.num_pages]
                 jobs.append((g, self.mover.fetch(self.storage_key(g), g.spec, out=view)))
                 first += g.num_pages
+        return out, jobs
+
+    def _finish_streaming(self, pending: tuple[dict, list] | None) -> dict[int, tuple[torch.Tensor, int]]:
+        """Wait for the queued reads: ``gid -> (buffer, first page)``; a failed or corrupt read
+        drops that group and raises ``CorruptDataError`` (a miss; the caller recomputes)."""
+        if pending is None:
+            return {}
+        out, jobs = pending
         failed = None
         for g, fut in jobs:
             try:
@@ -354,7 +365,7 @@ class LowerTiers:
         self.cache.counters.add("prefetched", group.modality)
 
     # ------------------------------------------------------------------ attention
-    def lower_states(self, segments, layer, q, q_pos, causal, scale):
+    def lower_states(self, segments, layer, q, q_pos, causal, scale, pending=None):
         """Partial ``(out, lse)`` states of the host- and disk-resident segments (CPU path)."""
         host_segs = [s for s in segments if s.group.tier == Tier.HOST]
         disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
@@ -369,7 +380,9 @@ class LowerTiers:
                 if entry is None:
                     raise CorruptDataError(f"{s.group!r}: host copy vanished")
                 held.append(entry)
-            streamed = self._stream_disk_groups([s.group for s in disk_segs])
+            if pending is None:
+                pending = self.start_streaming(disk_segs)
+            streamed = self._finish_streaming(pending)
 
             def view_of(group: ModalityGroup):
                 if group.tier == Tier.HOST:
