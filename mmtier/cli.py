@@ -1,49 +1,279 @@
-"""The ``mmtier`` command."""
+"""The ``mmtier`` command.
+
+- ``mmtier demo [--quick] [--out DIR]``: the main job: an embedded local Ray, mmtier on it, a
+  multi-turn multimodal workload through the reference model, a table, a JSON report and a chart;
+- ``mmtier start --config FILE [--address auto]``: start mmtier on a running cluster;
+- ``mmtier status [--address auto]``: its actors, tiers and hit ratios, as tables;
+- ``mmtier bench [NAME ...] [--quick]``: the benchmark suite, then ``benchmarks/RESULTS.md``;
+- ``mmtier serve --config configs/serve.yaml``: the Ray Serve application.
+
+Ray is imported inside the commands, so ``--help`` is quick.
+"""
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import threading
+import time
+from pathlib import Path
 
 import click
 
-BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster")
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")    # Ray binds 127.0.0.1 locally
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn")
+DEFAULT_OUT = Path("benchmarks") / "results"
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
-    """mmtier: a tiered, modality-aware, paged KV-cache store for multimodal LLM serving."""
+    """mmtier: a tiered, modality-aware, paged KV-cache store for multimodal LLM serving on Ray."""
 
 
+# ---------------------------------------------------------------------- demo
 @main.command()
-@click.option("--conversations", default=6, show_default=True, help="Conversations to run.")
-@click.option("--turns", default=3, show_default=True, help="Turns per conversation.")
-@click.option("--quick", is_flag=True, help="A smaller run (same checks).")
-def demo(conversations: int, turns: int, quick: bool) -> None:
-    """Cache and share images and audio across conversations; print what was stored and reused."""
-    from .demo import format_report, run_demo
+@click.option("--quick", is_flag=True, help="A smaller workload with the same checks (well under a minute).")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
+              show_default=True, help="Directory of demo.json and demo.png.")
+@click.option("--tenants", type=click.IntRange(1, 16), help="Tenants (default 3; --quick 2).")
+@click.option("--conversations", type=click.IntRange(1, 64), help="Conversations per tenant (default 3; --quick 2).")
+@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 3; --quick 2).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload and model seed.")
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def demo(quick: bool, out: Path, tenants: int | None, conversations: int | None, turns: int | None,
+         seed: int, no_progress: bool) -> None:
+    """Run a multi-turn multimodal workload through mmtier on an embedded local Ray.
 
-    if quick:
-        conversations, turns = 3, 2
-    report = run_demo(conversations=conversations, turns=turns)
-    click.echo(format_report(report))
-    if report.max_rel_err > 1e-5:
-        click.echo("attention check FAILED", err=True)
+    Several tenants send text, repeated images and audio clips in multi-turn conversations
+    through the reference model; the small page pool forces evictions and spills to the node
+    store. Prints hits and misses by modality, bytes per tier, spills and restores, time per
+    turn with and without the cache, and checks every answer against the dense model."""
+    from .demo import DemoSpec, format_report, plot, run_demo, write_json
+
+    kw = {k: v for k, v in {"tenants": tenants, "conversations": conversations, "turns": turns}.items()
+          if v is not None}
+    spec = DemoSpec.quick(seed=seed, **kw) if quick else DemoSpec(seed=seed, **kw)
+    report = run_demo(spec, progress=not no_progress)
+    json_path = write_json(report, out / "demo.json")
+    png_path = plot(report, out / "demo.png")
+    click.echo(format_report(report, json_path, png_path))
+    if not report.passed:
+        click.echo("dense check FAILED", err=True)
         sys.exit(1)
 
 
+# ---------------------------------------------------------------------- start / status
+def _connect_ray(address: str, namespace: str) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=namespace, log_to_driver=False)
+
+
+def load_start_config(path: Path):
+    """``(CacheConfig, ClusterSettings)`` from a cache preset (``configs/*.yaml``, optionally
+    with a ``cluster:`` section of ClusterSettings) or from a Serve config whose first
+    application is mmtier's (the cache its ``args`` describe: the reference model's)."""
+    import yaml
+
+    from .actors.settings import ClusterSettings
+    from .config import CacheConfig
+    from .errors import ConfigError
+
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping")
+    if "applications" in data:
+        from .serve.config import ServeAppConfig
+
+        apps = [a for a in data["applications"] or []
+                if str(a.get("import_path", "")).startswith("mmtier.serve")]
+        if not apps:
+            raise ConfigError(f"{path}: no application with import_path mmtier.serve.app:build_app")
+        args = ServeAppConfig.parse(apps[0].get("args") or {})
+        return args.cache_config(), args.settings()
+    settings = ClusterSettings(**(data.pop("cluster", None) or {}))
+    cache = data.get("cache", data)
+    return CacheConfig(**cache), settings
+
+
+@main.command()
+@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A cache preset (configs/*.yaml) or a Serve config (configs/serve.yaml).")
+@click.option("--address", default="auto", show_default=True, help="Ray address of the running cluster.")
+def start(config: Path, address: str) -> None:
+    """Start mmtier on a running Ray cluster: registry, a pool per GPU (per node without one),
+    a store per node. Idempotent: run it again after nodes join."""
+    from . import actors
+    from .errors import ConfigError
+
+    try:
+        cfg, settings = load_start_config(config)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    _connect_ray(address, settings.namespace)
+    try:
+        report = actors.start(cfg, settings)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"mmtier on {len(report.nodes)} node(s), namespace {settings.namespace!r}, model {cfg.model}")
+    rows = [(n, "created") for n in report.created] + [(n, "existing") for n in report.existing]
+    click.echo(_table(("actor", "state"), sorted(rows, key=lambda r: r[0])))
+
+
+@main.command()
+@click.option("--address", default="auto", show_default=True, help="Ray address of the running cluster.")
+@click.option("--namespace", default="mmtier", show_default=True, help="mmtier's Ray namespace.")
+def status(address: str, namespace: str) -> None:
+    """Actors, tiers and hit ratios of mmtier on a running cluster, as tables."""
+    from . import actors
+
+    _connect_ray(address, namespace)
+    settings = actors.ClusterSettings(namespace=namespace)
+    try:
+        cc = actors.connect(settings)
+    except ValueError:
+        raise click.ClickException(f"mmtier is not running in namespace {namespace!r} "
+                                   "(mmtier start --config ...)") from None
+    try:
+        per_actor = cc.actor_stats()
+        reg = cc.registry_stats()
+    finally:
+        cc.close()
+    click.echo(format_status(per_actor, reg, cc.cfg.model))
+
+
+def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: str) -> str:
+    """Three tables: actors (tiers, groups, attaches), modalities (hit ratio), the registry.
+
+    Hit ratio of a modality: attaches of groups that were already stored over all attaches
+    (``(attaches - puts) / attaches`` summed over pools): each group is put once and attached
+    at every use."""
+    mib = lambda b: f"{b / 2**20:.1f}"
+    rows, by_mod = [], {}
+    for name, st in sorted(per_actor.items()):
+        kind, _, rest = name.partition(":")
+        node, _, dev = rest.partition(":")
+        tiers = st.get("tiers", {})
+        used = {t: sum(u["bytes"] for u in per.values()) for t, per in tiers.items()}
+        cap = {t: max((u["capacity_bytes"] for u in per.values()), default=0) for t, per in tiers.items()}
+        c = st.get("counters", {})
+        rows.append((kind.removeprefix("mmtier-"), node[:12], dev or "-",
+                     f"{mib(used.get('device', 0))}/{mib(cap.get('device', 0))}" if "device" in tiers else "-",
+                     f"{mib(used.get('host', 0))}" if "host" in tiers else "-",
+                     sum(u["groups"] for per in tiers.values() for u in per.values()),
+                     c.get("attaches", 0), c.get("puts", 0), c.get("evictions", 0)))
+        for m, cm in st.get("by_modality", {}).items():
+            agg = by_mod.setdefault(m, [0, 0, 0])
+            agg[0] += cm.get("attaches", 0)
+            agg[1] += cm.get("puts", 0)
+            agg[2] += cm.get("evictions", 0)
+    out = [f"mmtier ({model}): {len(per_actor)} actors; registry: {registry.get('keys', 0)} keys, "
+           f"{registry.get('copies', 0)} copies, {mib(registry.get('bytes', 0))} MiB, "
+           f"{registry.get('holders', 0)} holders",
+           _table(("actor", "node", "device", "device MiB", "host MiB", "groups", "attaches", "puts", "evictions"),
+                  rows), ""]
+    mrows = [(m, a, p, e, f"{max(a - p, 0) / a:.2f}" if a else "-") for m, (a, p, e) in sorted(by_mod.items())]
+    out.append(_table(("modality", "attaches", "puts", "evictions", "hit ratio"), mrows))
+    return "\n".join(out)
+
+
+def _table(header: tuple, rows: list[tuple]) -> str:
+    cells = [tuple(str(x) for x in header)] + [tuple(str(x) for x in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(cells[0]), "  ".join("-" * w for w in widths)] + [fmt(r) for r in cells[1:]])
+
+
+# ---------------------------------------------------------------------- bench
 @main.command()
 @click.argument("names", nargs=-1)
 @click.option("--quick", is_flag=True, help="Smaller sizes.")
 def bench(names: tuple[str, ...], quick: bool) -> None:
-    """Run benchmarks (default: all available) and write benchmarks/results/*.json."""
-    for name in names or BENCHMARKS:
+    """Run the benchmark suite (default: all of NAMES below), then regenerate
+    benchmarks/RESULTS.md. NAMES: alloc kernels spill eviction cluster long_context multiturn."""
+    from tqdm import tqdm
+
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        raise click.BadParameter(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}",
+                                 param_hint="NAMES")
+    try:
+        report = importlib.import_module("benchmarks.report")
+    except ModuleNotFoundError:
+        raise click.ClickException("the benchmarks package is not importable: run from the "
+                                   "repository root (./run bench)") from None
+    failed = []
+    bar = tqdm(names or BENCHMARKS, desc="benchmarks", unit="bench")
+    for name in bar:
+        bar.set_postfix_str(name)
+        t0 = time.perf_counter()
         try:
-            mod = importlib.import_module(f"benchmarks.{name}")
-        except ModuleNotFoundError as exc:
-            click.echo(f"skip {name}: {exc}", err=True)
-            continue
-        mod.main(["--quick"] if quick else [])
+            importlib.import_module(f"benchmarks.{name}").main(["--quick"] if quick else [])
+        except Exception as exc:          # one failing benchmark does not stop the suite
+            failed.append(name)
+            tqdm.write(f"[mmtier bench] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        else:
+            tqdm.write(f"[mmtier bench] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    report.main([])
+    if failed:
+        raise click.ClickException(f"failed: {', '.join(failed)}")
+
+
+# ---------------------------------------------------------------------- serve
+@main.command()
+@click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A Serve config file (configs/serve.yaml: http_options, applications).")
+@click.option("--address", default="auto", show_default=True,
+              help="Ray address; 'local' starts a local Ray on 127.0.0.1 for a try-out.")
+@click.option("--detach", is_flag=True, help="Deploy and return (the app keeps running on the cluster).")
+def serve(config: Path, address: str, detach: bool) -> None:
+    """Deploy the Serve application(s) of a Serve config file (like `serve run FILE`)."""
+    import yaml
+
+    from .errors import ConfigError
+
+    try:
+        doc = yaml.safe_load(config.read_text())
+    except yaml.YAMLError as exc:
+        raise click.ClickException(f"cannot read {config}: {exc}") from None
+    if not isinstance(doc, dict) or not doc.get("applications"):
+        raise click.ClickException(f"{config}: a Serve config needs an 'applications' list")
+    if detach and address == "local":
+        raise click.BadParameter("a local Ray ends with this process: use --detach with a running cluster",
+                                 param_hint="--detach")
+    import ray
+    from ray import serve as rs
+
+    if not ray.is_initialized():
+        kw = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address == "local" else {}
+        ray.init(address=address, namespace="mmtier", log_to_driver=False, **kw)
+    http = doc.get("http_options") or {"host": "127.0.0.1", "port": 8000}
+    rs.start(http_options=http, proxy_location=doc.get("proxy_location", "EveryNode"))
+    for app in doc["applications"]:
+        module, _, attr = str(app["import_path"]).partition(":")
+        builder = getattr(importlib.import_module(module), attr)
+        try:
+            target = builder(app.get("args") or {})
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from None
+        rs.run(target, name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"),
+               blocking=False)
+        click.echo(f"deployed {app.get('name', 'default')} at http://{http.get('host', '127.0.0.1')}:"
+                   f"{http.get('port', 8000)}{app.get('route_prefix', '/')}")
+    if detach:
+        return
+    click.echo("serving; Ctrl-C to stop")
+    try:
+        threading.Event().wait()           # until Ctrl-C
+    except KeyboardInterrupt:
+        rs.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,182 @@
+"""``ServeAppConfig``: the ``args`` of the Serve application (``configs/serve.yaml``).
+
+Validated by pydantic (``extra="forbid"``: a misspelt field is an error that names it). Secrets
+need not sit in the file: API keys can come from an environment variable (``api_keys_env``, a
+JSON object ``{"key": "tenant"}``) or as SHA-256 digests of the keys (``api_key_sha256``); the
+cache's key secret from ``key_secret_env``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..actors.settings import ClusterSettings
+from ..config import CacheConfig
+from ..errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelArgs(_Strict):
+    seed: int = Field(0, description="Seed of the reference model (its weights and identity).")
+
+
+class CacheArgs(_Strict):
+    """What ``mmtier.models.reference_config`` takes: the cache of the reference model."""
+
+    device_bytes: int | None = Field(
+        64 << 20, gt=0, description="Page arena of each pool, bytes; null on GPUs: a share of the free "
+                                    "memory NVML reports (CacheConfig.device_fraction).")
+    host_bytes: int = Field(0, ge=0, description="Host tier of each node store, bytes (0: ClusterSettings.store_bytes).")
+    device: str = Field("cpu", description="'cpu' or 'cuda' (GPU pools take their arena from NVML when on a GPU node).")
+    eviction_policy: str = Field("lru", description="Eviction policy of each pool.")
+    key_secret_env: str | None = Field(
+        None, description="Environment variable holding the cache's key secret (salts tenants, "
+                          "authenticates keys); unset: the default secret (development only).")
+    shares: dict[str, float] | None = Field(None, description="Arena share per modality (default: the model's).")
+
+    def cache_config(self, seed: int) -> CacheConfig:
+        from ..models import reference_config
+
+        extra: dict[str, Any] = {"device": self.device, "eviction_policy": self.eviction_policy}
+        if self.key_secret_env:
+            secret = os.environ.get(self.key_secret_env)
+            if not secret:
+                raise ConfigError(f"cache.key_secret_env: environment variable {self.key_secret_env} "
+                                  "is not set", ("cache.key_secret_env",))
+            extra["key_secret"] = secret
+        return reference_config(device_bytes=self.device_bytes, host_bytes=self.host_bytes,
+                                seed=seed, shares=self.shares, **extra)
+
+
+class Limits(_Strict):
+    max_request_bytes: int = Field(16 << 20, gt=0, description="Largest HTTP body accepted (413 above).")
+    max_media_bytes: int = Field(1 << 20, gt=0, description="Largest decoded media item (413 above).")
+    max_items: int = Field(32, gt=0, description="Most content items in one turn (400 above).")
+    max_new_tokens: int = Field(64, ge=0, description="Largest max_new_tokens a request may ask (400 above).")
+    default_new_tokens: int = Field(8, ge=0, description="max_new_tokens when a request names none.")
+
+
+class Affinity(_Strict):
+    """How per-node workers are pinned (see ``mmtier.serve.routing``)."""
+
+    pin_resource_prefix: str | None = Field(
+        None, description="None: pin a node's worker with Ray's automatic 'node:<ip>' resource "
+                          "(one worker per node IP). A prefix (e.g. 'mmtier_node_'): each node that "
+                          "should get a worker carries one custom resource whose name starts with it "
+                          "(needed when nodes share an IP, as on a one-machine test cluster).")
+    pin_amount: float = Field(0.001, gt=0, le=1, description="Amount of the pin resource a worker claims.")
+
+
+class Workers(_Strict):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs each per-node worker replica reserves.")
+    max_ongoing_requests: int = Field(8, gt=0, description="Concurrent turns per worker (different conversations).")
+    max_conversations: int = Field(256, gt=0, description="Open conversations per worker; the idlest closes beyond it.")
+    conversation_ttl_s: float = Field(900.0, gt=0, description="An idle conversation closes after this.")
+    torch_threads: int = Field(1, gt=0, description="torch intra-op threads in a worker.")
+
+
+class Ingress(_Strict):
+    num_replicas: int = Field(1, gt=0, description="Ingress replicas (they hash media and route).")
+    num_cpus: float = Field(0.5, ge=0, description="CPUs each ingress replica reserves.")
+    max_ongoing_requests: int = Field(64, gt=0, description="Concurrent requests per ingress replica.")
+
+
+class ServeAppConfig(_Strict):
+    """The application's ``args``."""
+
+    model: ModelArgs = Field(default_factory=ModelArgs)
+    cache: CacheArgs = Field(default_factory=CacheArgs)
+    cluster: dict[str, Any] = Field(default_factory=dict, description="ClusterSettings fields (namespace, timeouts, ...).")
+    start_cache: bool = Field(True, description="Run mmtier.actors.start() at deploy time (idempotent).")
+    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant (development; prefer the two below).")
+    api_key_sha256: dict[str, str] = Field(default_factory=dict, description="hex SHA-256 of an API key -> tenant.")
+    api_keys_env: str | None = Field(None, description="Environment variable holding a JSON object {api key: tenant}.")
+    limits: Limits = Field(default_factory=Limits)
+    affinity: Affinity = Field(default_factory=Affinity)
+    workers: Workers = Field(default_factory=Workers)
+    ingress: Ingress = Field(default_factory=Ingress)
+
+    @field_validator("api_keys", "api_key_sha256")
+    @classmethod
+    def _tenants(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, tenant in value.items():
+            if not key or not isinstance(tenant, str) or not tenant:
+                raise ValueError("every API key needs a non-empty key and tenant")
+        return value
+
+    @classmethod
+    def parse(cls, args: dict[str, Any] | ServeAppConfig | None) -> ServeAppConfig:
+        if isinstance(args, ServeAppConfig):
+            return args
+        try:
+            return cls(**(args or {}))
+        except ValidationError as exc:
+            lines = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+            raise ConfigError("invalid Serve app args: " + "; ".join(lines),
+                              tuple(".".join(map(str, e["loc"])) for e in exc.errors())) from None
+
+    def settings(self) -> ClusterSettings:
+        try:
+            return ClusterSettings(**self.cluster)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid cluster settings: {exc}", ("cluster",)) from None
+
+    def cache_config(self) -> CacheConfig:
+        return self.cache.cache_config(self.model.seed)
+
+    def key_table(self) -> KeyTable:
+        digests = {k.lower(): t for k, t in self.api_key_sha256.items()}
+        for key, tenant in self.api_keys.items():
+            digests[_sha256(key)] = tenant
+        if self.api_keys_env:
+            raw = os.environ.get(self.api_keys_env)
+            if raw is None:
+                raise ConfigError(f"api_keys_env: environment variable {self.api_keys_env} is not set",
+                                  ("api_keys_env",))
+            try:
+                extra = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"api_keys_env: {self.api_keys_env} is not JSON ({exc.msg})",
+                                  ("api_keys_env",)) from None
+            if not isinstance(extra, dict) or not all(isinstance(k, str) and k and isinstance(t, str) and t
+                                                      for k, t in extra.items()):
+                raise ConfigError(f"api_keys_env: {self.api_keys_env} must be a JSON object "
+                                  "{\"key\": \"tenant\"}", ("api_keys_env",))
+            for key, tenant in extra.items():
+                digests[_sha256(key)] = tenant
+        if not digests:
+            raise ConfigError("no API keys: set api_keys, api_key_sha256 or api_keys_env", ("api_keys",))
+        return KeyTable(digests)
+
+
+def _sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class KeyTable:
+    """API key -> tenant, held as SHA-256 digests; lookups compare in constant time."""
+
+    def __init__(self, digests: dict[str, str]):
+        self._digests = dict(digests)
+
+    def tenant(self, key: str | None) -> str | None:
+        if not key:
+            return None
+        probe = _sha256(key)
+        found = None
+        for digest, tenant in self._digests.items():     # every entry, so timing says nothing
+            if hmac.compare_digest(digest, probe):
+                found = tenant
+        return found
+
+    def __len__(self) -> int:
+        return len(self._digests)

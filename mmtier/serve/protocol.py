@@ -1,0 +1,148 @@
+"""The HTTP JSON protocol of the Serve app: request parsing and typed errors (no Ray here).
+
+``POST /v1/turn`` with ``Authorization: Bearer <key>`` (or ``X-API-Key: <key>``) and a body::
+
+    {"conversation_id": "...",              # optional: continue a conversation
+     "content": [{"type": "text", "text": "Describe "},
+                 {"type": "image", "data": "<base64>"},
+                 {"type": "audio", "data": "<base64>"}],
+     "max_new_tokens": 8}                   # optional
+
+The tenant is never read from the body: it is the tenant the API key maps to in the server's
+config. A body that carries a ``tenant`` field is **rejected** (400), as is any other unknown
+field, so a client that believes it can pick its tenant learns at once that it cannot.
+
+Errors are ``{"error": {"status": N, "type": "...", "message": "..."}}`` with status 400 (malformed
+JSON, bad base64, unknown content type, bad field), 401 (missing or unknown API key), 404
+(unknown conversation), 413 (body or media item over the configured limit), 503 (the cache has
+no room: ``CapacityError``); 500 only for a server fault, never for bad input.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from dataclasses import dataclass
+
+from .config import Limits
+
+MEDIA_TYPES = {"image": "vision", "audio": "audio"}      # request type -> model modality
+TYPE_OF = {v: k for k, v in MEDIA_TYPES.items()}
+_TOP_FIELDS = {"conversation_id", "content", "max_new_tokens"}
+
+
+class HTTPError(Exception):
+    """An answer with a status code and a JSON message."""
+
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+    def body(self) -> dict:
+        return {"error": {"status": self.status, "type": self.kind, "message": self.message}}
+
+
+def bad(message: str, kind: str = "bad_request") -> HTTPError:
+    return HTTPError(400, kind, message)
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    type: str                 # "image" | "audio"
+    data: bytes
+    sha256: str               # computed here, on the server
+
+    @property
+    def modality(self) -> str:
+        return MEDIA_TYPES[self.type]
+
+
+@dataclass(frozen=True)
+class TextItem:
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    conversation_id: str | None
+    content: tuple[TextItem | MediaItem, ...]
+    max_new_tokens: int
+
+    @property
+    def media(self) -> list[MediaItem]:
+        return [i for i in self.content if isinstance(i, MediaItem)]
+
+
+def api_key(headers) -> str | None:
+    """The API key of a request: ``Authorization: Bearer <key>``, else ``X-API-Key``."""
+    auth = headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() == "bearer" and value.strip():
+            return value.strip()
+        return None
+    key = headers.get("x-api-key")
+    return key.strip() if key and key.strip() else None
+
+
+def parse_turn(body: bytes, limits: Limits) -> TurnRequest:
+    """A checked turn, or ``HTTPError`` (400 / 413). Media are decoded and hashed here."""
+    if len(body) > limits.max_request_bytes:
+        raise HTTPError(413, "too_large", f"request body of {len(body)} bytes is over the "
+                                          f"{limits.max_request_bytes}-byte limit")
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"malformed JSON: {exc}", "malformed_json") from None
+    if not isinstance(doc, dict):
+        raise bad("the body must be a JSON object", "malformed_json")
+    if "tenant" in doc:
+        raise bad("'tenant' is not accepted in the body: the tenant is the one your API key maps "
+                  "to on the server", "tenant_in_body")
+    unknown = sorted(set(doc) - _TOP_FIELDS)
+    if unknown:
+        raise bad(f"unknown fields {unknown}; a turn has {sorted(_TOP_FIELDS)}")
+    conv = doc.get("conversation_id")
+    if conv is not None and (not isinstance(conv, str) or not conv or len(conv) > 128):
+        raise bad("conversation_id must be a non-empty string (up to 128 characters)")
+    new = doc.get("max_new_tokens", limits.default_new_tokens)
+    if isinstance(new, bool) or not isinstance(new, int) or not 0 <= new <= limits.max_new_tokens:
+        raise bad(f"max_new_tokens must be an integer in [0, {limits.max_new_tokens}]")
+    content = doc.get("content")
+    if not isinstance(content, list) or not content:
+        raise bad("content must be a non-empty list of items")
+    if len(content) > limits.max_items:
+        raise bad(f"{len(content)} content items; at most {limits.max_items}")
+    items = tuple(_item(i, n, limits) for n, i in enumerate(content))
+    return TurnRequest(conv, items, new)
+
+
+def _item(item: object, n: int, limits: Limits) -> TextItem | MediaItem:
+    where = f"content[{n}]"
+    if not isinstance(item, dict) or not isinstance(item.get("type"), str):
+        raise bad(f"{where} must be an object with a 'type'")
+    kind = item["type"]
+    if kind == "text":
+        if set(item) != {"type", "text"} or not isinstance(item["text"], str) or not item["text"]:
+            raise bad(f"{where}: a text item is {{'type': 'text', 'text': <non-empty string>}}")
+        return TextItem(item["text"])
+    if kind not in MEDIA_TYPES:
+        raise bad(f"{where}: unknown content type {kind!r}; use 'text', "
+                  + ", ".join(repr(t) for t in MEDIA_TYPES), "unknown_media_kind")
+    if set(item) != {"type", "data"} or not isinstance(item["data"], str):
+        raise bad(f"{where}: a media item is {{'type': {kind!r}, 'data': <base64 string>}}")
+    encoded = item["data"]
+    if len(encoded) // 4 * 3 > limits.max_media_bytes + 3:          # before decoding anything
+        raise HTTPError(413, "too_large", f"{where}: {kind} is over the {limits.max_media_bytes}-byte limit")
+    try:
+        data = base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise bad(f"{where}: data is not valid base64 ({exc})", "bad_base64") from None
+    if not data:
+        raise bad(f"{where}: {kind} is empty")
+    if len(data) > limits.max_media_bytes:
+        raise HTTPError(413, "too_large", f"{where}: {kind} of {len(data)} bytes is over the "
+                                          f"{limits.max_media_bytes}-byte limit")
+    return MediaItem(kind, data, hashlib.sha256(data).hexdigest())

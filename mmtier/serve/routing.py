@@ -1,0 +1,110 @@
+"""Cache affinity: which node's worker takes a turn (plain logic, no Ray).
+
+The Serve app runs one worker deployment per node, pinned there by a per-node resource, and
+an ingress that routes each turn by one rule, first match wins:
+
+1. **conversation**: a turn of an open conversation goes to the node whose worker holds it
+   (its session, and the private K/V of its text, live there); the conversation id names it.
+2. **content**: a new conversation with media goes to the node holding the most bytes of the
+   request's content-only groups for this tenant (cross-attention K/V and encoder outputs of
+   each media item, looked up in the ContentRegistry). A pool's bytes count twice, a node
+   store's once (a pool serves attention at once; a store's groups are restored first),
+   the same weighting ``ClusterCache`` uses to home a sequence near its hint keys.
+3. **least_loaded**: otherwise (no media, or nothing of it cached for this tenant) the node
+   whose worker has the fewest turns in flight from this ingress; ties rotate.
+
+Which node a worker is pinned to (``pin_targets``): in production every Ray node carries the
+automatic resource ``node:<ip>``, and a worker claims a sliver of it; where nodes share an IP
+(a one-machine test cluster) each node carries its own custom resource with a common prefix.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+
+POOL_WEIGHT, STORE_WEIGHT = 2, 1
+
+
+@dataclass(frozen=True)
+class PinTarget:
+    node: str                # Ray node id
+    resource: str            # the resource a worker claims to land there
+
+
+@dataclass
+class Route:
+    node: str
+    rule: str                                  # "conversation" | "content" | "least_loaded"
+    scores: dict[str, int] = field(default_factory=dict)   # node -> weighted bytes of content
+
+
+def pin_targets(nodes: Iterable[dict], prefix: str | None) -> list[PinTarget]:
+    """One target per alive node that can be pinned (``ray.nodes()`` entries), by node id."""
+    out: list[PinTarget] = []
+    for n in nodes:
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        if prefix is None:
+            name = f"node:{n.get('NodeManagerAddress')}"
+            if name in res:
+                out.append(PinTarget(n["NodeID"], name))
+            continue
+        names = sorted(r for r in res if r.startswith(prefix))
+        if len(names) > 1:
+            raise ConfigError(f"node {n['NodeID']} carries {len(names)} resources starting with "
+                              f"{prefix!r} ({names}); give each node exactly one",
+                              ("affinity.pin_resource_prefix",))
+        if names:
+            out.append(PinTarget(n["NodeID"], names[0]))
+    seen = Counter(t.resource for t in out)
+    dup = sorted(r for r, c in seen.items() if c > 1)
+    if dup:
+        raise ConfigError(f"several nodes share the pin resource(s) {dup} (nodes on one IP?); set "
+                          "affinity.pin_resource_prefix and give each node its own custom resource",
+                          ("affinity.pin_resource_prefix",))
+    return sorted(out, key=lambda t: t.resource)
+
+
+class Router:
+    """The rule above over the nodes that have a worker; in-flight counts are this ingress's."""
+
+    def __init__(self, nodes: Sequence[str]):
+        if not nodes:
+            raise ConfigError("no worker nodes to route to", ("affinity",))
+        self.nodes = list(nodes)
+        self.inflight: Counter[str] = Counter()
+        self._turn = 0
+
+    def scores(self, locations: Iterable, holder: Callable[[str], tuple[str, str] | None]) -> dict[str, int]:
+        """Weighted bytes per worker node. ``locations``: registry ``Location``s (or None);
+        ``holder(name)`` -> ``(node, "pool" | "store")`` or None for an unknown holder."""
+        score: Counter[str] = Counter()
+        for loc in locations:
+            if loc is None:
+                continue
+            for name, _tier in loc.holders:
+                info = holder(name)
+                if info is None or info[0] not in self.nodes:
+                    continue
+                score[info[0]] += loc.nbytes * (POOL_WEIGHT if info[1] == "pool" else STORE_WEIGHT)
+        return dict(score)
+
+    def choose(self, scores: dict[str, int], conversation_node: str | None = None) -> Route:
+        if conversation_node is not None:
+            return Route(conversation_node, "conversation", scores)
+        if scores:
+            best = max(scores.values())
+            tied = [n for n in self.nodes if scores.get(n) == best]
+            return Route(self._least(tied), "content", scores)
+        return Route(self._least(self.nodes), "least_loaded", scores)
+
+    def _least(self, nodes: list[str]) -> str:
+        low = min(self.inflight[n] for n in nodes)
+        tied = [n for n in nodes if self.inflight[n] == low]
+        self._turn += 1
+        return tied[self._turn % len(tied)]

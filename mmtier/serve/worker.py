@@ -1,0 +1,194 @@
+"""``TurnWorker``: the per-node worker of the Serve app (a plain class; ``app.py`` wraps it).
+
+One worker runs on each node (pinned by a per-node resource). It holds a ``ClusterCache``
+client, the reference model, and the node's open conversations: each is a ``CachedSession``
+(``mmtier.models``) whose sequences are homed on a pool of this node, so a turn's attention
+over the conversation's own K/V stays on the node; media groups come from wherever the
+registry says they are (attended remotely, or copied here after repeated use).
+
+Turns of one conversation run one at a time (a lock per conversation); turns of different
+conversations run concurrently in threads. Each conversation has its own copy of the model's
+counters, so the cache information of a turn is exactly what that turn did. A turn that fails
+half-way closes its conversation (its state is no longer a prefix the model can extend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ..errors import CapacityError, MMTierError, UnknownKeyError
+from ..models import Media, MediaError, ModelCounters, ModelError, ReferenceModel, Text
+from .config import ServeAppConfig
+from .node_cache import NodeCache
+from .protocol import TYPE_OF
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("encoder_runs", "embedding_hits", "cross_hits", "cross_misses", "self_hits", "self_misses")
+
+
+@dataclass
+class _Conversation:
+    id: str
+    tenant: str
+    session: object
+    model: ReferenceModel
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    last_used: float = field(default_factory=time.monotonic)
+    turns: int = 0
+
+
+class TurnWorker:
+    """Runs turns of conversations on this node."""
+
+    def __init__(self, cfg_json: dict, index: int, expected_node: str | None = None):
+        import ray
+        import torch
+
+        from ..actors import connect
+
+        self.cfg = ServeAppConfig.parse(cfg_json)
+        torch.set_num_threads(self.cfg.workers.torch_threads)
+        self.index = index
+        self.node = ray.get_runtime_context().get_node_id()
+        if expected_node is not None and expected_node != self.node:
+            log.warning("worker %d expected on node %s runs on %s", index, expected_node, self.node)
+        self.cluster = connect(self.cfg.settings())
+        self.cache = NodeCache(self.cluster, self.node)
+        self.model = ReferenceModel(seed=self.cfg.model.seed)
+        self.model.check_cache(self.cache)
+        self._convs: OrderedDict[str, _Conversation] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ remote interface
+    async def turn(self, tenant: str, conversation_id: str | None, items: list[tuple[str, object]],
+                   max_new_tokens: int) -> tuple[int, dict]:
+        """``(status, body)``; ``items``: ``("text", str)`` or ``(request media type, bytes)``."""
+        return await asyncio.to_thread(self._turn, tenant, conversation_id, items, max_new_tokens)
+
+    async def close(self, tenant: str, conversation_id: str) -> tuple[int, dict]:
+        return await asyncio.to_thread(self._close_one, tenant, conversation_id)
+
+    async def info(self) -> dict:
+        with self._lock:
+            return {"index": self.index, "node": self.node, "conversations": len(self._convs),
+                    "pools": self.cluster.pools(self.node)}
+
+    # ------------------------------------------------------------------ turns
+    def _turn(self, tenant, conversation_id, items, max_new_tokens) -> tuple[int, dict]:
+        self._sweep()
+        prompt = [Text(p) if t == "text" else Media({"image": "vision"}.get(t, t), p) for t, p in items]
+        try:
+            prompt = self.model.validate(prompt, max_new_tokens)    # nothing opened on bad input
+        except (MediaError, ModelError) as exc:
+            return 400, _error(400, "bad_prompt", str(exc))
+        conv = None
+        try:
+            if conversation_id is None:
+                conv = self._open(tenant)
+            else:
+                conv = self._find(tenant, conversation_id)
+                if conv is None:
+                    return 404, _error(404, "unknown_conversation",
+                                       f"no open conversation {conversation_id!r} for this API key "
+                                       "(closed, expired, or never opened)")
+            with conv.lock:
+                if conv.id not in self._convs:       # closed while we waited
+                    return 404, _error(404, "unknown_conversation", f"conversation {conv.id!r} was closed")
+                before = conv.model.counters.snapshot()
+                t0 = time.perf_counter()
+                tokens = conv.session.send(prompt, max_new_tokens)
+                seconds = time.perf_counter() - t0
+                after = conv.model.counters.snapshot()
+                conv.turns += 1
+                conv.last_used = time.monotonic()
+        except CapacityError as exc:
+            self._drop(conv)
+            return 503, _error(503, "capacity", f"the cache has no room for this turn: {exc}")
+        except UnknownKeyError as exc:            # a holder died mid-turn (HolderLostError)
+            self._drop(conv)
+            return 503, _error(503, "holder_lost", f"cached state was lost mid-turn; start again: {exc}")
+        except MMTierError as exc:
+            self._drop(conv)
+            log.exception("turn failed")
+            return 500, _error(500, "internal", f"{type(exc).__name__}: {exc}")
+        return 200, {
+            "conversation_id": conv.id, "turn": conv.turns, "tokens": tokens,
+            "text": bytes(tokens).decode("utf-8", errors="replace"),
+            "node": self.node, "worker": self.index, "seconds": round(seconds, 4),
+            "cache": {"counts": _delta(before, after)},
+        }
+
+    def _open(self, tenant: str) -> _Conversation:
+        model = copy.copy(self.model)              # shares weights; counters of its own
+        model.counters = ModelCounters()
+        session = model.session(self.cache, tenant)
+        conv = _Conversation(f"w{self.index}.{secrets.token_hex(12)}", tenant, session, model)
+        with self._lock:
+            self._convs[conv.id] = conv
+        return conv
+
+    def _find(self, tenant: str, conversation_id: str) -> _Conversation | None:
+        with self._lock:
+            conv = self._convs.get(conversation_id)
+            if conv is None or conv.tenant != tenant:     # another tenant's id: not found
+                return None
+            self._convs.move_to_end(conversation_id)
+            return conv
+
+    def _drop(self, conv: _Conversation | None) -> None:
+        if conv is not None:
+            self._close(conv)
+
+    def _close(self, conv: _Conversation) -> None:
+        with self._lock:
+            self._convs.pop(conv.id, None)
+        try:
+            conv.session.close()
+        except MMTierError as exc:                 # the cluster lost it already
+            log.warning("closing conversation %s: %s", conv.id, exc)
+
+    def _close_one(self, tenant: str, conversation_id: str) -> tuple[int, dict]:
+        conv = self._find(tenant, conversation_id)
+        if conv is None:
+            return 404, _error(404, "unknown_conversation", f"no open conversation {conversation_id!r}")
+        with conv.lock:
+            self._close(conv)
+        return 200, {"conversation_id": conversation_id, "closed": True}
+
+    def _sweep(self) -> None:
+        """Close conversations idle past the TTL, and the idlest beyond the limit."""
+        w = self.cfg.workers
+        now = time.monotonic()
+        with self._lock:
+            stale = [c for c in self._convs.values() if now - c.last_used > w.conversation_ttl_s]
+            extra = max(0, len(self._convs) - len(stale) - w.max_conversations + 1)
+            live = [c for c in self._convs.values() if c not in stale]
+            stale += live[:extra]                   # OrderedDict: least recently used first
+        for conv in stale:
+            if conv.lock.acquire(blocking=False):   # one in use is not idle
+                try:
+                    self._close(conv)
+                finally:
+                    conv.lock.release()
+
+
+def _delta(before: dict, after: dict) -> dict:
+    """This turn's model counters, media named by request type ("image", "audio")."""
+    out: dict[str, object] = {}
+    for name in COUNTERS:
+        d = {TYPE_OF.get(m, m): n - before[name].get(m, 0) for m, n in after[name].items()}
+        out[name] = {m: n for m, n in d.items() if n}
+    out["decoder_tokens"] = after["decoder_tokens"] - before["decoder_tokens"]
+    return out
+
+
+def _error(status: int, kind: str, message: str) -> dict:
+    return {"error": {"status": status, "type": kind, "message": message}}

@@ -1,0 +1,93 @@
+"""The ``mmtier`` command: ``demo --quick`` end to end (a subprocess with its own local Ray on
+127.0.0.1), ``--help`` of every command, and the deployment configs it reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mmtier.cli import format_status, load_start_config, main
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("demo", "start", "status", "bench", "serve")
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help(command):
+    args = ["--help"] if command is None else [command, "--help"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    if command is None:
+        assert all(c in result.output for c in COMMANDS)
+
+
+def test_bench_rejects_unknown_names():
+    result = CliRunner().invoke(main, ["bench", "no-such-benchmark"])
+    assert result.exit_code == 2 and "unknown benchmark" in result.output
+
+
+def test_start_config_from_serve_yaml_and_presets():
+    cfg, settings = load_start_config(ROOT / "configs" / "serve.yaml")
+    assert cfg.model.startswith("mmtier-reference-v1") and settings.namespace == "mmtier"
+    cfg, _ = load_start_config(ROOT / "configs" / "tiny-mm.yaml")
+    assert cfg.model == "tiny-mm"
+
+
+def test_deployment_configs():
+    from mmtier.serve.config import ServeAppConfig
+
+    serve_cfg = yaml.safe_load((ROOT / "configs" / "serve.yaml").read_text())
+    app = serve_cfg["applications"][0]
+    assert app["import_path"] == "mmtier.serve.app:build_app"
+    ServeAppConfig.parse(app["args"]).key_table()
+
+    svc = yaml.safe_load((ROOT / "configs" / "kuberay-rayservice.yaml").read_text())
+    assert svc["kind"] == "RayService" and svc["spec"]["rayClusterConfig"]["authOptions"]["mode"] == "token"
+    inline = yaml.safe_load(svc["spec"]["serveConfigV2"])["applications"][0]
+    parsed = ServeAppConfig.parse(inline["args"])
+    assert parsed.api_keys_env and not parsed.api_keys          # keys come from a Secret
+
+    cluster = yaml.safe_load((ROOT / "configs" / "cluster.yaml").read_text())
+    starts = " ".join(cluster["head_start_ray_commands"] + cluster["worker_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token" in starts and "mmtier start --config" in starts
+    assert any("pip install" in c and "mmtier" in c for c in cluster["setup_commands"])
+
+
+def test_format_status_table():
+    pool = {"tiers": {"device": {"vision": {"groups": 2, "pages": 4, "bytes": 4 << 20, "capacity_bytes": 8 << 20}}},
+            "counters": {"attaches": 5, "puts": 2, "evictions": 1},
+            "by_modality": {"vision": {"attaches": 5, "puts": 2, "evictions": 1}}}
+    store = {"tiers": {"host": {"vision": {"groups": 1, "pages": 2, "bytes": 2 << 20, "capacity_bytes": 64 << 20}}},
+             "counters": {"puts": 1}, "by_modality": {}}
+    text = format_status({"mmtier-pool:abcdef0123456789:cpu0": pool, "mmtier-store:abcdef0123456789": store},
+                         {"keys": 3, "copies": 3, "bytes": 6 << 20, "holders": 2}, "tiny-mm")
+    assert "pool" in text and "store" in text and "4.0/8.0" in text
+    assert "0.60" in text                        # vision: (5 attaches - 2 puts) / 5
+
+
+@pytest.mark.ray
+def test_demo_quick_end_to_end(tmp_path):
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.run([sys.executable, "-m", "mmtier.cli", "demo", "--quick", "--out", str(tmp_path),
+                           "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    for heading in ("hits and misses by modality", "bytes per tier", "spills", "restores",
+                    "time per turn", "with cache", "without cache"):
+        assert heading in out, out
+    assert "tokens equal generate_dense: PASSED" in out
+    report = json.loads((tmp_path / "demo.json").read_text())
+    assert report["dense_check_passed"] is True and report["dense_check_mismatches"] == 0
+    assert report["turns"] == report["dense_check_turns"] > 0
+    assert report["image_cross_hits"] > 0 and report["image_cross_misses"] > 0
+    assert report["spilled_groups_freed"] > 0 and report["host_bytes"] > 0
+    assert all(not isinstance(v, (dict, list)) for v in report.values())   # flat, like the benchmarks
+    assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
