@@ -24,6 +24,7 @@ COMMANDS = {
     "cluster": "python -m benchmarks.cluster",
     "long_context": "python -m benchmarks.long_context --tokens 2000000",
     "multiturn": "python -m benchmarks.multiturn",
+    "demo": "mmtier demo (./run demo)",
 }
 
 OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG

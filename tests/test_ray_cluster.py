@@ -189,6 +189,8 @@ def test_attention_equals_oracle_for_any_placement(cc, transfer):
     assert (f"mmtier-pool:{b}:cpu0" in holders) == (transfer == "copy")
     # the prefix chain does not depend on placement
     assert cc.prefix_key(seq) == _single_process_prefix(t1, k1, t2, k2, t3, img1, img2)
+    view = cc.sequence(seq)
+    assert view.length == len(log.tags) and view.home is not None and img1 in view.attached
     cc.release(seq)
 
 

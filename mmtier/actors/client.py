@@ -64,6 +64,16 @@ from .settings import ClusterSettings
 Transfer = Literal["remote", "copy"]
 
 
+@dataclass(frozen=True)
+class ClusterSequence:
+    """A sequence as the client sees it (``TieredKVCache.sequence`` gives the full table)."""
+
+    handle: SequenceHandle
+    length: int
+    home: str | None
+    attached: tuple[ContentKey, ...]
+
+
 @dataclass
 class _Sub:
     """A run of the sequence held in the home pool: local handle and its position offset."""
@@ -284,6 +294,11 @@ class ClusterCache:
         if not score:
             return None
         return max(score, key=lambda n: (score[n], -self._homed[n]))
+
+    def sequence(self, seq: SequenceHandle) -> ClusterSequence:
+        """What the client knows of a sequence: its length, home pool and attached keys."""
+        st = self._seq(seq)
+        return ClusterSequence(st.handle, st.length, st.home, tuple(st.attached))
 
     def where(self, seq: SequenceHandle) -> str | None:
         """The home pool of a sequence (``None`` until it is placed)."""
