@@ -1,6 +1,6 @@
 """A 2M-token multimodal context across device, host and disk: decode against the bandwidth floor.
 
-``python -m benchmarks.long_context --tokens 2000000 [--preset NAME] [--device cuda] [--quick]``
+``python -m benchmarks.long_context --tokens 2000000 [--preset NAME] [--device cuda] [--cluster] [--quick]``
 
 Builds one sequence of interleaved text, images (576 tokens), audio clips (1500 tokens per
 30 s) and video segments under budgets that force it across the device, host and disk tiers,
@@ -209,6 +209,90 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
     return figures
 
 
+def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: int) -> dict:
+    """The same context spread over a local multi-node Ray cluster on loopback: media groups are
+    put round-robin on the nodes' pools, text on the sequence's home pool; one decode step runs
+    a partial attention on every actor holding parts (remote, where the pages live) and merges
+    them by log-sum-exp in the client. All nodes share this machine's cores and memory, so the
+    floor is the total bytes over this machine's measured read bandwidth."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    import mmtier.actors as mma
+    from mmtier.actors import ClusterSettings
+
+    hkv, dim, hq, dtype, model_layers = PRESETS[preset]
+    tdtype = getattr(torch, dtype)
+    token_bytes = 2 * hkv * dim * tdtype.itemsize
+    per_node = int(tokens * token_bytes * 1.3 / nodes) + (64 << 20)
+    cfg = CacheConfig(
+        model=f"long-context-{preset}", num_layers=1, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
+        modalities={"text": ModalitySpec(page_size=16, share=0.25),
+                    "vision": ModalitySpec(page_size=64, share=0.25),
+                    "audio": ModalitySpec(page_size=60, share=0.25),
+                    "video": ModalitySpec(page_size=128, share=0.25)},
+        device="cpu", device_bytes=per_node * 4)
+    settings = ClusterSettings(call_timeout_s=600.0, copy_after_remote_uses=0)
+    gen = torch.Generator().manual_seed(seed)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": {"lc_node_0": 1}, "object_store_memory": 256 << 20,
+        "include_dashboard": False})
+    for i in range(1, nodes):
+        cluster.add_node(num_cpus=1, resources={f"lc_node_{i}": 1}, object_store_memory=256 << 20)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="mmtier", include_dashboard=False)
+    try:
+        mma.start(cfg, settings)
+        cc = mma.connect(settings)
+        node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        plan = plan_segments(tokens, seed)
+        ks, vs = [], []
+        t0 = time.perf_counter()
+        seq = cc.create_sequence("bench", node=node_ids[0])
+        for i, (kind, n) in enumerate(plan):
+            k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+            v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+            if kind == "text":
+                cc.append(seq, "text", k, v)
+            else:
+                key = cc.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
+                cc.put(key, k, v, node=node_ids[i % len(node_ids)])
+                cc.attach(seq, key, transfer="remote")
+            ks.append(k[0])
+            vs.append(v[0])
+        ingest_s = time.perf_counter() - t0
+        total_bytes = tokens * token_bytes
+        bw = read_bandwidth(min(total_bytes, 512 << 20), "cpu")
+        q = torch.randn(1, hq, dim, generator=gen).to(tdtype)
+        times = []
+        out = torch.full_like(q, float("nan"))
+        for _ in range(3):
+            t1 = time.perf_counter()
+            out = cc.attention(seq, 0, q)
+            times.append(time.perf_counter() - t1)
+        decode_s = min(times)
+        err = oracle_error(q, out, ks, vs, oracle_heads, hq // hkv)
+        remote = cc.counters.get("remote_attentions", 0)
+        cc.release(seq)
+        cc.close()
+    finally:
+        mma.shutdown(settings)
+        ray.shutdown()
+        cluster.shutdown()
+    floor = total_bytes / bw
+    return {
+        "tokens": tokens, "preset": preset, "device": "cpu", "cluster_nodes": nodes,
+        "per_token_bytes_per_layer": token_bytes, "segments": len(plan),
+        "bytes_read": total_bytes, "host_read_gbps": bw / 1e9,
+        "decode_s": decode_s, "floor_s": floor, "decode_over_floor": decode_s / floor,
+        "max_rel_err": err, "remote_attentions": remote,
+        "ingest_s": ingest_s, "ingest_tokens_per_s": tokens / ingest_s,
+        "extrapolated_decode_s_all_layers": decode_s * model_layers,
+    }
+
+
 def oracle_error(q, out, ks, vs, heads: int, group: int) -> float:
     """Max relative error over ``heads`` sampled query heads, float64 over gathered K/V."""
     k_all = torch.cat(ks)            # [T, Hkv, D]
@@ -236,14 +320,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-heads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="200k tokens")
+    ap.add_argument("--cluster", action="store_true",
+                    help="spread the context over a local multi-node Ray cluster on loopback")
+    ap.add_argument("--nodes", type=int, default=3, help="nodes of the --cluster run")
     args = ap.parse_args(argv)
     tokens = 200_000 if args.quick else args.tokens
-    figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads)
+    if args.cluster:
+        figures = run_cluster(tokens, args.preset, args.seed, args.oracle_heads, args.nodes)
+        name = "long_context_cluster"
+    else:
+        figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads)
+        name = "long_context"
     print_table(f"long context: {tokens:,} tokens, one decode step of one layer", list(figures.items()))
     print("\nThe footprint per token and layer is stated above; the extrapolation multiplies the "
           "measured decode time by the model's layers and its per-token bytes, assuming decode "
           "stays bandwidth-bound.")
-    path = write_results("long_context", figures)
+    path = write_results(name, figures)
     print(f"wrote {path}")
     return figures
 
