@@ -2,7 +2,8 @@
 
 Nodes: head (one CPU pool), A (custom resource ``fake_gpu: 2`` standing in for two GPUs: two
 pools), B (one CPU pool); a store on each. Faults are real: ``ray.kill`` of actors and
-``cluster.remove_node``.
+``cluster.remove_node``. The config has a disk tier (a temporary directory made by the
+``cluster`` fixture): pools demote to disk under pressure, stores spill host -> disk.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ CFG = CacheConfig(
     device="cpu", device_bytes=2 << 20, key_secret="test-secret")
 SETTINGS = ClusterSettings(device_resource="fake_gpu", sweep_interval_s=0.5, ping_timeout_s=1.0,
                            sweep_misses=2, call_timeout_s=20.0, copy_after_remote_uses=2,
-                           store_bytes=4 << 20)
+                           store_bytes=128 << 10)     # a tiny store host tier: 32 vision pages
 
 
 def _node_args(cpus: int, res: dict) -> dict:
@@ -46,7 +47,9 @@ def _node_args(cpus: int, res: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(tmp_path_factory):
+    global CFG
+    CFG = CFG.model_copy(update={"disk_dir": tmp_path_factory.mktemp("mmtier-tiers")})
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "resources": {"node_head": 1}, "object_store_memory": STORE,
         "include_dashboard": False})
@@ -197,7 +200,7 @@ def test_attention_equals_oracle_for_any_placement(cc, transfer):
 def _single_process_prefix(t1, k1, t2, k2, t3, img1, img2):
     from mmtier import TieredKVCache
 
-    c = TieredKVCache(CFG)
+    c = TieredKVCache(CFG.model_copy(update={"disk_dir": None}))
     c.put(img1, k1, torch.zeros_like(k1))
     c.put(img2, k2, torch.zeros_like(k2))
     s = c.create_sequence("acme")
@@ -414,3 +417,199 @@ def test_no_pages_leak_once_every_sequence_is_released(cc):
         assert r["used_pages"] == r["cached_pages"], name
     st = cc.stats()
     assert st.sequences == 0 and st.total_bytes("device") > 0
+
+
+# ---------------------------------------------------------------------- the tier cascade
+def _exported(key, k, v):
+    """A group as a pool exports it: ``(meta, page-major uint8 buffer)``."""
+    from mmtier import TieredKVCache
+    from mmtier.actors.pool_actor import export_pages
+
+    with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as c:
+        c.put(key, k, v)
+        return export_pages(c, key)
+
+
+def _store_check(store, parts, layer=1, n_q=2, tol=2e-5):
+    """``parts``: ``[(key, k, v)]`` laid out back to back from position 0; the store's partial
+    attention over them equals the oracle."""
+    wires, ks, vs, start = [], [], [], 0
+    for key, k, v in parts:
+        wires.append((key.to_wire(), start))
+        ks.append(k[layer])
+        vs.append(v[layer])
+        start += k.shape[1]
+    q = torch.randn(n_q, HQ, D)
+    q_pos = torch.arange(start - n_q, start)
+    out, _ = store.attend(wires, layer, q, q_pos)
+    ref, _ = oracle_attention(q, q_pos, torch.cat(ks), torch.cat(vs), torch.arange(start))
+    assert rel_err(out, ref) < tol
+
+
+def test_store_spills_host_to_disk_serves_and_adopts_after_restart(tmp_path):
+    """The NodeStoreService alone (no Ray): host LRU spills whole groups to disk, attention and
+    export stream them back exactly, a recreated store adopts its directory, a corrupt file is a
+    miss reported as lost, and the disk budget's bottom drops (reported as evicted)."""
+    from mmtier import CorruptDataError, TieredKVCache
+    from mmtier.actors.node_store import NodeStoreService, store_dir
+
+    cfg = CFG.model_copy(update={"disk_dir": tmp_path})
+    maker = TieredKVCache(CFG.model_copy(update={"disk_dir": None}))
+    page = cfg.spec("vision").page_bytes
+    store = NodeStoreService(cfg, name="s", node="n1", capacity_bytes=5 * page)
+    lost: list[str] = []
+    store.on_lost = lost.extend
+    groups = []
+    for i in range(4):                                   # 2 pages each: the host holds 2
+        key = maker.content_key("vision", f"spill-{i}".encode(), tenant="acme")
+        k, v = kv(16)
+        meta, buf = _exported(key, k, v)
+        item, evicted = store.import_group(key.to_wire(), meta, buf)
+        assert item is not None and item["tier"] == "host" and evicted == []
+        groups.append((key, k, v, buf))
+    tiers = {it["key"]["digest"]: it["tier"] for it in store.inventory()}
+    assert [tiers[g[0].hex] for g in groups] == ["disk", "disk", "host", "host"]
+    assert store.counters["spills"] == 2 and store.counters["evictions"] == 0
+    assert store.holds([g[0].to_wire() for g in groups]) == [True] * 4
+    _store_check(store, [groups[0][:3]])                           # disk, streamed
+    _store_check(store, [groups[1][:3], groups[3][:3]], n_q=5)     # disk + host, merged
+    meta, buf = store.export(groups[0][0].to_wire())
+    assert meta == {"num_tokens": 16} and (buf == groups[0][3]).all()
+    big = maker.content_key("vision", b"too-big-for-host", tenant="acme")
+    kb, vb = kv(48)                                      # 6 pages > the host budget: to disk
+    item, evicted = store.import_group(big.to_wire(), *_exported(big, kb, vb))
+    assert item["tier"] == "disk" and evicted == []
+    store.close()
+
+    again = NodeStoreService(cfg, name="s", node="n1", capacity_bytes=5 * page)  # warm restart
+    again.on_lost = lost.extend
+    tiers = {it["key"]["digest"]: it["tier"] for it in again.inventory()}
+    assert tiers == {groups[0][0].hex: "disk", groups[1][0].hex: "disk", big.hex: "disk"}
+    assert again.counters["adopted_from_disk"] == 3
+    _store_check(again, [(big, kb, vb)], n_q=3)
+    victim = next(store_dir(cfg, "n1").glob(f"vision-{groups[1][0].hex}-*.arrow"))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    with pytest.raises(CorruptDataError):
+        again.export(groups[1][0].to_wire())
+    assert lost == [groups[1][0].hex] and again.holds([groups[1][0].to_wire()]) == [False]
+    again.close()
+
+    small = cfg.model_copy(update={"disk_bytes": 3 * (2 * page + 4096)})   # 3 groups on disk
+    bottom = NodeStoreService(small, name="b", node="n2", capacity_bytes=2 * page)
+    keys, dropped = [], []
+    for i in range(6):
+        key = maker.content_key("vision", f"bottom-{i}".encode(), tenant="acme")
+        _item, evicted = bottom.import_group(key.to_wire(), *_exported(key, *kv(16)))
+        keys.append(key)
+        dropped += evicted
+    assert dropped == [keys[0].hex, keys[1].hex]         # the oldest leave at the bottom only
+    assert bottom.holds([k.to_wire() for k in keys]) == [False, False] + [True] * 4
+    bottom.close()
+    maker.close()
+
+
+def _actor(name):
+    return ray.get_actor(name, namespace="mmtier")
+
+
+def _tiers(name) -> dict[str, str]:
+    """digest -> tier, from a holder actor's inventory."""
+    return {it["key"]["digest"]: it["tier"] for it in ray.get(_actor(name).inventory.remote(), timeout=20)}
+
+
+def test_pool_under_pressure_keeps_group_on_disk(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    pool = f"mmtier-pool:{b}:cpu0"
+    x = cc.content_key("vision", b"pressured", tenant="acme")
+    k, v = kv(40)
+    assert cc.put(x, k, v, node=b)
+    assert _tiers(pool)[x.hex] == "device"
+    for i in range(30):                   # 20-page fillers through a 170-page vision pool
+        cc.put(cc.content_key("vision", f"filler-{i}".encode(), tenant="acme"), *kv(160), node=b)
+        if _tiers(pool)[x.hex] == "disk":
+            break
+    assert _tiers(pool)[x.hex] == "disk"
+    assert {h for h, _ in cc.locate(x).holders} == {pool}       # still held, by the pool
+    counters = ray.get(_actor(pool).stats.remote(), timeout=20)["counters"]
+    assert counters["spills_to_disk"] >= 1 and counters.get("evictions", 0) == 0
+    s1 = cc.create_sequence("acme", node=a)
+    cc.attach(s1, x, transfer="copy")     # exported from b's disk into a pool on A
+    log = Logical()
+    log.add(k, v, "x")
+    log.check(cc, s1, n_q=2)
+    s2 = cc.create_sequence("acme", node=b)
+    t = kv(3)
+    cc.append(s2, "text", *t)
+    cc.attach(s2, x)                      # local: served from the disk tier (or promoted)
+    log = Logical()
+    log.add(*t, "t")
+    log.add(k, v, "x")
+    log.check(cc, s2, n_q=2)
+    cc.release(s1)
+    cc.release(s2)
+
+
+def test_store_spills_to_disk_and_serves_back(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    store = f"mmtier-store:{a}"
+    groups = []
+    for i in range(3):                    # 20 pages each; the store's host holds 32
+        key = cc.content_key("vision", f"offload-spill-{i}".encode(), tenant="acme")
+        k, v = kv(160)
+        cc.put(key, k, v, node=a)
+        assert cc.offload(key)
+        groups.append((key, k, v))
+    tiers = _tiers(store)
+    assert [tiers.get(g[0].hex) for g in groups] == ["disk", "disk", "host"]
+    for key, _, _ in groups:
+        assert {h for h, _ in cc.locate(key).holders} == {store}
+    s1 = cc.create_sequence("acme", node=b)
+    t = kv(3)
+    cc.append(s1, "text", *t)
+    cc.attach(s1, groups[0][0], transfer="remote")     # partial attention in the store, from disk
+    log = Logical()
+    log.add(*t, "t")
+    log.add(*groups[0][1:], "g0")
+    log.check(cc, s1, n_q=2)
+    s2 = cc.create_sequence("acme", node=b)
+    cc.attach(s2, groups[1][0], transfer="copy")       # exported from the store's disk
+    log = Logical()
+    log.add(*groups[1][1:], "g1")
+    log.check(cc, s2, n_q=2)
+    cc.release(s1)
+    cc.release(s2)
+
+
+def test_recreated_store_adopts_and_announces_its_disk_groups(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    store = f"mmtier-store:{b}"
+    groups = []
+    for i in range(2):                    # the first spills to disk, the second stays in host
+        key = cc.content_key("vision", f"survivor-{i}".encode(), tenant="acme")
+        k, v = kv(160)
+        cc.put(key, k, v, node=b)
+        assert cc.offload(key)
+        groups.append((key, k, v))
+    (disk_key, k, v), (host_key, _, _) = groups
+    tiers = _tiers(store)
+    assert tiers[disk_key.hex] == "disk" and tiers[host_key.hex] == "host"
+    ray.kill(_actor(store), no_restart=True)
+    assert _wait_until(lambda: not cc.contains(disk_key) and not cc.contains(host_key))
+    report = mma.start(CFG, SETTINGS)
+    assert store in report.created
+    fresh = mma.connect(SETTINGS)         # (the old client keeps its handle of the dead store)
+    try:
+        assert _wait_until(lambda: fresh.contains(disk_key))
+        assert {h for h, _ in fresh.locate(disk_key).holders} == {store}
+        assert not fresh.contains(host_key)                # host memory died with the actor
+        assert _tiers(store) == {disk_key.hex: "disk"}
+        seq = fresh.create_sequence("acme", node=a)
+        fresh.attach(seq, disk_key, transfer="remote")
+        log = Logical()
+        log.add(k, v, "g")
+        log.check(fresh, seq, n_q=2)
+        fresh.release(seq)
+    finally:
+        fresh.close()

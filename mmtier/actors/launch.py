@@ -14,6 +14,14 @@ Nodes that join later: run ``start()`` again; it adds actors for the new nodes a
 existing ones untouched (``StartReport.created`` / ``existing`` say which). Actors of a node
 that died are gone with it (pool and store actors are pinned, ``soft=False``); ``start()`` never
 recreates them elsewhere. ``shutdown()`` kills every mmtier actor.
+
+Tiers on the cluster (when ``cfg.disk_dir`` is set; without it pools drop under pressure and
+stores keep host memory only, as before): each pool's ``TieredKVCache`` gets a disk tier of its
+own, ``disk_dir / "pool-<pool name, sanitized>"`` (no host tier: ``host_bytes=0``), so device
+pressure moves unreferenced groups to disk whole instead of dropping them; each node store puts
+``disk_dir / "store-<node id>"`` behind its host tier. A pool or store recreated on the same
+node (``start()`` after a kill) adopts the groups in its directory and announces them to the
+registry with its inventory.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,7 +75,10 @@ class PagePoolActor(PoolService):
     def __init__(self, cfg_json: dict, name: str, node: str, device: str, settings_json: dict):
         settings = ClusterSettings(**settings_json)
         base = CacheConfig(**cfg_json)
-        update: dict[str, Any] = {"host_bytes": 0, "disk_dir": None}   # lower tiers: the node store
+        # No host tier in a pool (the node store has one); its own disk tier, when the config
+        # has one, so device pressure demotes groups to disk instead of dropping them.
+        disk = None if base.disk_dir is None else base.disk_dir / f"pool-{_sanitize(name)}"
+        update: dict[str, Any] = {"host_bytes": 0, "disk_dir": disk}
         if device == "cuda":
             update.update(device="cuda:0", device_bytes=base.device_bytes or _nvml_free_bytes(base))
         else:
@@ -74,7 +86,8 @@ class PagePoolActor(PoolService):
                           else settings.cpu_pool_bytes)
         super().__init__(CacheConfig(**{**base.model_dump(), **update}), name=name, node=node)
         self.metrics = ActorMetrics(name)
-        _announce(settings, super().ping(), [])     # a restarted pool starts empty: say so
+        self.on_lost = lambda digests: _report_lost(settings, name, digests)
+        _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
 
     def ping(self) -> dict[str, str]:
         if self.metrics.due():                       # the registry's sweep drives publishing
@@ -89,7 +102,8 @@ class NodeStoreActor(NodeStoreService):
         super().__init__(cfg, name=name, node=node,
                          capacity_bytes=cfg.host_bytes or settings.store_bytes)
         self.metrics = ActorMetrics(name)
-        _announce(settings, super().ping(), [])
+        self.on_lost = lambda digests: _report_lost(settings, name, digests)
+        _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
 
     def ping(self) -> dict[str, str]:
         if self.metrics.due():
@@ -155,6 +169,8 @@ class ContentRegistryActor:
                 log.warning("registry: %s missed %d pings; its holdings are dropped", name,
                             self.settings.sweep_misses)
         except ray.exceptions.RayError:
+            if self._handles.get(name) is not h:
+                return                  # a new incarnation announced itself meanwhile: keep it
             self.reg.drop_holder(name)
             self._handles.pop(name, None)
         else:
@@ -181,6 +197,7 @@ class ContentRegistryActor:
 
     async def sync_holder(self, info: dict, inventory: list[dict]) -> None:
         await self._started()
+        self._handles.pop(info["name"], None)        # a (re)started holder: look it up afresh
         self.reg.sync_holder(HolderInfo(**info), inventory)
         self._wake(item["key"]["digest"] for item in inventory)
 
@@ -247,6 +264,20 @@ def _announce(settings: ClusterSettings, info: dict, inventory: list[dict]) -> N
     except ValueError:
         return
     reg.sync_holder.remote(info, inventory)
+
+
+def _report_lost(settings: ClusterSettings, holder: str, digests: list[str]) -> None:
+    """Tell the registry ``holder`` lost these groups (a corrupt disk copy); fire and forget."""
+    try:
+        reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+    except ValueError:
+        return
+    reg.remove.remote(holder, digests)
+
+
+def _sanitize(name: str) -> str:
+    """An actor name as a directory name (``mmtier-pool:<node>:dev0`` -> ``mmtier-pool_<node>_dev0``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def _nvml_free_bytes(cfg: CacheConfig) -> int:

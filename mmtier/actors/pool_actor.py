@@ -14,7 +14,11 @@ What the cluster asks of a pool, all in wire terms (``ContentKey.to_wire()`` dic
   store and lands in pages of the same layout.
 
 Every mutating call returns the digests this cache evicted meanwhile, so the caller can tell
-the registry at once. Page export / import uses ``TieredKVCache`` internals (``_groups``,
+the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must give up move to
+disk whole and stay held here (tier ``"disk"``; attention and export read them from there); only
+groups dropped at the bottom, or whose disk copy failed verification (a miss), leave. A read
+that finds a corrupt copy raises ``CorruptDataError`` and reports the group through ``on_lost``
+(the actor tells the registry). A pool recreated over the same directory adopts its groups. Page export / import uses ``TieredKVCache`` internals (``_groups``,
 ``_allocate``, ``_insert_group``) in the two helpers at the bottom: the seam
 to replace by public ``export_pages`` / ``import_pages`` methods of the cache.
 """
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +36,7 @@ import torch
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..content import ContentKey
-from ..errors import ShapeError, UnknownKeyError
+from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..groups import Tier
 from ..kernels import merge_attention_states
 from ..table import SequenceHandle
@@ -67,7 +71,8 @@ class PoolService:
         self._lock = threading.RLock()
         self._handles: dict[int, SequenceHandle] = {}
         self._evictions_seen = 0
-        self._known: set[ContentKey] = set()
+        self._known: set[ContentKey] = set(self.cache._groups)   # adopted from disk, if any
+        self.on_lost: Callable[[list[str]], None] | None = None  # groups gone outside a mutating call
 
     # ------------------------------------------------------------------ identity and inventory
     def ping(self) -> dict[str, str]:
@@ -99,11 +104,19 @@ class PoolService:
             return (self._item(key) if stored else None), self._evicted()
 
     def get_embedding(self, wire: dict[str, str]) -> torch.Tensor:
-        return self.cache.get_embedding(ContentKey.from_wire(wire))
+        try:
+            return self.cache.get_embedding(ContentKey.from_wire(wire))
+        except CorruptDataError:
+            self._report_lost()
+            raise
 
     def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
         """A group's pages as one page-major raw buffer, with the token count to rebuild it."""
-        return export_pages(self.cache, ContentKey.from_wire(wire))
+        try:
+            return export_pages(self.cache, ContentKey.from_wire(wire))
+        except CorruptDataError:
+            self._report_lost()
+            raise
 
     def import_group(self, wire: dict[str, str], meta: dict, buf: np.ndarray) -> tuple[dict | None, list[str]]:
         """Store a group shipped by ``export`` (``None`` when it was already here)."""
@@ -184,9 +197,13 @@ class PoolService:
         outs, lses = [], []
         for p in parts:
             keys = None if p.keys is None else [ContentKey.from_wire(w) for w in p.keys]
-            out, lse = self.cache.attention_state(
-                p.seq, layer, q, groups=keys, causal=causal, scale=scale,
-                q_positions=q_pos.to(torch.int64) - p.offset)
+            try:
+                out, lse = self.cache.attention_state(
+                    p.seq, layer, q, groups=keys, causal=causal, scale=scale,
+                    q_positions=q_pos.to(torch.int64) - p.offset)
+            except CorruptDataError:
+                self._report_lost()
+                raise
             outs.append(out.float())
             lses.append(lse.float())
         if len(outs) == 1:
@@ -216,8 +233,10 @@ class PoolService:
             return group_item(key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
 
     def _evicted(self) -> list[str]:
-        """Digests of groups this cache dropped since the last call (cheap when none were)."""
-        n = self.cache.counters.total["evictions"]
+        """Digests of groups this cache dropped (evicted at the bottom, or a corrupt disk copy
+        forgotten) since the last call; cheap when none were. Groups moved to disk stay."""
+        total = self.cache.counters.total
+        n = total["evictions"] + total["corrupt_reads"]
         if n == self._evictions_seen:
             return []
         self._evictions_seen = n
@@ -225,6 +244,13 @@ class PoolService:
             gone = [k for k in self._known if k not in self.cache._groups]
         self._known.difference_update(gone)
         return [k.hex for k in gone]
+
+    def _report_lost(self) -> None:
+        """A read found a corrupt copy (the cache forgot the group): tell ``on_lost``."""
+        with self._lock:
+            gone = self._evicted()
+        if gone and self.on_lost is not None:
+            self.on_lost(gone)
 
 
 # ---------------------------------------------------------------------- page I/O (cache internals)
