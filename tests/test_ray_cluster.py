@@ -613,3 +613,32 @@ def test_recreated_store_adopts_and_announces_its_disk_groups(cc):
         fresh.release(seq)
     finally:
         fresh.close()
+
+
+def test_recreated_pool_adopts_and_announces_its_disk_groups(cc):
+    a, b = node_of("node_a"), node_of("node_b")
+    pool = f"mmtier-pool:{b}:cpu0"
+    x = cc.content_key("vision", b"pool-survivor", tenant="acme")
+    k, v = kv(40)
+    assert cc.put(x, k, v, node=b)
+    for i in range(30):                   # push it to the pool's disk tier
+        cc.put(cc.content_key("vision", f"push-{i}".encode(), tenant="acme"), *kv(160), node=b)
+        if _tiers(pool)[x.hex] == "disk":
+            break
+    on_disk = {d for d, t in _tiers(pool).items() if t == "disk"}
+    assert x.hex in on_disk
+    ray.kill(_actor(pool), no_restart=True)
+    assert _wait_until(lambda: not cc.contains(x))
+    assert pool in mma.start(CFG, SETTINGS).created
+    fresh = mma.connect(SETTINGS)
+    try:
+        assert _wait_until(lambda: fresh.contains(x))
+        assert _tiers(pool) == dict.fromkeys(on_disk, "disk")     # device content died with it
+        seq = fresh.create_sequence("acme", node=a)
+        fresh.attach(seq, x, transfer="remote")                    # a proxy in the new pool
+        log = Logical()
+        log.add(k, v, "x")
+        log.check(fresh, seq, n_q=2)
+        fresh.release(seq)
+    finally:
+        fresh.close()
