@@ -266,10 +266,13 @@ class LowerTiers:
         pool = cache.pools[group.modality]
         need = group.num_pages
         if need > pool.num_free:
+            group.pins += 1        # making room below must never choose the group itself
             try:
                 cache._make_room(pool, need - pool.num_free, [group], referenced=False)
             except CapacityError:
                 return False
+            finally:
+                group.pins -= 1
         key = self.storage_key(group)
         if group.tier == Tier.DISK:
             src = self._read_disk(group)

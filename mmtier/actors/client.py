@@ -397,8 +397,14 @@ class ClusterCache:
 
     def _nearest(self, holders: list[str], home: str) -> str:
         """A holder on the home's node first (a store there is cheapest), then any pool."""
-        node = self._info[home].node
-        return min(holders, key=lambda h: (self._info[h].node != node, self._info[h].kind != "pool", h))
+        home_info = self._info.get(home)
+        if home_info is None:
+            raise HolderLostError(f"home pool {home} is gone")
+        node = home_info.node
+        known = [h for h in holders if h in self._info]
+        if not known:
+            raise HolderLostError(f"no live holder among {holders}")
+        return min(known, key=lambda h: (self._info[h].node != node, self._info[h].kind != "pool", h))
 
     async def _attach_remote(self, st: _Seq, key: ContentKey, holder: str) -> None:
         info = self._info[holder]
@@ -618,6 +624,15 @@ class ClusterCache:
         if st.home is not None and st.home not in self._actors:
             with self._state_lock:
                 self._seqs.pop(st.handle.id, None)
+            # The sequence is gone with its home: release what it holds elsewhere (its proxies
+            # on other pools, its registry references), best effort, so nothing is orphaned.
+            calls = [(h, self._actors[h].release.remote([p])) for h, p in st.proxies.items()
+                     if h in self._actors]
+            await asyncio.gather(*(self._call(r, h) for h, r in calls), return_exceptions=True)
+            st.proxies.clear()
+            if st.attached:
+                self._registry.ref.remote([k.hex for k in st.attached], -1)
+                st.attached.clear()
             raise HolderLostError(f"sequence {st.handle.id}: its home pool {st.home} is gone; recompute it")
         lost = [r for r in st.remotes if r.holder not in self._actors]
         for r in lost:

@@ -317,7 +317,9 @@ class DiskTier:
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,
                            written: list[Path]) -> DiskEntry:
         st = await aiofiles.os.statvfs(self.dir) if self.free_floor_bytes > 0 else None
-        if st is not None and st.f_bavail * st.f_frsize - need < self.free_floor_bytes:
+        with self._lock:   # every write in flight (this one included) may still need its bytes
+            inflight = self._reserved
+        if st is not None and st.f_bavail * st.f_frsize - max(inflight, need) < self.free_floor_bytes:
             self._count("floor_refusals")
             raise StorageFullError(f"disk tier: writing {need} bytes would cross the free-space floor "
                                    f"({self.free_floor_bytes} bytes; {st.f_bavail * st.f_frsize} free)")

@@ -182,8 +182,6 @@ def test_overload_gives_typed_errors_bounded_latency_and_keeps_the_floor(small_f
                    **{k: v for k, v in tally.items() if k != "requests"})
 
 
-@pytest.mark.xfail(strict=True, reason="DiskTier's free-space floor is checked per write without "
-                   "the bytes other in-flight writes reserved (docs/reliability.md, finding 1)")
 def test_concurrent_writes_keep_the_free_space_floor(small_fs):
     """Two spills in flight at once, with room above the floor for exactly one of them."""
     import asyncio

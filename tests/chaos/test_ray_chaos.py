@@ -168,7 +168,7 @@ def test_soak_with_actor_kills_leaks_nothing(cc, figures):
         except MMTierError as exc:          # UnknownKeyError / HolderLostError / ShapeError...: typed
             tally["typed_errors"] += 1
             tally["home_lost"] += "home pool" in str(exc)
-        except KeyError:                    # finding 2: attach on a sequence whose home pool died
+        except KeyError:                    # finding 2 (fixed): must stay at zero
             tally["untyped_keyerrors"] += 1
     for s in seqs:
         try:
@@ -183,17 +183,15 @@ def test_soak_with_actor_kills_leaks_nothing(cc, figures):
         assert rep["used_pages"] == rep["cached_pages"], (name, rep)   # no page outside a group
         assert rep["sequences"] == rep["handles"], (name, rep)
         orphans += rep["sequences"]
-    # finding 3: a sequence dropped because its home pool died leaves its remote proxies behind
-    # (strict xfail below); nothing else may hold a sequence
-    assert orphans <= 3 * tally["home_lost"], (orphans, tally)
+    # finding 3 (fixed): a sequence dropped because its home pool died releases its remote
+    # proxies too; nothing may hold a sequence after every release
+    assert orphans == 0, (orphans, tally)
     assert tally["served_wrong"] == 0 and tally["kills"] == 2 and tally["embedding_reads"] > 20
-    assert tally["untyped_keyerrors"] <= 5                  # finding 2; see the strict xfail below
+    assert tally["untyped_keyerrors"] == 0
     figures.update(wall_s=round(time.monotonic() - t0, 1), actors_checked=len(reports),
                    leaked_pages=0, orphaned_proxy_sequences=orphans, **tally)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="ClusterCache._nearest indexes _info by a "
-                   "home pool already forgotten as lost (docs/reliability.md, finding 2)")
 def test_attach_after_home_pool_died_is_typed(cc):
     head, b = node_of("node_head"), node_of("node_b")
     key = cc.content_key("vision", b"home-died", tenant="acme")
@@ -205,18 +203,17 @@ def test_attach_after_home_pool_died_is_typed(cc):
     try:
         with pytest.raises(MMTierError):                   # HolderLostError: the home is gone
             cc.attention(seq, 0, torch.randn(1, HQ, D))
-        with pytest.raises(MMTierError):                   # today: KeyError from _nearest
+        with pytest.raises(MMTierError):                   # was a KeyError from _nearest
             cc.attach(seq, key)
     finally:
         try:
-            cc.release(seq)
+            with pytest.raises(MMTierError):               # already dropped with its home
+                cc.release(seq)
         finally:
             mma.start(CFG, SETTINGS)
             cc.refresh()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="ClusterCache._fail_over drops a sequence whose home pool "
-                   "died without releasing its remote proxies (docs/reliability.md, finding 3)")
 def test_sequence_whose_home_died_leaves_no_proxy_behind(cc):
     head, b = node_of("node_head"), node_of("node_b")
     key = cc.content_key("vision", b"proxy-orphan", tenant="acme")
@@ -233,7 +230,7 @@ def test_sequence_whose_home_died_leaves_no_proxy_behind(cc):
             cc.attention(seq, 0, torch.randn(1, HQ, D))
         with pytest.raises(MMTierError):                   # the client already forgot it
             cc.release(seq)
-        assert cc.leak_report()[holder]["sequences"] == before    # today: before + 1, forever
+        assert cc.leak_report()[holder]["sequences"] == before    # was before + 1, forever
     finally:
         mma.start(CFG, SETTINGS)
         cc.refresh()
