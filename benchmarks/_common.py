@@ -4,40 +4,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
-import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from mmtier.telemetry import machine
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
-
-def machine() -> str:
-    """A one-line description of the machine the figures come from."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / (1 << 20):.0f} GiB"
-    except (OSError, ValueError, IndexError):
-        pass
-    desc = f"{os.cpu_count()} cores {cpu}{mem}"
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            desc += f", {torch.cuda.get_device_name(0)}"
-    except ImportError:
-        pass
-    return desc
+__all__ = ["RESULTS", "best_time", "machine", "print_table", "write_results"]
 
 
 def write_results(name: str, figures: dict) -> Path:

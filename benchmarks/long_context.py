@@ -73,6 +73,25 @@ def plan_segments(tokens: int, seed: int) -> list[tuple[str, int]]:
     return out
 
 
+def feed(cache, seq, plan, gen, shape, put_opts=lambda i: {}, attach_opts=None):
+    """Append the plan's text and put + attach its media (random K/V of ``shape`` = (KV heads,
+    head dim, dtype)); returns the K and V it fed, in order, for the oracle."""
+    hkv, dim, tdtype = shape
+    ks, vs = [], []
+    for i, (kind, n) in enumerate(plan):
+        k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+        v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+        if kind == "text":
+            cache.append(seq, "text", k, v)
+        else:
+            key = cache.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
+            cache.put(key, k, v, **put_opts(i))
+            cache.attach(seq, key, **(attach_opts or {}))
+        ks.append(k[0])
+        vs.append(v[0])
+    return ks, vs
+
+
 def read_bandwidth(nbytes: int, device: str) -> float:
     """Bytes/s of a streaming read (a float32 sum) over a buffer of ``nbytes`` on ``device``."""
     x = torch.randn(max(1, nbytes // 4), dtype=torch.float32, device=device)
@@ -133,21 +152,10 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
         spill = Path(tmp) / "spill"
         cfg = build_config(tokens, preset, device, spill)
         plan = plan_segments(tokens, seed)
-        ks, vs = [], []
         t0 = time.perf_counter()
         with TieredKVCache(cfg) as cache:
             seq = cache.create_sequence(tenant="bench")
-            for i, (kind, n) in enumerate(plan):
-                k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
-                v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
-                if kind == "text":
-                    cache.append(seq, "text", k, v)
-                else:
-                    key = cache.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
-                    cache.put(key, k, v)
-                    cache.attach(seq, key)
-                ks.append(k[0])
-                vs.append(v[0])
+            ks, vs = feed(cache, seq, plan, gen, (hkv, dim, tdtype))
             cache.flush()
             ingest_s = time.perf_counter() - t0
             table = cache.sequence(seq)
@@ -162,8 +170,8 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
             bw_host = read_bandwidth(min(per_tier[Tier.HOST] or (64 << 20), 512 << 20), "cpu")
             bw_disk = disk_read_bandwidth(spill, per_tier[Tier.DISK])
             bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
-            floor = (per_tier[Tier.DEVICE] / bw_dev + per_tier[Tier.HOST] / bw_host
-                     + per_tier[Tier.DISK] / bw_disk)
+            floor = sum(b / bw for b, bw in ((per_tier[Tier.DEVICE], bw_dev), (per_tier[Tier.HOST], bw_host),
+                                             (per_tier[Tier.DISK], bw_disk)) if b)
             q = torch.randn(1, hq, dim, generator=gen).to(tdtype).to(device)
             out = torch.full_like(q, float("nan"))
             times = []
@@ -248,20 +256,11 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
         cc = mma.connect(settings)
         node_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         plan = plan_segments(tokens, seed)
-        ks, vs = [], []
         t0 = time.perf_counter()
         seq = cc.create_sequence("bench", node=node_ids[0])
-        for i, (kind, n) in enumerate(plan):
-            k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
-            v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
-            if kind == "text":
-                cc.append(seq, "text", k, v)
-            else:
-                key = cc.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
-                cc.put(key, k, v, node=node_ids[i % len(node_ids)])
-                cc.attach(seq, key, transfer="remote")
-            ks.append(k[0])
-            vs.append(v[0])
+        ks, vs = feed(cc, seq, plan, gen, (hkv, dim, tdtype),
+                      put_opts=lambda i: {"node": node_ids[i % len(node_ids)]},
+                      attach_opts={"transfer": "remote"})
         ingest_s = time.perf_counter() - t0
         total_bytes = tokens * token_bytes
         bw = read_bandwidth(min(total_bytes, 512 << 20), "cpu")

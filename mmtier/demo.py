@@ -29,13 +29,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-import platform
 import random
 import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .telemetry import machine
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # Ray binds 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -328,18 +329,6 @@ def _group_modalities(group: str) -> set[str]:
         return {"text"}
     m = {"image": "vision", "audio": "audio"}[group]
     return {m, f"{m}_xattn", f"{m}_embed"}
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{os.cpu_count()} cores {cpu}"
 
 
 # ---------------------------------------------------------------------- output
