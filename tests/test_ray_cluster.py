@@ -599,12 +599,24 @@ def test_recreated_store_adopts_and_announces_its_disk_groups(cc):
     assert _wait_until(lambda: not cc.contains(disk_key) and not cc.contains(host_key))
     report = mma.start(CFG, SETTINGS)
     assert store in report.created
-    fresh = mma.connect(SETTINGS)         # (the old client keeps its handle of the dead store)
+    fresh = mma.connect(SETTINGS)
     try:
         assert _wait_until(lambda: fresh.contains(disk_key))
         assert {h for h, _ in fresh.locate(disk_key).holders} == {store}
         assert not fresh.contains(host_key)                # host memory died with the actor
         assert _tiers(store) == {disk_key.hex: "disk"}
+        # the old client still holds the dead store's handle: its first call fails typed, it
+        # takes the recreated actor's handle, and the new actor's holdings stay registered
+        old_seq = cc.create_sequence("acme", node=a)
+        for _ in range(2):
+            try:
+                cc.attach(old_seq, disk_key, transfer="remote")
+                break
+            except HolderLostError:
+                pass
+        assert cc._actors[store]._actor_id == _actor(store)._actor_id
+        assert fresh.contains(disk_key)
+        cc.release(old_seq)
         seq = fresh.create_sequence("acme", node=a)
         fresh.attach(seq, disk_key, transfer="remote")
         log = Logical()

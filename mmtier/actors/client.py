@@ -183,10 +183,23 @@ class ClusterCache:
             raise HolderLostError(f"{holder} did not answer within the timeout") from None
 
     async def _lost(self, holder: str) -> None:
-        """A holder died: forget it here and in the registry (its holdings leave at once)."""
+        """A holder died: forget it here and in the registry (its holdings leave at once) —
+        unless ``start()`` already recreated an actor under that name: then this client takes
+        the new handle and leaves the registry alone (the new actor announced its own holdings;
+        what the dead one held in memory is gone either way, and the failed call said so)."""
         with self._state_lock:
-            self._actors.pop(holder, None)
-            self._info.pop(holder, None)
+            old = self._actors.pop(holder, None)
+            info = self._info.pop(holder, None)
+        try:
+            new = await asyncio.to_thread(ray.get_actor, holder, self.settings.namespace)
+        except ValueError:
+            new = None
+        if new is not None and old is not None and new._actor_id != old._actor_id:
+            with self._state_lock:
+                self._actors[holder] = new
+                self._info[holder] = info or HolderInfo(
+                    holder, holder.split(":")[1], "pool" if holder.startswith(POOL_PREFIX) else "store")
+            return
         await asyncio.wait_for(self._registry.drop_holder.remote(holder), self.settings.call_timeout_s)
 
     def _actor(self, name: str):
