@@ -28,7 +28,14 @@ from .eviction import make_policy
 from .groups import ModalityGroup, Tier
 from .kernels import merge_attention_states, paged_attention
 from .leases import Lease, LeaseTable
-from .payload import check_kv, check_payload, token_identity, write_fresh_pages, write_slots
+from .payload import (
+    check_kv,
+    check_payload,
+    token_identity,
+    write_embedding,
+    write_fresh_pages,
+    write_slots,
+)
 from .pool import DeviceArena, PagePool
 from .residency import LowerTiers
 from .stats import CacheStats, Counters, TierUsage
@@ -182,15 +189,7 @@ class TieredKVCache:
         self._open()
         spec = self._check_key(key, "kv")
         n = self._check_kv(spec, k, v)
-        with self._lock:
-            self.lower.apply_completions()
-            if key in self._groups:
-                return False
-            pool = self.pools[key.modality]
-            pages = self._allocate(pool, spec.pages_for(n), [])
-            self._write_fresh(pool, k, v, pages)
-            self._insert_group(key, spec, n, pages)
-            return True
+        return self._store(key, spec, n, lambda pool, pages: self._write_fresh(pool, k, v, pages))
 
     def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:
         """Store encoder outputs ``[n_tokens, width]`` under a content-only key."""
@@ -200,16 +199,17 @@ class TieredKVCache:
             raise ShapeError(f"{key.modality}: embedding must be [n_tokens > 0, {spec.width}], "
                              f"got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
         self._check_dtype(spec, x)
-        n = x.shape[0]
+        return self._store(key, spec, x.shape[0], lambda pool, pages: write_embedding(pool, x, pages))
+
+    def _store(self, key: ContentKey, spec: ModalitySpec, n: int, write) -> bool:
+        """A new shared group of ``n`` tokens: pages (making room), ``write(pool, pages)``, index."""
         with self._lock:
             self.lower.apply_completions()
             if key in self._groups:
                 return False
             pool = self.pools[key.modality]
             pages = self._allocate(pool, spec.pages_for(n), [])
-            slots = torch.arange(n, device=pool.device)
-            page_ids = torch.tensor(pages, dtype=torch.int64, device=pool.device)[slots // spec.page_size]
-            pool.view[page_ids, slots % spec.page_size] = x.to(pool.device)
+            write(pool, pages)
             self._insert_group(key, spec, n, pages)
             return True
 

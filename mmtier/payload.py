@@ -58,6 +58,14 @@ def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> N
         write_slots(pool, k[:, full * size:], v[:, full * size:], page_ids, slots - full * size, backend)
 
 
+def write_embedding(pool: PagePool, x: torch.Tensor, pages: list[int]) -> None:
+    """Token ``i`` of ``x [n, width]`` goes to page ``pages[i // page_size]``."""
+    size = pool.spec.page_size
+    slots = torch.arange(x.shape[0], device=pool.device)
+    page_ids = torch.tensor(pages, dtype=torch.int64, device=pool.device)[slots // size]
+    pool.view[page_ids, slots % size] = x.to(pool.device)
+
+
 def write_slots(pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor, backend: str) -> None:
     """Token ``i`` goes to page ``page_ids[i]``, slot ``offsets[i]`` (all layers)."""
     dev = pool.device
