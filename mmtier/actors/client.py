@@ -33,8 +33,7 @@ import secrets
 import threading
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import ray
 import torch
@@ -55,58 +54,12 @@ from ..kernels import merge_attention_states
 from ..payload import token_identity
 from ..stats import CacheStats, TierUsage
 from ..table import SequenceHandle
+from . import placement
+from .client_state import ClusterSequence, Transfer, _chain, _Remote, _Seq, _Sub
 from .launch import POOL_PREFIX, STORE_PREFIX
 from .metrics import ClientMetrics
-from .pool_actor import Part
 from .registry import HolderInfo, Location
 from .settings import ClusterSettings
-
-Transfer = Literal["remote", "copy"]
-
-
-@dataclass(frozen=True)
-class ClusterSequence:
-    """A sequence as the client sees it (``TieredKVCache.sequence`` gives the full table)."""
-
-    handle: SequenceHandle
-    length: int
-    home: str | None
-    attached: tuple[ContentKey, ...]
-
-
-@dataclass
-class _Sub:
-    """A run of the sequence held in the home pool: local handle and its position offset."""
-
-    handle: SequenceHandle
-    offset: int
-    keys: list[ContentKey] = field(default_factory=list)
-
-
-@dataclass
-class _Remote:
-    """A group attended where it lives: holder, key, absolute start, start in the proxy."""
-
-    holder: str
-    key: ContentKey
-    start: int
-    local_start: int | None       # None for a store (it takes absolute starts)
-
-
-@dataclass
-class _Seq:
-    handle: SequenceHandle
-    home: str | None = None
-    subs: list[_Sub] = field(default_factory=list)
-    sealed: bool = True           # the next local op opens a new sub
-    remotes: list[_Remote] = field(default_factory=list)
-    proxies: dict[str, SequenceHandle] = field(default_factory=dict)
-    proxy_starts: dict[tuple[str, bytes], int] = field(default_factory=dict)
-    attached: list[ContentKey] = field(default_factory=list)
-    length: int = 0
-    chain: bytes = b"\0" * 32
-    tail_modality: str | None = None
-    lock: asyncio.Lock | None = None
 
 
 class ClusterCache:
@@ -280,33 +233,14 @@ class ClusterCache:
         return handle
 
     def _least_used(self, names: list[str]) -> str:
-        return min(names, key=lambda n: (self._homed[n], n))
+        return placement.least_used(names, self._homed)
 
     def _default_home(self) -> str:
-        local = self.pools(self._node)
-        names = local or self.pools()
-        if not names:
-            raise HolderLostError("no mmtier pool is alive; run mmtier.start()")
-        return self._least_used(names)
+        return placement.default_home(self.pools(self._node), self.pools(), self._homed)
 
     def _best_home(self, locs: Iterable[Location | None]) -> str | None:
         """The pool holding most bytes of these groups (a store's bytes count for its node's pools)."""
-        score: Counter[str] = Counter()
-        for loc in locs:
-            if loc is None:
-                continue
-            for holder, _tier in loc.holders:
-                info = self._info.get(holder)
-                if info is None:
-                    continue
-                if info.kind == "pool":
-                    score[holder] += 2 * loc.nbytes
-                else:
-                    for p in self.pools(info.node):
-                        score[p] += loc.nbytes
-        if not score:
-            return None
-        return max(score, key=lambda n: (score[n], -self._homed[n]))
+        return placement.best_home(locs, self._info, self._homed)
 
     def sequence(self, seq: SequenceHandle) -> ClusterSequence:
         """What the client knows of a sequence: its length, home pool and attached keys."""
@@ -386,8 +320,8 @@ class ClusterCache:
         if home not in holders:
             uses_key = (home, key.digest)
             self._remote_uses[uses_key] += 1
-            n = self.settings.copy_after_remote_uses
-            copy = transfer == "copy" or (transfer is None and n > 0 and self._remote_uses[uses_key] >= n)
+            copy = placement.should_copy(transfer, self._remote_uses[uses_key],
+                                         self.settings.copy_after_remote_uses)
             if not copy:
                 await self._attach_remote(st, key, self._nearest(holders, home))
                 return
@@ -410,14 +344,7 @@ class ClusterCache:
 
     def _nearest(self, holders: list[str], home: str) -> str:
         """A holder on the home's node first (a store there is cheapest), then any pool."""
-        home_info = self._info.get(home)
-        if home_info is None:
-            raise HolderLostError(f"home pool {home} is gone")
-        node = home_info.node
-        known = [h for h in holders if h in self._info]
-        if not known:
-            raise HolderLostError(f"no live holder among {holders}")
-        return min(known, key=lambda h: (self._info[h].node != node, self._info[h].kind != "pool", h))
+        return placement.nearest(holders, home, self._info)
 
     async def _attach_remote(self, st: _Seq, key: ContentKey, holder: str) -> None:
         info = self._info[holder]
@@ -613,23 +540,7 @@ class ClusterCache:
         raise HolderLostError(f"sequence {seq.id}: its holders kept failing")
 
     def _plan(self, st: _Seq, wanted: set[ContentKey] | None) -> dict[str, list]:
-        plan: dict[str, list] = {}
-        for sub in st.subs:
-            if wanted is None:
-                plan.setdefault(st.home, []).append(Part(sub.handle, sub.offset, None))
-            else:
-                keys = tuple(k.to_wire() for k in dict.fromkeys(sub.keys) if k in wanted)
-                if keys:
-                    plan.setdefault(st.home, []).append(Part(sub.handle, sub.offset, keys))
-        for r in st.remotes:
-            if wanted is not None and r.key not in wanted:
-                continue
-            if r.local_start is None:
-                plan.setdefault(r.holder, []).append((r.key.to_wire(), r.start))
-            else:
-                plan.setdefault(r.holder, []).append(
-                    Part(st.proxies[r.holder], r.start - r.local_start, (r.key.to_wire(),)))
-        return plan
+        return placement.plan(st, wanted)
 
     async def _fail_over(self, st: _Seq) -> None:
         """Re-home remote parts whose holder died onto another holder; the home itself has no
@@ -720,12 +631,6 @@ class ClusterCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _chain(chain: bytes, identity: bytes) -> bytes:
-    import hashlib
-
-    return hashlib.sha256(chain + identity).digest()
 
 
 def _info_dict(info: HolderInfo) -> dict[str, str]:
