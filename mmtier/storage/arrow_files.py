@@ -69,6 +69,7 @@ from .arrow_format import (
     serialize,
     slice_rows,
 )
+from .tier import StorageTier
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class DiskEntry:
     files: tuple[str, ...]
 
 
-class DiskTier:
+class DiskTier(StorageTier):
     """Arrow IPC files of groups in one directory, under a byte budget. Thread-safe."""
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
@@ -299,19 +300,6 @@ class DiskTier:
                 self._loop.run_until_complete(self._loop.shutdown_default_executor())
                 self._loop.close()
                 self._loop = None
-
-    def __enter__(self) -> DiskTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---- batched forms ----
-    def contains_many(self, keys: Sequence[ContentKey]) -> list[bool]:
-        return [self.contains(k) for k in keys]
-
-    def remove_many(self, keys: Sequence[ContentKey]) -> list[bool]:
-        return [self.remove(k) for k in keys]
 
     # ---- writing ----
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,

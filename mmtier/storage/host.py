@@ -51,6 +51,7 @@ from ..errors import (
     ShapeError,
     UnknownModalityError,
 )
+from .tier import StorageTier
 
 _PIN_STEP = 64 << 20
 
@@ -191,7 +192,7 @@ class HostEntry:
         return self.ready is None or bool(self.ready.query())  # type: ignore[attr-defined]
 
 
-class HostTier:
+class HostTier(StorageTier):
     """Page-major host slabs, one per spec, under one byte budget. Thread-safe."""
 
     def __init__(self, capacity_bytes: int, *, pin_memory: bool | None = None):
@@ -290,21 +291,9 @@ class HostTier:
             self._slabs.clear()
             self._used = 0
 
-    def __enter__(self) -> HostTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # ---- batched forms ----
-    def contains_many(self, keys: Iterable[ContentKey]) -> list[bool]:
-        return [self.contains(k) for k in keys]
-
+    # ---- batched forms (contains_many / remove_many: StorageTier) ----
     def get_many(self, keys: Iterable[ContentKey]) -> list[HostEntry | None]:
         return [self.get(k) for k in keys]
-
-    def remove_many(self, keys: Iterable[ContentKey]) -> list[bool]:
-        return [self.remove(k) for k in keys]
 
     # ---- holds: no slot is reused while a copy from it is in flight ----
     def hold(self, key: ContentKey) -> HostEntry | None:
