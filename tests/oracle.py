@@ -33,3 +33,24 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Max abs error over the max abs of the expected value."""
     expected = expected.double()
     return float((actual.double() - expected).abs().max() / expected.abs().max().clamp_min(1e-30))
+
+
+class Logical:
+    """What a sequence holds, kept independently of the cache, for the oracle."""
+
+    def __init__(self):
+        self.k, self.v, self.tags = [], [], []
+
+    def add(self, k, v, tag):
+        self.k.append(k)
+        self.v.append(v)
+        self.tags.extend([tag] * k.shape[1])
+
+    def gathered(self, layer, select=None):
+        k = torch.cat(self.k, dim=1)[layer]
+        v = torch.cat(self.v, dim=1)[layer]
+        pos = torch.arange(k.shape[0])
+        if select is not None:
+            idx = torch.tensor([i for i, t in enumerate(self.tags) if t in select])
+            return k[idx], v[idx], pos[idx]
+        return k, v, pos

@@ -17,7 +17,7 @@ from mmtier import (
     UnknownModalityError,
 )
 from mmtier.errors import ClosedError
-from tests.oracle import oracle_attention, rel_err
+from tests.oracle import Logical, oracle_attention, rel_err
 
 L, H, D = 2, 2, 64
 
@@ -38,27 +38,6 @@ def make_cfg(**over) -> CacheConfig:
 
 def kv(n, layers=L, heads=H, dim=D, dtype=torch.float32):
     return torch.randn(layers, n, heads, dim, dtype=dtype), torch.randn(layers, n, heads, dim, dtype=dtype)
-
-
-class Logical:
-    """What a sequence holds, kept independently of the cache, for the oracle."""
-
-    def __init__(self):
-        self.k, self.v, self.tags = [], [], []
-
-    def add(self, k, v, tag):
-        self.k.append(k)
-        self.v.append(v)
-        self.tags.extend([tag] * k.shape[1])
-
-    def gathered(self, layer, select=None):
-        k = torch.cat(self.k, dim=1)[layer]
-        v = torch.cat(self.v, dim=1)[layer]
-        pos = torch.arange(k.shape[0])
-        if select is not None:
-            idx = torch.tensor([i for i, t in enumerate(self.tags) if t in select])
-            return k[idx], v[idx], pos[idx]
-        return k, v, pos
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import mmtier.actors as mma  # noqa: E402
 from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, UnknownKeyError  # noqa: E402
 from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
+from tests.oracle import Logical as OracleLog  # noqa: E402
 from tests.oracle import oracle_attention, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -85,16 +86,8 @@ def kv(n):
     return torch.randn(L, n, H, D), torch.randn(L, n, H, D)
 
 
-class Logical:
-    """What a sequence holds, for the oracle."""
-
-    def __init__(self):
-        self.k, self.v, self.tags = [], [], []
-
-    def add(self, k, v, tag):
-        self.k.append(k)
-        self.v.append(v)
-        self.tags.extend([tag] * k.shape[1])
+class Logical(OracleLog):
+    """What a sequence holds, for the oracle, checked against a cluster cache."""
 
     def check(self, cc, seq, layer=1, n_q=3, groups=None, keys=None, causal=True, tol=2e-5):
         """``groups``: the tags the oracle keeps; ``keys``: the same groups for the cache."""
