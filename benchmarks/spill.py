@@ -183,7 +183,7 @@ def warm_restart(d: Path, n: int) -> tuple[float, float]:
                 "layout": layout_of(spec), "num_tokens": 4, "num_pages": 4, "num_chunks": 1,
                 "chunk": 0, "first_page": 0, "chunk_pages": 4}
         with open(d / file_name("tiny", k.hex, 0, 1), "wb") as f:
-            for part in serialize(meta, spec.page_bytes, rows, sums):
+            for part in serialize(meta, spec.page_bytes, rows, sums)[0]:
                 f.write(part)
     times = []
     for drop in (True, False):  # cold cache (restart after a reboot), then cached

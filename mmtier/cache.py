@@ -354,7 +354,7 @@ class TieredKVCache:
     def _attend(self, segments, layer, q, q_pos, causal, scale):
         """Device-resident segments on the device backend; lower tiers where they live."""
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
-        pending = self.lower.start_streaming(segments) if self.lower.enabled else None   # disk
+        stream = self.lower.stream(segments) if self.lower.enabled else None   # disk reads first:
         states = []                                                   # reads overlap the device part
         if device_segs or not segments:
             ops = compile_segments(device_segs, layer, self._device_view)
@@ -363,7 +363,7 @@ class TieredKVCache:
             states.append(paged_attention(
                 qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
                 causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
-        states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, pending))
+        states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, stream))
         if len(states) == 1:
             out, lse = states[0]
         else:
@@ -371,11 +371,11 @@ class TieredKVCache:
                                               backend="torch", out_dtype=torch.float32)
         return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
 
-    def _attend_lower(self, segments, layer, q, q_pos, causal, scale, pending=None):
+    def _attend_lower(self, segments, layer, q, q_pos, causal, scale, stream=None):
         """Partial states of host- and disk-resident segments, computed where they live."""
         if not self.lower.enabled:
             return []
-        return self.lower.lower_states(segments, layer, q, q_pos, causal, scale, pending)
+        return self.lower.lower_states(segments, layer, q, q_pos, causal, scale, stream)
 
     def _device_view(self, group: ModalityGroup):
         pool = self.pools[group.modality]

@@ -36,6 +36,7 @@ from .groups import ModalityGroup, Tier
 from .kernels import paged_attention
 from .stats import TierUsage
 from .storage import DiskTier, HostTier, Mover
+from .streaming import DiskStream
 from .table import compile_segments
 
 if TYPE_CHECKING:
@@ -298,48 +299,13 @@ class LowerTiers:
             raise CorruptDataError(f"{key!r}: stored copy missing or failed verification (a miss)")
         return pages
 
-    def start_streaming(self, segments) -> tuple[dict, list] | None:
-        """Queue the reads of the disk-resident groups among ``segments`` (one host buffer per
-        modality) so they overlap the device part of an attention call."""
+    def stream(self, segments) -> DiskStream | None:
+        """Queue the reads of the disk-resident groups among ``segments`` (in batches) so they
+        overlap the device and host parts of an attention call."""
         groups = [s.group for s in segments if s.group.tier == Tier.DISK]
         if not groups or self.mover is None:
             return None
-        unique = list({g.gid: g for g in groups}.values())
-        by_mod: dict[str, list[ModalityGroup]] = {}
-        for g in unique:
-            by_mod.setdefault(g.modality, []).append(g)
-        out: dict[int, tuple[torch.Tensor, int]] = {}
-        jobs = []
-        for members in by_mod.values():
-            spec = members[0].spec
-            buffer = torch.empty(sum(g.num_pages for g in members), *spec.page_shape, dtype=spec.torch_dtype)
-            first = 0
-            for g in members:
-                out[g.gid] = (buffer, first)
-                view = buffer[first:first + g.num_pages]
-                jobs.append((g, self.mover.fetch(self.storage_key(g), g.spec, out=view)))
-                first += g.num_pages
-        return out, jobs
-
-    def _finish_streaming(self, pending: tuple[dict, list] | None) -> dict[int, tuple[torch.Tensor, int]]:
-        """Wait for the queued reads: ``gid -> (buffer, first page)``; a failed or corrupt read
-        drops that group and raises ``CorruptDataError`` (a miss; the caller recomputes)."""
-        if pending is None:
-            return {}
-        out, jobs = pending
-        failed = None
-        for g, fut in jobs:
-            try:
-                got = self.wait_for(fut)
-            except (MMTierError, OSError):
-                got = None
-            if got is None and failed is None:
-                failed = g
-        if failed is not None:
-            self.cache.counters.add("corrupt_reads", failed.modality)
-            self.cache._forget_corrupt(failed)
-            raise CorruptDataError(f"{failed!r}: stored copy missing or failed verification (a miss)")
-        return out
+        return DiskStream(self, groups)
 
     def prefetch(self, group: ModalityGroup) -> Future | None:
         """Disk -> host in the background (at prefetch priority)."""
@@ -368,37 +334,41 @@ class LowerTiers:
         self.cache.counters.add("prefetched", group.modality)
 
     # ------------------------------------------------------------------ attention
-    def lower_states(self, segments, layer, q, q_pos, causal, scale, pending=None):
-        """Partial ``(out, lse)`` states of the host- and disk-resident segments (CPU path)."""
+    def lower_states(self, segments, layer, q, q_pos, causal, scale, stream: DiskStream | None = None):
+        """Partial ``(out, lse)`` states of the host- and disk-resident segments (CPU path): the
+        host part in place on the slabs, then the disk part batch by batch as reads land."""
         host_segs = [s for s in segments if s.group.tier == Tier.HOST]
         disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
         if not host_segs and not disk_segs:
             return []
+        if disk_segs and stream is None:
+            stream = self.stream(disk_segs)
         qc = q.cpu()
+        q_pos = q_pos.cpu()
         q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        states = []
+        if host_segs:
+            states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
+        if disk_segs:
+            states.extend(stream.states(disk_segs, layer, qc, q_indptr, q_pos, causal, scale, WAIT_S))
+        self.cache.counters.add("lower_tier_attentions")
+        return states
+
+    def _host_state(self, segments, layer, q, q_indptr, q_pos, causal, scale):
         held = []
         try:
-            for s in host_segs:
+            for s in segments:
                 entry = self.host.hold(self.storage_key(s.group))
                 if entry is None:
                     raise CorruptDataError(f"{s.group!r}: host copy vanished")
                 held.append(entry)
-            if pending is None:
-                pending = self.start_streaming(disk_segs)
-            streamed = self._finish_streaming(pending)
 
             def view_of(group: ModalityGroup):
-                if group.tier == Tier.HOST:
-                    entry = group.location
-                    return (("host", group.modality), self.host.slab_view(group.spec), list(entry.slots))
-                buffer, first = streamed[group.gid]
-                return (("disk", group.modality), buffer, list(range(first, first + group.num_pages)))
+                return group.modality, self.host.slab_view(group.spec), list(group.location.slots)
 
-            ops = compile_segments(host_segs + disk_segs, layer, view_of)
-            state = paged_attention(qc, q_indptr, q_pos.cpu(), ops, causal=causal, scale=scale,
-                                    backend="torch", out_dtype=torch.float32)
-            self.cache.counters.add("lower_tier_attentions")
-            return [state]
+            ops = compile_segments(segments, layer, view_of)
+            return paged_attention(q, q_indptr, q_pos, ops, causal=causal, scale=scale,
+                                   backend="torch", out_dtype=torch.float32)
         finally:
             for entry in held:
                 self.host.release(entry)

@@ -109,6 +109,51 @@ def test_disk_groups_stream_for_attention(tmp_path):
         assert rel_err(out, expect) < 1e-5
 
 
+def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path, monkeypatch):
+    """Disk groups of two modalities streamed in several small batches, each computed as it
+    lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
+    whole call a miss (every bad group dropped), and the next call serves the rest exactly."""
+    from mmtier import streaming
+
+    monkeypatch.setattr(streaming, "BATCH_BYTES", 2 * VISION_PAGE)
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        ks, vs, keys = [], [], []
+        for i in range(9):
+            kind, n = ("vision", 50) if i % 3 else ("text", 30)
+            k, v = kv(n)
+            key = cache.content_key(kind, f"s{i}".encode())
+            cache.put(key, k, v)
+            cache.attach(seq, key)
+            ks.append(k)
+            vs.append(v)
+            keys.append(key)
+        cache.flush()
+        on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
+        assert len(on_disk) >= 6 and {key.modality for key in on_disk} == {"text", "vision"}
+        batches = cache.lower.stream(cache.sequence(seq).segments).batches
+        assert len(batches) >= 4
+        for _, fut in batches:
+            fut.result(timeout=60)
+        q = torch.randn(2, 4, D)
+        kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
+        t = kk.shape[1]
+        for layer in range(L):
+            out = cache.attention(seq, layer, q)
+            expect, _ = oracle_attention(q, torch.arange(t - 2, t), kk[layer], vv[layer], torch.arange(t))
+            assert rel_err(out, expect) < 1e-5
+        victims = [on_disk[1], on_disk[-1]]
+        for victim in victims:
+            files = sorted((tmp_path / "spill").glob(f"{victim.modality}-{victim.hex}*.arrow"))
+            _flip_one_byte(files[0])
+        with pytest.raises(CorruptDataError):
+            cache.attention(seq, 0, q)
+        assert cache.stats().counters["corrupt_reads"] == 2
+        assert not any(cache.contains(v) for v in victims)
+        assert all(cache.contains(k) for k in keys if k not in victims)
+
+
 def test_warm_restart_knows_every_group_on_disk(tmp_path):
     cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     data = {}

@@ -341,3 +341,51 @@ def test_other_io_errors_are_typed_and_survived(tmp_path):
     d.mkdir()
     disk.put(key("text", 1), TEXT, 16, rand_pages(TEXT, 1, seed=17))
     assert disk.contains(key("text", 1))
+
+
+def test_lean_read_notices_any_changed_byte(tmp_path):
+    """Reads after a write take the lean path (no Arrow parsing); every byte of the file is
+    still checked against what was written: a flip anywhere is a miss, never wrong data."""
+    disk = tier(tmp_path)
+    pages = rand_pages(TEXT, 3, seed=21)
+    k = key("text", 1)
+    entry = disk.put(k, TEXT, 40, pages)
+    assert entry.extents is not None and entry.sums is not None
+    size = (tmp_path / entry.files[0]).stat().st_size
+    rng = random.Random(5)
+    positions = sorted(set(range(0, 600, 7)) | set(range(size - 900, size))
+                       | {rng.randrange(size) for _ in range(60)})
+    for n, at in enumerate(positions[::3]):
+        path = tmp_path / entry.files[0]
+        raw = bytearray(path.read_bytes())
+        raw[at] ^= 1 << (n % 8)
+        path.write_bytes(bytes(raw))
+        assert disk.get(k, TEXT, MODEL) is None, at
+        assert not disk.contains(k)
+        entry = disk.put(k, TEXT, 40, pages)
+        assert same_bytes(disk.get(k, TEXT, MODEL), pages)
+    assert disk.stats()["corrupt_reads"] == len(positions[::3])
+
+
+def test_warm_restart_reads_fully_once_then_lean(tmp_path, monkeypatch):
+    from mmtier.storage import arrow_files
+
+    disk = tier(tmp_path, chunk_bytes=2 * TEXT.page_bytes)        # 3 files for 5 pages
+    pages = rand_pages(TEXT, 5, seed=22)
+    k = key("text", 2)
+    disk.put(k, TEXT, 70, pages)
+    disk.close()
+    again = tier(tmp_path, chunk_bytes=2 * TEXT.page_bytes)
+    assert again.info(k).extents is None                          # not known after a restart
+    assert same_bytes(again.get(k, TEXT, MODEL), pages)           # full read: footer, metadata
+    learned = again.info(k)
+    assert learned.extents is not None and len(learned.extents) == 3
+
+    def no_full_read(*a, **kw):
+        raise AssertionError("the full read ran again")
+
+    monkeypatch.setattr(arrow_files, "read_file", no_full_read)
+    out = torch.full_like(pages, float("nan"))
+    assert again.get(k, TEXT, MODEL, out=out) is out and same_bytes(out, pages)
+    _flip(tmp_path / learned.files[2], 3)                         # the lean read checks too
+    assert again.get(k, TEXT, MODEL) is None and again.stats()["corrupt_reads"] == 1

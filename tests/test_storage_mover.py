@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from mmtier.errors import CapacityError, ClosedError, ShapeError, UnknownKeyError
 from mmtier.storage import DiskTier, HostTier, Mover, Priority
@@ -174,6 +175,31 @@ def test_corrupt_restore_is_none_and_frees_the_reservation(tiers, tmp_path):
     path.write_bytes(bytes(data))
     assert mover.restore(k, VISION).result(timeout=TIMEOUT) is None
     assert host.used_bytes == 0 and not host.contains(k) and disk.stats()["corrupt_reads"] == 1
+    mover.close()
+
+
+def test_fetch_many_reads_groups_back_to_back(tiers, tmp_path):
+    """One job for several groups (a chunked one among them): their pages land in order in one
+    new tensor; a missing group and a corrupt one are flagged, the others are exact."""
+    host, disk = tiers
+    mover = Mover(host, disk, model=MODEL, max_inflight_bytes=1 << 30)
+    sizes = [3, 6, 1, 2]                                  # 6 pages: two files of 4 + 2
+    pages = [rand_pages(VISION, n, seed=30 + i) for i, n in enumerate(sizes)]
+    keys = [key("vision", 40 + i) for i in range(len(sizes))]
+    for k, p in zip(keys, pages):
+        disk.put(k, VISION, p.shape[0] * VISION.page_size, p)
+    got, ok = mover.fetch_many(keys, VISION).result(timeout=TIMEOUT)
+    assert ok == [True] * 4 and got.shape[0] == sum(sizes)
+    assert same_bytes(got, torch.cat(pages))
+    bad = tmp_path / disk.info(keys[1]).files[1]
+    raw = bytearray(bad.read_bytes())
+    raw[len(raw) // 2] ^= 4
+    bad.write_bytes(bytes(raw))
+    ghost = key("vision", 99)
+    got, ok = mover.fetch_many([keys[0], keys[1], ghost, keys[3]], VISION).result(timeout=TIMEOUT)
+    assert ok == [True, False, False, True] and got.shape[0] == 3 + 6 + 0 + 2
+    assert same_bytes(got[:3], pages[0]) and same_bytes(got[9:], pages[3])
+    assert disk.stats()["corrupt_reads"] == 1 and not disk.contains(keys[1])
     mover.close()
 
 

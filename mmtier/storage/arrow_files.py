@@ -10,11 +10,16 @@ raises ``StorageFullError``; beyond the byte budget, ``CapacityError``; any othe
 ``StorageIOError``. Every failure removes what that write created, counts, and leaves the
 tier working; data already on disk is untouched.
 
-Reads (``get``) map the files with ``pyarrow.memory_map`` and copy the pages once, into a new
-tensor or a destination the caller gives (e.g. ``HostEntry.runs()`` of reserved host slots),
-verifying each page's xxh3. Any mismatch (key fields, model, layout, checksums, truncation,
-not Arrow at all) is a miss: ``corrupt_reads`` rises and the group's files move to
-``quarantine/``. Wrong data is never returned, nothing is unpickled.
+Reads (``get``) copy the pages once, into a new tensor or a destination the caller gives
+(e.g. ``HostEntry.runs()`` of reserved host slots). A group this process wrote is read lean
+(``read_extent``): the writer noted where each file's pages lie, their xxh3 and the xxh3 of
+every other byte of the file, so a read is a few syscalls per file and still checks every byte
+against what was written. A group found at a warm restart is read once in full (``read_file``:
+``pyarrow.memory_map``, both magics, footer, metadata against the index, the checksum column),
+which teaches the index its layout. Any mismatch (key fields, model, layout, checksums,
+truncation, not Arrow at all) is a miss: ``corrupt_reads`` rises and the group's files move to
+``quarantine/``. Wrong data is never returned, nothing is unpickled. ``advise`` asks the kernel
+to read a batch of groups' files ahead (streaming attention).
 
 Warm restart: the constructor scans the directory reading only each file's footer and
 schema, removes ``.tmp`` leftovers, indexes complete groups, and quarantines bad files and
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -40,6 +46,7 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
+import numpy as np
 import pyarrow as pa
 import torch
 
@@ -59,11 +66,15 @@ from .arrow_format import (
     FORMAT_VERSION,
     SUFFIX,
     DestPages,
+    FileExtent,
     file_name,
+    frame_digest,
+    frame_gaps,
     group_fields,
     layout_of,
     page_rows,
     page_sums,
+    read_extent,
     read_file,
     scan_file,
     serialize,
@@ -112,6 +123,11 @@ class DiskEntry:
     num_pages: int
     nbytes: int
     files: tuple[str, ...]
+    # Where the pages lie in each file and their xxh3 (uint64 bytes), known from the write or a
+    # first verified read; ``None`` after a warm restart until that read. With them a read is
+    # a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
+    extents: tuple[FileExtent, ...] | None = None
+    sums: bytes | None = None
 
 
 class DiskTier(StorageTier):
@@ -258,11 +274,10 @@ class DiskTier(StorageTier):
                                                          dtype=spec.torch_dtype)
         dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
         try:
-            at = 0
-            for name in e.files:
-                at += read_file(self.dir / name, self._expected_group(e), at, dest)
-            if at != e.num_pages:
-                raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
+            if e.extents is not None and e.sums is not None:
+                self._read_known(e, dest)
+            else:
+                self._read_full(e, dest)
         except FileNotFoundError:
             if self.info(key) is None:  # removed while we read: an ordinary miss
                 self._count("misses")
@@ -274,6 +289,51 @@ class DiskTier(StorageTier):
             return None
         self._count("hits")
         return result
+
+    def _read_known(self, e: DiskEntry, dest: DestPages) -> None:
+        sums = np.frombuffer(e.sums, dtype=np.uint64).tolist()  # type: ignore[arg-type]
+        at = 0
+        for extent in e.extents:  # type: ignore[union-attr]
+            at += read_extent(self.dir / extent.name, extent, dest, sums)
+        if at != e.num_pages:
+            raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
+
+    def _read_full(self, e: DiskEntry, dest: DestPages) -> None:
+        """Parse and verify every file (footer, metadata against the index, checksum column),
+        then remember where the pages lie so the next read can be lean."""
+        at, extents, sums = 0, [], []
+        for name in e.files:
+            extent, file_sums = read_file(self.dir / name, self._expected_group(e), at, dest)
+            extents.append(extent)
+            sums.extend(file_sums)
+            at += sum(k for _, _, k in extent.runs)
+        if at != e.num_pages:
+            raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
+        learned = dataclasses.replace(e, extents=tuple(extents),
+                                      sums=np.asarray(sums, dtype=np.uint64).tobytes())
+        with self._lock:
+            if self._index.get(e.key.digest) is e:
+                self._index[e.key.digest] = learned
+
+    def advise(self, keys: Sequence[ContentKey]) -> None:
+        """Tell the kernel these groups' files will be read soon (``POSIX_FADV_WILLNEED``), so
+        their reads are queued to the device together instead of one file at a time. A hint:
+        errors are ignored."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for key in keys:
+            e = self.info(key)
+            for name in e.files if e is not None else ():
+                try:
+                    fd = os.open(self.dir / name, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    pass
+                finally:
+                    os.close(fd)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
                         out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -316,18 +376,29 @@ class DiskTier(StorageTier):
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks}
-        files, total = [], 0
+        files, extents, total = [], [], 0
         for c in range(num_chunks):
             lo, hi = c * per_file, min(n, (c + 1) * per_file)
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            parts = serialize(meta, spec.page_bytes, slice_rows(rows, lo, hi), sums[lo:hi])
+            chunk_rows = slice_rows(rows, lo, hi)
+            parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
-            total += await self._write_file(self.dir / name, parts, written)
+            size = await self._write_file(self.dir / name, parts, written)
+            total += size
             files.append(name)
+            if offsets is not None and extents is not None:
+                firsts = np.cumsum([lo] + [r.shape[0] for r in chunk_rows])
+                runs = tuple((off, int(f), r.shape[0]) for off, f, r in zip(offsets, firsts, chunk_rows))
+                frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
+                extents.append(FileExtent(name, size, runs, frame))
+            else:
+                extents = None
         await _fsync_dir(self.dir)
         if _CRASH_STEP:
             _crash_point("after_dir_fsync")
-        return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files))
+        return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files),
+                         tuple(extents) if extents is not None else None,
+                         np.asarray(sums, dtype=np.uint64).tobytes())
 
     async def _write_file(self, final: Path, parts: list[object], written: list[Path]) -> int:
         tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
@@ -377,9 +448,10 @@ class DiskTier(StorageTier):
         log.warning("mmtier disk tier: corrupt group %r (%s); quarantined", e.key, why)
         with self._lock:
             self._counts["corrupt_reads"] += 1
-            if self._index.get(e.key.digest) is e:
+            current = self._index.get(e.key.digest)
+            if current is not None and current.key == e.key and current.files == e.files:
                 del self._index[e.key.digest]
-                self._used -= e.nbytes
+                self._used -= current.nbytes
             else:
                 return
         for name in e.files:

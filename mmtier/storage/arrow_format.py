@@ -13,9 +13,12 @@ A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{
 Nothing is ever unpickled: the metadata is JSON, the payloads are bytes, and the schema must
 equal the two plain columns above before any column is touched. ``serialize`` feeds the Arrow
 writer through a collecting sink, so the large parts it returns are the caller's own page
-memory (no copy before the write). ``read_file`` maps a file, checks both magics and the
-metadata against what the index expects, and reads the pages block by block straight into
-the destination, verifying each page's xxh3 right after its block landed, while it is hot.
+memory (no copy before the write), and says where each block of pages landed in the file.
+``read_file`` maps a file, checks both magics and the metadata against what the index
+expects, and reads the pages block by block straight into the destination, verifying each
+page's xxh3 right after its block landed, while it is hot. ``read_extent`` is the lean read of
+a file whose layout is known (``FileExtent``): size, the xxh3 of every byte outside the pages
+(the "frame"), then the pages as above against checksums held in memory; no Arrow parsing.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import bisect
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +87,17 @@ class _Sink:
     def tell(self) -> int:
         return self.pos
 
+    def offsets_of(self, addresses: list[int]) -> list[int] | None:
+        """Where the parts that start at ``addresses`` (the callers' page memory, passed through
+        without a copy) were written, in order; ``None`` if any of them was not."""
+        pos, found = 0, {}
+        for p in self.parts:
+            if isinstance(p, pa.Buffer):
+                found.setdefault(p.address, pos)
+            pos += memoryview(p).nbytes  # type: ignore[arg-type]
+        out = [found.get(a) for a in addresses]
+        return None if any(o is None for o in out) else out  # type: ignore[return-value]
+
     def flush(self) -> None:
         return None
 
@@ -111,8 +126,11 @@ def schema_of(meta: dict, page_bytes: int) -> pa.Schema:
                      metadata={_META: blob, _META_SUM: xxhash.xxh3_64_hexdigest(blob).encode()})
 
 
-def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray) -> list[object]:
-    """The bytes of one Arrow IPC file as parts; large parts alias ``rows`` (no copy)."""
+def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray
+              ) -> tuple[list[object], list[int] | None]:
+    """The bytes of one Arrow IPC file as parts (large parts alias ``rows``: no copy), and the
+    file offset of each row block's page data (``None`` if the writer copied them, so they
+    could not be located; the first read then learns them from the footer)."""
     schema = schema_of(meta, page_bytes)
     sink = _Sink()
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
@@ -122,7 +140,8 @@ def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndar
             col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(page_bytes), k, [None, pa.py_buffer(r)])
             writer.write_batch(pa.record_batch([col, pa.array(sums[at:at + k], pa.uint64())], schema=schema))
             at += k
-    return sink.coalesced()
+    where = sink.offsets_of([r.ctypes.data for r in rows if r.shape[0]])
+    return sink.coalesced(), where
 
 
 def read_meta(schema: pa.Schema) -> dict:
@@ -163,6 +182,7 @@ class DestPages:
         if at != n:
             raise ShapeError(f"destination holds {at} pages, the group has {n}")
         self.total = at
+        self.page_bytes = spec.page_bytes
         self.block = max(1, _BLOCK_BYTES // spec.page_bytes)
 
     def fill(self, fd: int, offset: int, first: int, k: int, sums: list[int]) -> None:
@@ -229,9 +249,87 @@ def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
     return out
 
 
-def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> int:
+@dataclass(frozen=True)
+class FileExtent:
+    """Where one file's pages lie, as the writer (or a first verified read) found them: the
+    file's size, per row block ``(file offset, first page of the group, pages)``, and the xxh3
+    of every byte outside those blocks (magics, schema, metadata, checksum column, footer)."""
+
+    name: str
+    size: int
+    runs: tuple[tuple[int, int, int], ...]
+    frame: int
+
+    def gaps(self, page_bytes: int) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the bytes outside the page blocks, in file order."""
+        return frame_gaps(self.runs, self.size, page_bytes)
+
+
+def frame_gaps(runs, size: int, page_bytes: int) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for offset, _, k in sorted(runs):
+        if offset > at:
+            out.append((at, offset - at))
+        at = max(at, offset + k * page_bytes)
+    if at < size:
+        out.append((at, size - at))
+    return out
+
+
+def frame_digest(parts: Sequence[object], gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes of ``parts`` (a file, in order) that fall in ``gaps``."""
+    h, pos = xxhash.xxh3_64(), 0
+    for p in parts:
+        mv = memoryview(p).cast("B")  # type: ignore[arg-type]
+        n = mv.nbytes
+        for offset, length in gaps:
+            lo, hi = max(offset, pos), min(offset + length, pos + n)
+            if lo < hi:
+                h.update(mv[lo - pos:hi - pos])
+        pos += n
+    return h.intdigest()
+
+
+def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes in ``gaps`` as the file holds them now."""
+    h = xxhash.xxh3_64()
+    for offset, length in gaps:
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CorruptDataError(f"file ends inside its frame (offset {offset})")
+        h.update(data)
+    return h.intdigest()
+
+
+def read_extent(path: Path, extent: FileExtent, dest: DestPages, sums: list[int]) -> int:
+    """The lean read of a file whose layout the index already knows: every byte is checked
+    against what was written, with no Arrow parsing (a few syscalls per file): the size, the
+    bytes outside the page blocks against ``extent.frame``, and each page, read with
+    ``preadv`` straight into ``dest``, against ``sums`` (the group's per-page xxh3, computed
+    from the pages when they were written and held in memory, so a damaged file cannot vouch
+    for itself). Any difference raises ``CorruptDataError``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != extent.size:
+            raise CorruptDataError(f"{path.name}: {size} bytes, {extent.size} were written")
+        if read_frame(fd, extent.gaps(dest.page_bytes)) != extent.frame:
+            raise CorruptDataError(f"{path.name}: bytes outside the pages changed")
+        pages = 0
+        for offset, first, k in extent.runs:
+            if offset < 0 or offset + k * dest.page_bytes > size:
+                raise CorruptDataError(f"{path.name}: page data outside the file")
+            dest.fill(fd, offset, first, k, sums[first:first + k])
+            pages += k
+        return pages
+    finally:
+        os.close(fd)
+
+
+def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> tuple[FileExtent, list[int]]:
     """Verify one file against the group fields the index expects (its pages start at
-    ``first_page``) and fill ``dest``; returns the pages it held.
+    ``first_page``) and fill ``dest``; returns where its pages lie and their checksums (so
+    later reads can take ``read_extent``).
 
     The mapping serves the structure (magics, footer, schema, metadata, checksum column); the
     page payload is read with ``preadv`` straight into the destination at the offsets the
@@ -249,6 +347,7 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> i
             first, rows, want = int(meta["first_page"]), 0, int(meta["chunk_pages"])
             if first != first_page:
                 raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
+            runs, all_sums = [], []
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 batch.validate()
@@ -264,9 +363,12 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> i
                 sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
                                          offset=sums.offset * 8).tolist()
                 dest.fill(fd, offset, first + rows, k, sum_list)
+                runs.append((offset, first + rows, k))
+                all_sums.extend(sum_list)
                 rows += k
             if rows != want:
                 raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {want}")
-            return rows
+            frame = read_frame(fd, frame_gaps(runs, size, pb))
+            return FileExtent(path.name, size, tuple(runs), frame), all_sums
     finally:
         os.close(fd)

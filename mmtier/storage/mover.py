@@ -30,6 +30,7 @@ How the cache drives it (sketch)::
     entry = mover.restore(key, spec).result(timeout=30)
     mover.prefetch(key, spec)                     # likely needed soon: same, lower priority
     x = mover.fetch(key, spec).result(timeout=30)  # disk -> a fresh tensor, host untouched
+    pages, ok = mover.fetch_many(keys, spec).result()  # several groups, read ahead, one job
     mover.close()                                 # waits for queued and in-flight jobs
 """
 
@@ -177,7 +178,34 @@ class Mover:
         async def run() -> object:
             return await disk.get_async(key, spec, self.model, out=out)
 
-        return self._submit("fetch", Priority.RESTORE, key, info.num_pages * spec.page_bytes, run, [])
+        # A fetch into the caller's ``out`` must not join another caller's job (that one fills
+        # its own destination): only plain fetches share.
+        return self._submit("fetch", Priority.RESTORE, key if out is None else None,
+                            info.num_pages * spec.page_bytes, run, [])
+
+    def fetch_many(self, keys: Sequence[ContentKey], spec: ModalitySpec) -> concurrent.futures.Future:
+        """Disk -> one new tensor holding the pages of ``keys`` (groups of one modality) back
+        to back, in order, for streaming attention; one job (the kernel is told to read all its
+        files ahead first). Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
+        was missing or failed verification (its pages in the tensor are undefined)."""
+        disk = self._need_disk()
+        infos = [disk.info(k) for k in keys]
+        sizes = [info.num_pages if info is not None else 0 for info in infos]
+
+        def run_sync() -> object:
+            pages = torch.empty(sum(sizes), *spec.page_shape, dtype=spec.torch_dtype)
+            disk.advise([k for k, info in zip(keys, infos) if info is not None])
+            ok, first = [], 0
+            for k, info, n in zip(keys, infos, sizes):
+                got = disk.get(k, spec, self.model, out=pages[first:first + n]) if info is not None else None
+                ok.append(got is not None)
+                first += n
+            return pages, ok
+
+        async def run() -> object:
+            return await asyncio.get_running_loop().run_in_executor(None, run_sync)
+
+        return self._submit("fetch_many", Priority.RESTORE, None, sum(sizes) * spec.page_bytes, run, [])
 
     def submit(self, fn: Callable[[], object], *, priority: Priority, nbytes: int,
                release: Callable[[], None] | None = None) -> concurrent.futures.Future:

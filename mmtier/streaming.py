@@ -1,0 +1,112 @@
+"""Attention over disk-resident groups, streamed in batches and computed as each one lands.
+
+A decode step over a long context reads most of its bytes from disk, and the floor it is held
+to is those bytes over the disk's bandwidth. ``DiskStream`` gets there by keeping the disk busy
+and the cores busy at once:
+
+- the disk-resident groups of one attention call are cut, per modality, into batches of about
+  ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``: the
+  kernel is told to read all of the batch's files ahead, then each group is read with its
+  verified lean read into one new host buffer);
+- meanwhile the caller computes the device and host parts;
+- ``states`` then takes the batches in the order they complete and runs the CPU path over each
+  as soon as it has landed, so only the last batch's compute follows the last read.
+
+Each batch yields one partial ``(out, lse)``; the caller merges all partials exactly by
+log-sum-exp. A group that is missing or fails verification is a miss: every such group is
+dropped (``corrupt_reads``), the rest of the stream is drained, and ``CorruptDataError`` is
+raised (the caller recomputes); a partial answer is never returned.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import CorruptDataError, MMTierError
+from .groups import ModalityGroup
+from .kernels import paged_attention
+from .table import Segment, compile_segments
+
+if TYPE_CHECKING:
+    from .residency import LowerTiers
+
+BATCH_BYTES = 8 << 20
+
+
+class DiskStream:
+    """The queued reads of one attention call's disk-resident groups."""
+
+    def __init__(self, lower: LowerTiers, groups: Iterable[ModalityGroup], batch_bytes: int | None = None):
+        self.lower = lower
+        batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
+        self.batches: list[tuple[list[ModalityGroup], Future]] = []
+        by_modality: dict[str, list[ModalityGroup]] = {}
+        for g in {g.gid: g for g in groups}.values():
+            by_modality.setdefault(g.modality, []).append(g)
+        for members in by_modality.values():
+            batch, size = [], 0
+            for g in members:
+                batch.append(g)
+                size += g.nbytes
+                if size >= batch_bytes:
+                    self._queue(batch)
+                    batch, size = [], 0
+            if batch:
+                self._queue(batch)
+
+    def _queue(self, groups: list[ModalityGroup]) -> None:
+        keys = [self.lower.storage_key(g) for g in groups]
+        self.batches.append((groups, self.lower.mover.fetch_many(keys, groups[0].spec)))
+
+    def states(self, segments: list[Segment], layer: int, q: torch.Tensor, q_indptr: torch.Tensor,
+               q_pos: torch.Tensor, causal: bool, scale: float | None,
+               timeout: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Partial states of ``segments`` (all disk-resident, all in this stream), one per batch,
+        computed in the order the batches complete."""
+        by_gid: dict[int, list[Segment]] = {}
+        for s in segments:
+            by_gid.setdefault(s.group.gid, []).append(s)
+        pending = {fut: groups for groups, fut in self.batches}
+        states, failed = [], []
+        try:
+            for fut in concurrent.futures.as_completed(pending, timeout=timeout):
+                groups = pending[fut]
+                try:
+                    pages, ok = fut.result()
+                except (MMTierError, OSError):
+                    failed.extend(groups)
+                    continue
+                failed.extend(g for g, good in zip(groups, ok) if not good)
+                if failed:
+                    continue                        # the answer is a miss: just drain
+                states.append(_batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale))
+        finally:
+            self.lower.apply_completions()
+        if failed:
+            cache = self.lower.cache
+            for g in failed:
+                cache.counters.add("corrupt_reads", g.modality)
+                cache._forget_corrupt(g)
+            raise CorruptDataError(f"{len(failed)} disk group(s) missing or failed verification, "
+                                   f"e.g. {failed[0]!r} (a miss)")
+        return states
+
+
+def _batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale):
+    first, at = {}, 0
+    for g in groups:
+        first[g.gid] = at
+        at += g.num_pages
+
+    def view_of(g: ModalityGroup):
+        return "disk", pages, list(range(first[g.gid], first[g.gid] + g.num_pages))
+
+    segs = [s for g in groups for s in by_gid.get(g.gid, ())]
+    ops = compile_segments(segs, layer, view_of)
+    return paged_attention(q, q_indptr, q_pos, ops, causal=causal, scale=scale,
+                           backend="torch", out_dtype=torch.float32)
