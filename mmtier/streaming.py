@@ -5,9 +5,8 @@ to is those bytes over the disk's bandwidth. ``DiskStream`` gets there by keepin
 and the cores busy at once:
 
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
-  ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``: the
-  kernel is told to read all of the batch's files ahead, then each group is read with its
-  verified lean read into one new host buffer);
+  ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``:
+  each group of the batch read with its verified lean read into one new host buffer);
 - meanwhile the caller computes the device and host parts;
 - ``states`` then takes the batches in the order they complete and runs the CPU path over each
   as soon as it has landed, so only the last batch's compute follows the last read.

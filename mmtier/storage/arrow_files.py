@@ -18,8 +18,7 @@ against what was written. A group found at a warm restart is read once in full (
 ``pyarrow.memory_map``, both magics, footer, metadata against the index, the checksum column),
 which teaches the index its layout. Any mismatch (key fields, model, layout, checksums,
 truncation, not Arrow at all) is a miss: ``corrupt_reads`` rises and the group's files move to
-``quarantine/``. Wrong data is never returned, nothing is unpickled. ``advise`` asks the kernel
-to read a batch of groups' files ahead (streaming attention).
+``quarantine/``. Wrong data is never returned, nothing is unpickled.
 
 Warm restart: the constructor scans the directory reading only each file's footer and
 schema, removes ``.tmp`` leftovers, indexes complete groups, and quarantines bad files and
@@ -67,10 +66,12 @@ from .arrow_format import (
     SUFFIX,
     DestPages,
     FileExtent,
+    digest_of,
     file_name,
     frame_digest,
     frame_gaps,
     group_fields,
+    layout_matches,
     layout_of,
     page_rows,
     page_sums,
@@ -123,11 +124,10 @@ class DiskEntry:
     num_pages: int
     nbytes: int
     files: tuple[str, ...]
-    # Where the pages lie in each file and their xxh3 (uint64 bytes), known from the write or a
-    # first verified read; ``None`` after a warm restart until that read. With them a read is
-    # a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
+    # Where the pages lie in each file and the digests of all its bytes, known from the write
+    # or a first verified read; ``None`` after a warm restart until that read. With them a read
+    # is a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
     extents: tuple[FileExtent, ...] | None = None
-    sums: bytes | None = None
 
 
 class DiskTier(StorageTier):
@@ -137,6 +137,7 @@ class DiskTier(StorageTier):
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
                  scan_threads: int = 16):
         self.dir = Path(directory)
+        self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model = model
         self.capacity_bytes = capacity_bytes
@@ -267,14 +268,14 @@ class DiskTier(StorageTier):
         if e is None:
             self._count("misses")
             return None
-        if e.model != expected_model or e.layout != layout_of(spec):
+        if e.model != expected_model or not layout_matches(e.layout, spec):
             self._corrupt(e, f"model/layout {e.model} {e.layout} != {expected_model} {layout_of(spec)}")
             return None
         result = out if out is not None else torch.empty(e.num_pages, *spec.page_shape,
                                                          dtype=spec.torch_dtype)
         dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
         try:
-            if e.extents is not None and e.sums is not None:
+            if e.extents is not None:
                 self._read_known(e, dest)
             else:
                 self._read_full(e, dest)
@@ -291,49 +292,26 @@ class DiskTier(StorageTier):
         return result
 
     def _read_known(self, e: DiskEntry, dest: DestPages) -> None:
-        sums = np.frombuffer(e.sums, dtype=np.uint64).tolist()  # type: ignore[arg-type]
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_extent(self.dir / extent.name, extent, dest, sums)
+            at += read_extent(os.path.join(self._dir_str, extent.name), extent, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
 
     def _read_full(self, e: DiskEntry, dest: DestPages) -> None:
         """Parse and verify every file (footer, metadata against the index, checksum column),
         then remember where the pages lie so the next read can be lean."""
-        at, extents, sums = 0, [], []
+        at, extents = 0, []
         for name in e.files:
-            extent, file_sums = read_file(self.dir / name, self._expected_group(e), at, dest)
+            extent = read_file(self.dir / name, self._expected_group(e), at, dest)
             extents.append(extent)
-            sums.extend(file_sums)
-            at += sum(k for _, _, k in extent.runs)
+            at += sum(run[2] for run in extent.runs)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
-        learned = dataclasses.replace(e, extents=tuple(extents),
-                                      sums=np.asarray(sums, dtype=np.uint64).tobytes())
+        learned = dataclasses.replace(e, extents=tuple(extents))
         with self._lock:
             if self._index.get(e.key.digest) is e:
                 self._index[e.key.digest] = learned
-
-    def advise(self, keys: Sequence[ContentKey]) -> None:
-        """Tell the kernel these groups' files will be read soon (``POSIX_FADV_WILLNEED``), so
-        their reads are queued to the device together instead of one file at a time. A hint:
-        errors are ignored."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for key in keys:
-            e = self.info(key)
-            for name in e.files if e is not None else ():
-                try:
-                    fd = os.open(self.dir / name, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass
-                finally:
-                    os.close(fd)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
                         out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -388,17 +366,17 @@ class DiskTier(StorageTier):
             files.append(name)
             if offsets is not None and extents is not None:
                 firsts = np.cumsum([lo] + [r.shape[0] for r in chunk_rows])
-                runs = tuple((off, int(f), r.shape[0]) for off, f, r in zip(offsets, firsts, chunk_rows))
+                runs = tuple((off, int(f), r.shape[0], digest_of([r]))
+                             for off, f, r in zip(offsets, firsts, chunk_rows))
                 frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
-                extents.append(FileExtent(name, size, runs, frame))
+                extents.append(FileExtent(name, size, spec.page_bytes, runs, frame))
             else:
                 extents = None
         await _fsync_dir(self.dir)
         if _CRASH_STEP:
             _crash_point("after_dir_fsync")
         return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files),
-                         tuple(extents) if extents is not None else None,
-                         np.asarray(sums, dtype=np.uint64).tobytes())
+                         tuple(extents) if extents is not None else None)
 
     async def _write_file(self, final: Path, parts: list[object], written: list[Path]) -> int:
         tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")

@@ -24,6 +24,7 @@ a file whose layout is known (``FileExtent``): size, the xxh3 of every byte outs
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -47,7 +48,17 @@ _BLOCK_BYTES = 4 << 20
 FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
 
 def layout_of(spec: ModalitySpec) -> dict[str, str]:
-    return {"name": str(spec.name), "page_bytes": str(spec.page_bytes), **dict(spec.layout_fields())}
+    """The layout fields a file records (a new dict each call; ``_layout_cached`` for checks)."""
+    return dict(_layout_cached(spec))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_cached(spec: ModalitySpec) -> tuple[tuple[str, str], ...]:
+    return (("name", str(spec.name)), ("page_bytes", str(spec.page_bytes)), *spec.layout_fields())
+
+
+def layout_matches(layout: dict[str, str], spec: ModalitySpec) -> bool:
+    return layout == dict(_layout_cached(spec))
 
 
 def file_name(modality: str, digest_hex: str, chunk: int, num_chunks: int) -> str:
@@ -168,22 +179,38 @@ class DestPages:
 
     def __init__(self, spec: ModalitySpec, out: torch.Tensor | Sequence[torch.Tensor], n: int):
         runs = [out] if isinstance(out, torch.Tensor) else list(out)
+        shape, dtype, page_bytes = tuple(spec.page_shape), spec.torch_dtype, spec.page_bytes
         self.arrays: list[np.ndarray] = []
         self.starts: list[int] = []
         at = 0
         for t in runs:
-            if t.dtype != spec.torch_dtype or tuple(t.shape[1:]) != tuple(spec.page_shape):
+            if t.dtype != dtype or tuple(t.shape[1:]) != shape:
                 raise ShapeError(f"destination {tuple(t.shape)} {t.dtype} does not fit {spec.name}")
             if t.is_cuda or not t.is_contiguous():
                 raise DTypeError("destination runs must be contiguous CPU tensors")
             self.starts.append(at)
-            self.arrays.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], spec.page_bytes))
+            self.arrays.append(t.reshape(-1).view(torch.uint8).numpy().reshape(t.shape[0], page_bytes))
             at += t.shape[0]
         if at != n:
             raise ShapeError(f"destination holds {at} pages, the group has {n}")
         self.total = at
-        self.page_bytes = spec.page_bytes
-        self.block = max(1, _BLOCK_BYTES // spec.page_bytes)
+        self.page_bytes = page_bytes
+        self.block = max(1, _BLOCK_BYTES // page_bytes)
+
+    def views(self, first: int, k: int) -> list[np.ndarray]:
+        """Pages ``first..first+k`` as ``[m, page_bytes]`` uint8 arrays (one per run touched)."""
+        if first < 0 or first + k > self.total:
+            raise CorruptDataError(f"pages {first}..{first + k} outside the group's {self.total}")
+        if len(self.arrays) == 1:
+            return [self.arrays[0][first:first + k]]
+        out, i = [], 0
+        while i < k:
+            r = bisect.bisect_right(self.starts, first + i) - 1
+            local = first + i - self.starts[r]
+            m = min(self.arrays[r].shape[0] - local, k - i)
+            out.append(self.arrays[r][local:local + m])
+            i += m
+        return out
 
     def fill(self, fd: int, offset: int, first: int, k: int, sums: list[int]) -> None:
         """Read ``k`` pages at file ``offset`` straight into pages ``first..`` and verify each
@@ -252,22 +279,32 @@ def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
 @dataclass(frozen=True)
 class FileExtent:
     """Where one file's pages lie, as the writer (or a first verified read) found them: the
-    file's size, per row block ``(file offset, first page of the group, pages)``, and the xxh3
-    of every byte outside those blocks (magics, schema, metadata, checksum column, footer)."""
+    file's size; per row block ``(file offset, first page of the group, pages, xxh3 of the
+    block)``; and ``frame``, the xxh3 of every byte outside the blocks (magics, schema,
+    metadata, checksum column, footer), in file order."""
 
     name: str
     size: int
-    runs: tuple[tuple[int, int, int], ...]
+    page_bytes: int
+    runs: tuple[tuple[int, int, int, int], ...]
     frame: int
 
-    def gaps(self, page_bytes: int) -> list[tuple[int, int]]:
+    def gaps(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of the bytes outside the page blocks, in file order."""
-        return frame_gaps(self.runs, self.size, page_bytes)
+        return frame_gaps(self.runs, self.size, self.page_bytes)
+
+    @functools.cached_property
+    def plan(self) -> tuple[tuple[int, int | None, int, int], ...]:
+        """The whole file in order, as one ``preadv`` fills it: ``(offset, first page, pages,
+        digest)`` for a block of pages, ``(offset, None, length, 0)`` for frame bytes."""
+        pieces = [(o, None, n, 0) for o, n in self.gaps()]
+        pieces += [(o, first, k, d) for o, first, k, d in self.runs]
+        return tuple(sorted(pieces, key=lambda p: p[0]))
 
 
 def frame_gaps(runs, size: int, page_bytes: int) -> list[tuple[int, int]]:
     out, at = [], 0
-    for offset, _, k in sorted(runs):
+    for offset, _, k, *_ in sorted(runs):
         if offset > at:
             out.append((at, offset - at))
         at = max(at, offset + k * page_bytes)
@@ -301,34 +338,79 @@ def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
     return h.intdigest()
 
 
-def read_extent(path: Path, extent: FileExtent, dest: DestPages, sums: list[int]) -> int:
-    """The lean read of a file whose layout the index already knows: every byte is checked
-    against what was written, with no Arrow parsing (a few syscalls per file): the size, the
-    bytes outside the page blocks against ``extent.frame``, and each page, read with
-    ``preadv`` straight into ``dest``, against ``sums`` (the group's per-page xxh3, computed
-    from the pages when they were written and held in memory, so a damaged file cannot vouch
-    for itself). Any difference raises ``CorruptDataError``."""
+def digest_of(arrays: Sequence[np.ndarray]) -> int:
+    """xxh3 of the bytes of ``arrays`` taken in order (a block of pages, maybe in runs)."""
+    if len(arrays) == 1:
+        return xxhash.xxh3_64_intdigest(arrays[0])
+    h = xxhash.xxh3_64()
+    for a in arrays:
+        h.update(a)
+    return h.intdigest()
+
+
+def read_extent(path: str, extent: FileExtent, dest: DestPages) -> int:
+    """The lean read of a file whose layout the index already knows, with no Arrow parsing:
+    one ``preadv`` of the whole file, the page blocks landing straight in ``dest`` and the
+    rest in small buffers; then every byte is checked against what was written (the size, the
+    frame's xxh3, each block's xxh3; all held in memory, so a damaged file cannot vouch for
+    itself). Any difference raises ``CorruptDataError``; returns the pages read."""
+    if extent.page_bytes != dest.page_bytes:
+        raise CorruptDataError(f"{extent.name}: pages of {extent.page_bytes} bytes, not {dest.page_bytes}")
+    bufs: list = []
+    frame: list[bytearray] = []
+    blocks: list[tuple[list[np.ndarray], int]] = []
+    pages = 0
+    for _, first, n, digest in extent.plan:
+        if first is None:
+            buf = bytearray(n)
+            frame.append(buf)
+            bufs.append(buf)
+        else:
+            views = dest.views(first, n)
+            blocks.append((views, digest))
+            bufs.extend(views)
+            pages += n
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size != extent.size:
-            raise CorruptDataError(f"{path.name}: {size} bytes, {extent.size} were written")
-        if read_frame(fd, extent.gaps(dest.page_bytes)) != extent.frame:
-            raise CorruptDataError(f"{path.name}: bytes outside the pages changed")
-        pages = 0
-        for offset, first, k in extent.runs:
-            if offset < 0 or offset + k * dest.page_bytes > size:
-                raise CorruptDataError(f"{path.name}: page data outside the file")
-            dest.fill(fd, offset, first, k, sums[first:first + k])
-            pages += k
-        return pages
+            raise CorruptDataError(f"{extent.name}: {size} bytes, {extent.size} were written")
+        got = os.preadv(fd, bufs, 0) if len(bufs) <= _IOV_MAX else 0
+        if got != size:
+            _preadv_exact(fd, [memoryview(b) for b in bufs], 0)
     finally:
         os.close(fd)
+    if digest_of(frame) != extent.frame:  # type: ignore[arg-type]
+        raise CorruptDataError(f"{extent.name}: bytes outside the pages changed")
+    for views, digest in blocks:
+        if digest_of(views) != digest:
+            raise CorruptDataError(f"{extent.name}: page data changed")
+    return pages
 
 
-def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> tuple[FileExtent, list[int]]:
+def _preadv_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """Fill ``bufs`` (consecutive in the file from ``offset``), however the reads split."""
+    bufs = [b.cast("B") for b in bufs if b.nbytes]
+    while bufs:
+        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
+        if n == 0:
+            raise CorruptDataError(f"file ends early (offset {offset})")
+        offset += n
+        while n and bufs:
+            if n >= bufs[0].nbytes:
+                n -= bufs[0].nbytes
+                bufs.pop(0)
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+
+
+_IOV_MAX = 512
+
+
+def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> FileExtent:
     """Verify one file against the group fields the index expects (its pages start at
-    ``first_page``) and fill ``dest``; returns where its pages lie and their checksums (so
+    ``first_page``) and fill ``dest``; returns where its pages lie and their digests (so
     later reads can take ``read_extent``).
 
     The mapping serves the structure (magics, footer, schema, metadata, checksum column); the
@@ -347,7 +429,7 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> t
             first, rows, want = int(meta["first_page"]), 0, int(meta["chunk_pages"])
             if first != first_page:
                 raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
-            runs, all_sums = [], []
+            runs = []
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 batch.validate()
@@ -363,12 +445,11 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> t
                 sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
                                          offset=sums.offset * 8).tolist()
                 dest.fill(fd, offset, first + rows, k, sum_list)
-                runs.append((offset, first + rows, k))
-                all_sums.extend(sum_list)
+                runs.append((offset, first + rows, k, digest_of(dest.views(first + rows, k))))
                 rows += k
             if rows != want:
                 raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {want}")
             frame = read_frame(fd, frame_gaps(runs, size, pb))
-            return FileExtent(path.name, size, tuple(runs), frame), all_sums
+            return FileExtent(path.name, size, pb, tuple(runs), frame)
     finally:
         os.close(fd)

@@ -30,7 +30,7 @@ How the cache drives it (sketch)::
     entry = mover.restore(key, spec).result(timeout=30)
     mover.prefetch(key, spec)                     # likely needed soon: same, lower priority
     x = mover.fetch(key, spec).result(timeout=30)  # disk -> a fresh tensor, host untouched
-    pages, ok = mover.fetch_many(keys, spec).result()  # several groups, read ahead, one job
+    pages, ok = mover.fetch_many(keys, spec).result()  # several groups, one job
     mover.close()                                 # waits for queued and in-flight jobs
 """
 
@@ -185,8 +185,7 @@ class Mover:
 
     def fetch_many(self, keys: Sequence[ContentKey], spec: ModalitySpec) -> concurrent.futures.Future:
         """Disk -> one new tensor holding the pages of ``keys`` (groups of one modality) back
-        to back, in order, for streaming attention; one job (the kernel is told to read all its
-        files ahead first). Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
+        to back, in order, for streaming attention; one job. Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
         was missing or failed verification (its pages in the tensor are undefined)."""
         disk = self._need_disk()
         infos = [disk.info(k) for k in keys]
@@ -194,7 +193,6 @@ class Mover:
 
         def run_sync() -> object:
             pages = torch.empty(sum(sizes), *spec.page_shape, dtype=spec.torch_dtype)
-            disk.advise([k for k, info in zip(keys, infos) if info is not None])
             ok, first = [], 0
             for k, info, n in zip(keys, infos, sizes):
                 got = disk.get(k, spec, self.model, out=pages[first:first + n]) if info is not None else None
