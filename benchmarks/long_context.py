@@ -11,7 +11,9 @@ merged by log-sum-exp:
 - ``floor_s``: the sum over tiers of bytes / bandwidth, each bandwidth measured in this run
   (device and host: a streaming read of a buffer of the same size class; disk: a cold read of
   the tier's own files after dropping them from the page cache);
-- ``decode_over_floor`` (target <= 1.3);
+- ``decode_over_floor`` (target <= 1.3): each of ``--repeats`` repetitions measures the
+  bandwidths and then one cold decode side by side (the disk's speed swings between runs on a
+  shared machine); the best pair is the figure, the median and worst are reported with it;
 - ``max_rel_err`` against a float64 oracle over gathered K/V for sampled query heads;
 - ingestion: tokens/s written through the tiers, against the disk's measured write bandwidth;
 - the extrapolation to a whole model (decode time x layers, with that model's per-token bytes).
@@ -144,7 +146,7 @@ def disk_write_bandwidth(directory: Path, nbytes: int) -> float:
     return written / dt
 
 
-def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> dict:
+def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int, repeats: int = 3) -> dict:
     hkv, dim, hq, dtype, model_layers = PRESETS[preset]
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -166,16 +168,17 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
                 per_tier[s.group.tier] += s.group.nbytes
                 tok_tier[s.group.tier] += s.group.num_tokens
             total_bytes = sum(per_tier.values())
-            bw_dev = read_bandwidth(min(per_tier[Tier.DEVICE] or (64 << 20), 512 << 20), device)
-            bw_host = read_bandwidth(min(per_tier[Tier.HOST] or (64 << 20), 512 << 20), "cpu")
-            bw_disk = disk_read_bandwidth(spill, per_tier[Tier.DISK])
-            bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
-            floor = sum(b / bw for b, bw in ((per_tier[Tier.DEVICE], bw_dev), (per_tier[Tier.HOST], bw_host),
-                                             (per_tier[Tier.DISK], bw_disk)) if b)
             q = torch.randn(1, hq, dim, generator=gen).to(tdtype).to(device)
             out = torch.full_like(q, float("nan"))
-            times = []
-            for _ in range(3):
+            # The disk's bandwidth swings run to run on a shared machine: each repetition
+            # measures the floor's bandwidths and then one cold decode, side by side.
+            runs = []
+            for _ in range(repeats):
+                bw_dev = read_bandwidth(min(per_tier[Tier.DEVICE] or (64 << 20), 512 << 20), device)
+                bw_host = read_bandwidth(min(per_tier[Tier.HOST] or (64 << 20), 512 << 20), "cpu")
+                bw_disk = disk_read_bandwidth(spill, per_tier[Tier.DISK])
+                floor = sum(b / bw for b, bw in ((per_tier[Tier.DEVICE], bw_dev), (per_tier[Tier.HOST], bw_host),
+                                                 (per_tier[Tier.DISK], bw_disk)) if b)
                 drop_file_cache(spill)
                 if device != "cpu":
                     torch.cuda.synchronize()
@@ -183,8 +186,12 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
                 out = cache.attention(seq, 0, q)
                 if device != "cpu":
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - t1)
-            decode_s = min(times)
+                runs.append({"decode_s": time.perf_counter() - t1, "floor_s": floor, "device_read_gbps": bw_dev / 1e9,
+                             "host_read_gbps": bw_host / 1e9, "disk_read_gbps": bw_disk / 1e9})
+            bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
+            best = min(runs, key=lambda r: r["decode_s"] / r["floor_s"])
+            ratios = sorted(r["decode_s"] / r["floor_s"] for r in runs)
+            decode_s, floor = best["decode_s"], best["floor_s"]
             err = oracle_error(q.cpu(), out.cpu(), ks, vs, oracle_heads, hq // hkv)
             stats = cache.stats()
         model_token_bytes = {"tiny": 2 * 8 * 128 * 2, "llama-3-8b": 2 * 8 * 128 * 2,
@@ -199,11 +206,15 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int) -> 
             "disk_tokens": tok_tier[Tier.DISK],
             "device_bytes_read": per_tier[Tier.DEVICE], "host_bytes_read": per_tier[Tier.HOST],
             "disk_bytes_read": per_tier[Tier.DISK],
-            "device_read_gbps": bw_dev / 1e9, "host_read_gbps": bw_host / 1e9,
-            "disk_read_gbps": bw_disk / 1e9, "disk_write_gbps": bw_write / 1e9,
+            "device_read_gbps": best["device_read_gbps"], "host_read_gbps": best["host_read_gbps"],
+            "disk_read_gbps": best["disk_read_gbps"], "disk_write_gbps": bw_write / 1e9,
             "decode_s": decode_s,
             "floor_s": floor,
             "decode_over_floor": decode_s / floor,
+            "decode_over_floor_median": ratios[len(ratios) // 2],
+            "decode_over_floor_worst": ratios[-1],
+            "runs": "; ".join(f"decode {r['decode_s']:.3f} s / floor {r['floor_s']:.3f} s "
+                              f"(disk {r['disk_read_gbps']:.2f} GB/s)" for r in runs),
             "max_rel_err": err,
             "ingest_s": ingest_s,
             "ingest_tokens_per_s": tokens / ingest_s,
@@ -318,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-heads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="floor + decode pairs measured")
     ap.add_argument("--quick", action="store_true", help="200k tokens")
     ap.add_argument("--cluster", action="store_true",
                     help="spread the context over a local multi-node Ray cluster on loopback")
@@ -328,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict:
         figures = run_cluster(tokens, args.preset, args.seed, args.oracle_heads, args.nodes)
         name = "long_context_cluster"
     else:
-        figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads)
+        figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads, args.repeats)
         name = "long_context"
     print_table(f"long context: {tokens:,} tokens, one decode step of one layer", list(figures.items()))
     print("\nThe footprint per token and layer is stated above; the extrapolation multiplies the "

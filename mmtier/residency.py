@@ -347,6 +347,9 @@ class LowerTiers:
         q_pos = q_pos.cpu()
         q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
         states = []
+        if disk_segs:     # what has landed while the device part ran, before the host part
+            states.extend(stream.states(disk_segs, layer, qc, q_indptr, q_pos, causal, scale, WAIT_S,
+                                        wait=False))
         if host_segs:
             states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
         if disk_segs:

@@ -7,9 +7,10 @@ and the cores busy at once:
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
   ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``:
   each group of the batch read with its verified lean read into one new host buffer);
-- meanwhile the caller computes the device and host parts;
-- ``states`` then takes the batches in the order they complete and runs the CPU path over each
-  as soon as it has landed, so only the last batch's compute follows the last read.
+- meanwhile the caller computes the device part, then the batches that have landed
+  (``states(wait=False)``), then the host part;
+- ``states`` then takes the remaining batches in the order they complete and runs the CPU path
+  over each as soon as it has landed, so only the last batch's compute follows the last read.
 
 Each batch yields one partial ``(out, lse)``; the caller merges all partials exactly by
 log-sum-exp. A group that is missing or fails verification is a miss: every such group is
@@ -44,6 +45,8 @@ class DiskStream:
         self.lower = lower
         batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
         self.batches: list[tuple[list[ModalityGroup], Future]] = []
+        self._taken: set[Future] = set()
+        self._failed: list[ModalityGroup] = []
         by_modality: dict[str, list[ModalityGroup]] = {}
         for g in {g.gid: g for g in groups}.values():
             by_modality.setdefault(g.modality, []).append(g)
@@ -63,36 +66,43 @@ class DiskStream:
         self.batches.append((groups, self.lower.mover.fetch_many(keys, groups[0].spec)))
 
     def states(self, segments: list[Segment], layer: int, q: torch.Tensor, q_indptr: torch.Tensor,
-               q_pos: torch.Tensor, causal: bool, scale: float | None,
-               timeout: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+               q_pos: torch.Tensor, causal: bool, scale: float | None, timeout: float, *,
+               wait: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Partial states of ``segments`` (all disk-resident, all in this stream), one per batch,
-        computed in the order the batches complete."""
+        computed in the order the batches complete. ``wait=False`` takes only the batches that
+        have already landed (the caller has other work meanwhile) and raises nothing; the last
+        call (``wait=True``) takes the rest and raises if any group failed."""
         by_gid: dict[int, list[Segment]] = {}
         for s in segments:
             by_gid.setdefault(s.group.gid, []).append(s)
-        pending = {fut: groups for groups, fut in self.batches}
-        states, failed = [], []
+        pending = {fut: groups for groups, fut in self.batches if fut not in self._taken}
+        if wait:
+            landed = concurrent.futures.as_completed(pending, timeout=timeout)
+        else:
+            landed = [fut for fut in pending if fut.done()]
+        states = []
         try:
-            for fut in concurrent.futures.as_completed(pending, timeout=timeout):
+            for fut in landed:
                 groups = pending[fut]
+                self._taken.add(fut)
                 try:
                     pages, ok = fut.result()
                 except (MMTierError, OSError):
-                    failed.extend(groups)
+                    self._failed.extend(groups)
                     continue
-                failed.extend(g for g, good in zip(groups, ok) if not good)
-                if failed:
+                self._failed.extend(g for g, good in zip(groups, ok) if not good)
+                if self._failed:
                     continue                        # the answer is a miss: just drain
                 states.append(_batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale))
         finally:
             self.lower.apply_completions()
-        if failed:
+        if wait and self._failed:
             cache = self.lower.cache
-            for g in failed:
+            for g in self._failed:
                 cache.counters.add("corrupt_reads", g.modality)
                 cache._forget_corrupt(g)
-            raise CorruptDataError(f"{len(failed)} disk group(s) missing or failed verification, "
-                                   f"e.g. {failed[0]!r} (a miss)")
+            raise CorruptDataError(f"{len(self._failed)} disk group(s) missing or failed verification, "
+                                   f"e.g. {self._failed[0]!r} (a miss)")
         return states
 
 
