@@ -354,7 +354,7 @@ class TieredKVCache:
     def _attend(self, segments, layer, q, q_pos, causal, scale):
         """Device-resident segments on the device backend; lower tiers where they live."""
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
-        stream = self.lower.stream(segments) if self.lower.enabled else None   # disk reads first:
+        stream = self.lower.stream(segments, layer) if self.lower.enabled else None   # disk reads first:
         states = []                                                   # reads overlap the device part
         if device_segs or not segments:
             ops = compile_segments(device_segs, layer, self._device_view)

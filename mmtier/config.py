@@ -81,6 +81,21 @@ class ModalitySpec(BaseModel):
         return (self._need("num_layers"), 2, self.page_size, self._need("num_kv_heads"), self._need("head_dim"))
 
     @property
+    def page_layers(self) -> int:
+        """Layers a page holds, each one contiguous slice of it (an embedding page: one)."""
+        return 1 if self.kind == "embedding" else self._need("num_layers")
+
+    @property
+    def layer_shape(self) -> tuple[int, ...]:
+        """Shape of one layer's slice of a page: ``[1, 2, P, H, D]`` for kv, the page itself
+        for embeddings."""
+        return self.page_shape if self.kind == "embedding" else (1, *self.page_shape[1:])
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.page_bytes // self.page_layers
+
+    @property
     def page_elems(self) -> int:
         return math.prod(self.page_shape)
 

@@ -14,9 +14,10 @@ applies completions at the start of its next call (and while it waits for a copy
   the file is durable, and the group flips to the disk tier in the completion.
 - A full or failing disk keeps the group where it was, counted (``spill_failures``).
 - Attention over host pages runs in place on the slabs (CPU path); over disk pages it streams
-  the group's verified pages into a host buffer first. A disk copy that fails verification is a
-  miss: the group is dropped and ``corrupt_reads`` counted; attention over it raises
-  ``CorruptDataError`` (the caller recomputes), never returns wrong values.
+  the group's verified pages (only the attended layer's slice of each) into a host buffer
+  first. A disk copy that fails verification is a miss: the group is dropped and
+  ``corrupt_reads`` counted; attention over it raises ``CorruptDataError`` (the caller
+  recomputes), never returns wrong values.
 """
 
 from __future__ import annotations
@@ -299,13 +300,14 @@ class LowerTiers:
             raise CorruptDataError(f"{key!r}: stored copy missing or failed verification (a miss)")
         return pages
 
-    def stream(self, segments) -> DiskStream | None:
-        """Queue the reads of the disk-resident groups among ``segments`` (in batches) so they
-        overlap the device and host parts of an attention call."""
+    def stream(self, segments, layer: int) -> DiskStream | None:
+        """Queue the reads of the disk-resident groups among ``segments`` (in batches; only
+        ``layer``'s bytes of each page) so they overlap the device and host parts of an
+        attention call over that layer."""
         groups = [s.group for s in segments if s.group.tier == Tier.DISK]
         if not groups or self.mover is None:
             return None
-        return DiskStream(self, groups)
+        return DiskStream(self, groups, layer)
 
     def prefetch(self, group: ModalityGroup) -> Future | None:
         """Disk -> host in the background (at prefetch priority)."""
@@ -342,18 +344,17 @@ class LowerTiers:
         if not host_segs and not disk_segs:
             return []
         if disk_segs and stream is None:
-            stream = self.stream(disk_segs)
+            stream = self.stream(disk_segs, layer)
         qc = q.cpu()
         q_pos = q_pos.cpu()
         q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
         states = []
         if disk_segs:     # what has landed while the device part ran, before the host part
-            states.extend(stream.states(disk_segs, layer, qc, q_indptr, q_pos, causal, scale, WAIT_S,
-                                        wait=False))
+            states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S, wait=False))
         if host_segs:
             states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
         if disk_segs:
-            states.extend(stream.states(disk_segs, layer, qc, q_indptr, q_pos, causal, scale, WAIT_S))
+            states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S))
         self.cache.counters.add("lower_tier_attentions")
         return states
 

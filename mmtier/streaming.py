@@ -7,6 +7,9 @@ and the cores busy at once:
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
   ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``:
   each group of the batch read with its verified lean read into one new host buffer);
+- an attention call is for one layer, so where a modality's pages hold several layers only
+  that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, verified against
+  per-layer digests) into a one-layer buffer, compiled with layer index 0;
 - meanwhile the caller computes the device part, then the batches that have landed
   (``states(wait=False)``), then the host part;
 - ``states`` then takes the remaining batches in the order they complete and runs the CPU path
@@ -39,10 +42,12 @@ BATCH_BYTES = 8 << 20
 
 
 class DiskStream:
-    """The queued reads of one attention call's disk-resident groups."""
+    """The queued reads of one attention call's (one layer's) disk-resident groups."""
 
-    def __init__(self, lower: LowerTiers, groups: Iterable[ModalityGroup], batch_bytes: int | None = None):
+    def __init__(self, lower: LowerTiers, groups: Iterable[ModalityGroup], layer: int,
+                 batch_bytes: int | None = None):
         self.lower = lower
+        self.layer = layer
         batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
         self.batches: list[tuple[list[ModalityGroup], Future]] = []
         self._taken: set[Future] = set()
@@ -63,9 +68,11 @@ class DiskStream:
 
     def _queue(self, groups: list[ModalityGroup]) -> None:
         keys = [self.lower.storage_key(g) for g in groups]
-        self.batches.append((groups, self.lower.mover.fetch_many(keys, groups[0].spec)))
+        spec = groups[0].spec
+        layer = self.layer if _read_per_layer(spec) else None   # just this layer's bytes of each page
+        self.batches.append((groups, self.lower.mover.fetch_many(keys, spec, layer=layer)))
 
-    def states(self, segments: list[Segment], layer: int, q: torch.Tensor, q_indptr: torch.Tensor,
+    def states(self, segments: list[Segment], q: torch.Tensor, q_indptr: torch.Tensor,
                q_pos: torch.Tensor, causal: bool, scale: float | None, timeout: float, *,
                wait: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Partial states of ``segments`` (all disk-resident, all in this stream), one per batch,
@@ -93,7 +100,8 @@ class DiskStream:
                 self._failed.extend(g for g, good in zip(groups, ok) if not good)
                 if self._failed:
                     continue                        # the answer is a miss: just drain
-                states.append(_batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale))
+                at = 0 if _read_per_layer(groups[0].spec) else self.layer    # the layer within ``pages``
+                states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
         finally:
             self.lower.apply_completions()
         if wait and self._failed:
@@ -104,6 +112,11 @@ class DiskStream:
             raise CorruptDataError(f"{len(self._failed)} disk group(s) missing or failed verification, "
                                    f"e.g. {self._failed[0]!r} (a miss)")
         return states
+
+
+def _read_per_layer(spec) -> bool:
+    """Whether batches of ``spec`` read one layer of each page (its pages hold several)."""
+    return spec.page_layers > 1
 
 
 def _batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale):

@@ -109,6 +109,43 @@ def test_disk_groups_stream_for_attention(tmp_path):
         assert rel_err(out, expect) < 1e-5
 
 
+def test_disk_groups_are_read_one_layer_per_call(tmp_path):
+    """Attention over one layer reads only that layer's bytes of each disk-resident page (1/L
+    of the group), verified, and equals the float64 oracle for every layer."""
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        ks, vs, keys = [], [], []
+        for i in range(6):
+            kind, n = ("vision", 50) if i % 2 else ("text", 30)
+            k, v = kv(n)
+            key = cache.content_key(kind, f"l{i}".encode())
+            cache.put(key, k, v)
+            cache.attach(seq, key)
+            ks.append(k)
+            vs.append(v)
+            keys.append(key)
+        cache.flush()
+        disk = cache.lower.disk
+        on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
+        assert len(on_disk) >= 4 and {key.modality for key in on_disk} == {"text", "vision"}
+        page_bytes = sum(disk.info(key).num_pages * cfg.spec(key.modality).page_bytes
+                         for key in on_disk)
+        file_bytes = sum(disk.info(key).nbytes for key in on_disk)
+        q = torch.randn(3, 4, D)
+        kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
+        t = kk.shape[1]
+        for layer in (1, 0, 1):
+            before = disk.stats()["read_bytes"]
+            out = cache.attention(seq, layer, q)
+            read = disk.stats()["read_bytes"] - before
+            assert tiers_of(cache, on_disk) == [Tier.DISK] * len(on_disk)
+            expect, _ = oracle_attention(q, torch.arange(t - 3, t), kk[layer], vv[layer], torch.arange(t))
+            assert rel_err(out, expect) < 1e-5
+            assert read == page_bytes // L and read < file_bytes / L
+        assert cache.stats().counters.get("corrupt_reads", 0) == 0
+
+
 def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path, monkeypatch):
     """Disk groups of two modalities streamed in several small batches, each computed as it
     lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
@@ -132,7 +169,7 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         cache.flush()
         on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
         assert len(on_disk) >= 6 and {key.modality for key in on_disk} == {"text", "vision"}
-        batches = cache.lower.stream(cache.sequence(seq).segments).batches
+        batches = cache.lower.stream(cache.sequence(seq).segments, 0).batches
         assert len(batches) >= 4
         for _, fut in batches:
             fut.result(timeout=60)
@@ -144,9 +181,9 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
             expect, _ = oracle_attention(q, torch.arange(t - 2, t), kk[layer], vv[layer], torch.arange(t))
             assert rel_err(out, expect) < 1e-5
         victims = [on_disk[1], on_disk[-1]]
-        for victim in victims:
-            files = sorted((tmp_path / "spill").glob(f"{victim.modality}-{victim.hex}*.arrow"))
-            _flip_one_byte(files[0])
+        for victim in victims:      # a call over layer 0 reads (and verifies) only layer 0's
+            extent = cache.lower.disk.info(victim).extents[0]     # bytes: damage one of them
+            _flip_one_byte(tmp_path / "spill" / extent.name, at=extent.runs[0][0] + 5)
         with pytest.raises(CorruptDataError):
             cache.attention(seq, 0, q)
         assert cache.stats().counters["corrupt_reads"] == 2
@@ -181,9 +218,9 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path):
         assert again.stats().counters["adopted_from_disk"] == 3
 
 
-def _flip_one_byte(path):
+def _flip_one_byte(path, at=None):
     raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
+    raw[len(raw) // 2 if at is None else at] ^= 0xFF
     path.write_bytes(bytes(raw))
 
 

@@ -1,4 +1,5 @@
-"""The disk tier: groups as Arrow IPC files in one directory (format: ``arrow_format.py``).
+"""The disk tier: groups as Arrow IPC files in one directory (format: ``arrow_format.py``;
+lean reads of files whose layout is known: ``arrow_extent.py``).
 
 One file per modality group, or per ``chunk_bytes`` (64 MiB) chunk of a large group.
 
@@ -12,13 +13,17 @@ tier working; data already on disk is untouched.
 
 Reads (``get``) copy the pages once, into a new tensor or a destination the caller gives
 (e.g. ``HostEntry.runs()`` of reserved host slots). A group this process wrote is read lean
-(``read_extent``): the writer noted where each file's pages lie, their xxh3 and the xxh3 of
-every other byte of the file, so a read is a few syscalls per file and still checks every byte
-against what was written. A group found at a warm restart is read once in full (``read_file``:
-``pyarrow.memory_map``, both magics, footer, metadata against the index, the checksum column),
-which teaches the index its layout. Any mismatch (key fields, model, layout, checksums,
-truncation, not Arrow at all) is a miss: ``corrupt_reads`` rises and the group's files move to
-``quarantine/``. Wrong data is never returned, nothing is unpickled.
+(``read_extent``): the writer noted where each file's pages lie, their xxh3 (per block of
+pages and per layer of each block) and the xxh3 of every other byte of the file, so a read is
+a few syscalls per file and still checks every byte against what was written. ``get_layer``
+reads one layer of every page (``read_layer``: per-layer attention over a disk group reads
+``1/L`` of its bytes) into ``[n, 1, 2, P, H, D]``, checked against that layer's digests. A
+group found at a warm restart is read once in full (``read_file``: ``pyarrow.memory_map``,
+both magics, footer, metadata against the index, the checksum column), which teaches the
+index its layout and digests (``get_layer`` then copies its layer out of that full read). Any
+mismatch (key fields, model, layout, checksums, truncation, not Arrow at all) is a miss:
+``corrupt_reads`` rises and the group's files move to ``quarantine/``. Wrong data is never
+returned, nothing is unpickled. ``read_bytes`` counts the bytes verified reads took from disk.
 
 Warm restart: the constructor scans the directory reading only each file's footer and
 schema, removes ``.tmp`` leftovers, indexes complete groups, and quarantines bad files and
@@ -60,22 +65,26 @@ from ..errors import (
     StorageFullError,
     UnknownModalityError,
 )
+from .arrow_extent import (
+    FileExtent,
+    digest_of,
+    frame_digest,
+    frame_gaps,
+    layer_digests,
+    read_extent,
+    read_layer,
+)
 from .arrow_format import (
     FILE_OVERHEAD,
     FORMAT_VERSION,
     SUFFIX,
     DestPages,
-    FileExtent,
-    digest_of,
     file_name,
-    frame_digest,
-    frame_gaps,
     group_fields,
     layout_matches,
     layout_of,
     page_rows,
     page_sums,
-    read_extent,
     read_file,
     scan_file,
     serialize,
@@ -156,7 +165,8 @@ class DiskTier(StorageTier):
         self._counts = dict.fromkeys(
             ("writes", "write_bytes", "hits", "misses", "corrupt_reads", "quarantined",
              "quarantined_at_start", "partial_groups_at_start", "tmp_removed_at_start",
-             "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes"), 0)
+             "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes",
+             "read_bytes"), 0)
         t0 = time.perf_counter()
         self._scan()
         self.scan_s = time.perf_counter() - t0
@@ -262,6 +272,46 @@ class DiskTier(StorageTier):
 
         With ``out`` (a tensor or contiguous runs, e.g. ``HostEntry.runs()``) the pages land
         there and ``out`` is returned; after a ``None`` its contents are undefined."""
+        e = self._entry(key, spec, expected_model)
+        if e is None:
+            return None
+        result = out if out is not None else torch.empty(e.num_pages, *spec.page_shape,
+                                                         dtype=spec.torch_dtype)
+        dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
+        read = self._read_known if e.extents is not None else self._read_full
+        return result if self._verified_read(key, e, lambda: read(e, dest)) else None
+
+    def get_layer(self, key: ContentKey, spec: ModalitySpec, expected_model: str, layer: int,
+                  out: torch.Tensor | Sequence[torch.Tensor] | None = None
+                  ) -> torch.Tensor | Sequence[torch.Tensor] | None:
+        """Layer ``layer`` of the group's pages, ``[n, *spec.layer_shape]`` (``[n, 1, 2, P, H,
+        D]`` for kv), verified against that layer's digests, or ``None`` exactly as ``get``
+        (``out``: a tensor or contiguous runs of that shape, returned when given).
+
+        Only that layer's bytes are read (``read_layer``). A group whose layout is not known
+        yet (found at a warm restart) is read once in full into a temporary, which teaches the
+        index its layout, and the layer copied out."""
+        if not 0 <= layer < spec.page_layers:
+            raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.page_layers} layers)")
+        e = self._entry(key, spec, expected_model)
+        if e is None:
+            return None
+        result = out if out is not None else torch.empty(e.num_pages, *spec.layer_shape,
+                                                         dtype=spec.torch_dtype)
+        dest = DestPages(spec, result, e.num_pages, one_layer=True)
+        if e.extents is None:
+            full = self.get(key, spec, expected_model)
+            if full is None:
+                return None
+            src, at = (full if spec.kind == "embedding" else full[:, layer:layer + 1]), 0
+            for run in [result] if isinstance(result, torch.Tensor) else result:
+                run.copy_(src[at:at + run.shape[0]])
+                at += run.shape[0]
+            return result
+        return result if self._verified_read(key, e, lambda: self._read_layer(e, dest, layer)) else None
+
+    def _entry(self, key: ContentKey, spec: ModalitySpec, expected_model: str) -> DiskEntry | None:
+        """The index entry to read, or ``None`` (counted: a miss, or corrupt and quarantined)."""
         if self._closed:
             raise ClosedError("disk tier is closed")
         e = self.info(key)
@@ -271,34 +321,44 @@ class DiskTier(StorageTier):
         if e.model != expected_model or not layout_matches(e.layout, spec):
             self._corrupt(e, f"model/layout {e.model} {e.layout} != {expected_model} {layout_of(spec)}")
             return None
-        result = out if out is not None else torch.empty(e.num_pages, *spec.page_shape,
-                                                         dtype=spec.torch_dtype)
-        dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
+        return e
+
+    def _verified_read(self, key: ContentKey, e: DiskEntry, read) -> bool:
+        """Run ``read`` (returns the bytes it read); any failure is a miss: counted, and a
+        corrupt group quarantined."""
         try:
-            if e.extents is not None:
-                self._read_known(e, dest)
-            else:
-                self._read_full(e, dest)
+            nbytes = read()
         except FileNotFoundError:
             if self.info(key) is None:  # removed while we read: an ordinary miss
                 self._count("misses")
-                return None
+                return False
             self._corrupt(e, "file vanished")
-            return None
+            return False
         except (OSError, pa.ArrowException, CorruptDataError, ValueError, KeyError, TypeError) as exc:
             self._corrupt(e, repr(exc))
-            return None
-        self._count("hits")
-        return result
+            return False
+        with self._lock:
+            self._counts["hits"] += 1
+            self._counts["read_bytes"] += nbytes
+        return True
 
-    def _read_known(self, e: DiskEntry, dest: DestPages) -> None:
+    def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
             at += read_extent(os.path.join(self._dir_str, extent.name), extent, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
+        return sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
 
-    def _read_full(self, e: DiskEntry, dest: DestPages) -> None:
+    def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
+        at = 0
+        for extent in e.extents:  # type: ignore[union-attr]
+            at += read_layer(os.path.join(self._dir_str, extent.name), extent, layer, dest)
+        if at != e.num_pages:
+            raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
+        return at * dest.page_bytes
+
+    def _read_full(self, e: DiskEntry, dest: DestPages) -> int:
         """Parse and verify every file (footer, metadata against the index, checksum column),
         then remember where the pages lie so the next read can be lean."""
         at, extents = 0, []
@@ -312,6 +372,7 @@ class DiskTier(StorageTier):
         with self._lock:
             if self._index.get(e.key.digest) is e:
                 self._index[e.key.digest] = learned
+        return sum(extent.size for extent in extents)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
                         out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -359,6 +420,8 @@ class DiskTier(StorageTier):
             lo, hi = c * per_file, min(n, (c + 1) * per_file)
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
             chunk_rows = slice_rows(rows, lo, hi)
+            layer_sums = await loop.run_in_executor(
+                None, lambda chunk_rows=chunk_rows: [layer_digests([r], spec.page_layers) for r in chunk_rows])
             parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
@@ -369,7 +432,7 @@ class DiskTier(StorageTier):
                 runs = tuple((off, int(f), r.shape[0], digest_of([r]))
                              for off, f, r in zip(offsets, firsts, chunk_rows))
                 frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
-                extents.append(FileExtent(name, size, spec.page_bytes, runs, frame))
+                extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
             else:
                 extents = None
         await _fsync_dir(self.dir)

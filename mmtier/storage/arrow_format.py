@@ -3,7 +3,8 @@
 A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{n:04d}.arrow``:
 
 - columns ``page`` (``fixed_size_binary(page_bytes)``, one row per page: the raw page-major
-  bytes) and ``xxh3`` (``uint64``: xxh3_64 of that page);
+  bytes, so all layers of a page, each layer one contiguous slice) and ``xxh3`` (``uint64``:
+  xxh3_64 of that page);
 - schema metadata ``mmtier.meta``: JSON with ``format``, ``key`` (the key's wire fields),
   ``model``, ``layout`` (``spec.layout_fields()`` plus ``name`` and ``page_bytes``), the
   group's ``num_tokens``, ``num_pages`` and ``num_chunks``, and this file's ``chunk``,
@@ -16,9 +17,9 @@ writer through a collecting sink, so the large parts it returns are the caller's
 memory (no copy before the write), and says where each block of pages landed in the file.
 ``read_file`` maps a file, checks both magics and the metadata against what the index
 expects, and reads the pages block by block straight into the destination, verifying each
-page's xxh3 right after its block landed, while it is hot. ``read_extent`` is the lean read of
-a file whose layout is known (``FileExtent``): size, the xxh3 of every byte outside the pages
-(the "frame"), then the pages as above against checksums held in memory; no Arrow parsing.
+page's xxh3 right after its block landed, while it is hot; it returns the file's
+``FileExtent`` (the block, per-layer and frame digests, from the verified bytes), with which
+later reads take the lean paths of ``arrow_extent.py`` (``read_extent``, ``read_layer``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import functools
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +38,7 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
+from .arrow_extent import FileExtent, digest_of, frame_gaps, layer_digests, read_frame
 
 FORMAT_VERSION = 1
 SUFFIX = ".arrow"
@@ -175,11 +176,15 @@ def group_fields(meta: dict) -> dict:
 
 
 class DestPages:
-    """Destination pages: one tensor or several contiguous runs, addressed by page index."""
+    """Destination pages: one tensor or several contiguous runs, addressed by page index.
+    ``one_layer``: each destination page holds one layer of a page (``spec.layer_shape``)."""
 
-    def __init__(self, spec: ModalitySpec, out: torch.Tensor | Sequence[torch.Tensor], n: int):
+    def __init__(self, spec: ModalitySpec, out: torch.Tensor | Sequence[torch.Tensor], n: int, *,
+                 one_layer: bool = False):
         runs = [out] if isinstance(out, torch.Tensor) else list(out)
-        shape, dtype, page_bytes = tuple(spec.page_shape), spec.torch_dtype, spec.page_bytes
+        shape = tuple(spec.layer_shape if one_layer else spec.page_shape)
+        dtype, page_bytes = spec.torch_dtype, spec.layer_bytes if one_layer else spec.page_bytes
+        self.layers = spec.page_layers      # of the stored pages (digests are kept per layer)
         self.arrays: list[np.ndarray] = []
         self.starts: list[int] = []
         at = 0
@@ -276,142 +281,12 @@ def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
     return out
 
 
-@dataclass(frozen=True)
-class FileExtent:
-    """Where one file's pages lie, as the writer (or a first verified read) found them: the
-    file's size; per row block ``(file offset, first page of the group, pages, xxh3 of the
-    block)``; and ``frame``, the xxh3 of every byte outside the blocks (magics, schema,
-    metadata, checksum column, footer), in file order."""
-
-    name: str
-    size: int
-    page_bytes: int
-    runs: tuple[tuple[int, int, int, int], ...]
-    frame: int
-
-    def gaps(self) -> list[tuple[int, int]]:
-        """``(offset, length)`` of the bytes outside the page blocks, in file order."""
-        return frame_gaps(self.runs, self.size, self.page_bytes)
-
-    @functools.cached_property
-    def plan(self) -> tuple[tuple[int, int | None, int, int], ...]:
-        """The whole file in order, as one ``preadv`` fills it: ``(offset, first page, pages,
-        digest)`` for a block of pages, ``(offset, None, length, 0)`` for frame bytes."""
-        pieces = [(o, None, n, 0) for o, n in self.gaps()]
-        pieces += [(o, first, k, d) for o, first, k, d in self.runs]
-        return tuple(sorted(pieces, key=lambda p: p[0]))
-
-
-def frame_gaps(runs, size: int, page_bytes: int) -> list[tuple[int, int]]:
-    out, at = [], 0
-    for offset, _, k, *_ in sorted(runs):
-        if offset > at:
-            out.append((at, offset - at))
-        at = max(at, offset + k * page_bytes)
-    if at < size:
-        out.append((at, size - at))
-    return out
-
-
-def frame_digest(parts: Sequence[object], gaps: list[tuple[int, int]]) -> int:
-    """xxh3 of the bytes of ``parts`` (a file, in order) that fall in ``gaps``."""
-    h, pos = xxhash.xxh3_64(), 0
-    for p in parts:
-        mv = memoryview(p).cast("B")  # type: ignore[arg-type]
-        n = mv.nbytes
-        for offset, length in gaps:
-            lo, hi = max(offset, pos), min(offset + length, pos + n)
-            if lo < hi:
-                h.update(mv[lo - pos:hi - pos])
-        pos += n
-    return h.intdigest()
-
-
-def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
-    """xxh3 of the bytes in ``gaps`` as the file holds them now."""
-    h = xxhash.xxh3_64()
-    for offset, length in gaps:
-        data = os.pread(fd, length, offset)
-        if len(data) != length:
-            raise CorruptDataError(f"file ends inside its frame (offset {offset})")
-        h.update(data)
-    return h.intdigest()
-
-
-def digest_of(arrays: Sequence[np.ndarray]) -> int:
-    """xxh3 of the bytes of ``arrays`` taken in order (a block of pages, maybe in runs)."""
-    if len(arrays) == 1:
-        return xxhash.xxh3_64_intdigest(arrays[0])
-    h = xxhash.xxh3_64()
-    for a in arrays:
-        h.update(a)
-    return h.intdigest()
-
-
-def read_extent(path: str, extent: FileExtent, dest: DestPages) -> int:
-    """The lean read of a file whose layout the index already knows, with no Arrow parsing:
-    one ``preadv`` of the whole file, the page blocks landing straight in ``dest`` and the
-    rest in small buffers; then every byte is checked against what was written (the size, the
-    frame's xxh3, each block's xxh3; all held in memory, so a damaged file cannot vouch for
-    itself). Any difference raises ``CorruptDataError``; returns the pages read."""
-    if extent.page_bytes != dest.page_bytes:
-        raise CorruptDataError(f"{extent.name}: pages of {extent.page_bytes} bytes, not {dest.page_bytes}")
-    bufs: list = []
-    frame: list[bytearray] = []
-    blocks: list[tuple[list[np.ndarray], int]] = []
-    pages = 0
-    for _, first, n, digest in extent.plan:
-        if first is None:
-            buf = bytearray(n)
-            frame.append(buf)
-            bufs.append(buf)
-        else:
-            views = dest.views(first, n)
-            blocks.append((views, digest))
-            bufs.extend(views)
-            pages += n
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size != extent.size:
-            raise CorruptDataError(f"{extent.name}: {size} bytes, {extent.size} were written")
-        got = os.preadv(fd, bufs, 0) if len(bufs) <= _IOV_MAX else 0
-        if got != size:
-            _preadv_exact(fd, [memoryview(b) for b in bufs], 0)
-    finally:
-        os.close(fd)
-    if digest_of(frame) != extent.frame:  # type: ignore[arg-type]
-        raise CorruptDataError(f"{extent.name}: bytes outside the pages changed")
-    for views, digest in blocks:
-        if digest_of(views) != digest:
-            raise CorruptDataError(f"{extent.name}: page data changed")
-    return pages
-
-
-def _preadv_exact(fd: int, bufs: list[memoryview], offset: int) -> None:
-    """Fill ``bufs`` (consecutive in the file from ``offset``), however the reads split."""
-    bufs = [b.cast("B") for b in bufs if b.nbytes]
-    while bufs:
-        n = os.preadv(fd, bufs[:_IOV_MAX], offset)
-        if n == 0:
-            raise CorruptDataError(f"file ends early (offset {offset})")
-        offset += n
-        while n and bufs:
-            if n >= bufs[0].nbytes:
-                n -= bufs[0].nbytes
-                bufs.pop(0)
-            else:
-                bufs[0] = bufs[0][n:]
-                n = 0
-
-
-_IOV_MAX = 512
-
 
 def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> FileExtent:
     """Verify one file against the group fields the index expects (its pages start at
-    ``first_page``) and fill ``dest``; returns where its pages lie and their digests (so
-    later reads can take ``read_extent``).
+    ``first_page``) and fill ``dest`` (whole pages); returns where its pages lie and their
+    digests, per block and per layer, computed from the verified pages (so later reads can
+    take ``read_extent`` or ``read_layer``).
 
     The mapping serves the structure (magics, footer, schema, metadata, checksum column); the
     page payload is read with ``preadv`` straight into the destination at the offsets the
@@ -429,7 +304,7 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> F
             first, rows, want = int(meta["first_page"]), 0, int(meta["chunk_pages"])
             if first != first_page:
                 raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
-            runs = []
+            runs, layers = [], []
             for b in range(reader.num_record_batches):
                 batch = reader.get_batch(b)
                 batch.validate()
@@ -445,11 +320,13 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> F
                 sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
                                          offset=sums.offset * 8).tolist()
                 dest.fill(fd, offset, first + rows, k, sum_list)
-                runs.append((offset, first + rows, k, digest_of(dest.views(first + rows, k))))
+                landed = dest.views(first + rows, k)
+                runs.append((offset, first + rows, k, digest_of(landed)))
+                layers.append(layer_digests(landed, dest.layers))
                 rows += k
             if rows != want:
                 raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {want}")
             frame = read_frame(fd, frame_gaps(runs, size, pb))
-            return FileExtent(path.name, size, pb, tuple(runs), frame)
+            return FileExtent(path.name, size, pb, tuple(runs), frame, tuple(layers))
     finally:
         os.close(fd)

@@ -31,6 +31,7 @@ How the cache drives it (sketch)::
     mover.prefetch(key, spec)                     # likely needed soon: same, lower priority
     x = mover.fetch(key, spec).result(timeout=30)  # disk -> a fresh tensor, host untouched
     pages, ok = mover.fetch_many(keys, spec).result()  # several groups, one job
+    one, ok = mover.fetch_many(keys, spec, layer=3).result()  # just layer 3 of each page
     mover.close()                                 # waits for queued and in-flight jobs
 """
 
@@ -52,7 +53,7 @@ import torch
 
 from ..config import ModalitySpec
 from ..content import ContentKey
-from ..errors import ClosedError, MMTierError, UnknownKeyError
+from ..errors import ClosedError, MMTierError, ShapeError, UnknownKeyError
 from .arrow_files import DiskTier
 from .host import HostEntry, HostTier
 
@@ -183,27 +184,38 @@ class Mover:
         return self._submit("fetch", Priority.RESTORE, key if out is None else None,
                             info.num_pages * spec.page_bytes, run, [])
 
-    def fetch_many(self, keys: Sequence[ContentKey], spec: ModalitySpec) -> concurrent.futures.Future:
+    def fetch_many(self, keys: Sequence[ContentKey], spec: ModalitySpec,
+                   layer: int | None = None) -> concurrent.futures.Future:
         """Disk -> one new tensor holding the pages of ``keys`` (groups of one modality) back
-        to back, in order, for streaming attention; one job. Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
+        to back, in order, for streaming attention; one job. With ``layer``, only that layer
+        of each page is read (``DiskTier.get_layer``) and the tensor is ``[pages,
+        *spec.layer_shape]``. Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
         was missing or failed verification (its pages in the tensor are undefined)."""
         disk = self._need_disk()
         infos = [disk.info(k) for k in keys]
         sizes = [info.num_pages if info is not None else 0 for info in infos]
+        shape, page_bytes = ((spec.page_shape, spec.page_bytes) if layer is None
+                             else (spec.layer_shape, spec.layer_bytes))
+        if layer is not None and not 0 <= layer < spec.page_layers:
+            raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.page_layers} layers)")
+
+        def read(key: ContentKey, out: torch.Tensor) -> torch.Tensor | None:
+            if layer is None:
+                return disk.get(key, spec, self.model, out=out)
+            return disk.get_layer(key, spec, self.model, layer, out=out)
 
         def run_sync() -> object:
-            pages = torch.empty(sum(sizes), *spec.page_shape, dtype=spec.torch_dtype)
+            pages = torch.empty(sum(sizes), *shape, dtype=spec.torch_dtype)
             ok, first = [], 0
             for k, info, n in zip(keys, infos, sizes):
-                got = disk.get(k, spec, self.model, out=pages[first:first + n]) if info is not None else None
-                ok.append(got is not None)
+                ok.append(info is not None and read(k, pages[first:first + n]) is not None)
                 first += n
             return pages, ok
 
         async def run() -> object:
             return await asyncio.get_running_loop().run_in_executor(None, run_sync)
 
-        return self._submit("fetch_many", Priority.RESTORE, None, sum(sizes) * spec.page_bytes, run, [])
+        return self._submit("fetch_many", Priority.RESTORE, None, sum(sizes) * page_bytes, run, [])
 
     def submit(self, fn: Callable[[], object], *, priority: Priority, nbytes: int,
                release: Callable[[], None] | None = None) -> concurrent.futures.Future:
