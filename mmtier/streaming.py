@@ -57,9 +57,10 @@ class DiskStream:
             by_modality.setdefault(g.modality, []).append(g)
         for members in by_modality.values():
             batch, size = [], 0
-            for g in members:
+            per_layer = _read_per_layer(members[0].spec)
+            for g in members:                       # batches sized by the bytes they read
                 batch.append(g)
-                size += g.nbytes
+                size += g.nbytes // g.spec.page_layers if per_layer else g.nbytes
                 if size >= batch_bytes:
                     self._queue(batch)
                     batch, size = [], 0

@@ -152,7 +152,7 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
     whole call a miss (every bad group dropped), and the next call serves the rest exactly."""
     from mmtier import streaming
 
-    monkeypatch.setattr(streaming, "BATCH_BYTES", 2 * VISION_PAGE)
+    monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)    # bytes read: one of 2 layers
     cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence()
