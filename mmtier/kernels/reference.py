@@ -1,11 +1,19 @@
 """The torch path: paged attention over CPU (or any) tensors, vectorised per chunk of pages.
 
-For each batch item the pages of its segments are gathered in chunks of about
-``CHUNK_BYTES`` of K+V (small enough to stay in cache between the gather and the two matmuls),
-scores are computed for all query heads of a KV head at once (GQA: ``[Hkv, G * n_q, D]``), and
-chunks are combined by an online log-sum-exp merge. There is no Python loop per token or per
-page; the loops are per batch item and per chunk. Pages wholly in the causal future of every
-query, and empty pages, are never read.
+The pages a batch item reads split in two:
+
+- pages that need no mask, every written token visible to every query of the item (for
+  decode, all of them): ``unmasked`` runs torch's fused CPU flash-attention kernel over them,
+  about twice as fast as the loop below (see that module);
+- pages crossing the causal boundary of the item's queries (a block of queries at different
+  positions), and every page when the flash kernel is unavailable: the masked loop here.
+  Pages are gathered in chunks of about ``CHUNK_BYTES`` of K+V, scores are computed for all
+  query heads of a KV head at once (GQA: ``[Hkv, G * n_q, D]``), unwritten slots and future
+  keys are masked, and chunks are combined by an online log-sum-exp merge.
+
+The two partial states merge exactly. There is no Python loop per token or per page; the loops
+are per batch item and per chunk. Pages wholly in the causal future of every query, and empty
+pages, are never read.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import torch
 
 from ..errors import ShapeError
 from .layout import PagedKV, check_queries
+from .unmasked import unmasked_attention
 
 CHUNK_BYTES = 4 << 20
 
@@ -39,6 +48,7 @@ def paged_attention_torch(
     out = torch.zeros(total_q, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
     q_bounds = q_indptr.tolist()
+    filled = [False] * batch                  # whether an operand has written item b's rows
     for op in operands:
         op.validate(batch, head_dim)
         if num_q_heads % op.num_kv_heads:
@@ -50,7 +60,10 @@ def paged_attention_torch(
             if q0 == q1 or s0 == s1:
                 continue
             o, s = _item_attention(q[q0:q1], q_pos[q0:q1], op, s0, s1, causal, scale)
-            out[q0:q1], lse[q0:q1] = _merge_pair(out[q0:q1], lse[q0:q1], o, s)
+            if filled[b]:
+                o, s = _merge_pair(out[q0:q1], lse[q0:q1], o, s)
+            out[q0:q1], lse[q0:q1] = o, s
+            filled[b] = True
     return out.to(out_dtype or q.dtype), lse
 
 
@@ -69,25 +82,43 @@ def _item_pages(op: PagedKV, s0: int, s1: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale: float):
+    """``(out [n_q, Hq, D], lse [n_q, Hq])`` of one batch item over its segments ``s0:s1``."""
     n_q, num_q_heads, head_dim = q.shape
     hkv = op.num_kv_heads
     group = num_q_heads // hkv
-    size = op.page_size
     page_ids, pos0, valid = _item_pages(op, s0, s1)
-    keep = valid > 0
     qpos = q_pos.long()
+    keep = valid > 0
+    unmasked = keep.clone()
     if causal:
         keep &= pos0 <= qpos.max()
-    if not bool(keep.all()):
-        page_ids, pos0, valid = page_ids[keep], pos0[keep], valid[keep]
-    out = torch.zeros(hkv, group * n_q, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((hkv, group * n_q), -math.inf, dtype=torch.float32, device=q.device)
-    if page_ids.numel() == 0:
-        return _to_rows(out, lse, n_q, group)
+        unmasked &= pos0 + valid - 1 <= qpos.min()
     # [n_q, Hq, D] -> [Hkv, G * n_q, D] with query head h = kv_head * G + g
     qh = q.float().view(n_q, hkv, group, head_dim).permute(1, 2, 0, 3).reshape(hkv, group * n_q, head_dim)
-    qh = qh * scale
-    offs = torch.arange(size, device=q.device)
+    states = []
+    if bool(unmasked.any()):
+        state = unmasked_attention(qh, op, page_ids[unmasked], valid[unmasked], scale)
+        if state is not None:
+            states.append(state)
+            keep &= ~unmasked
+    if bool(keep.any()):
+        states.append(_masked_attention(qh * scale, qpos, op, page_ids[keep], pos0[keep], valid[keep], causal))
+    if not states:
+        out = torch.zeros_like(qh)
+        lse = torch.full(qh.shape[:2], -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        out, lse = states[0] if len(states) == 1 else _merge_pair(*states[0], *states[1])
+    return _to_rows(out, lse, n_q, group)
+
+
+def _masked_attention(qh, qpos, op: PagedKV, page_ids, pos0, valid, causal: bool):
+    """The masked loop over pages ``page_ids`` (first positions ``pos0``, ``valid`` tokens
+    each, every one non-empty) for ``qh [Hkv, R, D]`` (float32, pre-scaled); returns
+    ``(out [Hkv, R, D], lse [Hkv, R])``."""
+    hkv, rows_q, head_dim = qh.shape
+    group_rows = rows_q // qpos.shape[0]          # G: query rows are (g, query) pairs
+    size = op.page_size
+    offs = torch.arange(size, device=qh.device)
     page_kv_bytes = 2 * size * hkv * head_dim * op.kv.element_size()
     step = max(1, CHUNK_BYTES // page_kv_bytes)
     layers = op.kv.shape[1]
@@ -96,9 +127,9 @@ def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale
     rows = op.kv.view(op.kv.shape[0] * layers * 2, size * hkv * head_dim) if op.kv.is_contiguous() else None
     kbuf = vbuf = None
     q_min = int(qpos.min())
-    m_run = torch.full((hkv, group * n_q, 1), -1e30, dtype=torch.float32, device=q.device)
-    l_run = torch.zeros(hkv, group * n_q, 1, dtype=torch.float32, device=q.device)
-    acc = torch.zeros(hkv, group * n_q, head_dim, dtype=torch.float32, device=q.device)
+    m_run = torch.full((hkv, rows_q, 1), -1e30, dtype=torch.float32, device=qh.device)
+    l_run = torch.zeros(hkv, rows_q, 1, dtype=torch.float32, device=qh.device)
+    acc = torch.zeros(hkv, rows_q, head_dim, dtype=torch.float32, device=qh.device)
     for c0 in range(0, page_ids.shape[0], step):
         ids = page_ids[c0:c0 + step]
         n = ids.shape[0]
@@ -123,13 +154,13 @@ def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale
         mask = None if whole else (offs[None, :] < chunk_valid[:, None]).reshape(-1)   # [T]
         if mask is not None:
             v = v.masked_fill(~mask[None, :, None], 0.0)   # unwritten slots may hold NaN
-        last = int(pos0[c0 + n - 1]) + size - 1
+        last = int(pos0[c0:c0 + n].max()) + size - 1
         if causal and last > q_min:                        # some key is in some query's future
             pos = (pos0[c0:c0 + step, None] + offs[None, :]).reshape(-1)
             allowed = pos[None, :] <= qpos[:, None]                              # [n_q, T]
             if mask is not None:
                 allowed &= mask[None, :]
-            scores = scores.masked_fill(~allowed.repeat(group, 1)[None], -math.inf)
+            scores = scores.masked_fill(~allowed.repeat(group_rows, 1)[None], -math.inf)
         elif mask is not None:
             scores = scores.masked_fill(~mask[None, None, :], -math.inf)
         m_new = torch.maximum(m_run, scores.amax(dim=-1, keepdim=True))
@@ -141,7 +172,7 @@ def _item_attention(q, q_pos, op: PagedKV, s0: int, s1: int, causal: bool, scale
     seen = l_run > 0
     out = torch.where(seen, acc / l_run.clamp_min(1e-38), torch.zeros_like(acc))
     lse = torch.where(seen, m_run + torch.log(l_run.clamp_min(1e-38)), torch.full_like(l_run, -math.inf))
-    return _to_rows(out, lse.squeeze(-1), n_q, group)
+    return out, lse.squeeze(-1)
 
 
 def _to_rows(out: torch.Tensor, lse: torch.Tensor, n_q: int, group: int):
