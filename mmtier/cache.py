@@ -10,6 +10,7 @@ import itertools
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -360,9 +361,11 @@ class TieredKVCache:
             ops = compile_segments(device_segs, layer, self._device_view)
             dev = self.arena.device
             qd = q.to(dev)
-            states.append(paged_attention(
-                qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
-                causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
+            sharing = stream.sharing_cores() if stream is not None and dev.type == "cpu" else nullcontext()
+            with sharing:
+                states.append(paged_attention(
+                    qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
+                    causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
         states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, stream))
         if len(states) == 1:
             out, lse = states[0]

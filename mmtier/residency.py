@@ -23,6 +23,7 @@ applies completions at the start of its next call (and while it waits for a copy
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import threading
@@ -352,7 +353,8 @@ class LowerTiers:
         if disk_segs:     # what has landed while the device part ran, before the host part
             states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S, wait=False))
         if host_segs:
-            states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
+            with stream.sharing_cores() if stream is not None else contextlib.nullcontext():
+                states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
         if disk_segs:
             states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S))
         self.cache.counters.add("lower_tier_attentions")
