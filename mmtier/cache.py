@@ -356,7 +356,20 @@ class TieredKVCache:
         """Device-resident segments on the device backend; lower tiers where they live."""
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
         stream = self.lower.stream(segments, layer) if self.lower.enabled else None   # disk reads first:
-        states = []                                                   # reads overlap the device part
+        try:                                                          # they overlap the device part
+            states = self._attend_tiers(segments, device_segs, layer, q, q_pos, causal, scale, stream)
+        finally:
+            if stream is not None:
+                stream.close()
+        if len(states) == 1:
+            out, lse = states[0]
+        else:
+            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
+                                              backend="torch", out_dtype=torch.float32)
+        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+
+    def _attend_tiers(self, segments, device_segs, layer, q, q_pos, causal, scale, stream):
+        states = []
         if device_segs or not segments:
             ops = compile_segments(device_segs, layer, self._device_view)
             dev = self.arena.device
@@ -367,12 +380,7 @@ class TieredKVCache:
                     qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
                     causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
         states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, stream))
-        if len(states) == 1:
-            out, lse = states[0]
-        else:
-            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
-                                              backend="torch", out_dtype=torch.float32)
-        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+        return states
 
     def _attend_lower(self, segments, layer, q, q_pos, causal, scale, stream=None):
         """Partial states of host- and disk-resident segments, computed where they live."""

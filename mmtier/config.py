@@ -161,6 +161,9 @@ class CacheConfig(BaseModel):
     key_secret: str = Field(
         "mmtier-default-secret", description="Server-side secret that authenticates keys and derives tenant salts.")
     max_inflight_bytes: int = Field(256 << 20, gt=0, strict=True, description="Bytes of tier copies in flight at once.")
+    stream_buffer_bytes: int = Field(
+        512 << 20, ge=0, strict=True,
+        description="Host buffers kept between attention calls for pages streamed from disk (reused, not re-faulted).")
 
     def __init__(self, **data: Any):
         try:

@@ -38,6 +38,7 @@ from .groups import ModalityGroup, Tier
 from .kernels import paged_attention
 from .stats import TierUsage
 from .storage import DiskTier, HostTier, Mover
+from .storage.staging import StagingPool
 from .streaming import DiskStream
 from .table import compile_segments
 
@@ -60,6 +61,7 @@ class LowerTiers:
                                  free_floor_bytes=cfg.disk_free_floor_bytes)
         self.mover = Mover(self.host, self.disk, model=cfg.model,
                            max_inflight_bytes=cfg.max_inflight_bytes) if self.disk is not None else None
+        self.staging = StagingPool(cfg.stream_buffer_bytes)
         self._done: collections.deque = collections.deque()
         self._spilling: dict[int, Future] = {}
         self._private_keys: dict[int, ContentKey] = {}
@@ -345,7 +347,8 @@ class LowerTiers:
         if not host_segs and not disk_segs:
             return []
         if disk_segs and stream is None:
-            stream = self.stream(disk_segs, layer)
+            with contextlib.closing(self.stream(disk_segs, layer)) as own:
+                return self.lower_states(segments, layer, q, q_pos, causal, scale, own)
         qc = q.cpu()
         q_pos = q_pos.cpu()
         q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)

@@ -6,7 +6,9 @@ and the cores busy at once:
 
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
   ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``:
-  each group of the batch read with its verified lean read into one new host buffer);
+  each group of the batch read with its verified lean read into one host buffer, taken from
+  the cache's ``StagingPool`` and given back once the batch is computed, so a decode step does
+  not pay fresh page faults for the buffers of the last one);
 - an attention call is for one layer, so where a modality's pages hold several layers only
   that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, verified against
   per-layer digests) into a one-layer buffer, compiled with layer index 0;
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
@@ -44,19 +47,23 @@ if TYPE_CHECKING:
     from .residency import LowerTiers
 
 BATCH_BYTES = 8 << 20
+READERS = 2   # batches read at once: more only fight over the GIL and the cores (measured)
 
 
 class DiskStream:
     """The queued reads of one attention call's (one layer's) disk-resident groups."""
 
     def __init__(self, lower: LowerTiers, groups: Iterable[ModalityGroup], layer: int,
-                 batch_bytes: int | None = None):
+                 batch_bytes: int | None = None, readers: int | None = None):
         self.lower = lower
         self.layer = layer
         batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
         self.batches: list[tuple[list[ModalityGroup], Future]] = []
         self._taken: set[Future] = set()
         self._failed: list[ModalityGroup] = []
+        self._lock = threading.Lock()
+        self._next = 0
+        self._closed = False
         by_modality: dict[str, list[ModalityGroup]] = {}
         for g in {g.gid: g for g in groups}.values():
             by_modality.setdefault(g.modality, []).append(g)
@@ -67,16 +74,54 @@ class DiskStream:
                 batch.append(g)
                 size += g.nbytes // g.spec.page_layers if per_layer else g.nbytes
                 if size >= batch_bytes:
-                    self._queue(batch)
+                    self.batches.append((batch, Future()))
                     batch, size = [], 0
             if batch:
-                self._queue(batch)
+                self.batches.append((batch, Future()))
+        for _ in range(READERS if readers is None else readers):
+            self._start_next()
 
-    def _queue(self, groups: list[ModalityGroup]) -> None:
-        keys = [self.lower.storage_key(g) for g in groups]
+    def _start_next(self) -> None:
+        """Hand the next batch to the mover; its completion starts the one after."""
+        with self._lock:
+            if self._next >= len(self.batches):
+                return
+            groups, result = self.batches[self._next]
+            self._next += 1
         spec = groups[0].spec
         layer = self.layer if _read_per_layer(spec) else None   # just this layer's bytes of each page
-        self.batches.append((groups, self.lower.mover.fetch_many(keys, spec, layer=layer)))
+        try:
+            fut = self.lower.mover.fetch_many([self.lower.storage_key(g) for g in groups], spec,
+                                              layer=layer, staging=self.lower.staging)
+        except BaseException as exc:        # e.g. the mover closed: this batch fails, the next tries
+            result.set_exception(exc)
+            self._start_next()
+            return
+
+        def on_landed(f: Future) -> None:
+            exc = f.exception()
+            with self._lock:
+                if exc is not None:
+                    result.set_exception(exc)
+                elif self._closed:          # nobody will compute it: the buffer goes back now
+                    self.lower.staging.give(f.result()[0])
+                    result.cancel()
+                else:
+                    result.set_result(f.result())
+            self._start_next()
+
+        fut.add_done_callback(on_landed)
+
+    def close(self) -> None:
+        """The call is over (answered or failed): stop starting batches and give back the
+        buffers of those that landed but were never computed."""
+        with self._lock:
+            self._closed = True
+            self._next = len(self.batches)
+        for _, fut in self.batches:
+            if fut not in self._taken and fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._taken.add(fut)
+                self.lower.staging.give(fut.result()[0])
 
     @property
     def landed(self) -> bool:
@@ -120,12 +165,15 @@ class DiskStream:
                 except (MMTierError, OSError):
                     self._failed.extend(groups)
                     continue
-                self._failed.extend(g for g, good in zip(groups, ok) if not good)
-                if self._failed:
-                    continue                        # the answer is a miss: just drain
-                at = 0 if _read_per_layer(groups[0].spec) else self.layer    # the layer within ``pages``
-                with self.sharing_cores():
-                    states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
+                try:
+                    self._failed.extend(g for g, good in zip(groups, ok) if not good)
+                    if self._failed:
+                        continue                        # the answer is a miss: just drain
+                    at = 0 if _read_per_layer(groups[0].spec) else self.layer  # the layer within ``pages``
+                    with self.sharing_cores():
+                        states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
+                finally:
+                    self.lower.staging.give(pages)      # computed (or dropped): the buffer is free
         finally:
             self.lower.apply_completions()
         if wait and self._failed:

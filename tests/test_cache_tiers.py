@@ -322,3 +322,44 @@ def test_embeddings_spill_and_come_back(tmp_path):
             cache.put_embedding(key, xs[key])
         for key, x in xs.items():
             assert torch.equal(cache.get_embedding(key), x)
+
+
+def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch):
+    """Decode steps over disk groups reuse the staging buffers of the step before (no fresh
+    allocation after the first), and a call that fails midway gives every buffer back."""
+    import time
+
+    import mmtier.cache as cache_module
+
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        seq = cache.create_sequence()
+        for i in range(6):
+            key = cache.content_key("vision", f"b{i}".encode())
+            cache.put(key, *kv(60))
+            cache.attach(seq, key)
+        cache.flush()
+        tiers = [s.group.tier for s in cache.sequence(seq).segments]
+        assert tiers.count(Tier.DISK) >= 4 and Tier.DEVICE in tiers
+        staging = cache.lower.staging
+        q = torch.randn(1, 4, D)
+        first = cache.attention(seq, 0, q)
+        allocated = staging.allocated
+        assert allocated >= 1 and not staging._out
+        for _ in range(3):
+            assert torch.equal(cache.attention(seq, 0, q), first)
+        assert staging.allocated == allocated and staging.reused >= 3 and not staging._out
+
+        def device_part_fails(*a, **kw):
+            raise RuntimeError("injected: the device part failed while the disk reads ran")
+
+        monkeypatch.setattr(cache_module, "paged_attention", device_part_fails)
+        with pytest.raises(RuntimeError, match="injected"):
+            cache.attention(seq, 0, q)
+        for _ in range(100):                                  # late reads give back as they land
+            if not staging._out:
+                break
+            time.sleep(0.05)
+        assert not staging._out
+        monkeypatch.undo()
+        assert torch.equal(cache.attention(seq, 0, q), first)

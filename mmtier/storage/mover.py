@@ -56,6 +56,7 @@ from ..content import ContentKey
 from ..errors import ClosedError, MMTierError, ShapeError, UnknownKeyError
 from .arrow_files import DiskTier
 from .host import HostEntry, HostTier
+from .staging import StagingPool
 
 log = logging.getLogger(__name__)
 
@@ -185,12 +186,14 @@ class Mover:
                             info.num_pages * spec.page_bytes, run, [])
 
     def fetch_many(self, keys: Sequence[ContentKey], spec: ModalitySpec,
-                   layer: int | None = None) -> concurrent.futures.Future:
+                   layer: int | None = None, staging: StagingPool | None = None) -> concurrent.futures.Future:
         """Disk -> one new tensor holding the pages of ``keys`` (groups of one modality) back
         to back, in order, for streaming attention; one job. With ``layer``, only that layer
         of each page is read (``DiskTier.get_layer``) and the tensor is ``[pages,
         *spec.layer_shape]``. Resolves to ``(pages, ok)``: ``ok[i]`` is False where group ``i``
-        was missing or failed verification (its pages in the tensor are undefined)."""
+        was missing or failed verification (its pages in the tensor are undefined). With
+        ``staging`` the tensor is a view of a buffer taken from that pool: hand it back with
+        ``staging.give(pages)`` once done with it (it is the buffer's start)."""
         disk = self._need_disk()
         infos = [disk.info(k) for k in keys]
         sizes = [info.num_pages if info is not None else 0 for info in infos]
@@ -205,11 +208,20 @@ class Mover:
             return disk.get_layer(key, spec, self.model, layer, out=out)
 
         def run_sync() -> object:
-            pages = torch.empty(sum(sizes), *shape, dtype=spec.torch_dtype)
+            if staging is None:
+                pages = torch.empty(sum(sizes), *shape, dtype=spec.torch_dtype)
+            else:
+                buf = staging.take(sum(sizes) * page_bytes)
+                pages = staging.pages(buf, sum(sizes), tuple(shape), spec.torch_dtype)
             ok, first = [], 0
-            for k, info, n in zip(keys, infos, sizes):
-                ok.append(info is not None and read(k, pages[first:first + n]) is not None)
-                first += n
+            try:
+                for k, info, n in zip(keys, infos, sizes):
+                    ok.append(info is not None and read(k, pages[first:first + n]) is not None)
+                    first += n
+            except BaseException:
+                if staging is not None:
+                    staging.give(pages)
+                raise
             return pages, ok
 
         async def run() -> object:
