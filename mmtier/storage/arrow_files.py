@@ -281,6 +281,47 @@ class DiskTier(StorageTier):
         read = self._read_known if e.extents is not None else self._read_full
         return result if self._verified_read(key, e, lambda: read(e, dest)) else None
 
+    def get_many(self, keys: Sequence[ContentKey], spec: ModalitySpec, expected_model: str,
+                 out: torch.Tensor, sizes: Sequence[int]) -> list[bool]:
+        """Several groups of one spec into ``out`` back to back (group ``i`` at the pages after
+        ``sum(sizes[:i])``; ``sizes[i]`` must be its page count): the streaming read. Each file
+        is the same verified lean read as ``get``, with one destination view and one look at
+        the index for the whole batch, so a group costs little more than its syscalls. A group
+        that cannot be read lean (layout not known yet, or any failure) takes ``get``, which
+        reads it in full or counts and quarantines it. ``ok[i]`` as ``get``'s result."""
+        if self._closed:
+            raise ClosedError("disk tier is closed")
+        dest = DestPages(spec, out, int(sum(sizes)))
+        with self._lock:
+            found = [self._index.get(k.digest) for k in keys]
+        ok, first, hits, nbytes = [], 0, 0, 0
+        for key, e, n in zip(keys, found, sizes):
+            lean = (e is not None and e.key == key and e.extents is not None and e.num_pages == n
+                    and e.model == expected_model and layout_matches(e.layout, spec))
+            done = False
+            if lean:
+                try:
+                    part = dest.sub(first, n)
+                    at = 0
+                    for extent in e.extents:  # type: ignore[union-attr]
+                        at += read_extent(os.path.join(self._dir_str, extent.name), extent, part)
+                    done = at == n
+                except (OSError, CorruptDataError, ValueError):
+                    done = False
+            if done:
+                hits += 1
+                nbytes += sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
+            elif n == 0:                      # not on disk when the batch was formed: a miss
+                self._count("misses")
+            else:
+                done = self.get(key, spec, expected_model, out=out[first:first + n]) is not None
+            ok.append(done)
+            first += n
+        with self._lock:
+            self._counts["hits"] += hits
+            self._counts["read_bytes"] += nbytes
+        return ok
+
     def get_layer(self, key: ContentKey, spec: ModalitySpec, expected_model: str, layer: int,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None
                   ) -> torch.Tensor | Sequence[torch.Tensor] | None:

@@ -202,6 +202,15 @@ class DestPages:
         self.page_bytes = page_bytes
         self.block = max(1, _BLOCK_BYTES // page_bytes)
 
+    def sub(self, first: int, n: int) -> DestPages:
+        """Pages ``first..first+n`` as a destination of their own (one-run destinations only)."""
+        if len(self.arrays) != 1 or first < 0 or first + n > self.total:
+            raise ShapeError(f"pages {first}..{first + n} of a {len(self.arrays)}-run destination")
+        part = object.__new__(DestPages)
+        part.layers, part.page_bytes, part.block = self.layers, self.page_bytes, self.block
+        part.arrays, part.starts, part.total = [self.arrays[0][first:first + n]], [0], n
+        return part
+
     def views(self, first: int, k: int) -> list[np.ndarray]:
         """Pages ``first..first+k`` as ``[m, page_bytes]`` uint8 arrays (one per run touched)."""
         if first < 0 or first + k > self.total:

@@ -202,10 +202,13 @@ class Mover:
         if layer is not None and not 0 <= layer < spec.page_layers:
             raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.page_layers} layers)")
 
-        def read(key: ContentKey, out: torch.Tensor) -> torch.Tensor | None:
-            if layer is None:
-                return disk.get(key, spec, self.model, out=out)
-            return disk.get_layer(key, spec, self.model, layer, out=out)
+        def read_layers(pages: torch.Tensor) -> list[bool]:
+            ok, first = [], 0
+            for k, info, n in zip(keys, infos, sizes):
+                ok.append(info is not None and disk.get_layer(k, spec, self.model, layer, out=pages[first:first + n])
+                          is not None)
+                first += n
+            return ok
 
         def run_sync() -> object:
             if staging is None:
@@ -213,11 +216,8 @@ class Mover:
             else:
                 buf = staging.take(sum(sizes) * page_bytes)
                 pages = staging.pages(buf, sum(sizes), tuple(shape), spec.torch_dtype)
-            ok, first = [], 0
             try:
-                for k, info, n in zip(keys, infos, sizes):
-                    ok.append(info is not None and read(k, pages[first:first + n]) is not None)
-                    first += n
+                ok = disk.get_many(keys, spec, self.model, pages, sizes) if layer is None else read_layers(pages)
             except BaseException:
                 if staging is not None:
                     staging.give(pages)
