@@ -41,7 +41,10 @@ def _writer(path: str, start: int, ready) -> None:
 
 @pytest.mark.chaos
 def test_sigkill_writer_leaves_complete_or_absent_groups(tmp_path):
-    ctx = multiprocessing.get_context("fork")
+    # Writers fork from a clean server (no Ray, gRPC or OpenMP threads of earlier tests to fork
+    # with; a plain fork of this process once segfaulted there), with the imports done once.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "pyarrow", "mmtier.storage", __name__])
     rng = random.Random(1234)
     start, seen_partial, groups = 0, 0, 0
     verified: set[bytes] = set()
