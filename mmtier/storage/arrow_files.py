@@ -461,8 +461,7 @@ class DiskTier(StorageTier):
             lo, hi = c * per_file, min(n, (c + 1) * per_file)
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
             chunk_rows = slice_rows(rows, lo, hi)
-            layer_sums = await loop.run_in_executor(
-                None, lambda chunk_rows=chunk_rows: [layer_digests([r], spec.page_layers) for r in chunk_rows])
+            block_sums, layer_sums = await loop.run_in_executor(None, _block_digests, chunk_rows, spec.page_layers)
             parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
@@ -470,8 +469,8 @@ class DiskTier(StorageTier):
             files.append(name)
             if offsets is not None and extents is not None:
                 firsts = np.cumsum([lo] + [r.shape[0] for r in chunk_rows])
-                runs = tuple((off, int(f), r.shape[0], digest_of([r]))
-                             for off, f, r in zip(offsets, firsts, chunk_rows))
+                runs = tuple((off, int(f), r.shape[0], d)
+                             for off, f, r, d in zip(offsets, firsts, chunk_rows, block_sums))
                 frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
                 extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
             else:
@@ -609,6 +608,15 @@ class DiskTier(StorageTier):
             self._index[key.digest] = DiskEntry(key, m0["model"], m0["layout"], m0["num_tokens"],
                                                 m0["num_pages"], nbytes, tuple(c[1] for c in chunks))
             self._used += nbytes
+
+
+def _block_digests(rows: list[np.ndarray], layers: int) -> tuple[list[int], list[tuple[int, ...]]]:
+    """Per row block: the xxh3 of its bytes and, per layer, of that layer's bytes (the same
+    single digest when a page holds one layer: one pass over the data, not two)."""
+    blocks = [digest_of([r]) for r in rows]
+    if layers == 1:
+        return blocks, [(d,) for d in blocks]
+    return blocks, [layer_digests([r], layers) for r in rows]
 
 
 async def _fsync_dir(path: Path) -> None:
