@@ -40,7 +40,7 @@ from .payload import (
 from .pool import DeviceArena, PagePool
 from .residency import LowerTiers
 from .stats import CacheStats, Counters, TierUsage
-from .table import SequenceHandle, SequenceTable, compile_segments
+from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 DEFAULT_TENANT = "default"
 
@@ -299,25 +299,11 @@ class TieredKVCache:
                         scale: float | None = None, q_positions: torch.Tensor | None = None,
                         modalities: Iterable[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)``: the partial state that merges exactly with others (other tiers, nodes)."""
-        self._open()
-        if not isinstance(q, torch.Tensor) or q.dim() != 3:
-            raise ShapeError(f"q must be [n_q, num_q_heads, head_dim], got "
-                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
-        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise DTypeError(f"q dtype {q.dtype} is not float32, float16 or bfloat16")
-        wanted = None if groups is None else list(groups)
+        self._check_q(q)
         with self._lock:
             self.lower.apply_completions()
             table = self._table(seq)
-            segments = table.segments
-            if wanted is not None:
-                for key in wanted:
-                    self.keys.verify(key)
-                keyset = set(wanted)
-                missing = keyset - {s.group.key for s in segments}
-                if missing:
-                    raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
-                segments = [s for s in segments if s.group.key in keyset]
+            segments = self._select(seq, table, groups)
             if modalities is not None:
                 mods = set(modalities)
                 for m in mods:
@@ -331,26 +317,73 @@ class TieredKVCache:
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
                 q_pos = q_positions.to(torch.int32).cpu()
+            return self._attend_checked(segments, layer, q, q_pos, causal, scale)
+
+    def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
+                              layer: int, q: torch.Tensor, q_positions: torch.Tensor, *,
+                              causal: bool = True, scale: float | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over parts of local sequences that hold pieces of a bigger sequence
+        (a pool's runs and proxies of a cluster sequence), all in one call: part ``(seq, keys,
+        offset, start)`` adds the segments of ``seq`` (those of ``keys`` when given; only the one
+        at local position ``start`` when given) at ``local position + offset``; ``q_positions``
+        are positions of the bigger sequence. A segment named by two parts is refused."""
+        self._check_q(q)
+        with self._lock:
+            self.lower.apply_completions()
+            segments, seen = [], set()
+            for seq, keys, offset, start in parts:
+                for s in self._select(seq, self._table(seq), keys):
+                    if start is not None and s.start != start:
+                        continue
+                    if (seq.id, s.start) in seen:
+                        raise ShapeError(f"sequence {seq.id}: the segment at {s.start} is in two parts")
+                    seen.add((seq.id, s.start))
+                    segments.append(Segment(s.group, s.start + int(offset)))
+            return self._attend_checked(segments, layer, q, q_positions.to(torch.int32).cpu(), causal, scale)
+
+    def _check_q(self, q) -> None:
+        self._open()
+        if not isinstance(q, torch.Tensor) or q.dim() != 3:
+            raise ShapeError(f"q must be [n_q, num_q_heads, head_dim], got "
+                             f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise DTypeError(f"q dtype {q.dtype} is not float32, float16 or bfloat16")
+
+    def _select(self, seq: SequenceHandle, table: SequenceTable, groups: Iterable[ContentKey] | None):
+        """The segments of ``table``, or of those groups (verified, all attached)."""
+        if groups is None:
+            return table.segments
+        wanted = set(groups)
+        for key in wanted:
+            self.keys.verify(key)
+        missing = wanted - {s.group.key for s in table.segments}
+        if missing:
+            raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
+        return [s for s in table.segments if s.group.key in wanted]
+
+    def _attend_checked(self, segments, layer, q, q_pos, causal, scale):
+        """Check the segments fit ``q`` and ``layer``, pin them, attend (lock held)."""
+        for s in segments:
+            spec = s.group.spec
+            if spec.kind != "kv":
+                raise ShapeError(f"segment of {spec.name!r} holds embeddings, not KV")
+            if not 0 <= layer < spec.num_layers:
+                raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.num_layers} layers)")
+            if spec.head_dim != q.shape[2]:
+                raise ShapeError(f"q head dim {q.shape[2]} != {spec.name!r} head dim {spec.head_dim}; "
+                                 "restrict with groups=")
+            if q.shape[1] % spec.num_kv_heads:
+                raise ShapeError(f"{q.shape[1]} query heads are not a multiple of "
+                                 f"{spec.num_kv_heads} KV heads of {spec.name!r}")
+        for s in segments:
+            s.group.pins += 1
+            self.policy.on_access(s.group)
+        try:
+            return self._attend(segments, layer, q, q_pos, causal, scale)
+        finally:
             for s in segments:
-                spec = s.group.spec
-                if spec.kind != "kv":
-                    raise ShapeError(f"segment of {spec.name!r} holds embeddings, not KV")
-                if not 0 <= layer < spec.num_layers:
-                    raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.num_layers} layers)")
-                if spec.head_dim != q.shape[2]:
-                    raise ShapeError(f"q head dim {q.shape[2]} != {spec.name!r} head dim {spec.head_dim}; "
-                                     "restrict with groups=")
-                if q.shape[1] % spec.num_kv_heads:
-                    raise ShapeError(f"{q.shape[1]} query heads are not a multiple of "
-                                     f"{spec.num_kv_heads} KV heads of {spec.name!r}")
-            for s in segments:
-                s.group.pins += 1
-                self.policy.on_access(s.group)
-            try:
-                return self._attend(segments, layer, q, q_pos, causal, scale)
-            finally:
-                for s in segments:
-                    s.group.pins -= 1
+                s.group.pins -= 1
 
     def _attend(self, segments, layer, q, q_pos, causal, scale):
         """Device-resident segments on the device backend; lower tiers where they live."""

@@ -349,3 +349,43 @@ def test_attention_restricted_to_modalities(cache):
     assert rel_err(out, expect) < 1e-5
     with pytest.raises(UnknownModalityError):
         cache.attention(seq, 0, q, modalities=["smell"])
+
+
+def test_parts_attend_at_their_absolute_positions(cache):
+    """``attention_state_parts`` places segments of several local sequences (a pool's runs and
+    proxies of a cluster sequence) at positions of a bigger sequence in one call: equal to the
+    oracle over those keys at those positions, causal masking included; a group attached twice
+    is told apart by its local start; a segment named twice is refused (typed, nothing changed)."""
+    run = cache.create_sequence()
+    k0, v0 = kv(50)
+    cache.append(run, "text", k0, v0)
+    proxy = cache.create_sequence()
+    keys, ks, vs = [], [], []
+    for i, n in enumerate((40, 70)):
+        key = cache.content_key("vision", f"part-{i}".encode())
+        k, v = kv(n)
+        cache.put(key, k, v)
+        cache.attach(proxy, key)
+        keys.append(key)
+        ks.append(k)
+        vs.append(v)
+    cache.attach(proxy, keys[0])                 # the same image again, later in the sequence
+    local = [s.start for s in cache.sequence(proxy).segments]          # 0, 40, 110
+    where = {"run": 300, "img0": 500, "img1": 120, "img0again": 1000}
+    parts = [(run, None, where["run"], None),
+             (proxy, [keys[0]], where["img0"] - local[0], local[0]),
+             (proxy, [keys[1]], where["img1"] - local[1], None),
+             (proxy, [keys[0]], where["img0again"] - local[2], local[2])]
+    q = torch.randn(2, 4, D)
+    q_pos = torch.tensor([520, 1100])            # the first query sees part of img0, not img0again
+    out, lse = cache.attention_state_parts(parts, 1, q, q_pos)
+    pieces = [(k0, v0, where["run"]), (ks[0], vs[0], where["img0"]), (ks[1], vs[1], where["img1"]),
+              (ks[0], vs[0], where["img0again"])]
+    pos = torch.cat([torch.arange(a, a + k.shape[1]) for k, _, a in pieces])
+    expect, expect_lse = oracle_attention(q, q_pos, torch.cat([k for k, _, _ in pieces], 1)[1],
+                                          torch.cat([v for _, v, _ in pieces], 1)[1], pos)
+    assert rel_err(out, expect) < 1e-5 and rel_err(lse, expect_lse) < 1e-6
+    before = cache.stats().counters
+    with pytest.raises(ShapeError):              # img0 without a start names both of its segments
+        cache.attention_state_parts(parts + [(proxy, [keys[0]], 0, None)], 1, q, q_pos)
+    assert cache.stats().counters == before

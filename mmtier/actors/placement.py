@@ -88,5 +88,5 @@ def plan(st: _Seq, wanted: set[ContentKey] | None) -> dict[str, list]:
             out.setdefault(r.holder, []).append((r.key.to_wire(), r.start))
         else:
             out.setdefault(r.holder, []).append(
-                Part(st.proxies[r.holder], r.start - r.local_start, (r.key.to_wire(),)))
+                Part(st.proxies[r.holder], r.start - r.local_start, (r.key.to_wire(),), r.local_start))
     return out

@@ -38,7 +38,6 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..groups import Tier
-from ..kernels import merge_attention_states
 from ..table import SequenceHandle
 
 _TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
@@ -51,6 +50,7 @@ class Part:
     seq: SequenceHandle
     offset: int                                  # absolute position = local position + offset
     keys: tuple[dict[str, str], ...] | None      # None: every segment of the handle
+    start: int | None = None                     # only the segment at this local position
 
 
 def group_item(key: ContentKey, num_tokens: int, nbytes: int, tier: str, refs: int = 0) -> dict:
@@ -191,24 +191,18 @@ class PoolService:
     # ------------------------------------------------------------------ attention
     def attend(self, parts: Sequence[Part], layer: int, q: torch.Tensor, q_pos: torch.Tensor,
                causal: bool = True, scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Partial attention of ``q`` (absolute positions ``q_pos``) over the parts, merged."""
+        """Partial attention of ``q`` (absolute positions ``q_pos``) over every part, in one
+        call (a cluster sequence's runs here and its remote groups on this pool, each at its
+        own offset: one kernel pass, not one per part)."""
         if not parts:
             raise ShapeError("attend needs at least one part")
-        outs, lses = [], []
-        for p in parts:
-            keys = None if p.keys is None else [ContentKey.from_wire(w) for w in p.keys]
-            try:
-                out, lse = self.cache.attention_state(
-                    p.seq, layer, q, groups=keys, causal=causal, scale=scale,
-                    q_positions=q_pos.to(torch.int64) - p.offset)
-            except CorruptDataError:
-                self._report_lost()
-                raise
-            outs.append(out.float())
-            lses.append(lse.float())
-        if len(outs) == 1:
-            return outs[0], lses[0]
-        return merge_attention_states(outs, lses, backend="torch", out_dtype=torch.float32)
+        try:
+            return self.cache.attention_state_parts(
+                [(p.seq, None if p.keys is None else [ContentKey.from_wire(w) for w in p.keys], p.offset, p.start)
+                 for p in parts], layer, q, q_pos, causal=causal, scale=scale)
+        except CorruptDataError:
+            self._report_lost()
+            raise
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict:
