@@ -109,26 +109,34 @@ def test_disk_groups_stream_for_attention(tmp_path):
         assert rel_err(out, expect) < 1e-5
 
 
+def _mixed_on_disk(cache, count, every):
+    """``count`` groups attached to a new sequence (vision, and text every ``every``-th), let
+    spill; returns the sequence, their K, V, keys, and the keys that ended on disk (both kinds)."""
+    seq = cache.create_sequence()
+    ks, vs, keys = [], [], []
+    for i in range(count):
+        kind, n = ("vision", 50) if i % every else ("text", 30)
+        k, v = kv(n)
+        key = cache.content_key(kind, f"{every}-{i}".encode())
+        cache.put(key, k, v)
+        cache.attach(seq, key)
+        ks.append(k)
+        vs.append(v)
+        keys.append(key)
+    cache.flush()
+    on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
+    assert {key.modality for key in on_disk} == {"text", "vision"}
+    return seq, ks, vs, keys, on_disk
+
+
 def test_disk_groups_are_read_one_layer_per_call(tmp_path):
     """Attention over one layer reads only that layer's bytes of each disk-resident page (1/L
     of the group), verified, and equals the float64 oracle for every layer."""
     cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
-        seq = cache.create_sequence()
-        ks, vs, keys = [], [], []
-        for i in range(6):
-            kind, n = ("vision", 50) if i % 2 else ("text", 30)
-            k, v = kv(n)
-            key = cache.content_key(kind, f"l{i}".encode())
-            cache.put(key, k, v)
-            cache.attach(seq, key)
-            ks.append(k)
-            vs.append(v)
-            keys.append(key)
-        cache.flush()
+        seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 6, every=2)
+        assert len(on_disk) >= 4
         disk = cache.lower.disk
-        on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
-        assert len(on_disk) >= 4 and {key.modality for key in on_disk} == {"text", "vision"}
         page_bytes = sum(disk.info(key).num_pages * cfg.spec(key.modality).page_bytes
                          for key in on_disk)
         file_bytes = sum(disk.info(key).nbytes for key in on_disk)
@@ -155,20 +163,8 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
     monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)    # bytes read: one of 2 layers
     cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
-        seq = cache.create_sequence()
-        ks, vs, keys = [], [], []
-        for i in range(9):
-            kind, n = ("vision", 50) if i % 3 else ("text", 30)
-            k, v = kv(n)
-            key = cache.content_key(kind, f"s{i}".encode())
-            cache.put(key, k, v)
-            cache.attach(seq, key)
-            ks.append(k)
-            vs.append(v)
-            keys.append(key)
-        cache.flush()
-        on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
-        assert len(on_disk) >= 6 and {key.modality for key in on_disk} == {"text", "vision"}
+        seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 9, every=3)
+        assert len(on_disk) >= 6
         batches = cache.lower.stream(cache.sequence(seq).segments, 0).batches
         assert len(batches) >= 4
         for _, fut in batches:
