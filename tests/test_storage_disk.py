@@ -368,7 +368,7 @@ def test_lean_read_notices_any_changed_byte(tmp_path):
 
 
 def test_warm_restart_reads_fully_once_then_lean(tmp_path, monkeypatch):
-    from mmtier.storage import arrow_files
+    from mmtier.storage import disk_reads
 
     disk = tier(tmp_path, chunk_bytes=2 * TEXT.page_bytes)        # 3 files for 5 pages
     pages = rand_pages(TEXT, 5, seed=22)
@@ -384,7 +384,7 @@ def test_warm_restart_reads_fully_once_then_lean(tmp_path, monkeypatch):
     def no_full_read(*a, **kw):
         raise AssertionError("the full read ran again")
 
-    monkeypatch.setattr(arrow_files, "read_file", no_full_read)
+    monkeypatch.setattr(disk_reads, "read_file", no_full_read)
     out = torch.full_like(pages, float("nan"))
     assert again.get(k, TEXT, MODEL, out=out) is out and same_bytes(out, pages)
     _flip(tmp_path / learned.files[2], 3)                         # the lean read checks too

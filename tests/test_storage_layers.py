@@ -152,7 +152,7 @@ def test_frame_damage_is_found_by_the_next_whole_read(tmp_path):
 
 
 def test_warm_restart_falls_back_to_one_full_read_then_lean(tmp_path, monkeypatch):
-    from mmtier.storage import arrow_files
+    from mmtier.storage import disk_reads
 
     text, _, _ = specs(3)
     disk = tier(tmp_path, chunk_bytes=2 * text.page_bytes)       # 3 files for 5 pages
@@ -171,7 +171,7 @@ def test_warm_restart_falls_back_to_one_full_read_then_lean(tmp_path, monkeypatc
     def no_full_read(*a, **kw):
         raise AssertionError("the full read ran again")
 
-    monkeypatch.setattr(arrow_files, "read_file", no_full_read)
+    monkeypatch.setattr(disk_reads, "read_file", no_full_read)
     assert same_bytes(again.get_layer(k, text, MODEL, 0), pages[:, 0:1])
     assert again.stats()["read_bytes"] == sum(e.size for e in written) + 5 * text.layer_bytes
     path, at = byte_of(again, k, 3, 0, text, 1)
