@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Kernel checks for a GPU machine (plain `python`: 3.12, torch, triton; no Ray, no venv).
 #   1. the Triton kernel tests, compiled on CUDA (TRITON_INTERPRET unset; the tests pick CUDA);
-#   2. `python -m benchmarks.kernels --device cuda` (paged vs contiguous SDPA, bandwidth).
+#   2. `python -m benchmarks.kernels --device cuda` (paged vs contiguous SDPA, bandwidth);
+#   3. when .gpu-wheels/ came along (benchmarks/gpu_wheels.sh, sent with `carry`): the cache's
+#      missing dependencies unpacked into a scratch directory, then `python -m
+#      benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS` (one
+#      layer of a real model's shape per decode step, across GPU, host and NVMe).
 # Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt (+ tests.xml with
-# pytest), bench.txt, kernels.json, status.txt. Exit status: non-zero if either step failed.
-# BENCH_ARGS adds benchmark flags (e.g. BENCH_ARGS=--quick); TEST_TIMEOUT / BENCH_TIMEOUT in s.
+# pytest), bench.txt, kernels.json, long_context.txt/.json, status.txt. Exit status: non-zero if
+# a step that ran failed. BENCH_ARGS adds kernel benchmark flags (e.g. BENCH_ARGS=--quick);
+# TEST_TIMEOUT / BENCH_TIMEOUT / LC_TIMEOUT in s; LC_PRESET (llama-3-8b), LC_TOKENS (2000000).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -158,5 +163,30 @@ timeout "$BENCH_TIMEOUT" "$PY" -m benchmarks.kernels --device cuda ${BENCH_ARGS:
 rc_bench=${PIPESTATUS[0]}
 cp -f benchmarks/results/kernels.json "$OUT/kernels.json" 2>/dev/null || true
 
-echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench" | tee "$OUT/status.txt"
-[[ $rc_tests == 0 && $rc_bench == 0 ]]
+# 3. the long-context benchmark on CUDA, when the cache's wheels were sent along
+rc_lc=0
+if [[ -d .gpu-wheels ]]; then
+    DEPS=$(mktemp -d)
+    # a wheel is a zip of what goes on the path: extracting needs no pip and no network
+    if "$PY" -c "import glob, sys, zipfile
+for w in sorted(glob.glob('.gpu-wheels/*.whl')):
+    zipfile.ZipFile(w).extractall(sys.argv[1])
+import importlib; sys.path.insert(0, sys.argv[1])
+for m in ('pydantic', 'xxhash', 'yaml', 'tqdm', 'click'):
+    importlib.import_module(m)" "$DEPS" >"$OUT/long_context.txt" 2>&1; then
+        timeout "${LC_TIMEOUT:-420}" env PYTHONPATH="$DEPS:$ROOT" "$PY" -m benchmarks.long_context \
+            --device cuda --preset "${LC_PRESET:-llama-3-8b}" --tokens "${LC_TOKENS:-2000000}" 2>&1 \
+            | tee -a "$OUT/long_context.txt"
+        rc_lc=${PIPESTATUS[0]}
+        cp -f benchmarks/results/long_context.json "$OUT/long_context.json" 2>/dev/null || true
+    else
+        rc_lc=1
+        echo "unpacking the cache's wheels failed (see long_context.txt)"
+    fi
+else
+    echo "no .gpu-wheels/: long-context step skipped (run benchmarks/gpu_wheels.sh and carry it)" \
+        | tee "$OUT/long_context.txt"
+fi
+
+echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc" | tee "$OUT/status.txt"
+[[ $rc_tests == 0 && $rc_bench == 0 && $rc_lc == 0 ]]
