@@ -413,6 +413,10 @@ class LowerTiers:
             for k in ("corrupt_reads", "quarantined", "quarantined_at_start", "tmp_removed_at_start",
                       "full_errors", "floor_refusals", "io_errors"):
                 out[f"disk_{k}"] = int(d.get(k, 0))
+            out["disk_read_bytes"] = int(d.get("read_bytes", 0))
+        out["stream_buffers_reused"] = self.staging.reused
+        out["stream_buffers_allocated"] = self.staging.allocated
+        out["stream_buffer_bytes_pooled"] = self.staging.pooled_bytes
         return out
 
     def close(self) -> None:
@@ -423,3 +427,4 @@ class LowerTiers:
             self.host.close()
         if self.disk is not None:
             self.disk.close()
+        self.staging.clear()

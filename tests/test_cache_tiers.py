@@ -345,6 +345,9 @@ def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch):
         for _ in range(3):
             assert torch.equal(cache.attention(seq, 0, q), first)
         assert staging.allocated == allocated and staging.reused >= 3 and not staging._out
+        counters = cache.stats().counters
+        assert counters["stream_buffers_reused"] == staging.reused > 0
+        assert counters["stream_buffer_bytes_pooled"] > 0 and counters["disk_read_bytes"] > 0
 
         def device_part_fails(*a, **kw):
             raise RuntimeError("injected: the device part failed while the disk reads ran")
