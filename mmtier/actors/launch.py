@@ -257,22 +257,26 @@ class ContentRegistryActor:
         return "ok"
 
 
+def _registry(settings: ClusterSettings):
+    """The registry actor, or ``None`` when it is not up (the callers' messages are hints)."""
+    try:
+        return ray.get_actor(settings.registry_name, namespace=settings.namespace)
+    except ValueError:
+        return None
+
+
 def _announce(settings: ClusterSettings, info: dict, inventory: list[dict]) -> None:
     """Tell the registry this holder (re)started with this inventory; fire and forget."""
-    try:
-        reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
-    except ValueError:
-        return
-    reg.sync_holder.remote(info, inventory)
+    reg = _registry(settings)
+    if reg is not None:
+        reg.sync_holder.remote(info, inventory)
 
 
 def _report_lost(settings: ClusterSettings, holder: str, digests: list[str]) -> None:
     """Tell the registry ``holder`` lost these groups (a corrupt disk copy); fire and forget."""
-    try:
-        reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
-    except ValueError:
-        return
-    reg.remove.remote(holder, digests)
+    reg = _registry(settings)
+    if reg is not None:
+        reg.remove.remote(holder, digests)
 
 
 def _sanitize(name: str) -> str:
