@@ -1,24 +1,31 @@
 """``TieredKVCache``: the in-process cache. Composes pools, groups, tables, keys and policy.
 
 Every public method validates its input completely before it changes anything, so a call that
-raises leaves the cache exactly as it was. One re-entrant lock guards the bookkeeping.
+raises leaves the cache exactly as it was. One lock (``OwnerLock``) guards the bookkeeping only:
+attention is planned under it (segments chosen, groups pinned, operands captured), computed
+without it, and unpinned under it again; a call that must wait for a copy (a spill that makes
+room, a restore from disk) marks the groups it works on and lets go of the lock for the wait.
+The cache composes the lower tiers (``residency``) and the attention plans, which know it only
+through what it passes them (``GroupOwner``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from contextlib import nullcontext
+from concurrent.futures import Future
 
 import torch
 
+from .attention_plan import AttentionPlan
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_scope
 from .errors import (
     CapacityError,
     ClosedError,
+    CorruptDataError,
     DTypeError,
     ForeignKeyError,
     ShapeError,
@@ -27,8 +34,8 @@ from .errors import (
 )
 from .eviction import make_policy
 from .groups import ModalityGroup, Tier
-from .kernels import merge_attention_states, paged_attention
 from .leases import Lease, LeaseTable
+from .locking import OwnerLock
 from .payload import (
     check_kv,
     check_payload,
@@ -38,11 +45,12 @@ from .payload import (
     write_slots,
 )
 from .pool import DeviceArena, PagePool
-from .residency import LowerTiers
+from .residency import WAIT_S, LowerTiers, StagedCopy
 from .stats import CacheStats, Counters, TierUsage
 from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 DEFAULT_TENANT = "default"
+ROOM_ROUNDS = 8      # attempts to make room when other threads take it while a spill is awaited
 
 
 class TieredKVCache:
@@ -55,15 +63,17 @@ class TieredKVCache:
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
         self.policy = make_policy(cfg)
         self.counters = Counters()
-        self._lock = threading.RLock()
+        self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}
         self._seqs: dict[int, SequenceTable] = {}
         self._gids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._closed = False
         self.leases = LeaseTable(ttl=30.0, clock=self.policy.clock)
-        self.lower = LowerTiers(self)
-        self.lower.adopt_disk_inventory()
+        self.lower = LowerTiers(cfg, self.keys, self.counters, self.policy, owner=self)
+        for group in self.lower.adopt_disk_inventory(self._groups, lambda: next(self._gids)):
+            self._groups[group.key] = group
+            self.policy.on_insert(group)
 
     # ------------------------------------------------------------------ keys and tenants
     def _salt(self, tenant: str | None) -> bytes:
@@ -143,18 +153,21 @@ class TieredKVCache:
         if tokens is not None and len(tokens) != n:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
         identity = token_identity(modality, k, v, tokens)
+        pool = self.pools[modality]
         with self._lock:
             self.lower.apply_completions()
-            table = self._table(seq)
-            tail = table.tail
-            extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
-                and tail.group.tier == Tier.DEVICE
-            pool = self.pools[modality]
-            have = tail.group.num_tokens if extend else 0
-            slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
-            new_pages = spec.pages_for(max(0, n - slack))
-            protect = [tail.group] if extend else []
-            pages = self._allocate(pool, new_pages, protect)
+            for rounds in itertools.count(1):   # making room may let go of the lock: plan again
+                table = self._table(seq)
+                tail = table.tail
+                extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
+                    and tail.group.tier == Tier.DEVICE
+                have = tail.group.num_tokens if extend else 0
+                slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
+                new_pages = spec.pages_for(max(0, n - slack))
+                if new_pages <= pool.num_free or rounds > ROOM_ROUNDS:
+                    break
+                self._make_room(pool, new_pages - pool.num_free, [tail.group] if extend else [])
+            pages = pool.allocate(new_pages)
             if extend:
                 group = tail.group
                 all_pages = group.pages + pages
@@ -210,6 +223,9 @@ class TieredKVCache:
                 return False
             pool = self.pools[key.modality]
             pages = self._allocate(pool, spec.pages_for(n), [])
+            if key in self._groups:          # put by another thread while room was made
+                pool.free(pages)
+                return False
             write(pool, pages)
             self._insert_group(key, spec, n, pages)
             return True
@@ -223,13 +239,9 @@ class TieredKVCache:
             group.hits += 1
             self.counters.add("embedding_reads", key.modality)
             self.policy.on_access(group)
-            if self._ensure_device(group):
-                pool = self.pools[key.modality]
-                pages = pool.view[torch.tensor(group.pages, device=pool.device)]
-            elif group.tier == Tier.HOST:
-                pages = group.location.gather()
-            else:
-                pages = self.lower._read_disk(group)
+            self._promote(group)                 # may let go of the lock while it waits
+            group = self._require(key)
+            pages = self._read_pages(group)
             return pages.reshape(-1, spec.width)[: group.num_tokens].clone()
 
     def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
@@ -239,11 +251,12 @@ class TieredKVCache:
         del spec
         with self._lock:
             self.lower.apply_completions()
-            table = self._table(seq)
+            self._table(seq)
             if key.scope != tenant_scope(self._salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+            self._promote(self._require(key))    # may let go of the lock while it waits
+            table = self._table(seq)             # so the sequence and the group are looked up again
             group = self._require(key)
-            self._ensure_device(group)
             shared = group.refs > 0 or group.hits > 0
             table.add(group, b"group:" + key.digest)
             group.refs += 1
@@ -263,7 +276,7 @@ class TieredKVCache:
                 group.refs -= 1
                 if group.key is None:
                     if group.refs == 0:
-                        self._free_group(group)
+                        self._free_group(group)      # its storage goes once no reader pins it
                 elif group.refs == 0:
                     self.policy.on_release(group)
             del self._seqs[seq.id]
@@ -317,7 +330,8 @@ class TieredKVCache:
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
                 q_pos = q_positions.to(torch.int32).cpu()
-            return self._attend_checked(segments, layer, q, q_pos, causal, scale)
+            plan = self._plan(segments, layer, q)
+        return self._run(plan, q, q_pos, causal, scale)
 
     def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
                               layer: int, q: torch.Tensor, q_positions: torch.Tensor, *,
@@ -340,7 +354,8 @@ class TieredKVCache:
                         raise ShapeError(f"sequence {seq.id}: the segment at {s.start} is in two parts")
                     seen.add((seq.id, s.start))
                     segments.append(Segment(s.group, s.start + int(offset)))
-            return self._attend_checked(segments, layer, q, q_positions.to(torch.int32).cpu(), causal, scale)
+            plan = self._plan(segments, layer, q)
+        return self._run(plan, q, q_positions.to(torch.int32).cpu(), causal, scale)
 
     def _check_q(self, q) -> None:
         self._open()
@@ -362,8 +377,9 @@ class TieredKVCache:
             raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
         return [s for s in table.segments if s.group.key in wanted]
 
-    def _attend_checked(self, segments, layer, q, q_pos, causal, scale):
-        """Check the segments fit ``q`` and ``layer``, pin them, attend (lock held)."""
+    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor) -> AttentionPlan:
+        """Check the segments fit ``q`` and ``layer``, pin their groups and capture what the
+        computation reads (lock held; ``_run`` computes it without the lock)."""
         for s in segments:
             spec = s.group.spec
             if spec.kind != "kv":
@@ -379,47 +395,44 @@ class TieredKVCache:
         for s in segments:
             s.group.pins += 1
             self.policy.on_access(s.group)
-        try:
-            return self._attend(segments, layer, q, q_pos, causal, scale)
-        finally:
-            for s in segments:
-                s.group.pins -= 1
-
-    def _attend(self, segments, layer, q, q_pos, causal, scale):
-        """Device-resident segments on the device backend; lower tiers where they live."""
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
-        stream = self.lower.stream(segments, layer) if self.lower.enabled else None   # disk reads first:
-        try:                                                          # they overlap the device part
-            states = self._attend_tiers(segments, device_segs, layer, q, q_pos, causal, scale, stream)
+        host_segs = [s for s in segments if s.group.tier == Tier.HOST]
+        disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
+        plan = AttentionPlan(segments, None, self.arena.device, disk_segments=disk_segs)
+        try:
+            plan.stream = self.lower.stream(disk_segs, layer)   # disk reads first:
+            if device_segs or not segments:                                       # they overlap the rest
+                plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+            if host_segs:
+                plan.host_ops, plan.held = self.lower.plan_host(host_segs, layer)
+        except BaseException:
+            self._unpin(plan)
+            raise
+        return plan
+
+    def _run(self, plan: AttentionPlan, q, q_pos, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """Compute a plan without the lock, then unpin it under the lock."""
+        try:
+            return plan.run(q, q_pos, causal=causal, scale=scale, backend=self._backend())
         finally:
-            if stream is not None:
-                stream.close()
-        if len(states) == 1:
-            out, lse = states[0]
-        else:
-            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
-                                              backend="torch", out_dtype=torch.float32)
-        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+            with self._lock:
+                self._unpin(plan)
 
-    def _attend_tiers(self, segments, device_segs, layer, q, q_pos, causal, scale, stream):
-        states = []
-        if device_segs or not segments:
-            ops = compile_segments(device_segs, layer, self._device_view)
-            dev = self.arena.device
-            qd = q.to(dev)
-            sharing = stream.sharing_cores() if stream is not None and dev.type == "cpu" else nullcontext()
-            with sharing:
-                states.append(paged_attention(
-                    qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
-                    causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
-        states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, stream))
-        return states
-
-    def _attend_lower(self, segments, layer, q, q_pos, causal, scale, stream=None):
-        """Partial states of host- and disk-resident segments, computed where they live."""
-        if not self.lower.enabled:
-            return []
-        return self.lower.lower_states(segments, layer, q, q_pos, causal, scale, stream)
+    def _unpin(self, plan: AttentionPlan) -> None:
+        """Release what a plan holds (lock held): pins, host entries, stream buffers; groups a
+        stream found corrupt become misses; groups freed while pinned release their storage."""
+        plan.close(self.lower.release_held)
+        for g in plan.failed:
+            self.counters.add("corrupt_reads", g.modality)
+            self._forget_corrupt(g)
+        for g in plan.groups:
+            g.pins -= 1
+        for g in dict.fromkeys(plan.groups):
+            if g.pins == 0 and g.freed:
+                self._settle(g)
+        if plan.lower:
+            self.counters.add("lower_tier_attentions")
+        self.lower.apply_completions()
 
     def _device_view(self, group: ModalityGroup):
         pool = self.pools[group.modality]
@@ -430,8 +443,11 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ room and residency
     def _allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
-        """``n`` pages of ``pool``, demoting whole unreferenced groups first if needed."""
-        if n > pool.num_free:
+        """``n`` pages of ``pool``, demoting whole groups first if needed (``_make_room`` may let
+        go of the lock while it waits: what the caller looked up may have changed)."""
+        for _ in range(ROOM_ROUNDS):
+            if n <= pool.num_free:
+                break
             self._make_room(pool, n - pool.num_free, protect)
         return pool.allocate(n)
 
@@ -440,7 +456,49 @@ class TieredKVCache:
         """Free ``pages_needed`` pages of ``pool`` by moving whole groups down (or dropping them
         at the bottom). Unreferenced groups go first, in the policy's order; with lower tiers,
         referenced groups not in use may be demoted too (attention serves them where they are).
-        ``CapacityError``, before anything moves, when not enough can go."""
+
+        All or nothing: ``CapacityError`` before anything moves when not enough can go, and
+        when a lower tier refuses one of the chosen groups, the copies already made are undone.
+        The copies are made first (the groups marked ``busy``; a spill is awaited with the lock
+        let go), then committed together; a group pinned or freed meanwhile keeps its pages
+        (the caller sees fewer free pages and tries again)."""
+        chosen = self._victims(pool, pages_needed, protect, referenced)
+        for g in chosen:
+            g.busy += 1
+        staged: list[tuple[ModalityGroup, StagedCopy | None]] = []
+        refused = None
+        try:
+            for g in chosen:
+                copy = self.lower.stage_demotion(g, pool) if self.lower.enabled and not g.freed else None
+                if copy is None and g.refs > 0 and not g.freed:
+                    refused = g
+                    break
+                staged.append((g, copy))
+        except BaseException:
+            for _, copy in staged:
+                if copy is not None:
+                    self.lower.undo_demotion(copy)
+            raise
+        finally:
+            for g in chosen:
+                g.busy -= 1
+        if refused is not None:
+            for _, copy in staged:
+                if copy is not None:
+                    self.lower.undo_demotion(copy)
+            raise CapacityError(f"{refused!r} is in use and no lower tier could take it")
+        for g, copy in staged:
+            if g.freed or g.pins > 0 or g.tier != Tier.DEVICE or (copy is None and g.refs > 0):
+                if copy is not None:                      # changed while a spill was awaited
+                    self.lower.undo_demotion(copy)
+            elif copy is None:
+                self._drop(g)
+            else:
+                self.lower.commit_demotion(g, copy, pool)
+
+    def _victims(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
+                 referenced: bool) -> list[ModalityGroup]:
+        """The device groups to move for ``pages_needed`` pages, or ``CapacityError``."""
         spec = pool.spec
         chosen, got = [], 0
         for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes, spec.name):
@@ -464,30 +522,46 @@ class TieredKVCache:
             raise CapacityError(
                 f"{spec.name} pool: {pages_needed} more pages needed, {pool.num_free} free of {pool.num_pages} "
                 f"and only {got} pages held by groups that can move (no lower tier could take more)")
-        for g in chosen:
-            self._demote(g)
-
-    def _demote(self, group: ModalityGroup) -> None:
-        """Move a whole device group one tier down; without a lower tier, drop it."""
-        if self.lower.enabled and self.lower.demote_from_device(group):
-            return
-        if group.refs > 0:
-            raise CapacityError(f"{group!r} is in use and no lower tier could take it")
-        self._drop(group)
+        return chosen
 
     def _drop(self, group: ModalityGroup) -> None:
         self.counters.add("evictions", group.modality)
         self._free_group(group)
 
     def _free_group(self, group: ModalityGroup) -> None:
+        """The group leaves the cache now; its pages and copies go once no reader pins it."""
+        if group.key is not None and self._groups.get(group.key) is group:
+            del self._groups[group.key]
+        if group.freed:
+            return
+        group.freed = True
+        self.policy.on_remove(group)
+        self._settle(group)
+
+    def _settle(self, group: ModalityGroup) -> None:
+        """Release the storage of a freed group once nothing pins it (lock held; called once:
+        at the free, or at the unpin that dropped the last pin)."""
+        if not group.freed or group.pins > 0:
+            return
         if group.tier == Tier.DEVICE and group.pages:
             self.pools[group.modality].free(group.pages)
             group.pages = []
         if self.lower.enabled:
             self.lower.forget(group)
-        if group.key is not None and self._groups.get(group.key) is group:
-            del self._groups[group.key]
-        self.policy.on_remove(group)
+
+    # ------------------------------------------------------------------ GroupOwner (for residency)
+    def drop(self, group: ModalityGroup) -> None:
+        self._drop(group)
+
+    def forget_corrupt(self, group: ModalityGroup) -> None:
+        self._forget_corrupt(group)
+
+    def wait(self, fut: Future) -> object:
+        try:
+            with self._lock.unlocked():
+                return fut.result(timeout=WAIT_S)
+        finally:
+            self.lower.apply_completions()
 
     # ------------------------------------------------------------------ leases and export
     def lease(self, key: ContentKey, ttl: float = 30.0) -> Lease:
@@ -513,13 +587,7 @@ class TieredKVCache:
             group = self._require(key)
             if lease is not None:
                 self.leases.check(lease)
-            if group.tier == Tier.DEVICE:
-                pool = self.pools[key.modality]
-                pages = pool.view[torch.tensor(group.pages, device=pool.device)].cpu()
-            elif group.tier == Tier.HOST:
-                pages = group.location.gather()
-            else:
-                pages = self.lower._read_disk(group)
+            pages = self._read_pages(group).cpu()      # a disk read lets go of the lock
             if lease is not None:
                 self.leases.check(lease)
             group.hits += 1
@@ -543,10 +611,16 @@ class TieredKVCache:
         group.location = None
 
     def flush(self) -> None:
-        """Wait for the copies in flight (background spills, prefetches) and apply them."""
+        """Wait for the copies in flight (background spills, prefetches) and apply them; the
+        wait is outside the lock, bounded in time."""
+        if not self.lower.enabled:
+            return
         with self._lock:
-            if self.lower.enabled:
-                self.lower.flush()
+            pending = self.lower.pending()
+        if pending:
+            concurrent.futures.wait(pending, timeout=WAIT_S)
+        with self._lock:
+            self.lower.apply_completions()
 
     def prefetch(self, key: ContentKey) -> bool:
         """Start bringing a disk-resident group up to host memory; ``True`` if a copy started."""
@@ -556,12 +630,70 @@ class TieredKVCache:
             group = self._require(key)
             return self.lower.prefetch(group) is not None
 
-    def _ensure_device(self, group: ModalityGroup) -> bool:
+    def _promote(self, group: ModalityGroup) -> bool:
         """Bring a lower-tier group to the device when room can be made without demoting
-        groups in use; ``False`` when it stays below (attention serves it there)."""
+        referenced groups; ``False`` when it stays below (attention serves it there). A group
+        that a reader pins or a copy is in flight for stays where it is. The device pages are
+        taken first, then a disk copy is read with the lock let go (the group pinned), so the
+        caller looks the group up again afterwards."""
         if group.tier == Tier.DEVICE:
             return True
-        return self.lower.promote(group)
+        if not self.lower.enabled or group.pins or group.busy or group.freed:
+            return False
+        pool = self.pools[group.modality]
+        need = group.num_pages
+        if need > pool.num_free:
+            group.pins += 1        # making room below must never choose the group itself
+            try:
+                self._make_room(pool, need - pool.num_free, [group], referenced=False)
+            except CapacityError:
+                return False
+            finally:
+                group.pins -= 1
+                self._settle(group)
+            if need > pool.num_free or group.pins or group.busy or group.freed or group.tier == Tier.DEVICE:
+                return False
+        pages = pool.allocate(need)
+        src = None
+        try:
+            if group.tier == Tier.DISK:
+                src = self._read_pinned(group)
+                if group.pins or group.busy or group.freed or group.tier != Tier.DISK:
+                    raise _Moved()         # changed while it was read: it stays where it is now
+        except (_Moved, CorruptDataError):
+            pool.free(pages)
+            return False
+        except BaseException:
+            pool.free(pages)
+            raise
+        self.lower.promote_into(group, pool, pages, src)
+        return True
+
+    def _read_pages(self, group: ModalityGroup) -> torch.Tensor:
+        """A copy of the group's pages ``[n, *page_shape]`` from whichever tier holds it (a
+        disk read lets go of the lock)."""
+        if group.tier == Tier.DEVICE:
+            pool = self.pools[group.modality]
+            return pool.view[torch.tensor(group.pages, device=pool.device)]
+        if group.tier == Tier.HOST:
+            return group.location.gather()
+        return self._read_pinned(group)
+
+    def _read_pinned(self, group: ModalityGroup) -> torch.Tensor:
+        """The disk group's verified pages, read with the lock let go and the group pinned
+        (so nothing removes its file meanwhile); ``CorruptDataError`` (the group dropped) when
+        the copy is missing or fails verification."""
+        group.pins += 1
+        try:
+            pages = self.wait(self.lower.read_disk_async(group))
+        finally:
+            group.pins -= 1
+            self._settle(group)
+        if pages is None:
+            self.counters.add("corrupt_reads", group.modality)
+            self._forget_corrupt(group)
+            raise CorruptDataError(f"{group!r}: stored copy missing or failed verification (a miss)")
+        return pages
 
     # ------------------------------------------------------------------ I/O helpers
     def _check_kv(self, spec: ModalitySpec, k, v) -> int:
@@ -597,7 +729,10 @@ class TieredKVCache:
                               by_modality=by_modality, sequences=len(self._seqs))
 
     def _lower_stats(self) -> dict[str, dict[str, TierUsage]]:
-        return self.lower.stats() if self.lower.enabled else {}
+        if not self.lower.enabled:
+            return {}
+        return self.lower.stats(list(self._groups.values())
+                                + [s.group for t in self._seqs.values() for s in t.segments])
 
     def _open(self) -> None:
         if self._closed:
@@ -616,3 +751,7 @@ class TieredKVCache:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Moved(Exception):
+    """A group changed tier while the lock was let go (internal to ``_promote``)."""

@@ -38,6 +38,8 @@ class ModalityGroup:
     last_access: float = field(default_factory=time.monotonic)
     hits: int = 0
     busy: int = 0                                    # copies in flight from or to its pages
+    freed: bool = False                              # gone from the cache; its storage goes
+                                                     # when the last pin is dropped
 
     @property
     def modality(self) -> str:

@@ -1,11 +1,23 @@
 """Where a group lives: demotion (device -> host -> disk -> drop), promotion, lower-tier attention.
 
-``LowerTiers`` composes the host tier, the disk tier and the mover for one ``TieredKVCache``
-and is called with the cache's lock held. Whole groups move; none is ever split across tiers.
+``LowerTiers`` composes the host tier, the disk tier and the mover for the cache that owns the
+groups and is called with that owner's lock held. It knows the owner only through
+``GroupOwner`` (dropping and forgetting groups, waiting for a copy with the lock let go), and
+takes the keys, counters and policy as arguments. Whole groups move; none is ever split across
+tiers.
 
 Copies and the locks: the mover's done-callbacks never take the cache lock (they run on the
 mover's thread, which the cache may be waiting on); they only queue a completion, and the cache
-applies completions at the start of its next call (and while it waits for a copy).
+applies completions at the start of its next call (and after it waits for a copy). A copy's
+effect on the group (its tier, which copy is its own, removing the copy it leaves) happens only
+there, under the lock: the mover never removes a copy the cache may still count on.
+
+- Demotion is staged (``stage_demotion``): the copy is made while the group keeps its device
+  pages and tier; ``commit_demotion`` then frees the pages and moves the group, or
+  ``undo_demotion`` removes the copy, so a demotion either completes or changes nothing.
+- A group with a copy in flight (``busy``) or read by an attention call (``pins``) is never
+  promoted, demoted or freed under its reader; a spill that lands while its group is pinned
+  is dropped and the group stays on the host.
 
 - Device -> host: a copy into host slab slots (on CUDA, on the host tier's side stream; the
   device pages are freed only after the copy's event completed).
@@ -23,37 +35,62 @@ applies completions at the start of its next call (and while it waits for a copy
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
 import os
 import threading
+from collections.abc import Callable, Container, Iterable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from .content import ContentKey
+from .config import CacheConfig
+from .content import ContentKey, KeyMaker
 from .errors import CapacityError, CorruptDataError, MMTierError
+from .eviction import EvictionPolicy
 from .groups import ModalityGroup, Tier
-from .kernels import paged_attention
-from .stats import TierUsage
+from .kernels.layout import PagedKV
+from .pool import PagePool
+from .stats import Counters, TierUsage
 from .storage import DiskTier, HostTier, Mover
+from .storage.host import HostEntry
 from .storage.staging import StagingPool
 from .streaming import DiskStream
-from .table import compile_segments
-
-if TYPE_CHECKING:
-    from .cache import TieredKVCache
+from .table import Segment, compile_segments
 
 WAIT_S = 120.0
 HIGH_WATER = 0.9
 LOW_WATER = 0.75
 
 
+class GroupOwner(Protocol):
+    """What the lower tiers ask of the cache that owns the groups (called with its lock held)."""
+
+    def drop(self, group: ModalityGroup) -> None:
+        """Evict a group at the cascade's end (it leaves the cache)."""
+
+    def forget_corrupt(self, group: ModalityGroup) -> None:
+        """A stored copy of the group failed verification: it is a miss from now on."""
+
+    def wait(self, fut: Future) -> object:
+        """The copy's result, waited for with the owner's lock let go (bounded in time); the
+        completions that landed meanwhile are applied before it returns or raises."""
+
+
+@dataclass(frozen=True)
+class StagedCopy:
+    """A demotion's copy, made while the group still lives on the device."""
+
+    key: ContentKey
+    tier: Tier
+    location: object
+
+
 class LowerTiers:
-    def __init__(self, cache: TieredKVCache):
-        cfg = cache.cfg
-        self.cache = cache
+    def __init__(self, cfg: CacheConfig, keys: KeyMaker, counters: Counters, policy: EvictionPolicy,
+                 owner: GroupOwner):
+        self.cfg, self.keys, self.counters, self.policy, self.owner = cfg, keys, counters, policy, owner
         self.host = HostTier(cfg.host_bytes) if cfg.host_bytes > 0 else None
         self.disk = None
         if cfg.disk_dir is not None:
@@ -79,55 +116,73 @@ class LowerTiers:
         key = self._private_keys.get(group.gid)
         if key is None:
             digest = hashlib.sha256(b"mmtier/private" + os.urandom(16) + group.gid.to_bytes(8, "big")).digest()
-            key = self.cache.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=b"private")
+            key = self.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=b"private")
             self._private_keys[group.gid] = key
         return key
 
     # ------------------------------------------------------------------ warm restart
-    def adopt_disk_inventory(self) -> None:
-        """Index every verified group found on disk (a new cache over the same ``disk_dir``)."""
+    def adopt_disk_inventory(self, known: Container[ContentKey], new_gid: Callable[[], int]
+                             ) -> list[ModalityGroup]:
+        """The verified groups found on disk and not in ``known`` (a new cache over the same
+        ``disk_dir``), as disk-resident groups for the owner to index."""
         if self.disk is None:
-            return
-        cache = self.cache
+            return []
+        found: dict[ContentKey, ModalityGroup] = {}
         for entry in self.disk.inventory():
             key = entry.key
-            spec = cache.cfg.modalities.get(key.modality)
-            if spec is None or not cache.keys.is_authentic(key) or key.sharing not in ("content", "prefix"):
-                cache.counters.add("foreign_files")
+            spec = self.cfg.modalities.get(key.modality)
+            if spec is None or not self.keys.is_authentic(key) or key.sharing not in ("content", "prefix"):
+                self.counters.add("foreign_files")
                 continue
-            if key in cache._groups:
+            if key in known or key in found:
                 continue
-            group = ModalityGroup(next(cache._gids), key, spec, entry.num_tokens, tier=Tier.DISK,
-                                  location=entry)
-            cache._groups[key] = group
-            cache.policy.on_insert(group)
-            cache.counters.add("adopted_from_disk", key.modality)
+            found[key] = ModalityGroup(new_gid(), key, spec, entry.num_tokens, tier=Tier.DISK, location=entry)
+            self.counters.add("adopted_from_disk", key.modality)
+        return list(found.values())
 
     # ------------------------------------------------------------------ completions
     def apply_completions(self) -> None:
         while self._done:
-            kind, group, fut = self._done.popleft()
+            kind, group, key, fut = self._done.popleft()
             self._spilling.pop(group.gid, None)
             group.busy -= 1
             if kind == "spill":
-                self._finish_spill(group, fut)
+                self._finish_spill(group, key, fut)
             elif kind == "prefetch":
-                self.finish_prefetch(group, fut)
+                self._finish_prefetch(group, key, fut)
 
-    def _finish_spill(self, group: ModalityGroup, fut: Future) -> None:
-        cache = self.cache
-        exc = fut.exception()
-        if exc is not None:
-            cache.counters.add("spill_failures", group.modality)
+    def _finish_spill(self, group: ModalityGroup, key: ContentKey, fut: Future) -> None:
+        """A host -> disk spill landed: the group moves to disk and its host copy goes, unless
+        it left the host meanwhile, left the cache, or is read right now (then the file goes)."""
+        if fut.exception() is not None:
+            self.counters.add("spill_failures", group.modality)
             return
         entry = fut.result()
-        if group.tier != Tier.HOST or self._dead(group):
-            if self.disk is not None and (group.key is None or group.key not in cache._groups):
-                self.disk.remove(self.storage_key(group))
+        if group.freed or group.tier != Tier.HOST or group.pins > 0:
+            if self.disk is not None and group.tier != Tier.DISK:
+                self.disk.remove(key)
+            if group.pins > 0 and not group.freed:
+                self.counters.add("spills_undone_for_readers", group.modality)
             return
+        if self.host is not None:
+            self.host.remove(key)
         self._move(group, Tier.DISK, entry)
-        cache.counters.add("spills", group.modality)
-        cache.counters.add("spills_to_disk", group.modality)
+        self.counters.add("spills", group.modality)
+        self.counters.add("spills_to_disk", group.modality)
+
+    def _finish_prefetch(self, group: ModalityGroup, key: ContentKey, fut: Future) -> None:
+        """A disk -> host prefetch landed: the group moves to the host, or, if it is no longer
+        on disk (or no longer cached), the host copy the prefetch made goes again."""
+        if fut.exception() is not None or fut.result() is None:
+            return
+        entry = fut.result()
+        if group.freed or group.tier != Tier.DISK:
+            if group.location is not entry and self.host is not None:
+                self.host.remove(key)
+            return
+        self._move(group, Tier.HOST, entry)
+        self.counters.add("restores", group.modality)
+        self.counters.add("prefetched", group.modality)
 
     def _move(self, group: ModalityGroup, tier: Tier, location: object) -> None:
         old = group.tier
@@ -135,82 +190,77 @@ class LowerTiers:
         group.location = location
         if tier != Tier.DEVICE:
             group.pages = []
-        self.cache.policy.on_move(group, old)
+        self.policy.on_move(group, old)
 
-    def _dead(self, group: ModalityGroup) -> bool:
-        cache = self.cache
-        if group.key is not None:
-            return cache._groups.get(group.key) is not group
-        return group.refs <= 0
-
-    def _queue(self, kind: str, group: ModalityGroup, fut: Future) -> None:
+    def _queue(self, kind: str, group: ModalityGroup, key: ContentKey, fut: Future) -> None:
         group.busy += 1
         self._spilling[group.gid] = fut
-        fut.add_done_callback(lambda f: self._done.append((kind, group, f)))
+        fut.add_done_callback(lambda f: self._done.append((kind, group, key, f)))
 
-    def wait_for(self, fut: Future) -> object:
-        try:
-            return fut.result(timeout=WAIT_S)
-        finally:
-            self.apply_completions()
-
-    # ------------------------------------------------------------------ demotion
-    def demote_from_device(self, group: ModalityGroup) -> bool:
-        """Move a device group down, whole. ``False``: no lower tier could take it (unchanged)."""
-        cache = self.cache
-        pool = cache.pools[group.modality]
+    # ------------------------------------------------------------------ demotion, staged
+    def stage_demotion(self, group: ModalityGroup, pool: PagePool) -> StagedCopy | None:
+        """Copy a device group one tier down, leaving the group as it is (``commit_demotion``
+        moves it, ``undo_demotion`` removes the copy). ``None``: no lower tier could take it.
+        May wait for spills that make room (the owner's lock let go): the caller marks the
+        group ``busy`` and re-checks it afterwards."""
         key = self.storage_key(group)
-        if self.host is not None and self._host_room(group.nbytes):
+        if self.host is not None and self._host_room(group.nbytes) and not group.freed:
             try:
                 entry = self.host.put(key, group.spec, group.num_tokens, pool.view, page_ids=group.pages)
             except CapacityError:
                 entry = None
             if entry is not None:
-                entry.wait()                              # the device pages are read: free them
-                pool.free(group.pages)
-                self._move(group, Tier.HOST, entry)
-                cache.counters.add("spills", group.modality)
-                cache.counters.add("spills_to_host", group.modality)
-                self.maybe_background_spill()
-                return True
-        if self.mover is not None and self._disk_room(group.nbytes):
+                entry.wait()                              # the device pages are read
+                return StagedCopy(key, Tier.HOST, entry)
+        if self.mover is not None and not group.freed and self._disk_room(group.nbytes):
             pages = pool.view[torch.tensor(group.pages, device=pool.device)].cpu()
             try:
-                entry = self.wait_for(self.mover.spill(key, group.spec, group.num_tokens, pages))
-            except (CapacityError, MMTierError, OSError):
-                cache.counters.add("spill_failures", group.modality)
-                return False
-            pool.free(group.pages)
-            self._move(group, Tier.DISK, entry)
-            cache.counters.add("spills", group.modality)
-            cache.counters.add("spills_to_disk", group.modality)
-            return True
-        return False
+                entry = self.owner.wait(self.mover.spill(key, group.spec, group.num_tokens, pages))
+            except (MMTierError, OSError):
+                self.counters.add("spill_failures", group.modality)
+                return None
+            return StagedCopy(key, Tier.DISK, entry)
+        return None
 
-    def _host_room(self, nbytes: int) -> bool:
-        """Make room in the host tier for ``nbytes`` (spilling its unreferenced groups to disk,
-        waiting for those copies); ``False`` when it cannot."""
+    def commit_demotion(self, group: ModalityGroup, staged: StagedCopy, pool: PagePool) -> None:
+        """The staged copy becomes the group's: its device pages are freed (cannot fail)."""
+        pool.free(group.pages)
+        self._move(group, staged.tier, staged.location)
+        self.counters.add("spills", group.modality)
+        self.counters.add("spills_to_host" if staged.tier == Tier.HOST else "spills_to_disk", group.modality)
+        if staged.tier == Tier.HOST:
+            self.maybe_background_spill()
+
+    def undo_demotion(self, staged: StagedCopy) -> None:
+        if staged.tier == Tier.HOST and self.host is not None:
+            self.host.remove(staged.key)
+        elif staged.tier == Tier.DISK and self.disk is not None:
+            self.disk.remove(staged.key)
+
+    def _host_room(self, nbytes: int, *, wait: bool = True) -> bool:
+        """Make room in the host tier for ``nbytes`` by spilling its unreferenced groups to
+        disk (``wait``: for those copies, the owner's lock let go); ``False`` when it cannot."""
         host = self.host
         assert host is not None
         if host.free_bytes >= nbytes:
             return True
         if nbytes > host.capacity_bytes:
             return False
-        victims = self.cache.policy.victims(Tier.HOST, nbytes - host.free_bytes)
+        victims = self.policy.victims(Tier.HOST, nbytes - host.free_bytes)
         futures = []
         for g in victims:
             if self.mover is not None:
                 futures.append(self._spill_host_group(g))
             else:
-                self.cache._drop(g)
-        for fut in futures:
-            if fut is None:
-                continue
-            try:
-                self.wait_for(fut)
-            except (MMTierError, OSError):
-                pass   # counted as a spill failure in the completion; the group stays on host
-        self.apply_completions()
+                self.owner.drop(g)
+        if wait:
+            for fut in futures:
+                if fut is None:
+                    continue
+                try:
+                    self.owner.wait(fut)
+                except (MMTierError, OSError):
+                    pass   # counted as a spill failure in the completion; the group stays on host
         return host.free_bytes >= nbytes
 
     def _disk_room(self, nbytes: int) -> bool:
@@ -220,11 +270,11 @@ class LowerTiers:
             return False
         need = disk.used_bytes + nbytes - disk.capacity_bytes
         if need > 0:
-            victims = self.cache.policy.victims(Tier.DISK, need)
+            victims = self.policy.victims(Tier.DISK, need)
             if sum(g.nbytes for g in victims) < need:
                 return False
             for g in victims:
-                self.cache._drop(g)
+                self.owner.drop(g)
         return True
 
     def _spill_host_group(self, group: ModalityGroup) -> Future | None:
@@ -233,8 +283,8 @@ class LowerTiers:
         if not self._disk_room(group.nbytes):
             return None
         key = self.storage_key(group)
-        fut = self.mover.spill(key, group.spec, group.num_tokens, remove_from_host=True)
-        self._queue("spill", group, fut)
+        fut = self.mover.spill(key, group.spec, group.num_tokens)   # the host copy goes in the completion
+        self._queue("spill", group, key, fut)
         return fut
 
     def maybe_background_spill(self) -> None:
@@ -245,16 +295,12 @@ class LowerTiers:
         if host.used_bytes < HIGH_WATER * host.capacity_bytes:
             return
         excess = host.used_bytes - int(LOW_WATER * host.capacity_bytes)
-        for g in self.cache.policy.victims(Tier.HOST, excess):
+        for g in self.policy.victims(Tier.HOST, excess):
             self._spill_host_group(g)
 
-    def demote_from_host(self, group: ModalityGroup) -> None:
-        """Drop a host group (the policy chose it and no disk tier exists)."""
-        self.host.remove(self.storage_key(group))
-        group.location = None
-
     def forget(self, group: ModalityGroup) -> None:
-        """The group is freed: drop its lower-tier copies (a spill in flight finishes first)."""
+        """The group is freed: drop its lower-tier copies (a spill in flight finishes first and
+        its completion removes the file)."""
         key = self.storage_key(group)
         if group.tier == Tier.HOST and self.host is not None:
             self.host.remove(key)
@@ -264,139 +310,89 @@ class LowerTiers:
         group.location = None
 
     # ------------------------------------------------------------------ promotion
-    def promote(self, group: ModalityGroup) -> bool:
-        """Bring a lower-tier group to the device when room can be made without demoting
-        referenced groups. ``False``: it stays where it is (attention serves it there)."""
-        cache = self.cache
-        pool = cache.pools[group.modality]
-        need = group.num_pages
-        if need > pool.num_free:
-            group.pins += 1        # making room below must never choose the group itself
-            try:
-                cache._make_room(pool, need - pool.num_free, [group], referenced=False)
-            except CapacityError:
-                return False
-            finally:
-                group.pins -= 1
+    def read_disk_async(self, group: ModalityGroup) -> Future:
+        """Start reading the group's verified pages from disk (resolves to them or ``None``)."""
+        assert self.mover is not None
+        return self.mover.fetch(self.storage_key(group), group.spec)
+
+    def promote_into(self, group: ModalityGroup, pool: PagePool, pages: list[int],
+                     src: torch.Tensor | None) -> None:
+        """The group's lower copy (host slots, or ``src`` read from disk) into device ``pages``;
+        the lower copy is removed and the group lives on the device."""
         key = self.storage_key(group)
         if group.tier == Tier.DISK:
-            src = self._read_disk(group)
-            pages = pool.allocate(need)
+            assert src is not None and self.disk is not None
             pool.view[torch.tensor(pages, device=pool.device)] = src.to(pool.device)
             self.disk.remove(key)
         else:
-            pages = pool.allocate(need)
             group.location.copy_to(pool.view, pages)
+            assert self.host is not None
             self.host.remove(key)
         group.pages = pages
         self._move(group, Tier.DEVICE, None)
-        cache.counters.add("restores", group.modality)
-        return True
+        self.counters.add("restores", group.modality)
 
-    def _read_disk(self, group: ModalityGroup) -> torch.Tensor:
-        """The group's verified pages from disk, or ``CorruptDataError`` (group dropped)."""
-        key = self.storage_key(group)
-        pages = self.wait_for(self.mover.fetch(key, group.spec)) if self.mover is not None else None
-        if pages is None:
-            self.cache.counters.add("corrupt_reads", group.modality)
-            self.cache._forget_corrupt(group)
-            raise CorruptDataError(f"{key!r}: stored copy missing or failed verification (a miss)")
-        return pages
-
-    def stream(self, segments, layer: int) -> DiskStream | None:
+    def stream(self, segments: list[Segment], layer: int) -> DiskStream | None:
         """Queue the reads of the disk-resident groups among ``segments`` (in batches; only
         ``layer``'s bytes of each page) so they overlap the device and host parts of an
         attention call over that layer."""
         groups = [s.group for s in segments if s.group.tier == Tier.DISK]
         if not groups or self.mover is None:
             return None
-        return DiskStream(self, groups, layer)
+        return DiskStream(self.mover, self.staging, groups, [self.storage_key(g) for g in groups], layer)
 
     def prefetch(self, group: ModalityGroup) -> Future | None:
-        """Disk -> host in the background (at prefetch priority)."""
-        if group.tier != Tier.DISK or self.mover is None or self.host is None:
+        """Disk -> host in the background (at prefetch priority); never waits for room."""
+        if group.tier != Tier.DISK or group.busy or self.mover is None or self.host is None:
             return None
-        if not self._host_room(group.nbytes):
+        if not self._host_room(group.nbytes, wait=False):
             return None
-        fut = self.mover.prefetch(self.storage_key(group), group.spec)
-        self._queue("prefetch", group, fut)
+        key = self.storage_key(group)
+        fut = self.mover.prefetch(key, group.spec)
+        self._queue("prefetch", group, key, fut)
         return fut
 
-    def flush(self, timeout: float = WAIT_S) -> None:
-        """Wait for every copy this cache started, then apply their completions."""
-        import concurrent.futures
-
-        pending = list(self._spilling.values())
-        if pending:
-            concurrent.futures.wait(pending, timeout=timeout)
-        self.apply_completions()
-
-    def finish_prefetch(self, group: ModalityGroup, fut: Future) -> None:
-        if fut.exception() is not None or fut.result() is None or group.tier != Tier.DISK:
-            return
-        self._move(group, Tier.HOST, fut.result())
-        self.cache.counters.add("restores", group.modality)
-        self.cache.counters.add("prefetched", group.modality)
+    def pending(self) -> list[Future]:
+        """The copies this cache started that have not been applied yet."""
+        return list(self._spilling.values())
 
     # ------------------------------------------------------------------ attention
-    def lower_states(self, segments, layer, q, q_pos, causal, scale, stream: DiskStream | None = None):
-        """Partial ``(out, lse)`` states of the host- and disk-resident segments (CPU path): the
-        host part in place on the slabs, then the disk part batch by batch as reads land."""
-        host_segs = [s for s in segments if s.group.tier == Tier.HOST]
-        disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
-        if not host_segs and not disk_segs:
-            return []
-        if disk_segs and stream is None:
-            with contextlib.closing(self.stream(disk_segs, layer)) as own:
-                return self.lower_states(segments, layer, q, q_pos, causal, scale, own)
-        qc = q.cpu()
-        q_pos = q_pos.cpu()
-        q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-        states = []
-        if disk_segs:     # what has landed while the device part ran, before the host part
-            states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S, wait=False))
-        if host_segs:
-            with stream.sharing_cores() if stream is not None else contextlib.nullcontext():
-                states.append(self._host_state(host_segs, layer, qc, q_indptr, q_pos, causal, scale))
-        if disk_segs:
-            states.extend(stream.states(disk_segs, qc, q_indptr, q_pos, causal, scale, WAIT_S))
-        self.cache.counters.add("lower_tier_attentions")
-        return states
-
-    def _host_state(self, segments, layer, q, q_indptr, q_pos, causal, scale):
-        held = []
+    def plan_host(self, segments: list[Segment], layer: int) -> tuple[list[PagedKV], list[HostEntry]]:
+        """Operands over the host slabs for in-place CPU attention, with every entry held (the
+        caller releases them with ``release_held`` once computed)."""
+        assert self.host is not None
+        held: list[HostEntry] = []
         try:
             for s in segments:
                 entry = self.host.hold(self.storage_key(s.group))
                 if entry is None:
                     raise CorruptDataError(f"{s.group!r}: host copy vanished")
                 held.append(entry)
+            host = self.host
 
             def view_of(group: ModalityGroup):
-                return group.modality, self.host.slab_view(group.spec), list(group.location.slots)
+                return group.modality, host.slab_view(group.spec), list(group.location.slots)
 
-            ops = compile_segments(segments, layer, view_of)
-            return paged_attention(q, q_indptr, q_pos, ops, causal=causal, scale=scale,
-                                   backend="torch", out_dtype=torch.float32)
-        finally:
-            for entry in held:
-                self.host.release(entry)
+            return compile_segments(segments, layer, view_of), held
+        except BaseException:
+            self.release_held(held)
+            raise
+
+    def release_held(self, held: Iterable[HostEntry]) -> None:
+        for entry in held:
+            self.host.release(entry)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ stats and close
-    def stats(self) -> dict[str, dict[str, TierUsage]]:
+    def stats(self, groups: Iterable[ModalityGroup]) -> dict[str, dict[str, TierUsage]]:
+        """Usage of the host and disk tiers by modality over ``groups`` (each counted once)."""
         out: dict[str, dict[str, TierUsage]] = {}
-        cache = self.cache
-        groups = {g.gid: g for g in cache._groups.values()}
-        for t in cache._seqs.values():
-            for s in t.segments:
-                groups[s.group.gid] = s.group
         if self.host is not None:
-            host = {m: TierUsage(capacity_bytes=self.host.capacity_bytes) for m in cache.cfg.modalities}
+            host = {m: TierUsage(capacity_bytes=self.host.capacity_bytes) for m in self.cfg.modalities}
             out["host"] = host
         if self.disk is not None:
-            disk = {m: TierUsage(capacity_bytes=self.disk.capacity_bytes) for m in cache.cfg.modalities}
+            disk = {m: TierUsage(capacity_bytes=self.disk.capacity_bytes) for m in self.cfg.modalities}
             out["disk"] = disk
-        for g in groups.values():
+        for g in {g.gid: g for g in groups}.values():
             tier = {Tier.HOST: "host", Tier.DISK: "disk"}.get(g.tier)
             if tier is None or tier not in out:
                 continue

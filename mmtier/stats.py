@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -33,16 +34,19 @@ class CacheStats:
 
 
 class Counters:
-    """Event counters, overall and per modality."""
+    """Event counters, overall and per modality. Thread-safe (counted outside the cache's lock too)."""
 
     def __init__(self) -> None:
         self.total: Counter[str] = Counter()
         self.modality: dict[str, Counter[str]] = {}
+        self._lock = threading.Lock()
 
     def add(self, name: str, modality: str | None = None, n: int = 1) -> None:
-        self.total[name] += n
-        if modality is not None:
-            self.modality.setdefault(modality, Counter())[name] += n
+        with self._lock:
+            self.total[name] += n
+            if modality is not None:
+                self.modality.setdefault(modality, Counter())[name] += n
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
-        return dict(self.total), {m: dict(c) for m, c in self.modality.items()}
+        with self._lock:
+            return dict(self.total), {m: dict(c) for m, c in self.modality.items()}

@@ -16,35 +16,33 @@ and the cores busy at once:
   (``states(wait=False)``), then the host part;
 - ``states`` then takes the remaining batches in the order they complete and runs the CPU path
   over each as soon as it has landed, so only the last batch's compute follows the last read;
-- while reads are in flight, CPU attention runs on one thread fewer (``sharing_cores``): the
-  reads need a core for their copies and checksums, and torch's OpenMP threads slow down
-  several-fold when a reader preempts one of them (measured: the device part of a 600K-token
-  decode took 0.11-0.24 s beside the reads against 0.03 s alone, on two cores).
+- the stream changes no process-wide setting (torch's thread count is the owner's, set once
+  if at all): several attention calls stream at once from different threads.
 
 Each batch yields one partial ``(out, lse)``; the caller merges all partials exactly by
-log-sum-exp. A group that is missing or fails verification is a miss: every such group is
-dropped (``corrupt_reads``), the rest of the stream is drained, and ``CorruptDataError`` is
-raised (the caller recomputes); a partial answer is never returned.
+log-sum-exp. A group that is missing or fails verification is a miss: the rest of the stream
+is drained, the failed groups are listed in ``failed`` (the cache drops them and counts
+``corrupt_reads`` under its lock) and ``CorruptDataError`` is raised (the caller recomputes);
+a partial answer is never returned. The stream knows nothing of the cache: it gets the mover,
+the staging pool, the groups and their storage keys.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
+from .content import ContentKey
 from .errors import CorruptDataError, MMTierError
 from .groups import ModalityGroup
 from .kernels import paged_attention
+from .storage.mover import Mover
+from .storage.staging import StagingPool
 from .table import Segment, compile_segments
-
-if TYPE_CHECKING:
-    from .residency import LowerTiers
 
 BATCH_BYTES = 8 << 20
 READERS = 2   # batches read at once: more only fight over the GIL and the cores (measured)
@@ -53,14 +51,18 @@ READERS = 2   # batches read at once: more only fight over the GIL and the cores
 class DiskStream:
     """The queued reads of one attention call's (one layer's) disk-resident groups."""
 
-    def __init__(self, lower: LowerTiers, groups: Iterable[ModalityGroup], layer: int,
-                 batch_bytes: int | None = None, readers: int | None = None):
-        self.lower = lower
+    def __init__(self, mover: Mover, staging: StagingPool, groups: Iterable[ModalityGroup],
+                 keys: Sequence[ContentKey], layer: int, batch_bytes: int | None = None,
+                 readers: int | None = None):
+        self.mover = mover
+        self.staging = staging
+        groups = list(groups)
+        self._keys = {g.gid: k for g, k in zip(groups, keys)}
         self.layer = layer
         batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
         self.batches: list[tuple[list[ModalityGroup], Future]] = []
         self._taken: set[Future] = set()
-        self._failed: list[ModalityGroup] = []
+        self.failed: list[ModalityGroup] = []
         self._lock = threading.Lock()
         self._next = 0
         self._closed = False
@@ -91,8 +93,8 @@ class DiskStream:
         spec = groups[0].spec
         layer = self.layer if _read_per_layer(spec) else None   # just this layer's bytes of each page
         try:
-            fut = self.lower.mover.fetch_many([self.lower.storage_key(g) for g in groups], spec,
-                                              layer=layer, staging=self.lower.staging)
+            fut = self.mover.fetch_many([self._keys[g.gid] for g in groups], spec,
+                                        layer=layer, staging=self.staging)
         except BaseException as exc:        # e.g. the mover closed: this batch fails, the next tries
             result.set_exception(exc)
             self._start_next()
@@ -104,7 +106,7 @@ class DiskStream:
                 if exc is not None:
                     result.set_exception(exc)
                 elif self._closed:          # nobody will compute it: the buffer goes back now
-                    self.lower.staging.give(f.result()[0])
+                    self.staging.give(f.result()[0])
                     result.cancel()
                 else:
                     result.set_result(f.result())
@@ -121,24 +123,11 @@ class DiskStream:
         for _, fut in self.batches:
             if fut not in self._taken and fut.done() and not fut.cancelled() and fut.exception() is None:
                 self._taken.add(fut)
-                self.lower.staging.give(fut.result()[0])
+                self.staging.give(fut.result()[0])
 
     @property
     def landed(self) -> bool:
         return all(fut.done() for _, fut in self.batches)
-
-    @contextlib.contextmanager
-    def sharing_cores(self) -> Iterator[None]:
-        """CPU compute on one torch thread fewer while any read is still in flight."""
-        threads = torch.get_num_threads()
-        fewer = threads > 1 and not self.landed
-        if fewer:
-            torch.set_num_threads(threads - 1)
-        try:
-            yield
-        finally:
-            if fewer:
-                torch.set_num_threads(threads)
 
     def states(self, segments: list[Segment], q: torch.Tensor, q_indptr: torch.Tensor,
                q_pos: torch.Tensor, causal: bool, scale: float | None, timeout: float, *,
@@ -146,7 +135,8 @@ class DiskStream:
         """Partial states of ``segments`` (all disk-resident, all in this stream), one per batch,
         computed in the order the batches complete. ``wait=False`` takes only the batches that
         have already landed (the caller has other work meanwhile) and raises nothing; the last
-        call (``wait=True``) takes the rest and raises if any group failed."""
+        call (``wait=True``) takes the rest and raises if any group failed (listed in
+        ``failed``)."""
         by_gid: dict[int, list[Segment]] = {}
         for s in segments:
             by_gid.setdefault(s.group.gid, []).append(s)
@@ -156,33 +146,25 @@ class DiskStream:
         else:
             landed = [fut for fut in pending if fut.done()]
         states = []
-        try:
-            for fut in landed:
-                groups = pending[fut]
-                self._taken.add(fut)
-                try:
-                    pages, ok = fut.result()
-                except (MMTierError, OSError):
-                    self._failed.extend(groups)
-                    continue
-                try:
-                    self._failed.extend(g for g, good in zip(groups, ok) if not good)
-                    if self._failed:
-                        continue                        # the answer is a miss: just drain
-                    at = 0 if _read_per_layer(groups[0].spec) else self.layer  # the layer within ``pages``
-                    with self.sharing_cores():
-                        states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
-                finally:
-                    self.lower.staging.give(pages)      # computed (or dropped): the buffer is free
-        finally:
-            self.lower.apply_completions()
-        if wait and self._failed:
-            cache = self.lower.cache
-            for g in self._failed:
-                cache.counters.add("corrupt_reads", g.modality)
-                cache._forget_corrupt(g)
-            raise CorruptDataError(f"{len(self._failed)} disk group(s) missing or failed verification, "
-                                   f"e.g. {self._failed[0]!r} (a miss)")
+        for fut in landed:
+            groups = pending[fut]
+            self._taken.add(fut)
+            try:
+                pages, ok = fut.result()
+            except (MMTierError, OSError):
+                self.failed.extend(groups)
+                continue
+            try:
+                self.failed.extend(g for g, good in zip(groups, ok) if not good)
+                if self.failed:
+                    continue                        # the answer is a miss: just drain
+                at = 0 if _read_per_layer(groups[0].spec) else self.layer  # the layer within ``pages``
+                states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
+            finally:
+                self.staging.give(pages)          # computed (or dropped): the buffer is free
+        if wait and self.failed:
+            raise CorruptDataError(f"{len(self.failed)} disk group(s) missing or failed verification, "
+                                   f"e.g. {self.failed[0]!r} (a miss)")
         return states
 
 

@@ -325,7 +325,7 @@ def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch):
     allocation after the first), and a call that fails midway gives every buffer back."""
     import time
 
-    import mmtier.cache as cache_module
+    import mmtier.attention_plan as plan_module
 
     cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
@@ -352,7 +352,7 @@ def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch):
         def device_part_fails(*a, **kw):
             raise RuntimeError("injected: the device part failed while the disk reads ran")
 
-        monkeypatch.setattr(cache_module, "paged_attention", device_part_fails)
+        monkeypatch.setattr(plan_module, "paged_attention", device_part_fails)
         with pytest.raises(RuntimeError, match="injected"):
             cache.attention(seq, 0, q)
         for _ in range(100):                                  # late reads give back as they land

@@ -1,0 +1,90 @@
+"""``AttentionPlan``: what one attention call reads, captured under the cache's lock.
+
+The cache plans a call under its lock (segments selected and checked, their groups pinned,
+device operands compiled over the pool's view, host entries held and compiled over their slabs,
+disk reads queued), computes it with the lock let go (``run``), and unpins under the lock
+again. A pinned group is never freed, demoted, promoted or has its pages reused, and a held
+host entry keeps its slots, so everything a plan captured stays valid until it is closed.
+Nothing here touches the cache's bookkeeping: the plan is data plus the math over it.
+
+A batch of sequences can be planned in one lock section the same way (one plan per sequence,
+or one plan over their concatenated queries), then computed outside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .groups import ModalityGroup
+from .kernels import merge_attention_states, paged_attention
+from .kernels.layout import PagedKV
+from .storage.host import HostEntry
+from .streaming import DiskStream
+from .table import Segment
+
+WAIT_S = 120.0
+
+
+@dataclass(eq=False)
+class AttentionPlan:
+    segments: list[Segment]                    # every segment attended; their groups are pinned
+    device_ops: list[PagedKV] | None           # None: no device part
+    device: torch.device
+    host_ops: list[PagedKV] = field(default_factory=list)
+    held: list[HostEntry] = field(default_factory=list)      # host entries held for host_ops
+    disk_segments: list[Segment] = field(default_factory=list)
+    stream: DiskStream | None = None
+
+    @property
+    def groups(self) -> list[ModalityGroup]:
+        return [s.group for s in self.segments]
+
+    @property
+    def lower(self) -> bool:
+        """Whether some of it is computed over host or disk pages."""
+        return bool(self.host_ops or self.disk_segments)
+
+    @property
+    def failed(self) -> list[ModalityGroup]:
+        """Disk groups whose reads were missing or failed verification."""
+        return list(self.stream.failed) if self.stream is not None else []
+
+    def run(self, q: torch.Tensor, q_pos: torch.Tensor, *, causal: bool, scale: float | None,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` of ``q`` over the planned pages: the device part on ``backend``, the
+        host part in place on the slabs, the disk part batch by batch as reads land; partial
+        states merged exactly. Runs without the cache's lock."""
+        states = []
+        if self.device_ops is not None:
+            dev = self.device
+            states.append(paged_attention(
+                q.to(dev), torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev),
+                self.device_ops, causal=causal, scale=scale, backend=backend, out_dtype=torch.float32))
+        if self.lower:
+            qc, pos = q.cpu(), q_pos.cpu()
+            indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            stream = self.stream
+            if stream is not None:     # what has landed while the device part ran, before the host part
+                states.extend(stream.states(self.disk_segments, qc, indptr, pos, causal, scale, WAIT_S, wait=False))
+            if self.host_ops:
+                states.append(paged_attention(qc, indptr, pos, self.host_ops, causal=causal, scale=scale,
+                                              backend="torch", out_dtype=torch.float32))
+            if stream is not None:
+                states.extend(stream.states(self.disk_segments, qc, indptr, pos, causal, scale, WAIT_S))
+        if len(states) == 1:
+            out, lse = states[0]
+        else:
+            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
+                                              backend="torch", out_dtype=torch.float32)
+        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+
+    def close(self, release_held: Callable[[list[HostEntry]], None]) -> None:
+        """Give back what the plan holds (host entries, the stream's buffers); idempotent."""
+        held, self.held = self.held, []
+        if held:
+            release_held(held)
+        if self.stream is not None:
+            self.stream.close()
