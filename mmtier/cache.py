@@ -50,7 +50,7 @@ from .stats import CacheStats, Counters, TierUsage
 from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 DEFAULT_TENANT = "default"
-ROOM_ROUNDS = 8      # attempts to make room when other threads take it while a spill is awaited
+ROOM_WAIT_S = 30.0   # the longest a call waits for pages other threads read or move right now
 
 
 class TieredKVCache:
@@ -156,7 +156,8 @@ class TieredKVCache:
         pool = self.pools[modality]
         with self._lock:
             self.lower.apply_completions()
-            for rounds in itertools.count(1):   # making room may let go of the lock: plan again
+            deadline = time.monotonic() + ROOM_WAIT_S
+            while True:                  # making room may let go of the lock: plan again after it
                 table = self._table(seq)
                 tail = table.tail
                 extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
@@ -164,9 +165,9 @@ class TieredKVCache:
                 have = tail.group.num_tokens if extend else 0
                 slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
                 new_pages = spec.pages_for(max(0, n - slack))
-                if new_pages <= pool.num_free or rounds > ROOM_ROUNDS:
+                if new_pages <= pool.num_free:
                     break
-                self._make_room(pool, new_pages - pool.num_free, [tail.group] if extend else [])
+                self._make_room(pool, new_pages - pool.num_free, [tail.group] if extend else [], deadline=deadline)
             pages = pool.allocate(new_pages)
             if extend:
                 group = tail.group
@@ -445,14 +446,13 @@ class TieredKVCache:
     def _allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
         """``n`` pages of ``pool``, demoting whole groups first if needed (``_make_room`` may let
         go of the lock while it waits: what the caller looked up may have changed)."""
-        for _ in range(ROOM_ROUNDS):
-            if n <= pool.num_free:
-                break
-            self._make_room(pool, n - pool.num_free, protect)
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while n > pool.num_free:
+            self._make_room(pool, n - pool.num_free, protect, deadline=deadline)
         return pool.allocate(n)
 
     def _make_room(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
-                   referenced: bool = True) -> None:
+                   referenced: bool = True, deadline: float | None = None) -> None:
         """Free ``pages_needed`` pages of ``pool`` by moving whole groups down (or dropping them
         at the bottom). Unreferenced groups go first, in the policy's order; with lower tiers,
         referenced groups not in use may be demoted too (attention serves them where they are).
@@ -461,8 +461,21 @@ class TieredKVCache:
         when a lower tier refuses one of the chosen groups, the copies already made are undone.
         The copies are made first (the groups marked ``busy``; a spill is awaited with the lock
         let go), then committed together; a group pinned or freed meanwhile keeps its pages
-        (the caller sees fewer free pages and tries again)."""
-        chosen = self._victims(pool, pages_needed, protect, referenced)
+        (the caller sees fewer free pages and tries again).
+
+        With a ``deadline``, when what could move is only held for a moment (groups other
+        threads read or move now), it waits until another thread lets go of the lock and
+        returns (the caller looks again); past the deadline it raises ``CapacityError``."""
+        seen = self._lock.generation
+        try:
+            chosen = self._victims(pool, pages_needed, protect, referenced)
+        except CapacityError:
+            if deadline is None or not self._held_for_now(pool, protect):
+                raise
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._lock.wait_change(seen, left):
+                raise
+            return
         for g in chosen:
             g.busy += 1
         staged: list[tuple[ModalityGroup, StagedCopy | None]] = []
@@ -523,6 +536,13 @@ class TieredKVCache:
                 f"{spec.name} pool: {pages_needed} more pages needed, {pool.num_free} free of {pool.num_pages} "
                 f"and only {got} pages held by groups that can move (no lower tier could take more)")
         return chosen
+
+    def _held_for_now(self, pool: PagePool, protect: list[ModalityGroup]) -> bool:
+        """Whether device groups of ``pool`` are held only for a moment: read by an attention
+        call (pinned) or being moved by another thread (busy)."""
+        groups = list(self._groups.values()) + [s.group for t in self._seqs.values() for s in t.segments]
+        return any(g.tier == Tier.DEVICE and g.modality == pool.spec.name and (g.pins or g.busy)
+                   and g not in protect for g in groups)
 
     def _drop(self, group: ModalityGroup) -> None:
         self.counters.add("evictions", group.modality)
