@@ -45,12 +45,12 @@ from .payload import (
     write_slots,
 )
 from .pool import DeviceArena, PagePool
-from .residency import WAIT_S, LowerTiers, StagedCopy
+from .residency import WAIT_S, LowerTiers
+from .room import ROOM_WAIT_S, Room
 from .stats import CacheStats, Counters, TierUsage
 from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 DEFAULT_TENANT = "default"
-ROOM_WAIT_S = 30.0   # the longest a call waits for pages other threads read or move right now
 
 
 class TieredKVCache:
@@ -71,6 +71,7 @@ class TieredKVCache:
         self._closed = False
         self.leases = LeaseTable(ttl=30.0, clock=self.policy.clock)
         self.lower = LowerTiers(cfg, self.keys, self.counters, self.policy, owner=self)
+        self.room = Room(self._lock, self.policy, self.lower, self._live_groups, self._drop)
         for group in self.lower.adopt_disk_inventory(self._groups, lambda: next(self._gids)):
             self._groups[group.key] = group
             self.policy.on_insert(group)
@@ -444,105 +445,16 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ room and residency
     def _allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
-        """``n`` pages of ``pool``, demoting whole groups first if needed (``_make_room`` may let
-        go of the lock while it waits: what the caller looked up may have changed)."""
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while n > pool.num_free:
-            self._make_room(pool, n - pool.num_free, protect, deadline=deadline)
-        return pool.allocate(n)
+        """``n`` pages of ``pool`` (``Room.allocate``; may let go of the lock while it waits)."""
+        return self.room.allocate(pool, n, protect)
 
     def _make_room(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
                    referenced: bool = True, deadline: float | None = None) -> None:
-        """Free ``pages_needed`` pages of ``pool`` by moving whole groups down (or dropping them
-        at the bottom). Unreferenced groups go first, in the policy's order; with lower tiers,
-        referenced groups not in use may be demoted too (attention serves them where they are).
+        self.room.make_room(pool, pages_needed, protect, referenced=referenced, deadline=deadline)
 
-        All or nothing: ``CapacityError`` before anything moves when not enough can go, and
-        when a lower tier refuses one of the chosen groups, the copies already made are undone.
-        The copies are made first (the groups marked ``busy``; a spill is awaited with the lock
-        let go), then committed together; a group pinned or freed meanwhile keeps its pages
-        (the caller sees fewer free pages and tries again).
-
-        With a ``deadline``, when what could move is only held for a moment (groups other
-        threads read or move now), it waits until another thread lets go of the lock and
-        returns (the caller looks again); past the deadline it raises ``CapacityError``."""
-        seen = self._lock.generation
-        try:
-            chosen = self._victims(pool, pages_needed, protect, referenced)
-        except CapacityError:
-            if deadline is None or not self._held_for_now(pool, protect):
-                raise
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._lock.wait_change(seen, left):
-                raise
-            return
-        for g in chosen:
-            g.busy += 1
-        staged: list[tuple[ModalityGroup, StagedCopy | None]] = []
-        refused = None
-        try:
-            for g in chosen:
-                copy = self.lower.stage_demotion(g, pool) if self.lower.enabled and not g.freed else None
-                if copy is None and g.refs > 0 and not g.freed:
-                    refused = g
-                    break
-                staged.append((g, copy))
-        except BaseException:
-            for _, copy in staged:
-                if copy is not None:
-                    self.lower.undo_demotion(copy)
-            raise
-        finally:
-            for g in chosen:
-                g.busy -= 1
-        if refused is not None:
-            for _, copy in staged:
-                if copy is not None:
-                    self.lower.undo_demotion(copy)
-            raise CapacityError(f"{refused!r} is in use and no lower tier could take it")
-        for g, copy in staged:
-            if g.freed or g.pins > 0 or g.tier != Tier.DEVICE or (copy is None and g.refs > 0):
-                if copy is not None:                      # changed while a spill was awaited
-                    self.lower.undo_demotion(copy)
-            elif copy is None:
-                self._drop(g)
-            else:
-                self.lower.commit_demotion(g, copy, pool)
-
-    def _victims(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
-                 referenced: bool) -> list[ModalityGroup]:
-        """The device groups to move for ``pages_needed`` pages, or ``CapacityError``."""
-        spec = pool.spec
-        chosen, got = [], 0
-        for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes, spec.name):
-            if got >= pages_needed:
-                break
-            if g not in protect:
-                chosen.append(g)
-                got += len(g.pages)
-        if got < pages_needed and referenced and self.lower.enabled:
-            held = sorted((s.group for t in self._seqs.values() for s in t.segments
-                           if s.group.tier == Tier.DEVICE and s.group.modality == spec.name
-                           and s.group.refs > 0 and s.group.pins == 0 and s.group.busy == 0
-                           and s.group not in protect), key=lambda g: g.last_access)
-            for g in dict.fromkeys(held):
-                if got >= pages_needed:
-                    break
-                if g not in chosen:
-                    chosen.append(g)
-                    got += len(g.pages)
-        if got < pages_needed:
-            raise CapacityError(
-                f"{spec.name} pool: {pages_needed} more pages needed, {pool.num_free} free of {pool.num_pages} "
-                f"and only {got} pages held by groups that can move (no lower tier could take more)")
-        return chosen
-
-    def _held_for_now(self, pool: PagePool, protect: list[ModalityGroup]) -> bool:
-        """Whether device groups of ``pool`` are held only for a moment: read by an attention
-        call (pinned) or being moved by another thread (busy)."""
-        groups = list(self._groups.values()) + [s.group for t in self._seqs.values() for s in t.segments]
-        return any(g.tier == Tier.DEVICE and g.modality == pool.spec.name and (g.pins or g.busy)
-                   and g not in protect for g in groups)
+    def _live_groups(self) -> list[ModalityGroup]:
+        """Every indexed group and every group a sequence holds (a group may appear twice)."""
+        return list(self._groups.values()) + [s.group for t in self._seqs.values() for s in t.segments]
 
     def _drop(self, group: ModalityGroup) -> None:
         self.counters.add("evictions", group.modality)
@@ -737,7 +649,7 @@ class TieredKVCache:
                 device[name] = TierUsage(0, pool.num_used, pool.num_used * pool.spec.page_bytes,
                                          pool.num_pages * pool.spec.page_bytes)
             seen: set[int] = set()
-            groups = list(self._groups.values()) + [s.group for t in self._seqs.values() for s in t.segments]
+            groups = self._live_groups()
             for g in groups:
                 if g.gid in seen or g.tier != Tier.DEVICE:
                     continue
@@ -751,8 +663,7 @@ class TieredKVCache:
     def _lower_stats(self) -> dict[str, dict[str, TierUsage]]:
         if not self.lower.enabled:
             return {}
-        return self.lower.stats(list(self._groups.values())
-                                + [s.group for t in self._seqs.values() for s in t.segments])
+        return self.lower.stats(self._live_groups())
 
     def _open(self) -> None:
         if self._closed:
