@@ -162,7 +162,7 @@ class TieredKVCache:
                 table = self._table(seq)
                 tail = table.tail
                 extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
-                    and tail.group.tier == Tier.DEVICE
+                    and tail.group.tier == Tier.DEVICE and tail.group.busy == 0   # not one being moved
                 have = tail.group.num_tokens if extend else 0
                 slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
                 new_pages = spec.pages_for(max(0, n - slack))
