@@ -294,6 +294,9 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
             return False
         pool = cache.pools[key.modality]
         pages = cache._allocate(pool, n_pages, [])
+        if key in cache._groups:           # imported by another thread while room was made
+            pool.free(pages)
+            return False
         if pages == list(range(pages[0], pages[0] + n_pages)):
             pool.view[pages[0]:pages[0] + n_pages].copy_(src)
         else:
