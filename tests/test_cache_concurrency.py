@@ -178,6 +178,45 @@ def test_a_spill_that_makes_room_is_awaited_outside_the_lock(tmp_path, monkeypat
         check(cache, seq, logical, 1)
 
 
+def test_a_run_released_while_read_keeps_its_pages_until_the_reader_is_done(tmp_path, monkeypatch):
+    """A sequence's own text run fills the text pool; its attention is held at the kernel while
+    another thread releases the sequence and asks for text pages: they are refused (typed), the
+    reader's answer equals the oracle, and once it is done the pages are free again."""
+    import mmtier.attention_plan as plan_module
+
+    with TieredKVCache(make_cfg(tmp_path, host_pages=0, disk=False)) as cache:
+        pool = cache.pools["text"]
+        seq, logical = cache.create_sequence(), Logical()
+        k, v = torch.randn(L, pool.num_pages * 16, H, D), torch.randn(L, pool.num_pages * 16, H, D)
+        cache.append(seq, "text", k, v)
+        logical.add(k, v, "text")
+        assert pool.num_free == 0
+        computing, go = threading.Event(), threading.Event()
+        real = plan_module.paged_attention
+
+        def held(*a, **kw):
+            computing.set()
+            assert go.wait(WAIT)
+            return real(*a, **kw)
+
+        monkeypatch.setattr(plan_module, "paged_attention", held)
+        worker = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            answer = worker.submit(check, cache, seq, logical, 1)
+            assert computing.wait(WAIT)
+            other = cache.create_sequence()
+            assert run_bounded(lambda: cache.release(seq))
+            with pytest.raises(CapacityError):            # the pages are the reader's until it is done
+                cache.append(other, "text", torch.randn(L, 4, H, D), torch.randn(L, 4, H, D))
+            assert pool.num_free == 0
+        finally:
+            go.set()
+        answer.result(WAIT)
+        worker.shutdown()
+        assert pool.num_free == pool.num_pages
+        cache.append(other, "text", torch.randn(L, 4, H, D), torch.randn(L, 4, H, D))
+
+
 # ---------------------------------------------------------------------- copies vs the cache
 def test_promote_never_races_a_prefetch_in_flight(tmp_path, monkeypatch):
     """A prefetch has read its group and is held before it lands; meanwhile the group is
