@@ -3,12 +3,13 @@
 ``ModalitySpec`` is frozen and owns the size math (``page_bytes``): every tier sizes itself
 from it. A modality inherits the layers, KV heads, head dim and dtype it leaves unset from the
 model-level fields of ``CacheConfig``; after validation ``CacheConfig.modalities`` holds fully
-resolved specs (``name`` set, nothing left ``None``).
+resolved specs (``name`` set, nothing left ``None``) in an immutable, hashable mapping.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -135,6 +137,34 @@ class ModalitySpec(BaseModel):
         return value
 
 
+class FrozenModalities(Mapping[str, ModalitySpec]):
+    """``CacheConfig.modalities`` after validation: a read-only mapping (no item assignment or
+    deletion) that hashes, so a frozen config is immutable all the way down and hashable."""
+
+    __slots__ = ("_specs",)
+
+    def __init__(self, specs: Mapping[str, ModalitySpec]):
+        self._specs = dict(specs)
+
+    def __getitem__(self, name: str) -> ModalitySpec:
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._specs.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenModalities({self._specs!r})"
+
+    def __reduce__(self):
+        return (FrozenModalities, (self._specs,))
+
+
 class CacheConfig(BaseModel):
     """The whole cache: model shape, modalities, tiers, attention backend, eviction policy."""
 
@@ -186,6 +216,10 @@ class CacheConfig(BaseModel):
                 raise ValueError(f"modality name {name!r} must be alphanumeric (with _ or -)")
         return value
 
+    @field_serializer("modalities", mode="wrap")
+    def _dump_modalities(self, value: Mapping[str, ModalitySpec], handler) -> Any:
+        return handler(dict(value))          # dumped as the plain mapping it was given as
+
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
@@ -212,7 +246,7 @@ class CacheConfig(BaseModel):
             elif spec.dtype is None:
                 update["dtype"] = self.dtype
             resolved[name] = spec.model_copy(update=update)
-        object.__setattr__(self, "modalities", resolved)
+        object.__setattr__(self, "modalities", FrozenModalities(resolved))
         return self
 
     # ---- helpers ----
