@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .content import ContentKey
+from .content import ContentKey, tenant_scope
 from .errors import CapacityError, CorruptDataError, MMTierError
 from .groups import ModalityGroup, Tier
 from .kernels import paged_attention
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 WAIT_S = 120.0
 HIGH_WATER = 0.9
 LOW_WATER = 0.75
+PRIVATE_SALT = b"private"                  # the salt of private runs' keys (a tenant's salt is 32 bytes)
+PRIVATE_SCOPE = tenant_scope(PRIVATE_SALT)
 
 
 class LowerTiers:
@@ -79,13 +81,17 @@ class LowerTiers:
         key = self._private_keys.get(group.gid)
         if key is None:
             digest = hashlib.sha256(b"mmtier/private" + os.urandom(16) + group.gid.to_bytes(8, "big")).digest()
-            key = self.cache.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=b"private")
+            key = self.cache.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=PRIVATE_SALT)
             self._private_keys[group.gid] = key
         return key
 
     # ------------------------------------------------------------------ warm restart
     def adopt_disk_inventory(self) -> None:
-        """Index every verified group found on disk (a new cache over the same ``disk_dir``)."""
+        """Index every verified group found on disk (a new cache over the same ``disk_dir``).
+
+        A private run's file (a sequence's own K/V, under a one-off key no caller can name) is
+        unreachable once its cache is gone: it is removed, freeing its disk budget, and counted
+        (``private_runs_removed_at_start``), never adopted."""
         if self.disk is None:
             return
         cache = self.cache
@@ -94,6 +100,10 @@ class LowerTiers:
             spec = cache.cfg.modalities.get(key.modality)
             if spec is None or not cache.keys.is_authentic(key) or key.sharing not in ("content", "prefix"):
                 cache.counters.add("foreign_files")
+                continue
+            if key.scope == PRIVATE_SCOPE:
+                self.disk.remove(key)
+                cache.counters.add("private_runs_removed_at_start", key.modality)
                 continue
             if key in cache._groups:
                 continue
