@@ -2,9 +2,11 @@
 
 - ``mmtier demo [--quick] [--out DIR]``: the main job: an embedded local Ray, mmtier on it, a
   multi-turn multimodal workload through the reference model, a table, a JSON report and a chart;
-- ``mmtier start --config FILE [--address auto]``: start mmtier on a running cluster;
+- ``mmtier start --config FILE [--address auto] [--allow-default-secret]``: start mmtier on a
+  running cluster (the key secret from ``MMTIER_KEY_SECRET`` or the Serve config's
+  ``cache.key_secret_env``; the public default only with the flag);
 - ``mmtier status [--address auto]``: its actors, tiers and hit ratios, as tables;
-- ``mmtier bench [NAME ...] [--quick]``: the benchmark suite, then ``benchmarks/RESULTS.md``;
+- ``mmtier bench [NAME ...] [--quick] [--out DIR]``: the benchmark suite, then ``RESULTS.md``;
 - ``mmtier serve --config configs/serve.yaml``: the Ray Serve application.
 
 Ray is imported inside the commands, so ``--help`` is quick.
@@ -73,14 +75,18 @@ def _connect_ray(address: str, namespace: str) -> None:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 
 
-def load_start_config(path: Path):
+def load_start_config(path: Path, allow_default_secret: bool = False):
     """``(CacheConfig, ClusterSettings)`` from a cache preset (``configs/*.yaml``, optionally
     with a ``cluster:`` section of ClusterSettings) or from a Serve config whose first
-    application is mmtier's (the cache its ``args`` describe: the reference model's)."""
+    application is mmtier's (the cache its ``args`` describe: the reference model's).
+
+    The key secret: a Serve config's ``cache.key_secret_env``; for a preset the environment
+    variable ``MMTIER_KEY_SECRET`` (a secret does not belong in a preset file). ``ConfigError``
+    when that leaves the public default secret, unless ``allow_default_secret`` (local runs)."""
     import yaml
 
     from .actors.settings import ClusterSettings
-    from .config import CacheConfig
+    from .config import KEY_SECRET_ENV, CacheConfig, require_key_secret
     from .errors import ConfigError
 
     try:
@@ -97,24 +103,33 @@ def load_start_config(path: Path):
         if not apps:
             raise ConfigError(f"{path}: no application with import_path mmtier.serve.app:build_app")
         args = ServeAppConfig.parse(apps[0].get("args") or {})
+        if allow_default_secret:
+            args = args.model_copy(update={"cache": args.cache.model_copy(update={"allow_default_key_secret": True})})
         return args.cache_config(), args.settings()
     settings = ClusterSettings(**(data.pop("cluster", None) or {}))
-    cache = data.get("cache", data)
-    return CacheConfig(**cache), settings
+    cache = dict(data.get("cache", data))
+    if os.environ.get(KEY_SECRET_ENV):
+        cache["key_secret"] = os.environ[KEY_SECRET_ENV]
+    cfg = CacheConfig(**cache)
+    require_key_secret(cfg, allow_default_secret, f"set {KEY_SECRET_ENV}")
+    return cfg, settings
 
 
 @main.command()
 @click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A cache preset (configs/*.yaml) or a Serve config (configs/serve.yaml).")
 @click.option("--address", default="auto", show_default=True, help="Ray address of the running cluster.")
-def start(config: Path, address: str) -> None:
+@click.option("--allow-default-secret", is_flag=True,
+              help="Local / development only: run with the public default key secret.")
+def start(config: Path, address: str, allow_default_secret: bool) -> None:
     """Start mmtier on a running Ray cluster: registry, a pool per GPU (per node without one),
-    a store per node. Idempotent: run it again after nodes join."""
+    a store per node. Idempotent: run it again after nodes join. The key secret comes from
+    MMTIER_KEY_SECRET (a preset) or the Serve config's cache.key_secret_env."""
     from . import actors
     from .errors import ConfigError
 
     try:
-        cfg, settings = load_start_config(config)
+        cfg, settings = load_start_config(config, allow_default_secret)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     _connect_ray(address, settings.namespace)
@@ -194,8 +209,11 @@ def _table(header: tuple, rows: list[tuple]) -> str:
 # ---------------------------------------------------------------------- bench
 @main.command()
 @click.argument("names", nargs=-1)
-@click.option("--quick", is_flag=True, help="Smaller sizes.")
-def bench(names: tuple[str, ...], quick: bool) -> None:
+@click.option("--quick", is_flag=True, help="Smaller sizes (seconds per benchmark; a check that it runs).")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Results folder (default benchmarks/results, whose RESULTS.md is then regenerated; "
+                   "another folder gets its own RESULTS.md).")
+def bench(names: tuple[str, ...], quick: bool, out: Path | None) -> None:
     """Run the benchmark suite (default: all of NAMES below), then regenerate
     benchmarks/RESULTS.md. NAMES: alloc kernels spill eviction cluster long_context multiturn."""
     from tqdm import tqdm
@@ -209,19 +227,20 @@ def bench(names: tuple[str, ...], quick: bool) -> None:
     except ModuleNotFoundError:
         raise click.ClickException("the benchmarks package is not importable: run from the "
                                    "repository root (./run bench)") from None
+    argv = (["--quick"] if quick else []) + (["--out", str(out)] if out is not None else [])
     failed = []
     bar = tqdm(names or BENCHMARKS, desc="benchmarks", unit="bench")
     for name in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            importlib.import_module(f"benchmarks.{name}").main(["--quick"] if quick else [])
+            importlib.import_module(f"benchmarks.{name}").main(argv)
         except Exception as exc:          # one failing benchmark does not stop the suite
             failed.append(name)
             tqdm.write(f"[mmtier bench] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         else:
             tqdm.write(f"[mmtier bench] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    report.main([])
+    report.main(["--results", str(out)] if out is not None else [])
     if failed:
         raise click.ClickException(f"failed: {', '.join(failed)}")
 

@@ -29,6 +29,8 @@ from .errors import ConfigError
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 POLICIES = ("lru", "modality_lru", "cost_aware")
+DEFAULT_KEY_SECRET = "mmtier-default-secret"    # public: fine in-process and in tests, never served
+KEY_SECRET_ENV = "MMTIER_KEY_SECRET"            # where `mmtier start` reads a preset's secret
 _MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 
 
@@ -189,7 +191,9 @@ class CacheConfig(BaseModel):
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("lru", description=f"Eviction policy, one of {POLICIES}.")
     key_secret: str = Field(
-        "mmtier-default-secret", description="Server-side secret that authenticates keys and derives tenant salts.")
+        DEFAULT_KEY_SECRET, description="Server-side secret that authenticates keys and derives tenant salts "
+                                        "(the default is public: `mmtier start` and the Serve app refuse it "
+                                        "unless told the run is local / development).")
     max_inflight_bytes: int = Field(256 << 20, gt=0, strict=True, description="Bytes of tier copies in flight at once.")
     stream_buffer_bytes: int = Field(
         512 << 20, ge=0, strict=True,
@@ -281,6 +285,18 @@ class CacheConfig(BaseModel):
         if not isinstance(data, dict):
             raise ConfigError(f"config {path} must be a mapping")
         return cls(**data)
+
+
+def require_key_secret(cfg: CacheConfig, allow_default: bool, how: str) -> None:
+    """``ConfigError`` when ``cfg`` uses the public default key secret and ``allow_default`` (an
+    explicit local / development flag) is off: with it, anyone can derive every tenant's salt
+    and forge key tags. ``how`` tells the operator where this command takes a secret from."""
+    if cfg.key_secret == DEFAULT_KEY_SECRET and not allow_default:
+        raise ConfigError(
+            f"key_secret: the default key secret is public (tenant salts and key tags could be "
+            f"derived by anyone); {how}, e.g. `export {KEY_SECRET_ENV}=$(python -c "
+            f"'import secrets; print(secrets.token_hex(32))')`, the same on every node; or allow "
+            f"the default explicitly for a local / development run", ("key_secret",))
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

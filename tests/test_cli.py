@@ -14,6 +14,8 @@ import yaml
 from click.testing import CliRunner
 
 from mmtier.cli import format_status, load_start_config, main
+from mmtier.config import DEFAULT_KEY_SECRET
+from mmtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "start", "status", "bench", "serve")
@@ -34,11 +36,41 @@ def test_bench_rejects_unknown_names():
     assert result.exit_code == 2 and "unknown benchmark" in result.output
 
 
-def test_start_config_from_serve_yaml_and_presets():
+def test_start_config_from_serve_yaml_and_presets(monkeypatch):
+    monkeypatch.setenv("MMTIER_KEY_SECRET", "s3cret-from-env")
     cfg, settings = load_start_config(ROOT / "configs" / "serve.yaml")
     assert cfg.model.startswith("mmtier-reference-v1") and settings.namespace == "mmtier"
+    assert cfg.key_secret == "s3cret-from-env"
     cfg, _ = load_start_config(ROOT / "configs" / "tiny-mm.yaml")
-    assert cfg.model == "tiny-mm"
+    assert cfg.model == "tiny-mm" and cfg.key_secret == "s3cret-from-env"
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "tiny-mm.yaml"])
+def test_start_refuses_the_default_key_secret_without_the_dev_flag(monkeypatch, name):
+    monkeypatch.delenv("MMTIER_KEY_SECRET", raising=False)
+    with pytest.raises(ConfigError) as err:
+        load_start_config(ROOT / "configs" / name)
+    want = ("cache.key_secret_env",) if name == "serve.yaml" else ("key_secret",)
+    assert err.value.fields == want and "MMTIER_KEY_SECRET" in str(err.value)
+    cfg, _ = load_start_config(ROOT / "configs" / name, allow_default_secret=True)
+    assert cfg.key_secret == DEFAULT_KEY_SECRET
+    result = CliRunner().invoke(main, ["start", "--config", str(ROOT / "configs" / name)])
+    assert result.exit_code == 1 and "MMTIER_KEY_SECRET" in result.output
+
+
+def test_serve_app_refuses_the_default_key_secret_unless_allowed(monkeypatch):
+    from mmtier.serve.config import ServeAppConfig
+
+    monkeypatch.delenv("MMTIER_KEY_SECRET", raising=False)
+    args = {"api_keys": {"k": "acme"}}
+    with pytest.raises(ConfigError) as err:
+        ServeAppConfig.parse(args).cache_config()
+    assert err.value.fields == ("key_secret",)
+    allowed = ServeAppConfig.parse({**args, "cache": {"allow_default_key_secret": True}})
+    assert allowed.cache_config().key_secret == DEFAULT_KEY_SECRET
+    monkeypatch.setenv("MY_SECRET", "from-env")
+    from_env = ServeAppConfig.parse({**args, "cache": {"key_secret_env": "MY_SECRET"}})
+    assert from_env.cache_config().key_secret == "from-env"
 
 
 def test_deployment_configs():
