@@ -165,13 +165,16 @@ def status(address: str, namespace: str) -> None:
 
 
 def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: str) -> str:
-    """Three tables: actors (tiers, groups, attaches), modalities (hit ratio), the registry.
+    """Two tables under a registry line: actors (bytes per tier, groups, attaches), modalities
+    (device, host and disk bytes summed over actors; attaches, puts, hit ratio).
 
     Hit ratio of a modality: attaches of groups that were already stored over all attaches
     (``(attaches - puts) / attaches`` summed over pools): each group is put once and attached
     at every use."""
     mib = lambda b: f"{b / 2**20:.1f}"
+    tier_names = ("device", "host", "disk")
     rows, by_mod = [], {}
+    mod_bytes: dict[str, dict[str, int]] = {}
     for name, st in sorted(per_actor.items()):
         kind, _, rest = name.partition(":")
         node, _, dev = rest.partition(":")
@@ -182,8 +185,13 @@ def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: s
         rows.append((kind.removeprefix("mmtier-"), node[:12], dev or "-",
                      f"{mib(used.get('device', 0))}/{mib(cap.get('device', 0))}" if "device" in tiers else "-",
                      f"{mib(used.get('host', 0))}" if "host" in tiers else "-",
+                     f"{mib(used.get('disk', 0))}" if "disk" in tiers else "-",
                      sum(u["groups"] for per in tiers.values() for u in per.values()),
                      c.get("attaches", 0), c.get("puts", 0), c.get("evictions", 0)))
+        for t, per in tiers.items():
+            for m, u in per.items():
+                mb = mod_bytes.setdefault(m, dict.fromkeys(tier_names, 0))
+                mb[t] = mb.get(t, 0) + u["bytes"]
         for m, cm in st.get("by_modality", {}).items():
             agg = by_mod.setdefault(m, [0, 0, 0])
             agg[0] += cm.get("attaches", 0)
@@ -192,10 +200,16 @@ def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: s
     out = [f"mmtier ({model}): {len(per_actor)} actors; registry: {registry.get('keys', 0)} keys, "
            f"{registry.get('copies', 0)} copies, {mib(registry.get('bytes', 0))} MiB, "
            f"{registry.get('holders', 0)} holders",
-           _table(("actor", "node", "device", "device MiB", "host MiB", "groups", "attaches", "puts", "evictions"),
-                  rows), ""]
-    mrows = [(m, a, p, e, f"{max(a - p, 0) / a:.2f}" if a else "-") for m, (a, p, e) in sorted(by_mod.items())]
-    out.append(_table(("modality", "attaches", "puts", "evictions", "hit ratio"), mrows))
+           _table(("actor", "node", "device", "device MiB", "host MiB", "disk MiB", "groups", "attaches",
+                   "puts", "evictions"), rows), ""]
+    mrows = []
+    for m in sorted(set(by_mod) | set(mod_bytes)):
+        a, p, e = by_mod.get(m, (0, 0, 0))
+        mb = mod_bytes.get(m, {})
+        mrows.append((m, *(mib(mb.get(t, 0)) for t in tier_names), a, p, e,
+                      f"{max(a - p, 0) / a:.2f}" if a else "-"))
+    out.append(_table(("modality", "device MiB", "host MiB", "disk MiB", "attaches", "puts", "evictions",
+                       "hit ratio"), mrows))
     return "\n".join(out)
 
 

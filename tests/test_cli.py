@@ -97,12 +97,19 @@ def test_format_status_table():
     pool = {"tiers": {"device": {"vision": {"groups": 2, "pages": 4, "bytes": 4 << 20, "capacity_bytes": 8 << 20}}},
             "counters": {"attaches": 5, "puts": 2, "evictions": 1},
             "by_modality": {"vision": {"attaches": 5, "puts": 2, "evictions": 1}}}
-    store = {"tiers": {"host": {"vision": {"groups": 1, "pages": 2, "bytes": 2 << 20, "capacity_bytes": 64 << 20}}},
+    store = {"tiers": {"host": {"vision": {"groups": 1, "pages": 2, "bytes": 2 << 20, "capacity_bytes": 64 << 20}},
+                       "disk": {"vision": {"groups": 1, "pages": 3, "bytes": 3 << 20, "capacity_bytes": 1 << 30},
+                                "audio": {"groups": 1, "pages": 5, "bytes": 5 << 20, "capacity_bytes": 1 << 30}}},
              "counters": {"puts": 1}, "by_modality": {}}
     text = format_status({"mmtier-pool:abcdef0123456789:cpu0": pool, "mmtier-store:abcdef0123456789": store},
                          {"keys": 3, "copies": 3, "bytes": 6 << 20, "holders": 2}, "tiny-mm")
     assert "pool" in text and "store" in text and "4.0/8.0" in text
-    assert "0.60" in text                        # vision: (5 attaches - 2 puts) / 5
+    actors, mods = text.split("\n\n")
+    assert "disk MiB" in actors and actors.splitlines()[-1].split()[5] == "8.0"   # the store's disk
+    rows = {line.split()[0]: line.split() for line in mods.splitlines()[2:]}
+    assert mods.splitlines()[0].split()[:7] == ["modality", "device", "MiB", "host", "MiB", "disk", "MiB"]
+    assert rows["vision"][1:4] == ["4.0", "2.0", "3.0"] and rows["vision"][-1] == "0.60"   # (5 - 2) / 5
+    assert rows["audio"][1:4] == ["0.0", "0.0", "5.0"] and rows["audio"][-1] == "-"
 
 
 @pytest.mark.ray
