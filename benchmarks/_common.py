@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import time
@@ -12,18 +13,26 @@ from mmtier.telemetry import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-__all__ = ["RESULTS", "best_time", "machine", "print_table", "write_results"]
+__all__ = ["RESULTS", "add_out_arg", "best_time", "machine", "print_table", "write_results"]
 
 
-def write_results(name: str, figures: dict) -> Path:
-    """``benchmarks/results/NAME.json``: the flat figures plus ``machine`` and ``date``."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {**figures, "machine": machine(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    for k, v in out.items():
+def add_out_arg(ap: argparse.ArgumentParser) -> None:
+    """``--out DIR``: where a benchmark writes its JSON (and plot, trace); every benchmark takes
+    it, so ``mmtier bench --out DIR`` (and the tests) can leave ``benchmarks/results/`` alone."""
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder (default benchmarks/results)")
+
+
+def write_results(name: str, figures: dict, out: Path = RESULTS) -> Path:
+    """``OUT/NAME.json`` (default ``benchmarks/results/``): the flat figures plus ``machine`` and
+    ``date``."""
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**figures, "machine": machine(),
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    for k, v in data.items():
         if isinstance(v, (dict, list)):
             raise TypeError(f"figure {k!r} is not flat")
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(out, indent=2, sort_keys=True) + "\n")
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path
 
 

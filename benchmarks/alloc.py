@@ -18,7 +18,7 @@ import random
 
 import torch
 
-from benchmarks._common import best_time, print_table, write_results
+from benchmarks._common import add_out_arg, best_time, print_table, write_results
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.kernels.layout import build_paged_kv
 from mmtier.kernels.reference import paged_attention_torch
@@ -82,11 +82,12 @@ def bench_attention(tokens: int, n_q: int, page_size: int = 16, hkv: int = 8, hq
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="seconds, a check that it runs")
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     batched, single = bench_alloc(200 if args.quick else 800)
-    tokens = 16384 if args.quick else 65536
+    tokens = 8192 if args.quick else 65536
     dec = bench_attention(tokens, 1)
     pre = bench_attention(tokens // 4, 256)
     figures = {
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         "shape": "page 16, 8 KV heads, 32 query heads, head dim 128, float32, shuffled pages",
     }
     print_table("pool and CPU attention", list(figures.items()))
-    path = write_results("alloc", figures)
+    path = write_results("alloc", figures, args.out)
     print(f"\nwrote {path}")
     return figures
 

@@ -26,7 +26,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import mmtier.actors as mma  # noqa: E402
-from benchmarks._common import best_time, print_table, write_results  # noqa: E402
+from benchmarks._common import add_out_arg, best_time, print_table, write_results  # noqa: E402
 from mmtier import CacheConfig, ModalitySpec  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
 from mmtier.content import KeyMaker, media_digest, tenant_salt  # noqa: E402
@@ -51,12 +51,13 @@ def _pin(node: str):
     return NodeAffinitySchedulingStrategy(node, soft=False)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="seconds, a check that it runs: small sizes, few rounds")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
     quick = args.quick
-    group_mb = 8 if quick else 32
+    group_mb = 4 if quick else 32
     store = (group_mb * 6 + 64) << 20
     cfg = CacheConfig(
         model="bench-mm", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",
@@ -74,9 +75,10 @@ def main() -> None:
         mma.shutdown(settings)
         ray.shutdown()
         cluster.shutdown()
-    path = write_results("cluster", figures)
+    path = write_results("cluster", figures, args.out)
     print_table("mmtier cluster (2 nodes on loopback)", list(figures.items()))
     print(f"\nwrote {path}")
+    return figures
 
 
 def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool) -> dict:
@@ -92,7 +94,7 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     maker = KeyMaker(cfg.model, cfg.key_secret)
     salt = tenant_salt(cfg.key_secret, "bench")
     layout = cfg.spec("vision").layout_fields()
-    n_keys = 2000 if quick else 20000
+    n_keys = 1000 if quick else 20000
     keys = [maker.derive(modality="vision", layout=layout, media=media_digest(str(i).encode()),
                          tenant_salt=salt) for i in range(n_keys)]
     items = [{"key": k.to_wire(), "tier": "device", "num_tokens": 64, "nbytes": 1 << 20} for k in keys]
@@ -103,13 +105,13 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     batches = [digests[i:i + batch] for i in range(0, n_keys, batch)]
     ray.get(reg.lookup.remote(batches[0]), timeout=60)
     t0 = time.perf_counter()
-    rounds = 3 if quick else 5
+    rounds = 2 if quick else 5
     for _ in range(rounds):
         refs = [reg.lookup.remote(bt) for bt in batches]
         for r in ray.get(refs, timeout=120):
             assert r[0] is not None
     figures["registry_lookups_per_s"] = rounds * n_keys / (time.perf_counter() - t0)
-    singles = 300 if quick else 2000
+    singles = 100 if quick else 2000
     t0 = time.perf_counter()
     for d in digests[:singles]:
         ray.get(reg.lookup.remote([d]), timeout=60)
@@ -117,7 +119,7 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     ray.get(reg.remove.remote(pool_a, digests), timeout=60)
 
     # ---- local vs remote partial attention
-    n_img = 1024 if quick else 4096
+    n_img = 256 if quick else 4096
     spec = cfg.spec("vision")
     k = torch.randn(spec.num_layers, n_img, spec.num_kv_heads, spec.head_dim, dtype=torch.float16)
     v = torch.randn_like(k)

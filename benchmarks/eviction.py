@@ -33,11 +33,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
+from pathlib import Path
 
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.eviction import POLICIES
 
-from ._common import RESULTS, print_table, write_results
+from ._common import RESULTS, add_out_arg, print_table, write_results
 from .belady import BeladyPolicy, SizeAwareBeladyPolicy
 from .tracesim import (
     GroupTiers,
@@ -122,10 +123,10 @@ def pinned_peak(p: Plan, cfg: CacheConfig, concurrency: int) -> dict[str, int]:
     return dict(counter.peak)
 
 
-def run(quick: bool, seed: int, turns: int | None, concurrency: int = 4) -> dict:
+def run(quick: bool, seed: int, turns: int | None, concurrency: int = 4, out: Path = RESULTS) -> dict:
     t_start = time.perf_counter()
-    wcfg = WorkloadConfig(seed=seed, turns=turns or (500 if quick else 3000))
-    path = save(generate(wcfg), RESULTS / f"trace_{'quick' if quick else 'full'}.arrow")
+    wcfg = WorkloadConfig(seed=seed, turns=turns or (200 if quick else 3000))
+    path = save(generate(wcfg), out / f"trace_{'quick' if quick else 'full'}.arrow")
     trace = load(path)
     cfg = bench_config()
     specs = cfg.modalities
@@ -211,8 +212,8 @@ def run(quick: bool, seed: int, turns: int | None, concurrency: int = 4) -> dict
     fig["group_lru_over_page_lru_min"] = min(over_page)
     fig["wall_s"] = time.perf_counter() - t_start
     report(fig, fractions, names)
-    plot(fig, fractions, names)
-    write_results("eviction", fig)
+    plot(fig, fractions, names, out)
+    write_results("eviction", fig, out)
     return fig
 
 
@@ -237,7 +238,7 @@ def report(fig: dict, fractions, names) -> None:
         "waste_fraction_padded", "dedup_bytes_ratio", "dedup_bytes_ratio_per_request", "wall_s")])
 
 
-def plot(fig: dict, fractions, names) -> None:
+def plot(fig: dict, fractions, names, out: Path = RESULTS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,19 +260,20 @@ def plot(fig: dict, fractions, names) -> None:
     a3.set(ylabel="padding / allocated bytes", title="memory waste, same trace")
     f.suptitle(f"mmtier eviction: {fig['trace_turns']} turns, bookkeeping replay (payloads not written)")
     f.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    f.savefig(RESULTS / "eviction.png", dpi=110)
+    out.mkdir(parents=True, exist_ok=True)
+    f.savefig(out / "eviction.png", dpi=110)
     plt.close(f)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a short trace (< 1 min on 2 cores)")
+    ap.add_argument("--quick", action="store_true", help="a short trace: seconds, a check that it runs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=4)
-    a = ap.parse_args()
-    run(a.quick, a.seed, a.turns, a.concurrency)
+    add_out_arg(ap)
+    a = ap.parse_args(argv)
+    return run(a.quick, a.seed, a.turns, a.concurrency, a.out)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import best_time, print_table, write_results
+from benchmarks._common import add_out_arg, best_time, print_table, write_results
 from mmtier.kernels import paged_attention
 from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
 
@@ -124,17 +124,17 @@ def cpu_copy_bandwidth(nbytes: int = 256 << 20) -> float:
 
 
 def bench_cpu(quick: bool) -> dict:
-    contexts = (4096, 16384) if quick else (4096, 16384, 65536)
+    contexts = (2048, 8192) if quick else (4096, 16384, 65536)     # quick: seconds, a check it runs
     pools_list = (1, 3)
     gen = torch.Generator().manual_seed(0)
-    bw = cpu_copy_bandwidth()
+    bw = cpu_copy_bandwidth((64 if quick else 256) << 20)
     figures: dict = {"cpu_copy_bandwidth_gbs": bw / 1e9}
     ratios, fractions = [], []
     for ctx in contexts:
         for pools in pools_list:
             first = make_set(ctx, pools, torch.float32, "cpu", gen)
             sets = [first] + [make_set(ctx, pools, torch.float32, "cpu", gen)
-                              for _ in range(n_sets(kv_bytes(first), 64 << 20) - 1)]
+                              for _ in range(n_sets(kv_bytes(first), (16 if quick else 64) << 20) - 1)]
             ref = sdpa(first).squeeze(2)
             out, _ = paged_attention(first.q, first.q_indptr, first.q_pos, first.operands,
                                      backend="torch")
@@ -291,10 +291,11 @@ def bench_gpu(quick: bool, device: str) -> dict:
     return figures
 
 
-def main(argv=None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer and shorter contexts")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda[:N] for the Triton kernel")
+    add_out_arg(ap)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     figures = {"quick": args.quick, "heads_q": HQ, "heads_kv": HKV, "head_dim": DIM}
@@ -308,11 +309,12 @@ def main(argv=None) -> None:
         figures.update(bench_cpu(args.quick))
         targets = [("cpu_paged_over_contiguous (target <= 1.3)", "cpu_paged_over_contiguous"),
                    ("cpu_bandwidth_fraction", "cpu_bandwidth_fraction")]
-    path = write_results("kernels", figures)
+    path = write_results("kernels", figures, args.out)
     rows = [(k, v) for k, v in figures.items()]
     print_table("paged attention vs contiguous SDPA (decode)", rows)
     print_table("headline", [(label, figures[key]) for label, key in targets])
     print(f"\nwrote {path}")
+    return figures
 
 
 if __name__ == "__main__":

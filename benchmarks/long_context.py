@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import print_table, write_results
+from benchmarks._common import add_out_arg, print_table, write_results
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.groups import Tier
 
@@ -362,12 +362,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-heads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="floor + decode pairs measured")
-    ap.add_argument("--quick", action="store_true", help="200k tokens")
+    ap.add_argument("--quick", action="store_true", help="50k tokens: seconds, a check that it runs")
     ap.add_argument("--cluster", action="store_true",
                     help="spread the context over a local multi-node Ray cluster on loopback")
     ap.add_argument("--nodes", type=int, default=3, help="nodes of the --cluster run")
+    add_out_arg(ap)
     args = ap.parse_args(argv)
-    tokens = 200_000 if args.quick else args.tokens
+    tokens = 50_000 if args.quick else args.tokens
     if args.cluster:
         figures = run_cluster(tokens, args.preset, args.seed, args.oracle_heads, args.nodes)
         name = "long_context_cluster"
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nThe footprint per token and layer is stated above; the extrapolation multiplies the "
           "measured decode time by the model's layers and its per-token bytes, assuming decode "
           "stays bandwidth-bound.")
-    path = write_results(name, figures)
+    path = write_results(name, figures, args.out)
     print(f"wrote {path}")
     return figures
 

@@ -1,7 +1,7 @@
 """Multi-turn multimodal dialogue through the real cache: time to first token and memory.
 
 ``python -m benchmarks.multiturn [--quick] [--turns N] [--active N] [--new-tokens N]
-[--rounds N] [--seed N] [--out DIR]`` (quick: 16 turns, 1 round; full: 120 turns, 2 rounds)
+[--rounds N] [--seed N] [--out DIR]`` (quick: 8 turns, 1 round; full: 120 turns, 2 rounds)
 
 A seeded trace from ``benchmarks/workloads.py`` (conversations of several turns, interleaved,
 over several tenants; Zipf-popular images shared across conversations and tenants; audio clips;
@@ -80,8 +80,6 @@ request equals it too; anything else raises ``TokenMismatch``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -95,7 +93,7 @@ import torch
 from mmtier import TieredKVCache
 from mmtier.models import Audio, Image, Media, ReferenceModel, Text
 
-from ._common import RESULTS, machine, print_table, write_results
+from ._common import add_out_arg, machine, print_table, write_results
 from .workloads import WorkloadConfig, generate, load, save
 
 SCALE = 16                          # trace tokens per reference-model token (text, audio)
@@ -485,36 +483,25 @@ def plot(records: list[Record], fig: dict, path: Path) -> None:
     plt.close(f)
 
 
-def _write(name: str, fig: dict, out: Path | None) -> Path:
-    if out is None:
-        return write_results(name, fig)
-    out.mkdir(parents=True, exist_ok=True)
-    data = {**fig, "machine": machine(),
-            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    return path
-
-
 # ---------------------------------------------------------------------------- main
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a short trace (~1 min on 2 cores)")
-    ap.add_argument("--turns", type=int, default=None, help="turns in the trace (quick 16, full 120)")
+    ap.add_argument("--quick", action="store_true", help="a short trace: seconds, a check that it runs")
+    ap.add_argument("--turns", type=int, default=None, help="turns in the trace (quick 8, full 120)")
     ap.add_argument("--active", type=int, default=None, help="conversations open at once (quick 3, full 5)")
     ap.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per turn (quick 3, full 6)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="replays; a turn's TTFT is its minimum over them (quick 1, full 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    add_out_arg(ap)
     a = ap.parse_args(argv)
-    turns_n = a.turns or (16 if a.quick else 120)
+    turns_n = a.turns or (8 if a.quick else 120)
     active = a.active or (3 if a.quick else 5)
     new_tokens = a.new_tokens or (3 if a.quick else 6)
     rounds = a.rounds or (1 if a.quick else 2)
     if min(turns_n, active, new_tokens, rounds) <= 0:
         ap.error("--turns, --active, --new-tokens and --rounds must be positive")
-    out = a.out or RESULTS
+    out = a.out
     torch.set_num_threads(1)          # tiny matmuls: one thread is faster and steadier here
     t0 = time.perf_counter()
 
@@ -549,8 +536,8 @@ def main(argv: list[str] | None = None) -> dict:
               + " ".join(f"{r.ttft[arm] * 1e3:>13.1f}" for arm in ARMS))
     print_table("multiturn figures", [(k, v) for k, v in sorted(fig.items())
                                       if k not in ("baseline", "note_tokens")])
-    path = _write("multiturn", fig, a.out)
-    png = (a.out or RESULTS) / "multiturn.png"
+    path = write_results("multiturn", fig, out)
+    png = out / "multiturn.png"
     plot(records, fig, png)
     print(f"\nwrote {path} and {png}")
     return fig

@@ -1,6 +1,7 @@
 """Regenerate ``benchmarks/RESULTS.md`` from ``benchmarks/results/*.json``.
 
-``python -m benchmarks.report``
+``python -m benchmarks.report [--results DIR]`` (another folder than ``benchmarks/results/``: its
+own ``DIR/RESULTS.md``, the committed page left alone).
 
 Each benchmark's JSON is a flat object of figures plus ``machine`` and ``date``; this page lists
 the headline figures (with their targets) first, then every figure, and the command that
@@ -10,6 +11,7 @@ reproduces each run. GPU figures recorded by hand from ``benchmarks/gpu_check.sh
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -57,10 +59,10 @@ HEADLINES = [
 ]
 
 
-def load() -> dict[str, dict]:
+def load(folder: Path = RESULTS) -> dict[str, dict]:
     out = {}
-    for path in sorted(RESULTS.glob("*.json")) + sorted((RESULTS / "gpu").glob("*.json")):
-        name = path.stem if path.parent == RESULTS else f"gpu/{path.stem}"
+    for path in sorted(folder.glob("*.json")) + sorted((folder / "gpu").glob("*.json")):
+        name = path.stem if path.parent == folder else f"gpu/{path.stem}"
         try:
             out[name] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
@@ -117,7 +119,7 @@ def render(results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot_missing(results: dict[str, dict]) -> list[Path]:
+def plot_missing(results: dict[str, dict], folder: Path = RESULTS) -> list[Path]:
     """A PNG for each benchmark that did not draw its own: its ratio figures as bars."""
     try:
         import matplotlib
@@ -142,7 +144,7 @@ def plot_missing(results: dict[str, dict]) -> list[Path]:
         ax.set_title(f"{name} ({data.get('machine', '?')}, {str(data.get('date', '?'))[:10]})", fontsize=9)
         ax.tick_params(labelsize=7)
         fig.tight_layout()
-        path = RESULTS / f"{name}.png"
+        path = folder / f"{name}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         made.append(path)
@@ -150,10 +152,14 @@ def plot_missing(results: dict[str, dict]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    results = load()
-    for path in plot_missing(results):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the JSON results")
+    args = ap.parse_args(argv)
+    folder = args.results.resolve()
+    results = load(folder)
+    for path in plot_missing(results, folder):
         print(f"wrote {path}")
-    out = HERE / "RESULTS.md"
+    out = HERE / "RESULTS.md" if folder == RESULTS else folder / "RESULTS.md"
     out.write_text(render(results))
     print(f"wrote {out}")
     return out

@@ -54,7 +54,7 @@ DEFAULT_TENANT = "default"
 
 
 class TieredKVCache:
-    """Paged, modality-aware KV cache with content-keyed sharing (see DESIGN.md's contract)."""
+    """Paged, modality-aware KV cache with content-keyed sharing (see docs/design.md's contract)."""
 
     def __init__(self, cfg: CacheConfig):
         self.cfg = cfg

@@ -2,9 +2,11 @@
 
 - ``mmtier demo [--quick] [--out DIR]``: the main job: an embedded local Ray, mmtier on it, a
   multi-turn multimodal workload through the reference model, a table, a JSON report and a chart;
-- ``mmtier start --config FILE [--address auto]``: start mmtier on a running cluster;
+- ``mmtier start --config FILE [--address auto] [--allow-default-secret]``: start mmtier on a
+  running cluster (the key secret from ``MMTIER_KEY_SECRET`` or the Serve config's
+  ``cache.key_secret_env``; the public default only with the flag);
 - ``mmtier status [--address auto]``: its actors, tiers and hit ratios, as tables;
-- ``mmtier bench [NAME ...] [--quick]``: the benchmark suite, then ``benchmarks/RESULTS.md``;
+- ``mmtier bench [NAME ...] [--quick] [--out DIR]``: the benchmark suite, then ``RESULTS.md``;
 - ``mmtier serve --config configs/serve.yaml``: the Ray Serve application.
 
 Ray is imported inside the commands, so ``--help`` is quick.
@@ -73,14 +75,18 @@ def _connect_ray(address: str, namespace: str) -> None:
         ray.init(address=address, namespace=namespace, log_to_driver=False)
 
 
-def load_start_config(path: Path):
+def load_start_config(path: Path, allow_default_secret: bool = False):
     """``(CacheConfig, ClusterSettings)`` from a cache preset (``configs/*.yaml``, optionally
     with a ``cluster:`` section of ClusterSettings) or from a Serve config whose first
-    application is mmtier's (the cache its ``args`` describe: the reference model's)."""
+    application is mmtier's (the cache its ``args`` describe: the reference model's).
+
+    The key secret: a Serve config's ``cache.key_secret_env``; for a preset the environment
+    variable ``MMTIER_KEY_SECRET`` (a secret does not belong in a preset file). ``ConfigError``
+    when that leaves the public default secret, unless ``allow_default_secret`` (local runs)."""
     import yaml
 
     from .actors.settings import ClusterSettings
-    from .config import CacheConfig
+    from .config import KEY_SECRET_ENV, CacheConfig, require_key_secret
     from .errors import ConfigError
 
     try:
@@ -97,24 +103,33 @@ def load_start_config(path: Path):
         if not apps:
             raise ConfigError(f"{path}: no application with import_path mmtier.serve.app:build_app")
         args = ServeAppConfig.parse(apps[0].get("args") or {})
+        if allow_default_secret:
+            args = args.model_copy(update={"cache": args.cache.model_copy(update={"allow_default_key_secret": True})})
         return args.cache_config(), args.settings()
     settings = ClusterSettings(**(data.pop("cluster", None) or {}))
-    cache = data.get("cache", data)
-    return CacheConfig(**cache), settings
+    cache = dict(data.get("cache", data))
+    if os.environ.get(KEY_SECRET_ENV):
+        cache["key_secret"] = os.environ[KEY_SECRET_ENV]
+    cfg = CacheConfig(**cache)
+    require_key_secret(cfg, allow_default_secret, f"set {KEY_SECRET_ENV}")
+    return cfg, settings
 
 
 @main.command()
 @click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A cache preset (configs/*.yaml) or a Serve config (configs/serve.yaml).")
 @click.option("--address", default="auto", show_default=True, help="Ray address of the running cluster.")
-def start(config: Path, address: str) -> None:
+@click.option("--allow-default-secret", is_flag=True,
+              help="Local / development only: run with the public default key secret.")
+def start(config: Path, address: str, allow_default_secret: bool) -> None:
     """Start mmtier on a running Ray cluster: registry, a pool per GPU (per node without one),
-    a store per node. Idempotent: run it again after nodes join."""
+    a store per node. Idempotent: run it again after nodes join. The key secret comes from
+    MMTIER_KEY_SECRET (a preset) or the Serve config's cache.key_secret_env."""
     from . import actors
     from .errors import ConfigError
 
     try:
-        cfg, settings = load_start_config(config)
+        cfg, settings = load_start_config(config, allow_default_secret)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     _connect_ray(address, settings.namespace)
@@ -150,13 +165,16 @@ def status(address: str, namespace: str) -> None:
 
 
 def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: str) -> str:
-    """Three tables: actors (tiers, groups, attaches), modalities (hit ratio), the registry.
+    """Two tables under a registry line: actors (bytes per tier, groups, attaches), modalities
+    (device, host and disk bytes summed over actors; attaches, puts, hit ratio).
 
     Hit ratio of a modality: attaches of groups that were already stored over all attaches
     (``(attaches - puts) / attaches`` summed over pools): each group is put once and attached
     at every use."""
     mib = lambda b: f"{b / 2**20:.1f}"
+    tier_names = ("device", "host", "disk")
     rows, by_mod = [], {}
+    mod_bytes: dict[str, dict[str, int]] = {}
     for name, st in sorted(per_actor.items()):
         kind, _, rest = name.partition(":")
         node, _, dev = rest.partition(":")
@@ -167,8 +185,13 @@ def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: s
         rows.append((kind.removeprefix("mmtier-"), node[:12], dev or "-",
                      f"{mib(used.get('device', 0))}/{mib(cap.get('device', 0))}" if "device" in tiers else "-",
                      f"{mib(used.get('host', 0))}" if "host" in tiers else "-",
+                     f"{mib(used.get('disk', 0))}" if "disk" in tiers else "-",
                      sum(u["groups"] for per in tiers.values() for u in per.values()),
                      c.get("attaches", 0), c.get("puts", 0), c.get("evictions", 0)))
+        for t, per in tiers.items():
+            for m, u in per.items():
+                mb = mod_bytes.setdefault(m, dict.fromkeys(tier_names, 0))
+                mb[t] = mb.get(t, 0) + u["bytes"]
         for m, cm in st.get("by_modality", {}).items():
             agg = by_mod.setdefault(m, [0, 0, 0])
             agg[0] += cm.get("attaches", 0)
@@ -177,10 +200,16 @@ def format_status(per_actor: dict[str, dict], registry: dict[str, int], model: s
     out = [f"mmtier ({model}): {len(per_actor)} actors; registry: {registry.get('keys', 0)} keys, "
            f"{registry.get('copies', 0)} copies, {mib(registry.get('bytes', 0))} MiB, "
            f"{registry.get('holders', 0)} holders",
-           _table(("actor", "node", "device", "device MiB", "host MiB", "groups", "attaches", "puts", "evictions"),
-                  rows), ""]
-    mrows = [(m, a, p, e, f"{max(a - p, 0) / a:.2f}" if a else "-") for m, (a, p, e) in sorted(by_mod.items())]
-    out.append(_table(("modality", "attaches", "puts", "evictions", "hit ratio"), mrows))
+           _table(("actor", "node", "device", "device MiB", "host MiB", "disk MiB", "groups", "attaches",
+                   "puts", "evictions"), rows), ""]
+    mrows = []
+    for m in sorted(set(by_mod) | set(mod_bytes)):
+        a, p, e = by_mod.get(m, (0, 0, 0))
+        mb = mod_bytes.get(m, {})
+        mrows.append((m, *(mib(mb.get(t, 0)) for t in tier_names), a, p, e,
+                      f"{max(a - p, 0) / a:.2f}" if a else "-"))
+    out.append(_table(("modality", "device MiB", "host MiB", "disk MiB", "attaches", "puts", "evictions",
+                       "hit ratio"), mrows))
     return "\n".join(out)
 
 
@@ -194,8 +223,11 @@ def _table(header: tuple, rows: list[tuple]) -> str:
 # ---------------------------------------------------------------------- bench
 @main.command()
 @click.argument("names", nargs=-1)
-@click.option("--quick", is_flag=True, help="Smaller sizes.")
-def bench(names: tuple[str, ...], quick: bool) -> None:
+@click.option("--quick", is_flag=True, help="Smaller sizes (seconds per benchmark; a check that it runs).")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Results folder (default benchmarks/results, whose RESULTS.md is then regenerated; "
+                   "another folder gets its own RESULTS.md).")
+def bench(names: tuple[str, ...], quick: bool, out: Path | None) -> None:
     """Run the benchmark suite (default: all of NAMES below), then regenerate
     benchmarks/RESULTS.md. NAMES: alloc kernels spill eviction cluster long_context multiturn."""
     from tqdm import tqdm
@@ -209,19 +241,20 @@ def bench(names: tuple[str, ...], quick: bool) -> None:
     except ModuleNotFoundError:
         raise click.ClickException("the benchmarks package is not importable: run from the "
                                    "repository root (./run bench)") from None
+    argv = (["--quick"] if quick else []) + (["--out", str(out)] if out is not None else [])
     failed = []
     bar = tqdm(names or BENCHMARKS, desc="benchmarks", unit="bench")
     for name in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            importlib.import_module(f"benchmarks.{name}").main(["--quick"] if quick else [])
+            importlib.import_module(f"benchmarks.{name}").main(argv)
         except Exception as exc:          # one failing benchmark does not stop the suite
             failed.append(name)
             tqdm.write(f"[mmtier bench] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         else:
             tqdm.write(f"[mmtier bench] {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    report.main([])
+    report.main(["--results", str(out)] if out is not None else [])
     if failed:
         raise click.ClickException(f"failed: {', '.join(failed)}")
 

@@ -3,12 +3,13 @@
 ``ModalitySpec`` is frozen and owns the size math (``page_bytes``): every tier sizes itself
 from it. A modality inherits the layers, KV heads, head dim and dtype it leaves unset from the
 model-level fields of ``CacheConfig``; after validation ``CacheConfig.modalities`` holds fully
-resolved specs (``name`` set, nothing left ``None``).
+resolved specs (``name`` set, nothing left ``None``) in an immutable, hashable mapping.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -27,6 +29,8 @@ from .errors import ConfigError
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
 POLICIES = ("lru", "modality_lru", "cost_aware")
+DEFAULT_KEY_SECRET = "mmtier-default-secret"    # public: fine in-process and in tests, never served
+KEY_SECRET_ENV = "MMTIER_KEY_SECRET"            # where `mmtier start` reads a preset's secret
 _MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
 
 
@@ -135,6 +139,34 @@ class ModalitySpec(BaseModel):
         return value
 
 
+class FrozenModalities(Mapping[str, ModalitySpec]):
+    """``CacheConfig.modalities`` after validation: a read-only mapping (no item assignment or
+    deletion) that hashes, so a frozen config is immutable all the way down and hashable."""
+
+    __slots__ = ("_specs",)
+
+    def __init__(self, specs: Mapping[str, ModalitySpec]):
+        self._specs = dict(specs)
+
+    def __getitem__(self, name: str) -> ModalitySpec:
+        return self._specs[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._specs.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenModalities({self._specs!r})"
+
+    def __reduce__(self):
+        return (FrozenModalities, (self._specs,))
+
+
 class CacheConfig(BaseModel):
     """The whole cache: model shape, modalities, tiers, attention backend, eviction policy."""
 
@@ -159,7 +191,9 @@ class CacheConfig(BaseModel):
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("lru", description=f"Eviction policy, one of {POLICIES}.")
     key_secret: str = Field(
-        "mmtier-default-secret", description="Server-side secret that authenticates keys and derives tenant salts.")
+        DEFAULT_KEY_SECRET, description="Server-side secret that authenticates keys and derives tenant salts "
+                                        "(the default is public: `mmtier start` and the Serve app refuse it "
+                                        "unless told the run is local / development).")
     max_inflight_bytes: int = Field(256 << 20, gt=0, strict=True, description="Bytes of tier copies in flight at once.")
     stream_buffer_bytes: int = Field(
         512 << 20, ge=0, strict=True,
@@ -185,6 +219,10 @@ class CacheConfig(BaseModel):
             if not name or not name.replace("_", "").replace("-", "").isalnum():
                 raise ValueError(f"modality name {name!r} must be alphanumeric (with _ or -)")
         return value
+
+    @field_serializer("modalities", mode="wrap")
+    def _dump_modalities(self, value: Mapping[str, ModalitySpec], handler) -> Any:
+        return handler(dict(value))          # dumped as the plain mapping it was given as
 
     @field_validator("device")
     @classmethod
@@ -212,7 +250,7 @@ class CacheConfig(BaseModel):
             elif spec.dtype is None:
                 update["dtype"] = self.dtype
             resolved[name] = spec.model_copy(update=update)
-        object.__setattr__(self, "modalities", resolved)
+        object.__setattr__(self, "modalities", FrozenModalities(resolved))
         return self
 
     # ---- helpers ----
@@ -247,6 +285,18 @@ class CacheConfig(BaseModel):
         if not isinstance(data, dict):
             raise ConfigError(f"config {path} must be a mapping")
         return cls(**data)
+
+
+def require_key_secret(cfg: CacheConfig, allow_default: bool, how: str) -> None:
+    """``ConfigError`` when ``cfg`` uses the public default key secret and ``allow_default`` (an
+    explicit local / development flag) is off: with it, anyone can derive every tenant's salt
+    and forge key tags. ``how`` tells the operator where this command takes a secret from."""
+    if cfg.key_secret == DEFAULT_KEY_SECRET and not allow_default:
+        raise ConfigError(
+            f"key_secret: the default key secret is public (tenant salts and key tags could be "
+            f"derived by anyone); {how}, e.g. `export {KEY_SECRET_ENV}=$(python -c "
+            f"'import secrets; print(secrets.token_hex(32))')`, the same on every node; or allow "
+            f"the default explicitly for a local / development run", ("key_secret",))
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

@@ -46,7 +46,7 @@ from typing import Protocol
 import torch
 
 from .config import CacheConfig
-from .content import ContentKey, KeyMaker
+from .content import ContentKey, KeyMaker, tenant_scope
 from .errors import CapacityError, CorruptDataError, MMTierError
 from .eviction import EvictionPolicy
 from .groups import ModalityGroup, Tier
@@ -62,6 +62,8 @@ from .table import Segment, compile_segments
 WAIT_S = 120.0
 HIGH_WATER = 0.9
 LOW_WATER = 0.75
+PRIVATE_SALT = b"private"                  # the salt of private runs' keys (a tenant's salt is 32 bytes)
+PRIVATE_SCOPE = tenant_scope(PRIVATE_SALT)
 
 
 class GroupOwner(Protocol):
@@ -116,7 +118,7 @@ class LowerTiers:
         key = self._private_keys.get(group.gid)
         if key is None:
             digest = hashlib.sha256(b"mmtier/private" + os.urandom(16) + group.gid.to_bytes(8, "big")).digest()
-            key = self.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=b"private")
+            key = self.keys.chain(modality=group.modality, chain_digest=digest, tenant_salt=PRIVATE_SALT)
             self._private_keys[group.gid] = key
         return key
 
@@ -124,7 +126,11 @@ class LowerTiers:
     def adopt_disk_inventory(self, known: Container[ContentKey], new_gid: Callable[[], int]
                              ) -> list[ModalityGroup]:
         """The verified groups found on disk and not in ``known`` (a new cache over the same
-        ``disk_dir``), as disk-resident groups for the owner to index."""
+        ``disk_dir``), as disk-resident groups for the owner to index.
+
+        A private run's file (a sequence's own K/V, under a one-off key no caller can name) is
+        unreachable once its cache is gone: it is removed, freeing its disk budget, and counted
+        (``private_runs_removed_at_start``), never adopted."""
         if self.disk is None:
             return []
         found: dict[ContentKey, ModalityGroup] = {}
@@ -133,6 +139,10 @@ class LowerTiers:
             spec = self.cfg.modalities.get(key.modality)
             if spec is None or not self.keys.is_authentic(key) or key.sharing not in ("content", "prefix"):
                 self.counters.add("foreign_files")
+                continue
+            if key.scope == PRIVATE_SCOPE:
+                self.disk.remove(key)
+                self.counters.add("private_runs_removed_at_start", key.modality)
                 continue
             if key in known or key in found:
                 continue

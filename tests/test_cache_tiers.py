@@ -214,6 +214,31 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path):
         assert again.stats().counters["adopted_from_disk"] == 3
 
 
+def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path):
+    """A private run (a sequence's own K/V) on disk is unreachable after its cache is gone: a
+    new cache removes its file and counts it, and still adopts the shared groups beside it."""
+    cfg = make_cfg(tmp_path, device_pages=2, host_pages=1)
+    with TieredKVCache(cfg) as cache:
+        for _ in range(3):            # 2 text pages each: the first run goes device -> host -> disk
+            cache.append(cache.create_sequence(tenant="acme"), "text", *kv(32))
+        shared = [cache.content_key("vision", f"s{i}".encode(), tenant="acme") for i in range(4)]
+        for key in shared:
+            cache.put(key, *kv(40))
+        on_disk = [k for k in shared if cache._groups[k].tier == Tier.DISK]
+        assert on_disk and cache.stats().tiers["disk"]["text"].groups == 1
+        text_files = sorted((tmp_path / "spill").glob("text-*.arrow"))
+        assert len(text_files) == 1
+    with TieredKVCache(cfg) as again:
+        st = again.stats()
+        assert st.counters["private_runs_removed_at_start"] == 1
+        assert st.counters["adopted_from_disk"] == len(on_disk)
+        assert not any(p.exists() for p in text_files)
+        assert st.tiers["disk"]["text"].groups == 0 and st.tiers["disk"]["text"].bytes == 0
+        assert st.tiers["disk"]["vision"].groups == len(on_disk)
+        assert all(again.contains(k) for k in on_disk)
+        assert len(again._groups) == len(on_disk)
+
+
 def _flip_one_byte(path, at=None):
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2 if at is None else at] ^= 0xFF

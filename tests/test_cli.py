@@ -14,6 +14,8 @@ import yaml
 from click.testing import CliRunner
 
 from mmtier.cli import format_status, load_start_config, main
+from mmtier.config import DEFAULT_KEY_SECRET
+from mmtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "start", "status", "bench", "serve")
@@ -34,11 +36,41 @@ def test_bench_rejects_unknown_names():
     assert result.exit_code == 2 and "unknown benchmark" in result.output
 
 
-def test_start_config_from_serve_yaml_and_presets():
+def test_start_config_from_serve_yaml_and_presets(monkeypatch):
+    monkeypatch.setenv("MMTIER_KEY_SECRET", "s3cret-from-env")
     cfg, settings = load_start_config(ROOT / "configs" / "serve.yaml")
     assert cfg.model.startswith("mmtier-reference-v1") and settings.namespace == "mmtier"
+    assert cfg.key_secret == "s3cret-from-env"
     cfg, _ = load_start_config(ROOT / "configs" / "tiny-mm.yaml")
-    assert cfg.model == "tiny-mm"
+    assert cfg.model == "tiny-mm" and cfg.key_secret == "s3cret-from-env"
+
+
+@pytest.mark.parametrize("name", ["serve.yaml", "tiny-mm.yaml"])
+def test_start_refuses_the_default_key_secret_without_the_dev_flag(monkeypatch, name):
+    monkeypatch.delenv("MMTIER_KEY_SECRET", raising=False)
+    with pytest.raises(ConfigError) as err:
+        load_start_config(ROOT / "configs" / name)
+    want = ("cache.key_secret_env",) if name == "serve.yaml" else ("key_secret",)
+    assert err.value.fields == want and "MMTIER_KEY_SECRET" in str(err.value)
+    cfg, _ = load_start_config(ROOT / "configs" / name, allow_default_secret=True)
+    assert cfg.key_secret == DEFAULT_KEY_SECRET
+    result = CliRunner().invoke(main, ["start", "--config", str(ROOT / "configs" / name)])
+    assert result.exit_code == 1 and "MMTIER_KEY_SECRET" in result.output
+
+
+def test_serve_app_refuses_the_default_key_secret_unless_allowed(monkeypatch):
+    from mmtier.serve.config import ServeAppConfig
+
+    monkeypatch.delenv("MMTIER_KEY_SECRET", raising=False)
+    args = {"api_keys": {"k": "acme"}}
+    with pytest.raises(ConfigError) as err:
+        ServeAppConfig.parse(args).cache_config()
+    assert err.value.fields == ("key_secret",)
+    allowed = ServeAppConfig.parse({**args, "cache": {"allow_default_key_secret": True}})
+    assert allowed.cache_config().key_secret == DEFAULT_KEY_SECRET
+    monkeypatch.setenv("MY_SECRET", "from-env")
+    from_env = ServeAppConfig.parse({**args, "cache": {"key_secret_env": "MY_SECRET"}})
+    assert from_env.cache_config().key_secret == "from-env"
 
 
 def test_deployment_configs():
@@ -65,12 +97,19 @@ def test_format_status_table():
     pool = {"tiers": {"device": {"vision": {"groups": 2, "pages": 4, "bytes": 4 << 20, "capacity_bytes": 8 << 20}}},
             "counters": {"attaches": 5, "puts": 2, "evictions": 1},
             "by_modality": {"vision": {"attaches": 5, "puts": 2, "evictions": 1}}}
-    store = {"tiers": {"host": {"vision": {"groups": 1, "pages": 2, "bytes": 2 << 20, "capacity_bytes": 64 << 20}}},
+    store = {"tiers": {"host": {"vision": {"groups": 1, "pages": 2, "bytes": 2 << 20, "capacity_bytes": 64 << 20}},
+                       "disk": {"vision": {"groups": 1, "pages": 3, "bytes": 3 << 20, "capacity_bytes": 1 << 30},
+                                "audio": {"groups": 1, "pages": 5, "bytes": 5 << 20, "capacity_bytes": 1 << 30}}},
              "counters": {"puts": 1}, "by_modality": {}}
     text = format_status({"mmtier-pool:abcdef0123456789:cpu0": pool, "mmtier-store:abcdef0123456789": store},
                          {"keys": 3, "copies": 3, "bytes": 6 << 20, "holders": 2}, "tiny-mm")
     assert "pool" in text and "store" in text and "4.0/8.0" in text
-    assert "0.60" in text                        # vision: (5 attaches - 2 puts) / 5
+    actors, mods = text.split("\n\n")
+    assert "disk MiB" in actors and actors.splitlines()[-1].split()[5] == "8.0"   # the store's disk
+    rows = {line.split()[0]: line.split() for line in mods.splitlines()[2:]}
+    assert mods.splitlines()[0].split()[:7] == ["modality", "device", "MiB", "host", "MiB", "disk", "MiB"]
+    assert rows["vision"][1:4] == ["4.0", "2.0", "3.0"] and rows["vision"][-1] == "0.60"   # (5 - 2) / 5
+    assert rows["audio"][1:4] == ["0.0", "0.0", "5.0"] and rows["audio"][-1] == "-"
 
 
 @pytest.mark.ray

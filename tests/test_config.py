@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import pickle
 from pathlib import Path
 
 import pydantic
@@ -344,15 +346,34 @@ def test_configs_are_frozen():
     assert hash(spec) == hash(spec.model_copy())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lead bug (config.py CacheConfig.modalities): frozen=True stops attribute assignment, but "
-    "modalities is a plain dict, so cfg.modalities[...] can be replaced or deleted after "
-    "validation (and hash(cfg) fails); a MappingProxyType / frozen mapping would close it"))
-def test_modalities_mapping_is_frozen():
+def test_modalities_mapping_is_frozen_and_the_config_hashes():
     cfg = CacheConfig.from_yaml(CONFIGS / "tiny-mm.yaml")
+    text = cfg.modalities["text"]
     with pytest.raises(TypeError):
         cfg.modalities["text"] = ModalitySpec(page_size=1)   # type: ignore[index]
-    hash(cfg)
+    with pytest.raises(TypeError):
+        del cfg.modalities["text"]                           # type: ignore[attr-defined]
+    for name in ("pop", "update", "clear", "setdefault"):
+        assert not hasattr(cfg.modalities, name)
+    assert cfg.modalities["text"] is text and len(cfg.modalities) == 4
+    again = CacheConfig.from_yaml(CONFIGS / "tiny-mm.yaml")
+    assert hash(cfg) == hash(again) and {cfg: 1}[again] == 1
+    other = CacheConfig(**{**dict(cfg), "modalities": {**cfg.modalities, "text": ModalitySpec(page_size=32)}})
+    assert other != cfg and other.modalities["text"].page_size == 32 and text.page_size == 16
+
+
+def test_frozen_modalities_round_trip_json_pickle_and_revalidation():
+    cfg = CacheConfig.from_yaml(CONFIGS / "tiny-mm.yaml")
+    dumped = cfg.model_dump()
+    assert type(dumped["modalities"]) is dict and dumped["modalities"]["vision"]["page_size"] == 64
+    from_json = CacheConfig.model_validate_json(cfg.model_dump_json())
+    assert from_json == cfg and hash(from_json) == hash(cfg)
+    assert CacheConfig.model_validate(yaml.safe_load(yaml.safe_dump(json.loads(cfg.model_dump_json())))) == cfg
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert CacheConfig(**dict(cfg)) == cfg                    # the frozen mapping validates again
+    with pytest.raises(ConfigError) as err:
+        CacheConfig(**{**dict(cfg), "modalities": {**cfg.modalities, "x y": {"page_size": 16}}})
+    assert "modalities" in err.value.fields
 
 
 def test_model_copy_revalidation_is_explicit():

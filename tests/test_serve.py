@@ -35,7 +35,7 @@ pytestmark = pytest.mark.ray
 NEW = 4
 ARGS = {
     "model": {"seed": 0},
-    "cache": {"device_bytes": 8 << 20},
+    "cache": {"device_bytes": 8 << 20, "allow_default_key_secret": True},   # a local test cluster
     "cluster": {"call_timeout_s": 60.0, "sweep_interval_s": 2.0},
     "api_keys": {"key-acme": "acme", "key-globex": "globex"},
     "limits": {"max_media_bytes": 48 << 10, "max_request_bytes": 256 << 10,
@@ -127,6 +127,13 @@ def test_health_and_auth(url):
     ("too_many_tokens", 400, "bad_request"),
     ("oversized_media", 413, "too_large"),
     ("oversized_body", 413, "too_large"),
+    ("huge_body_2mb", 413, "too_large"),
+    ("huge_text_item", 413, "too_large"),
+    ("multibyte_text_item", 413, "too_large"),
+    ("turn_over_token_limit", 413, "too_large"),
+    ("media_over_token_limit", 413, "too_large"),
+    ("too_many_media", 400, "bad_request"),
+    ("lone_surrogate", 400, "bad_request"),
     ("unknown_conversation", 404, "unknown_conversation"),
 ])
 def test_bad_requests(url, case, status, kind):
@@ -148,6 +155,20 @@ def test_bad_requests(url, case, status, kind):
         body = turn("hi", ("image", bytes(50_000)))
     elif case == "oversized_body":
         raw = b" " * (300 << 10)
+    elif case == "huge_body_2mb":          # the shape that once reached the decoder: 500
+        raw = json.dumps(turn("x" * (2 << 20))).encode()
+    elif case == "huge_text_item":         # under the body limit, over the per-item text limit
+        body = turn("y" * (200 << 10))
+    elif case == "multibyte_text_item":    # 1500 characters, 4500 UTF-8 bytes (tokens)
+        body = turn("\u20ac" * 1500)
+    elif case == "turn_over_token_limit":  # each item fits; together over max_turn_tokens
+        body = turn(*["z" * 4000] * 3)
+    elif case == "media_over_token_limit":  # 5004 text + new tokens fit; 3 clips of 1250 frames do not
+        body = turn("a" * 4000, "b" * 1000, *[("audio", BIG_AUDIO[: 40000 - i]) for i in range(3)])
+    elif case == "too_many_media":
+        body = turn(*[("image", IMG_X)] * 40)
+    elif case == "lone_surrogate":
+        raw = b'{"content": [{"type": "text", "text": "\\ud800"}]}'
     elif case == "unknown_conversation":
         body = turn("hi", conv="w0.deadbeef")
     got, answer = call(url, body, raw=raw)

@@ -48,6 +48,7 @@ class TurnIngress:
         self.cluster = connect(self.cfg.settings())
         model = ReferenceModel(seed=self.cfg.model.seed)
         self.params = {m: enc.params for m, enc in model.encoders.items()}
+        self.encoders = dict(model.encoders)
         self.group_modalities = {m: (cross_modality(m), embed_modality(m)) for m in model.encoders}
         self.router = Router(sorted(self.workers))
         self._holders: dict[str, tuple[str, str] | None] = {}
@@ -73,7 +74,7 @@ class TurnIngress:
             if method != "POST":
                 raise HTTPError(405, "method_not_allowed", "use POST /v1/turn")
             tenant = self._tenant(request)
-            turn = parse_turn(await self._body(request), self.cfg.limits)
+            turn = parse_turn(await self._body(request), self.cfg.limits, self._media_tokens)
             return await self._turn(tenant, turn)
         if path.startswith("/v1/conversations/"):
             if method != "DELETE":
@@ -83,6 +84,9 @@ class TurnIngress:
             node = self._conversation_node(conv)
             return await self._call(node, "close", tenant, conv)
         raise HTTPError(404, "not_found", f"no route {method} {path}")
+
+    def _media_tokens(self, item: MediaItem) -> int:
+        return self.encoders[item.modality].tokens_for(item.data)
 
     def _tenant(self, request) -> str:
         key = api_key(request.headers)
@@ -182,11 +186,12 @@ def build_app(args: dict | None = None):
 
     cfg = ServeAppConfig.parse(args)
     cfg.key_table()                                     # fail at deploy time, not per request
+    cache_cfg = cfg.cache_config()                      # refuses the public default key secret
     cfg_json = cfg.model_dump(mode="json")
     if not ray.is_initialized():
         ray.init(address="auto", namespace=cfg.settings().namespace)
     if cfg.start_cache:
-        start(cfg.cache_config(), cfg.settings())
+        start(cache_cfg, cfg.settings())
     targets = pin_targets(ray.nodes(), cfg.affinity.pin_resource_prefix)
     if not targets:
         raise ConfigError("no node to pin a worker to: with affinity.pin_resource_prefix set, give "

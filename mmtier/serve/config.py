@@ -3,7 +3,8 @@
 Validated by pydantic (``extra="forbid"``: a misspelt field is an error that names it). Secrets
 need not sit in the file: API keys can come from an environment variable (``api_keys_env``, a
 JSON object ``{"key": "tenant"}``) or as SHA-256 digests of the keys (``api_key_sha256``); the
-cache's key secret from ``key_secret_env``.
+cache's key secret from ``key_secret_env`` (required: the public default secret is refused unless
+``cache.allow_default_key_secret`` says the run is local / development).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..actors.settings import ClusterSettings
-from ..config import CacheConfig
+from ..config import CacheConfig, require_key_secret
 from ..errors import ConfigError
 
 
@@ -40,26 +41,40 @@ class CacheArgs(_Strict):
     eviction_policy: str = Field("lru", description="Eviction policy of each pool.")
     key_secret_env: str | None = Field(
         None, description="Environment variable holding the cache's key secret (salts tenants, "
-                          "authenticates keys); unset: the default secret (development only).")
+                          "authenticates keys), e.g. MMTIER_KEY_SECRET; required unless "
+                          "allow_default_key_secret.")
+    allow_default_key_secret: bool = Field(
+        False, description="Local / development runs only: accept the public default key secret "
+                           "when key_secret_env is unset or names an unset variable (anyone "
+                           "could derive tenant salts).")
     shares: dict[str, float] | None = Field(None, description="Arena share per modality (default: the model's).")
 
     def cache_config(self, seed: int) -> CacheConfig:
         from ..models import reference_config
 
         extra: dict[str, Any] = {"device": self.device, "eviction_policy": self.eviction_policy}
-        if self.key_secret_env:
-            secret = os.environ.get(self.key_secret_env)
-            if not secret:
-                raise ConfigError(f"cache.key_secret_env: environment variable {self.key_secret_env} "
-                                  "is not set", ("cache.key_secret_env",))
+        secret = os.environ.get(self.key_secret_env) if self.key_secret_env else None
+        if secret:
             extra["key_secret"] = secret
-        return reference_config(device_bytes=self.device_bytes, host_bytes=self.host_bytes,
-                                seed=seed, shares=self.shares, **extra)
+        elif self.key_secret_env and not self.allow_default_key_secret:
+            raise ConfigError(f"cache.key_secret_env: environment variable {self.key_secret_env} "
+                              "is not set (it holds the cache's key secret)", ("cache.key_secret_env",))
+        cfg = reference_config(device_bytes=self.device_bytes, host_bytes=self.host_bytes,
+                               seed=seed, shares=self.shares, **extra)
+        require_key_secret(cfg, self.allow_default_key_secret,
+                           "set cache.key_secret_env to an environment variable that holds one")
+        return cfg
 
 
 class Limits(_Strict):
     max_request_bytes: int = Field(16 << 20, gt=0, description="Largest HTTP body accepted (413 above).")
     max_media_bytes: int = Field(1 << 20, gt=0, description="Largest decoded media item (413 above).")
+    max_text_bytes: int = Field(
+        4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the byte-level reference "
+                                "model; a chunk's attention grows with its square; 413 above).")
+    max_turn_tokens: int = Field(
+        8192, gt=0, description="Most tokens one turn adds to its conversation: text, media (as the "
+                                "model's encoders count them) and max_new_tokens (413 above).")
     max_items: int = Field(32, gt=0, description="Most content items in one turn (400 above).")
     max_new_tokens: int = Field(64, ge=0, description="Largest max_new_tokens a request may ask (400 above).")
     default_new_tokens: int = Field(8, ge=0, description="max_new_tokens when a request names none.")

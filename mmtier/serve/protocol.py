@@ -14,7 +14,8 @@ field, so a client that believes it can pick its tenant learns at once that it c
 
 Errors are ``{"error": {"status": N, "type": "...", "message": "..."}}`` with status 400 (malformed
 JSON, bad base64, unknown content type, bad field), 401 (missing or unknown API key), 404
-(unknown conversation), 413 (body or media item over the configured limit), 503 (the cache has
+(unknown conversation), 413 (body, text item, media item or the turn's tokens over the configured
+limit), 503 (the cache has
 no room: ``CapacityError``); 500 only for a server fault, never for bad input.
 """
 
@@ -24,6 +25,7 @@ import base64
 import binascii
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .config import Limits
@@ -87,8 +89,13 @@ def api_key(headers) -> str | None:
     return key.strip() if key and key.strip() else None
 
 
-def parse_turn(body: bytes, limits: Limits) -> TurnRequest:
-    """A checked turn, or ``HTTPError`` (400 / 413). Media are decoded and hashed here."""
+def parse_turn(body: bytes, limits: Limits,
+               media_tokens: Callable[[MediaItem], int] | None = None) -> TurnRequest:
+    """A checked turn, or ``HTTPError`` (400 / 413). Media are decoded and hashed here.
+
+    The turn's tokens (``limits.max_turn_tokens``): UTF-8 bytes of its text (the reference model
+    is byte-level), ``media_tokens(item)`` per media item (the model's encoders know; none
+    counted without it) and ``max_new_tokens``."""
     if len(body) > limits.max_request_bytes:
         raise HTTPError(413, "too_large", f"request body of {len(body)} bytes is over the "
                                           f"{limits.max_request_bytes}-byte limit")
@@ -116,6 +123,11 @@ def parse_turn(body: bytes, limits: Limits) -> TurnRequest:
     if len(content) > limits.max_items:
         raise bad(f"{len(content)} content items; at most {limits.max_items}")
     items = tuple(_item(i, n, limits) for n, i in enumerate(content))
+    tokens = new + sum(len(i.text.encode()) if isinstance(i, TextItem)
+                       else media_tokens(i) if media_tokens is not None else 0 for i in items)
+    if tokens > limits.max_turn_tokens:
+        raise HTTPError(413, "too_large", f"the turn is {tokens} tokens (text, media and max_new_tokens); "
+                                          f"at most {limits.max_turn_tokens}")
     return TurnRequest(conv, items, new)
 
 
@@ -127,7 +139,18 @@ def _item(item: object, n: int, limits: Limits) -> TextItem | MediaItem:
     if kind == "text":
         if set(item) != {"type", "text"} or not isinstance(item["text"], str) or not item["text"]:
             raise bad(f"{where}: a text item is {{'type': 'text', 'text': <non-empty string>}}")
-        return TextItem(item["text"])
+        text = item["text"]
+        if len(text) > limits.max_text_bytes:          # each character is one byte or more
+            raise HTTPError(413, "too_large", f"{where}: text of {len(text)} characters is over the "
+                                              f"{limits.max_text_bytes}-byte limit")
+        try:
+            size = len(text.encode())
+        except UnicodeEncodeError:
+            raise bad(f"{where}: text is not valid Unicode (a lone surrogate)") from None
+        if size > limits.max_text_bytes:
+            raise HTTPError(413, "too_large", f"{where}: text of {size} bytes is over the "
+                                              f"{limits.max_text_bytes}-byte limit")
+        return TextItem(text)
     if kind not in MEDIA_TYPES:
         raise bad(f"{where}: unknown content type {kind!r}; use 'text', "
                   + ", ".join(repr(t) for t in MEDIA_TYPES), "unknown_media_kind")
