@@ -27,11 +27,12 @@ from .errors import (
 )
 from .eviction import make_policy
 from .groups import ModalityGroup, Tier
-from .kernels import merge_attention_states, paged_attention
+from .kernels import merge_attention_states, paged_attention, upload_ints
 from .leases import Lease, LeaseTable
 from .payload import (
     check_kv,
     check_payload,
+    slot_mapping,
     token_identity,
     write_embedding,
     write_fresh_pages,
@@ -161,9 +162,7 @@ class TieredKVCache:
             else:
                 group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
                 all_pages = pages
-            slots = torch.arange(have, have + n)
-            page_ids = torch.tensor(all_pages, dtype=torch.int64)[slots // spec.page_size]
-            self._write(pool, k, v, page_ids, slots % spec.page_size)
+            self._write(pool, k, v, *slot_mapping(all_pages, have, n, spec.page_size))
             if extend:
                 group.pages = all_pages
                 group.num_tokens += n
@@ -316,7 +315,7 @@ class TieredKVCache:
                     raise ShapeError(f"{n_q} queries but the sequence holds {length} tokens")
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
-                q_pos = q_positions.to(torch.int32).cpu()
+                q_pos = self._positions(q_positions, n_q)
             return self._attend_checked(segments, layer, q, q_pos, causal, scale)
 
     def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
@@ -340,7 +339,18 @@ class TieredKVCache:
                         raise ShapeError(f"sequence {seq.id}: the segment at {s.start} is in two parts")
                     seen.add((seq.id, s.start))
                     segments.append(Segment(s.group, s.start + int(offset)))
-            return self._attend_checked(segments, layer, q, q_positions.to(torch.int32).cpu(), causal, scale)
+            return self._attend_checked(segments, layer, q, self._positions(q_positions, q.shape[0]),
+                                        causal, scale)
+
+    @staticmethod
+    def _positions(q_positions, n_q: int) -> torch.Tensor:
+        """Caller-given query positions as int32, left on their device (no copy back to the
+        host: a CUDA tensor stays there)."""
+        if not isinstance(q_positions, torch.Tensor) or q_positions.shape != (n_q,) \
+                or q_positions.is_floating_point() or q_positions.is_complex():
+            raise ShapeError(f"q_positions must be {n_q} integer positions, got "
+                             f"{tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}")
+        return q_positions.to(torch.int32)
 
     def _check_q(self, q) -> None:
         self._open()
@@ -386,7 +396,8 @@ class TieredKVCache:
                 s.group.pins -= 1
 
     def _attend(self, segments, layer, q, q_pos, causal, scale):
-        """Device-resident segments on the device backend; lower tiers where they live."""
+        """Device-resident segments on the device backend; lower tiers where they live; the
+        parts merged on the device of the device part (the lower parts' small states go up)."""
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
         stream = self.lower.stream(segments, layer) if self.lower.enabled else None   # disk reads first:
         try:                                                          # they overlap the device part
@@ -397,8 +408,10 @@ class TieredKVCache:
         if len(states) == 1:
             out, lse = states[0]
         else:
-            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
-                                              backend="torch", out_dtype=torch.float32)
+            dev = states[0][0].device      # the device part's, when there is one (it comes first)
+            backend = self._backend() if dev == self.arena.device else "torch"
+            out, lse = merge_attention_states([o.to(dev) for o, _ in states], [s.to(dev) for _, s in states],
+                                              backend=backend, out_dtype=torch.float32)
         return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
 
     def _attend_tiers(self, segments, device_segs, layer, q, q_pos, causal, scale, stream):
@@ -407,11 +420,19 @@ class TieredKVCache:
             ops = compile_segments(device_segs, layer, self._device_view)
             dev = self.arena.device
             qd = q.to(dev)
+            # the query's index arrays: built on the host (planning reads them there) and
+            # uploaded without a sync; caller-given positions already on the device stay there
+            host_q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            if q_pos.device.type == "cpu":
+                q_indptr, q_pos_dev = upload_ints([host_q_indptr, q_pos], dev)
+            else:
+                q_indptr, = upload_ints([host_q_indptr], dev)
+                q_pos_dev = q_pos.to(dev)
             sharing = stream.sharing_cores() if stream is not None and dev.type == "cpu" else nullcontext()
             with sharing:
                 states.append(paged_attention(
-                    qd, torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev), ops,
-                    causal=causal, scale=scale, backend=self._backend(), out_dtype=torch.float32))
+                    qd, q_indptr, q_pos_dev, ops, causal=causal, scale=scale, backend=self._backend(),
+                    out_dtype=torch.float32, host_q_indptr=host_q_indptr))
         states.extend(self._attend_lower(segments, layer, q, q_pos, causal, scale, stream))
         return states
 
