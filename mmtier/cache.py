@@ -409,7 +409,7 @@ class TieredKVCache:
             out, lse = states[0]
         else:
             dev = states[0][0].device      # the device part's, when there is one (it comes first)
-            backend = self._backend() if dev == self.arena.device else "torch"
+            backend = self._backend() if dev == self.arena.storage.device else "torch"   # (indexed: cuda:0)
             out, lse = merge_attention_states([o.to(dev) for o, _ in states], [s.to(dev) for _, s in states],
                                               backend=backend, out_dtype=torch.float32)
         return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)

@@ -59,7 +59,19 @@ def test_unreferenced_groups_cascade_device_host_disk(tmp_path, backend):
         assert s.counters["spills"] >= 4 and s.counters.get("evictions", 0) == 0
 
 
-def test_attention_across_three_tiers_equals_oracle(tmp_path, backend):
+def test_attention_across_three_tiers_equals_oracle(tmp_path, backend, monkeypatch):
+    """Device, host and disk parts equal the oracle once merged; the merge runs on the device
+    part's device, with the cache's backend (the lower parts' small states go up to it)."""
+    import mmtier.cache as cache_module
+
+    merges = []
+    real_merge = cache_module.merge_attention_states
+
+    def spy(outs, lses, **kw):
+        merges.append(({o.device for o in outs} | {s.device for s in lses}, kw.get("backend")))
+        return real_merge(outs, lses, **kw)
+
+    monkeypatch.setattr(cache_module, "merge_attention_states", spy)
     cfg = make_cfg(backend, tmp_path, device_pages=4, host_pages=4)
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence()
@@ -84,7 +96,8 @@ def test_attention_across_three_tiers_equals_oracle(tmp_path, backend):
             vv = torch.cat(vs, dim=1)[layer]
             t = kk.shape[0]
             expect, _ = oracle_attention(q, torch.arange(t - 3, t), kk, vv, torch.arange(t))
-            assert rel_err(out, expect) < 1e-5
+            assert rel_err(out, expect) < 1e-5 and out.device == q.device
+        assert len(merges) == L and all(m == ({cache.arena.storage.device}, backend.name) for m in merges)
         cache.release(seq)
         assert cache.pools["vision"].num_used == sum(
             len(g.pages) for g in cache._groups.values() if g.tier == Tier.DEVICE)
