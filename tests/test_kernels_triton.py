@@ -22,7 +22,14 @@ import torch
 
 from mmtier.errors import ConfigError, DTypeError, ShapeError
 from mmtier.kernels import merge_attention_states, paged_attention, write_kv
-from mmtier.kernels.layout import INDEX_DTYPE, TABLES, HostTables, PagedKV, build_paged_kv
+from mmtier.kernels.layout import (
+    INDEX_DTYPE,
+    TABLES,
+    HostTables,
+    PagedKV,
+    build_paged_kv,
+    upload_ints,
+)
 from tests.oracle import oracle_attention, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -344,6 +351,20 @@ def test_plan_from_host_tables_never_reads_the_device():
                                                                 bad.host.seg_start, bad.host.seg_len, ids))
     with pytest.raises(ShapeError):
         plan_paged_attention(case.q, case.q_indptr, [forged], host_q_indptr=host_q)
+
+
+def test_upload_ints_keeps_values_and_aligns_each_table():
+    """Host-built tables reach the device with their values and shapes, each 16-byte aligned
+    (Triton specializes on pointer alignment); on the CPU they are the tensors themselves."""
+    gen = torch.Generator().manual_seed(6)
+    tables = [torch.randint(-50, 50, (n,), generator=gen, dtype=torch.int32) for n in (3, 0, 5, 1, 8)]
+    tables.append(torch.randint(0, 9, (2, 3), generator=gen, dtype=torch.int32))
+    got = upload_ints(tables, torch.device(DEVICE))
+    for t, g in zip(tables, got):
+        assert g.device.type == DEVICE and g.shape == t.shape and torch.equal(g.cpu(), t)
+        assert g.data_ptr() % 16 == 0 or g.numel() == 0 or DEVICE == "cpu"
+        if DEVICE == "cpu":
+            assert g is t
 
 
 def test_no_operands_and_no_queries():

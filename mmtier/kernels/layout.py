@@ -33,6 +33,7 @@ import torch
 from ..errors import DTypeError, ShapeError
 
 INDEX_DTYPE = torch.int32
+ALIGN_INTS = 4    # 16 bytes of int32
 
 
 TABLES = ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids")
@@ -128,15 +129,17 @@ def upload_ints(tensors: Sequence[torch.Tensor], device: torch.device) -> list[t
     caching host allocator keeps the buffer alive until the copy has run)."""
     if device.type == "cpu":
         return list(tensors)
-    flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0, dtype=INDEX_DTYPE)
-    if device.type == "cuda":
-        flat = flat.pin_memory()
-    on_dev = flat.to(device, non_blocking=True)
-    out, at = [], 0
+    # each tensor starts 16-byte aligned in the buffer: Triton specializes kernels on pointer
+    # alignment, so unaligned views would compile new variants as table sizes change
+    starts, at = [], 0
     for t in tensors:
-        out.append(on_dev[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    return out
+        starts.append(at)
+        at += -(-t.numel() // ALIGN_INTS) * ALIGN_INTS
+    flat = torch.zeros(at, dtype=INDEX_DTYPE, pin_memory=device.type == "cuda")
+    for t, start in zip(tensors, starts):
+        flat[start:start + t.numel()] = t.reshape(-1)
+    on_dev = flat.to(device, non_blocking=True)
+    return [on_dev[start:start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)]
 
 
 def check_queries(q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor) -> None:
