@@ -14,7 +14,8 @@
 #      (one layer of a real model's shape per decode step, across GPU, host and NVMe).
 # Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt + tests.xml
 # (junit), bench.txt, kernels.json, long_context.txt/.json, summary.json (exit codes, test
-# counts, headline figures), status.txt. Exit status: non-zero if a step that ran failed.
+# counts, headline figures): 8 files at most, what a device call brings back. Exit status:
+# non-zero if a step that ran failed.
 # Time: the three steps' limits (TEST_TIMEOUT 240 s, BENCH_TIMEOUT 200 s, LC_TIMEOUT 120 s)
 # fit one 10-minute device call. BENCH_ARGS adds kernel benchmark flags (BENCH_ARGS=--quick:
 # 64K-256K only); LC_PRESET (qwen2.5-vl-7b: 28 query / 4 KV heads), LC_TOKENS (500000);
@@ -215,7 +216,7 @@ else
         | tee "$OUT/long_context.txt"
 fi
 
-echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc" | tee "$OUT/status.txt"
+echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc"   # also in summary.json
 "$PY" - "$OUT" "$rc_tests" "$rc_bench" "$rc_lc" <<'EOF2'
 """summary.json: each step's exit code, the test counts (junit), the headline figures."""
 import json
