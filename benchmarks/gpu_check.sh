@@ -1,28 +1,39 @@
 #!/usr/bin/env bash
-# Kernel checks for a GPU machine (plain `python`: 3.12, torch, triton; no Ray, no venv).
-#   1. the Triton kernel tests, compiled on CUDA (TRITON_INTERPRET unset; the tests pick CUDA);
-#   2. `python -m benchmarks.kernels --device cuda` (paged vs contiguous SDPA, bandwidth);
-#   3. when .gpu-wheels/ came along (benchmarks/gpu_wheels.sh, sent with `carry`): the cache's
-#      missing dependencies unpacked into a scratch directory, then `python -m
-#      benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS` (one
-#      layer of a real model's shape per decode step, across GPU, host and NVMe).
-# Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt (+ tests.xml with
-# pytest), bench.txt, kernels.json, long_context.txt/.json, status.txt. Exit status: non-zero if
-# a step that ran failed. BENCH_ARGS adds kernel benchmark flags (e.g. BENCH_ARGS=--quick);
-# TEST_TIMEOUT / BENCH_TIMEOUT / LC_TIMEOUT in s; LC_PRESET (llama-3-8b), LC_TOKENS (2000000).
+# One command for a GPU machine (plain `python`: 3.12, torch, triton, pyarrow, aiofiles, pytest;
+# no Ray, no venv, no network). Everything runs compiled on CUDA (TRITON_INTERPRET unset):
+#   0. when .gpu-wheels/ came along (benchmarks/gpu_wheels.sh here, then `carry: [".gpu-wheels"]`)
+#      the cache's missing pure dependencies (pydantic, ...) are unpacked into a scratch
+#      directory on PYTHONPATH, so the whole cache imports; without them only the kernels do
+#      (through a shim package) and steps 1b and 3 are skipped;
+#   1. tests: (a) the Triton kernel tests; (b) the cache suite with its pool on the GPU
+#      (tests/test_cache.py, test_cache_tiers.py, test_model_e2e.py, each test on the torch and
+#      the triton backend, and the test that an attention call makes no host sync);
+#   2. `python -m benchmarks.kernels --device cuda` (paged Triton vs SDPA / flash over the same
+#      K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
+#   3. `python -m benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS`
+#      (one layer of a real model's shape per decode step, across GPU, host and NVMe).
+# Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt + tests.xml
+# (junit), bench.txt, kernels.json, long_context.txt/.json, summary.json (exit codes, test
+# counts, headline figures): 8 files at most, what a device call brings back. Exit status:
+# non-zero if a step that ran failed.
+# Time: the three steps' limits (TEST_TIMEOUT 240 s, BENCH_TIMEOUT 200 s, LC_TIMEOUT 120 s)
+# fit one 10-minute device call. BENCH_ARGS adds kernel benchmark flags (BENCH_ARGS=--quick:
+# 64K-256K only); LC_PRESET (qwen2.5-vl-7b: 28 query / 4 KV heads), LC_TOKENS (500000);
+# TEST_WORKERS (8: pytest-xdist processes, where it is installed; they share the GPU).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_check_out}
 PY=${PYTHON:-python}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
 mkdir -p "$OUT"
-unset TRITON_INTERPRET
-export PYTHONDONTWRITEBYTECODE=1
+unset TRITON_INTERPRET MMTIER_TEST_DEVICE
+export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 {
     date -u +%FT%TZ
     nvidia-smi 2>&1 || echo "nvidia-smi failed"
-    "$PY" - <<'EOF'
+    "$PY" - <<'EOF2'
 import sys
 import torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
@@ -33,9 +44,22 @@ except ImportError as e:
     print("triton missing:", e)
 print("cuda available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
-EOF
+EOF2
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+
+# 0. the cache's pure dependencies, when their wheels were sent along. A wheel is a zip of what
+# goes on the path: extracting needs no pip and no network.
+if [[ -d .gpu-wheels ]]; then
+    DEPS=$(mktemp -d)
+    if "$PY" -c "import glob, sys, zipfile
+for w in sorted(glob.glob('.gpu-wheels/*.whl')):
+    zipfile.ZipFile(w).extractall(sys.argv[1])" "$DEPS" >>"$OUT/env.txt" 2>&1; then
+        export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
+    else
+        echo "unpacking .gpu-wheels failed (see env.txt)"
+    fi
+fi
 
 # `import mmtier` loads the whole cache (pydantic, pyarrow, ...); the kernels need only torch
 # and triton. If the full package does not import here, a shim package whose __path__ is the
@@ -49,12 +73,23 @@ if ! "$PY" -c "import mmtier" >/dev/null 2>&1; then
 fi
 export PYTHONPATH="${SHIM:+$SHIM:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
-# 1. tests. With pytest when it is installed, else a minimal runner that understands the few
-# pytest features the kernel tests use (parametrize, skipif, raises, skip).
-TEST_TIMEOUT=${TEST_TIMEOUT:-360}
+# 1. tests. With pytest when it is installed (the kernel tests, and the cache suite on CUDA when
+# the whole cache imports), else a minimal runner that understands the few pytest features
+# the kernel tests use (parametrize, skipif, raises, skip).
+TEST_TIMEOUT=${TEST_TIMEOUT:-240}
+TESTS=(tests/test_kernels_triton.py)
+if [[ -z $SHIM ]]; then
+    TESTS+=(tests/test_cache.py tests/test_cache_tiers.py tests/test_model_e2e.py)
+else
+    echo "the cache suite is skipped: mmtier does not import here (send .gpu-wheels)" | tee "$OUT/tests.txt"
+fi
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
-    timeout "$TEST_TIMEOUT" "$PY" -m pytest tests/test_kernels_triton.py -q -rs --noconftest \
-        -p no:cacheprovider -o addopts="" --junitxml="$OUT/tests.xml" 2>&1 | tee "$OUT/tests.txt"
+    XDIST=()
+    if "$PY" -c "import xdist" >/dev/null 2>&1 && [[ ${TEST_WORKERS:-8} -gt 1 ]]; then
+        XDIST=(-n "${TEST_WORKERS:-8}")       # compiles in parallel; the tests share the GPU
+    fi
+    timeout "$TEST_TIMEOUT" "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" -q -rs -p no:cacheprovider \
+        -o addopts="" --junitxml="$OUT/tests.xml" 2>&1 | tee -a "$OUT/tests.txt"
     rc_tests=${PIPESTATUS[0]}
 else
     RUNNER=$(mktemp -d)
@@ -155,38 +190,58 @@ EOF
     rc_tests=${PIPESTATUS[0]}
 fi
 
-# 2. benchmark (writes benchmarks/results/kernels.json; copied to $OUT)
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-420}
+# 2. the kernel benchmark (writes benchmarks/results/kernels.json; copied to $OUT)
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
+STAMP=$(mktemp)             # results older than this are the checkout's, not this run's
 # shellcheck disable=SC2086
 timeout "$BENCH_TIMEOUT" "$PY" -m benchmarks.kernels --device cuda ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.txt"
 rc_bench=${PIPESTATUS[0]}
-cp -f benchmarks/results/kernels.json "$OUT/kernels.json" 2>/dev/null || true
+fresh() { [[ -f $1 && $1 -nt $STAMP ]]; }
+if fresh benchmarks/results/kernels.json; then cp -f benchmarks/results/kernels.json "$OUT/kernels.json"; fi
 
-# 3. the long-context benchmark on CUDA, when the cache's wheels were sent along
+# 3. the long-context benchmark on CUDA at a real preset (needs the whole cache)
 rc_lc=0
-if [[ -d .gpu-wheels ]]; then
-    DEPS=$(mktemp -d)
-    # a wheel is a zip of what goes on the path: extracting needs no pip and no network
-    if "$PY" -c "import glob, sys, zipfile
-for w in sorted(glob.glob('.gpu-wheels/*.whl')):
-    zipfile.ZipFile(w).extractall(sys.argv[1])
-import importlib; sys.path.insert(0, sys.argv[1])
-for m in ('pydantic', 'xxhash', 'yaml', 'tqdm', 'click'):
-    importlib.import_module(m)" "$DEPS" >"$OUT/long_context.txt" 2>&1; then
-        timeout "${LC_TIMEOUT:-420}" env PYTHONPATH="$DEPS:$ROOT" "$PY" -m benchmarks.long_context \
-            --device cuda --preset "${LC_PRESET:-llama-3-8b}" --tokens "${LC_TOKENS:-2000000}" 2>&1 \
-            | tee -a "$OUT/long_context.txt"
-        rc_lc=${PIPESTATUS[0]}
-        cp -f benchmarks/results/long_context.json "$OUT/long_context.json" 2>/dev/null || true
-    else
-        rc_lc=1
-        echo "unpacking the cache's wheels failed (see long_context.txt)"
+if [[ -z $SHIM ]]; then
+    timeout "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.long_context --device cuda \
+        --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" 2>&1 \
+        | tee "$OUT/long_context.txt"
+    rc_lc=${PIPESTATUS[0]}
+    if fresh benchmarks/results/long_context.json; then
+        cp -f benchmarks/results/long_context.json "$OUT/long_context.json"
     fi
 else
-    echo "no .gpu-wheels/: long-context step skipped (run benchmarks/gpu_wheels.sh and carry it)" \
+    rc_lc=skipped
+    echo "mmtier does not import here: long-context step skipped (run benchmarks/gpu_wheels.sh, carry .gpu-wheels)" \
         | tee "$OUT/long_context.txt"
 fi
 
-echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc" | tee "$OUT/status.txt"
-[[ $rc_tests == 0 && $rc_bench == 0 && $rc_lc == 0 ]]
+echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc"   # also in summary.json
+"$PY" - "$OUT" "$rc_tests" "$rc_bench" "$rc_lc" <<'EOF2'
+"""summary.json: each step's exit code, the test counts (junit), the headline figures."""
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+out, rc_tests, rc_bench, rc_lc = Path(sys.argv[1]), *sys.argv[2:]
+summary = {"rc": {"tests": rc_tests, "kernels": rc_bench, "long_context": rc_lc}}
+try:
+    root = ET.parse(out / "tests.xml").getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    summary["tests"] = {k: sum(int(s.get(k, 0)) for s in suites)
+                        for k in ("tests", "failures", "errors", "skipped")}
+except (OSError, ET.ParseError) as e:
+    summary["tests"] = f"no junit report: {e}"
+for name, keys in (("kernels", ("gpu_name", "gpu_paged_over_contiguous", "gpu_bandwidth_fraction",
+                                "gpu_plan_us", "gpu_copy_bandwidth_gbs", "gpu_sdpa_backend")),
+                   ("long_context", ("preset", "tokens", "device", "decode_over_floor", "decode_s"))):
+    try:
+        figures = json.loads((out / f"{name}.json").read_text())
+        summary[name] = {k: figures.get(k) for k in keys}
+    except (OSError, ValueError) as e:
+        summary[name] = f"no results: {e}"
+(out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+print(json.dumps(summary, indent=2))
+EOF2
+[[ $rc_tests == 0 && $rc_bench == 0 && ( $rc_lc == 0 || $rc_lc == skipped ) ]]

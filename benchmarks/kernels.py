@@ -11,12 +11,16 @@ multimodal conversation; page ids shuffled). The same K/V, gathered in position 
   ``cpu_paged_over_contiguous`` is the worst time ratio over the contexts measured, and
   ``cpu_bandwidth_fraction`` the K/V bytes per second of the paged path over the copy
   bandwidth measured in the same run.
-- GPU: the Triton kernel against SDPA's flash backend; ``gpu_paged_over_contiguous`` is the
-  worst ratio at 64K tokens and more, ``gpu_bandwidth_fraction`` the worst fraction of the
-  device copy bandwidth (measured in the same run) at 64K tokens and more. Both paths run
-  inside CUDA graphs (launch overhead is the serving engine's business, not the kernel's);
-  the plan (index validation and grid, one host sync) is built once per step and reused,
-  as an engine does across layers; its cost is reported as ``gpu_plan_us``.
+- GPU: the Triton kernel against SDPA's flash backend (the memory-efficient one where flash
+  refuses GQA) over the same K/V made contiguous, in float16 and bfloat16, with the context
+  in one pool of each page size (16, 64, 256 tokens) and across all three;
+  ``gpu_paged_over_contiguous`` is the worst ratio at 64K tokens and more,
+  ``gpu_bandwidth_fraction`` the worst fraction of the device copy bandwidth (measured in the
+  same run) at 64K tokens and more (64K-1M; ``--quick``: 64K-256K). Both paths run inside CUDA
+  graphs (launch overhead is the serving engine's business, not the kernel's); the plan
+  (index validation and grid, from the tables' host copies: no device sync) is built once
+  per step and reused, as an engine does across layers; its host cost is ``gpu_plan_us``.
+  Times are medians of 7 timed rounds.
 
 Input sets rotate so that caches never hold the K/V between calls. Inputs are random normal.
 Writes ``benchmarks/results/kernels.json`` and prints a table.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -41,6 +46,8 @@ HQ, HKV, DIM = 32, 8, 128
 PAGE_SIZES = (16, 64, 256)  # text, vision, audio
 # segment lengths per modality in a multimodal conversation: text turns, images, audio clips
 SEGMENT_TOKENS = (200, 576, 750)
+# the GPU layouts: the context in one pool of each page size, then across all three
+GPU_LAYOUTS = ((16,), (64,), (256,), PAGE_SIZES)
 
 
 @dataclass
@@ -52,31 +59,36 @@ class InputSet:
     k_contig: torch.Tensor  # [1, HKV, N, DIM]
     v_contig: torch.Tensor
     q_sdpa: torch.Tensor  # [1, HQ, 1, DIM]
+    q_indptr_host: torch.Tensor  # q_indptr on the CPU (planning reads it there)
 
 
-def make_set(ctx: int, pools: int, dtype, device, gen: torch.Generator) -> InputSet:
-    """One decode input: ``ctx`` tokens in segments cycling over ``pools`` modalities."""
+def make_set(ctx: int, pools: int | tuple[int, ...], dtype, device, gen: torch.Generator) -> InputSet:
+    """One decode input: ``ctx`` tokens in segments cycling over ``pools`` modalities (the
+    first ``pools`` of ``PAGE_SIZES``, or the page sizes given)."""
+    sizes = PAGE_SIZES[:pools] if isinstance(pools, int) else pools
+    seg_tokens = [SEGMENT_TOKENS[PAGE_SIZES.index(p)] if p in PAGE_SIZES else 512 for p in sizes]
+    pools = len(sizes)
     segments = []  # (pool, start, length)
     pos, i = 0, 0
     while pos < ctx:
         pool = i % pools
-        n = min(SEGMENT_TOKENS[pool], ctx - pos)
+        n = min(seg_tokens[pool], ctx - pos)
         segments.append((pool, pos, n))
         pos += n
         i += 1
     need = [0] * pools
     for pool, _, n in segments:
-        need[pool] += -(-n // PAGE_SIZES[pool])
+        need[pool] += -(-n // sizes[pool])
     kvs, free = [], []
     for p in range(pools):
-        shape = (need[p] + 1, 1, 2, PAGE_SIZES[p], HKV, DIM)
+        shape = (need[p] + 1, 1, 2, sizes[p], HKV, DIM)
         kvs.append(torch.randn(shape, generator=gen, device=device, dtype=dtype))
         free.append(torch.randperm(need[p] + 1, generator=gen, device=device).tolist())
     tables = [[[]] for _ in range(pools)]
     k = torch.empty((1, HKV, ctx, DIM), device=device, dtype=dtype)
     v = torch.empty((1, HKV, ctx, DIM), device=device, dtype=dtype)
     for pool, start, n in segments:
-        size = PAGE_SIZES[pool]
+        size = sizes[pool]
         pages = [free[pool].pop() for _ in range(-(-n // size))]
         tables[pool][0].append((pages, start, n))
         kv = kvs[pool][torch.tensor(pages, device=device), 0]  # [pages, 2, size, H, D]
@@ -85,7 +97,8 @@ def make_set(ctx: int, pools: int, dtype, device, gen: torch.Generator) -> Input
     operands = [build_paged_kv(kvs[p], 0, tables[p]) for p in range(pools)]
     q = torch.randn((1, HQ, DIM), generator=gen, device=device, dtype=dtype)
     idx = lambda x: torch.tensor(x, dtype=INDEX_DTYPE, device=device)
-    return InputSet(q, idx([0, 1]), idx([ctx - 1]), operands, k, v, q.unsqueeze(2))
+    return InputSet(q, idx([0, 1]), idx([ctx - 1]), operands, k, v, q.unsqueeze(2),
+                    torch.tensor([0, 1], dtype=INDEX_DTYPE))
 
 
 class Rotate:
@@ -175,8 +188,8 @@ def gpu_copy_bandwidth(device, nbytes: int = 2 << 30) -> float:
 
 
 def gpu_time(fns, *, graphs: bool, iters: int = 50) -> float:
-    """Seconds per call, cycling through ``fns`` (one per input set); inside one CUDA graph
-    of ``iters`` calls when ``graphs``."""
+    """Seconds per call (median of 7 rounds), cycling through ``fns`` (one per input set);
+    inside one CUDA graph of ``iters`` calls when ``graphs``."""
     for f in fns:
         f()
     torch.cuda.synchronize()
@@ -200,35 +213,31 @@ def gpu_time(fns, *, graphs: bool, iters: int = 50) -> float:
         calls = iters
     run()
     torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
+    rounds = []
+    for _ in range(7):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         run()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / calls)
-    return best
+        rounds.append(start.elapsed_time(end) / 1e3 / calls)
+    return statistics.median(rounds)
 
 
 def bench_gpu(quick: bool, device: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from mmtier.kernels.triton_attention import paged_attention_triton, plan_paged_attention
-
     dev = torch.device(device)
     props = torch.cuda.get_device_properties(dev)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    contexts = ((4096, 65536, 262144) if quick
-                else (4096, 16384, 65536, 262144, 1 << 20, 2 << 20))
-    pools_list = (1, 3) if quick else (1, 2, 3)
-    dtype = torch.float16
+    contexts = (65536, 262144) if quick else (65536, 262144, 1 << 20)
     gen = torch.Generator(device=dev).manual_seed(0)
     bw = gpu_copy_bandwidth(dev)
     figures: dict = {"gpu_copy_bandwidth_gbs": bw / 1e9, "gpu_name": props.name,
-                     "gpu_dtype": "float16"}
+                     "gpu_dtypes": "float16,bfloat16",
+                     "gpu_layouts": ";".join("+".join(map(str, lay)) for lay in GPU_LAYOUTS)}
     backend = SDPBackend.FLASH_ATTENTION
-    probe = make_set(4096, 1, dtype, dev, gen)
+    probe = make_set(4096, 1, torch.float16, dev, gen)
     try:  # flash with GQA; older builds refuse it, then the memory-efficient kernel stands in
         with sdpa_kernel(backend):
             sdpa(probe)
@@ -237,58 +246,74 @@ def bench_gpu(quick: bool, device: str) -> dict:
     figures["gpu_sdpa_backend"] = backend.name
     del probe
     ratios, fractions = [], []
-    for ctx in contexts:
-        for pools in pools_list:
-            first = make_set(ctx, pools, dtype, dev, gen)
-            count = n_sets(kv_bytes(first), l2)
-            sets = [first] + [make_set(ctx, pools, dtype, dev, gen) for _ in range(count - 1)]
-            plans = [plan_paged_attention(s.q, s.q_indptr, s.operands) for s in sets]
-            t0 = time.perf_counter()
-            for _ in range(20):
-                plan_paged_attention(first.q, first.q_indptr, first.operands)
-            plan_us = (time.perf_counter() - t0) / 20 * 1e6
-
-            def paged(s, p):
-                return lambda: paged_attention_triton(s.q, s.q_indptr, s.q_pos, s.operands,
-                                                      plan=p)
-
-            def contiguous(s):
-                def f():
-                    with sdpa_kernel(backend):
-                        return sdpa(s)
-                return f
-
-            out, _ = paged(first, plans[0])()
-            with sdpa_kernel(backend):
-                ref = sdpa(first).squeeze(2)
-            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-            assert err < 1e-2, f"paged and contiguous disagree: {err}"
-            iters = max(10, min(200, int(2e9 / kv_bytes(first))))
-            t_paged = gpu_time([paged(s, p) for s, p in zip(sets, plans)], graphs=True, iters=iters)
-            t_sdpa = gpu_time([contiguous(s) for s in sets], graphs=True, iters=iters)
-            t_eager = gpu_time([paged(s, p) for s, p in zip(sets, plans)], graphs=False,
-                               iters=iters)
-            ratio = t_paged / t_sdpa
-            frac = kv_bytes(first) / t_paged / bw
-            tag = f"gpu_decode_ctx{ctx}_pools{pools}"
-            figures[f"{tag}_paged_us"] = t_paged * 1e6
-            figures[f"{tag}_paged_eager_us"] = t_eager * 1e6
-            figures[f"{tag}_sdpa_us"] = t_sdpa * 1e6
-            figures[f"{tag}_paged_over_contiguous"] = ratio
-            figures[f"{tag}_bandwidth_fraction"] = frac
-            figures[f"{tag}_sdpa_bandwidth_fraction"] = kv_bytes(first) / t_sdpa / bw
-            figures[f"{tag}_splits"] = plans[0].operands[0].num_splits
-            figures[f"{tag}_plan_us"] = plan_us
-            figures[f"{tag}_max_rel_err_vs_sdpa"] = err
-            if ctx >= 65536:
+    for dtype in (torch.float16, torch.bfloat16):
+        for layout in GPU_LAYOUTS:
+            for ctx in contexts:
+                ratio, frac = _gpu_case(figures, ctx, layout, dtype, dev, gen, l2, bw, backend)
                 ratios.append(ratio)
                 fractions.append(frac)
-            del sets, first, plans, out, ref
-            torch.cuda.empty_cache()
     figures["gpu_paged_over_contiguous"] = max(ratios)
     figures["gpu_bandwidth_fraction"] = min(fractions)
     figures["gpu_plan_us"] = max(v for k, v in figures.items() if k.endswith("_plan_us"))
     return figures
+
+
+def _gpu_case(figures, ctx, layout, dtype, dev, gen, l2, bw, backend) -> tuple[float, float]:
+    """One decode case side by side (paged Triton vs SDPA over the same K/V made contiguous);
+    its figures go into ``figures``; returns (paged / contiguous time, bandwidth fraction)."""
+    from torch.nn.attention import sdpa_kernel
+
+    from mmtier.kernels.triton_attention import paged_attention_triton, plan_paged_attention
+
+    first = make_set(ctx, layout, dtype, dev, gen)
+    count = n_sets(kv_bytes(first), l2)
+    sets = [first] + [make_set(ctx, layout, dtype, dev, gen) for _ in range(count - 1)]
+
+    def plan(s):
+        return plan_paged_attention(s.q, s.q_indptr, s.operands, host_q_indptr=s.q_indptr_host)
+
+    plans = [plan(s) for s in sets]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        plan(first)
+    plan_us = (time.perf_counter() - t0) / 20 * 1e6
+
+    def paged(s, p):
+        return lambda: paged_attention_triton(s.q, s.q_indptr, s.q_pos, s.operands, plan=p)
+
+    def contiguous(s):
+        def f():
+            with sdpa_kernel(backend):
+                return sdpa(s)
+        return f
+
+    out, _ = paged(first, plans[0])()
+    with sdpa_kernel(backend):
+        ref = sdpa(first).squeeze(2)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < 2e-2, f"paged and contiguous disagree: {err}"
+    iters = max(10, min(200, int(2e9 / kv_bytes(first))))
+    t_paged = gpu_time([paged(s, p) for s, p in zip(sets, plans)], graphs=True, iters=iters)
+    t_sdpa = gpu_time([contiguous(s) for s in sets], graphs=True, iters=iters)
+    t_eager = gpu_time([paged(s, p) for s, p in zip(sets, plans)], graphs=False, iters=iters)
+    ratio = t_paged / t_sdpa
+    frac = kv_bytes(first) / t_paged / bw
+    name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
+    tag = f"gpu_{name}_decode_ctx{ctx}_pages{'+'.join(map(str, layout))}"
+    figures[f"{tag}_paged_us"] = t_paged * 1e6
+    figures[f"{tag}_paged_eager_us"] = t_eager * 1e6
+    figures[f"{tag}_sdpa_us"] = t_sdpa * 1e6
+    figures[f"{tag}_paged_over_contiguous"] = ratio
+    figures[f"{tag}_bandwidth_fraction"] = frac
+    figures[f"{tag}_sdpa_bandwidth_fraction"] = kv_bytes(first) / t_sdpa / bw
+    figures[f"{tag}_splits"] = max(p.num_splits for p in plans[0].operands if p is not None)
+    figures[f"{tag}_plan_us"] = plan_us
+    figures[f"{tag}_max_rel_err_vs_sdpa"] = err
+    print(f"{tag}: paged {t_paged * 1e6:.1f} us, sdpa {t_sdpa * 1e6:.1f} us, "
+          f"ratio {ratio:.3f}, bandwidth {frac:.3f}", flush=True)
+    del sets, first, plans, out, ref
+    torch.cuda.empty_cache()
+    return ratio, frac
 
 
 def main(argv: list[str] | None = None) -> dict:

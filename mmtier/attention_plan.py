@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .groups import ModalityGroup
-from .kernels import merge_attention_states, paged_attention
+from .kernels import merge_attention_states, paged_attention, upload_ints
 from .kernels.layout import PagedKV
 from .storage.host import HostEntry
 from .streaming import DiskStream
@@ -60,9 +60,17 @@ class AttentionPlan:
         states = []
         if self.device_ops is not None:
             dev = self.device
+            # the query's index arrays: built on the host (planning reads them there) and uploaded
+            # without a sync; caller-given positions already on the device stay there
+            host_q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            if q_pos.device.type == "cpu":
+                q_indptr, q_pos_dev = upload_ints([host_q_indptr, q_pos], dev)
+            else:
+                q_indptr, = upload_ints([host_q_indptr], dev)
+                q_pos_dev = q_pos.to(dev)
             states.append(paged_attention(
-                q.to(dev), torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev), q_pos.to(dev),
-                self.device_ops, causal=causal, scale=scale, backend=backend, out_dtype=torch.float32))
+                q.to(dev), q_indptr, q_pos_dev, self.device_ops, causal=causal, scale=scale,
+                backend=backend, out_dtype=torch.float32, host_q_indptr=host_q_indptr))
         if self.lower:
             qc, pos = q.cpu(), q_pos.cpu()
             indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
@@ -76,9 +84,11 @@ class AttentionPlan:
                 states.extend(stream.states(self.disk_segments, qc, indptr, pos, causal, scale, WAIT_S))
         if len(states) == 1:
             out, lse = states[0]
-        else:
-            out, lse = merge_attention_states([s[0].cpu() for s in states], [s[1].cpu() for s in states],
-                                              backend="torch", out_dtype=torch.float32)
+        else:   # on the device of the device part when there is one (it comes first); the lower
+            dev = states[0][0].device      # parts' small states go up to it
+            merge_backend = backend if self.device_ops is not None else "torch"
+            out, lse = merge_attention_states([o.to(dev) for o, _ in states], [x.to(dev) for _, x in states],
+                                              backend=merge_backend, out_dtype=torch.float32)
         return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
 
     def close(self, release_held: Callable[[list[HostEntry]], None]) -> None:

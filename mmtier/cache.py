@@ -39,6 +39,7 @@ from .locking import OwnerLock
 from .payload import (
     check_kv,
     check_payload,
+    slot_mapping,
     token_identity,
     write_embedding,
     write_fresh_pages,
@@ -176,9 +177,7 @@ class TieredKVCache:
             else:
                 group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
                 all_pages = pages
-            slots = torch.arange(have, have + n)
-            page_ids = torch.tensor(all_pages, dtype=torch.int64)[slots // spec.page_size]
-            self._write(pool, k, v, page_ids, slots % spec.page_size)
+            self._write(pool, k, v, *slot_mapping(all_pages, have, n, spec.page_size))
             if extend:
                 group.pages = all_pages
                 group.num_tokens += n
@@ -331,7 +330,7 @@ class TieredKVCache:
                     raise ShapeError(f"{n_q} queries but the sequence holds {length} tokens")
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
-                q_pos = q_positions.to(torch.int32).cpu()
+                q_pos = self._positions(q_positions, n_q)
             plan = self._plan(segments, layer, q)
         return self._run(plan, q, q_pos, causal, scale)
 
@@ -357,7 +356,17 @@ class TieredKVCache:
                     seen.add((seq.id, s.start))
                     segments.append(Segment(s.group, s.start + int(offset)))
             plan = self._plan(segments, layer, q)
-        return self._run(plan, q, q_positions.to(torch.int32).cpu(), causal, scale)
+        return self._run(plan, q, self._positions(q_positions, q.shape[0]), causal, scale)
+
+    @staticmethod
+    def _positions(q_positions, n_q: int) -> torch.Tensor:
+        """Caller-given query positions as int32, left on their device (no copy back to the
+        host: a CUDA tensor stays there)."""
+        if not isinstance(q_positions, torch.Tensor) or q_positions.shape != (n_q,) \
+                or q_positions.is_floating_point() or q_positions.is_complex():
+            raise ShapeError(f"q_positions must be {n_q} integer positions, got "
+                             f"{tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}")
+        return q_positions.to(torch.int32)
 
     def _check_q(self, q) -> None:
         self._open()

@@ -10,6 +10,7 @@ import torch
 from .config import ModalitySpec
 from .errors import DTypeError, ShapeError
 from .kernels import write_kv
+from .kernels.layout import INDEX_DTYPE
 from .pool import PagePool
 
 
@@ -53,9 +54,10 @@ def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> N
             block = t[:, : full * size].to(dev).reshape(layers, full, size, heads, dim)
             pool.view[idx, :, j] = block.transpose(0, 1).to(pool.view.dtype)
     if n > full * size:
-        slots = torch.arange(full * size, n)
-        page_ids = torch.full((n - full * size,), pages[full], dtype=torch.int64)
-        write_slots(pool, k[:, full * size:], v[:, full * size:], page_ids, slots - full * size, backend)
+        rest = n - full * size
+        page_ids = torch.full((rest,), pages[full], dtype=INDEX_DTYPE)
+        write_slots(pool, k[:, full * size:], v[:, full * size:], page_ids,
+                    torch.arange(rest, dtype=INDEX_DTYPE), backend)
 
 
 def write_embedding(pool: PagePool, x: torch.Tensor, pages: list[int]) -> None:
@@ -66,10 +68,18 @@ def write_embedding(pool: PagePool, x: torch.Tensor, pages: list[int]) -> None:
     pool.view[page_ids, slots % size] = x.to(pool.device)
 
 
+def slot_mapping(pages: list[int], first: int, n: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page ids and in-page offsets (int32, on the host) of token slots ``first .. first + n``
+    of a run laid over ``pages``."""
+    slots = torch.arange(first, first + n, dtype=INDEX_DTYPE)
+    return torch.tensor(pages, dtype=INDEX_DTYPE)[slots // page_size], slots % page_size
+
+
 def write_slots(pool: PagePool, k, v, page_ids: torch.Tensor, offsets: torch.Tensor, backend: str) -> None:
-    """Token ``i`` goes to page ``page_ids[i]``, slot ``offsets[i]`` (all layers)."""
+    """Token ``i`` goes to page ``page_ids[i]``, slot ``offsets[i]`` (all layers); the int32
+    indices stay on the host (the write uploads them without a device sync)."""
     dev = pool.device
-    write_kv(pool.view, k.to(dev), v.to(dev), page_ids.to(dev), offsets.to(dev), backend=backend)
+    write_kv(pool.view, k.to(dev), v.to(dev), page_ids, offsets, backend=backend)
 
 
 def token_identity(modality: str, k: torch.Tensor, v: torch.Tensor, tokens: Sequence[int] | None) -> bytes:

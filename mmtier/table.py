@@ -16,7 +16,7 @@ import torch
 
 from .content import ContentKey
 from .groups import ModalityGroup
-from .kernels.layout import INDEX_DTYPE, PagedKV
+from .kernels.layout import PagedKV, paged_kv_from_host
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,8 @@ def compile_segments(
 
     ``view_of(group)`` names where the group's pages are: ``(store_id, page-major view,
     page ids in that view)``; segments in the same store share one operand (one launch).
+    The tables are built from the host's lists, kept on the host (``PagedKV.host``: planning
+    reads them, never the device) and copied to the view's device without a sync.
     """
     by_store: dict[object, tuple[torch.Tensor, list[list[int]], list[int], list[int]]] = {}
     for seg in segments:
@@ -116,10 +118,5 @@ def compile_segments(
         for pages in page_lists:
             flat.extend(pages)
             indptr.append(len(flat))
-        dev = view.device
-
-        def t(x: list[int], dev=dev) -> torch.Tensor:
-            return torch.tensor(x, dtype=INDEX_DTYPE, device=dev)
-
-        operands.append(PagedKV(view, layer, t([0, len(starts)]), t(indptr), t(starts), t(lens), t(flat)))
+        operands.append(paged_kv_from_host(view, layer, [0, len(starts)], indptr, starts, lens, flat))
     return operands

@@ -22,7 +22,8 @@ from tests.oracle import Logical, oracle_attention, rel_err
 L, H, D = 2, 2, 64
 
 
-def make_cfg(**over) -> CacheConfig:
+def make_cfg(backend, **over) -> CacheConfig:
+    """The test cache's config on ``backend`` (its attention backend and device)."""
     base = dict(
         model="tiny-mm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
         modalities={
@@ -31,7 +32,7 @@ def make_cfg(**over) -> CacheConfig:
             "audio": ModalitySpec(page_size=32),
             "vision_embed": ModalitySpec(kind="embedding", width=48, page_size=64),
         },
-        device="cpu", device_bytes=16 << 20)
+        device_bytes=16 << 20, **backend.cfg())
     base.update(over)
     return CacheConfig(**base)
 
@@ -41,8 +42,8 @@ def kv(n, layers=L, heads=H, dim=D, dtype=torch.float32):
 
 
 @pytest.fixture
-def cache():
-    with TieredKVCache(make_cfg()) as c:
+def cache(backend):
+    with TieredKVCache(make_cfg(backend)) as c:
         yield c
 
 
@@ -111,8 +112,8 @@ def test_cross_attention_to_one_group(cache):
     assert rel_err(both, expect) < 1e-5
 
 
-def test_vision_pool_with_its_own_head_dim():
-    cfg = make_cfg(modalities={"text": ModalitySpec(page_size=16),
+def test_vision_pool_with_its_own_head_dim(backend):
+    cfg = make_cfg(backend, modalities={"text": ModalitySpec(page_size=16),
                                "vision": ModalitySpec(page_size=64, head_dim=80, num_kv_heads=1)})
     assert cfg.modalities["vision"].head_dim == 80 and cfg.modalities["text"].head_dim == D
     with TieredKVCache(cfg) as cache:
@@ -185,7 +186,7 @@ def test_embeddings_round_trip(cache):
     x = torch.randn(100, 48)
     assert cache.put_embedding(key, x)
     got = cache.get_embedding(key)
-    assert torch.equal(got, x)
+    assert torch.equal(got.cpu(), x)
     with pytest.raises(UnknownModalityError):
         cache.put(key, *kv(4))                 # an embedding key cannot hold KV
     vkey = cache.content_key("vision", b"img", tenant="acme")
@@ -201,12 +202,12 @@ def _state(cache):
             s.sequences)
 
 
-def test_bad_input_raises_typed_errors_and_changes_nothing(cache):
+def test_bad_input_raises_typed_errors_and_changes_nothing(cache, backend):
     seq, *_ = build_multimodal(cache)
     length = cache.sequence(seq).length
     state = _state(cache)
     key = cache.content_key("vision", b"new", tenant="acme")
-    other = TieredKVCache(make_cfg(model="other-model"))
+    other = TieredKVCache(make_cfg(backend, model="other-model"))
     foreign = other.content_key("vision", b"new")
     bad_calls = [
         (ShapeError, lambda: cache.append(seq, "text", *kv(5, heads=3))),
@@ -238,8 +239,8 @@ def test_bad_input_raises_typed_errors_and_changes_nothing(cache):
     other.close()
 
 
-def test_full_device_without_lower_tier_raises_capacity_error():
-    cfg = make_cfg(device_bytes=4 * 64 * (2 * L * H * D * 4) + 4 * 16 * (2 * L * H * D * 4),
+def test_full_device_without_lower_tier_raises_capacity_error(backend):
+    cfg = make_cfg(backend, device_bytes=4 * 64 * (2 * L * H * D * 4) + 4 * 16 * (2 * L * H * D * 4),
                    modalities={"text": ModalitySpec(page_size=16, share=0.2),
                                "vision": ModalitySpec(page_size=64, share=0.8)})
     with TieredKVCache(cfg) as cache:
@@ -260,9 +261,9 @@ def test_full_device_without_lower_tier_raises_capacity_error():
         assert cache.stats().counters["evictions"] == 1
 
 
-def test_unreferenced_groups_go_least_recently_used_first():
+def test_unreferenced_groups_go_least_recently_used_first(backend):
     page = 64 * 2 * L * H * D * 4
-    cfg = make_cfg(device_bytes=3 * page, modalities={"vision": ModalitySpec(page_size=64)})
+    cfg = make_cfg(backend, device_bytes=3 * page, modalities={"vision": ModalitySpec(page_size=64)})
     with TieredKVCache(cfg) as cache:
         a, b, c, d = (cache.content_key("vision", x) for x in (b"a", b"b", b"c", b"d"))
         for key in (a, b, c):
@@ -311,8 +312,8 @@ def test_views_by_modality_and_key(cache):
     assert table.vision_blocks[0].start == 21
 
 
-def test_closed_cache_refuses_calls():
-    cache = TieredKVCache(make_cfg())
+def test_closed_cache_refuses_calls(backend):
+    cache = TieredKVCache(make_cfg(backend))
     cache.close()
     with pytest.raises(ClosedError):
         cache.create_sequence()
@@ -389,3 +390,60 @@ def test_parts_attend_at_their_absolute_positions(cache):
     with pytest.raises(ShapeError):              # img0 without a start names both of its segments
         cache.attention_state_parts(parts + [(proxy, [keys[0]], 0, None)], 1, q, q_pos)
     assert cache.stats().counters == before
+
+
+def test_attention_plans_from_host_tables(cache, monkeypatch):
+    """The cache hands the kernels their index tables built on the host, int32, with the host
+    copies alongside (``PagedKV.host``, ``host_q_indptr``): planning a launch reads those, not
+    the device. Checked on every device-part call of a multimodal sequence."""
+    import mmtier.attention_plan as cache_module
+
+    seen = []
+    real = cache_module.paged_attention
+
+    def spy(q, q_indptr, q_pos, operands, **kw):
+        host_q = kw.get("host_q_indptr")
+        assert host_q is not None and host_q.device.type == "cpu"
+        assert torch.equal(host_q, q_indptr.cpu()) and q_pos.dtype == torch.int32
+        for op in operands:
+            assert op.host is not None
+            for name in ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids"):
+                dev, host = getattr(op, name), getattr(op.host, name)
+                assert dev.dtype == host.dtype == torch.int32 and torch.equal(dev.cpu(), host)
+        seen.append(len(operands))
+        return real(q, q_indptr, q_pos, operands, **kw)
+
+    monkeypatch.setattr(cache_module, "paged_attention", spy)
+    seq, ref, *_ = build_multimodal(cache)
+    q = torch.randn(2, 4, D)
+    out = cache.attention(seq, 1, q)
+    k, v, pos = ref.gathered(1)
+    expect, _ = oracle_attention(q, torch.tensor([240, 241]), k, v, pos)
+    assert rel_err(out, expect) < 1e-5 and seen == [3]      # text, vision, audio pools
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (host syncs exist only there)")
+def test_attention_on_cuda_makes_no_host_sync(backend):
+    """On a GPU an attention call over device-resident pages never waits on the device: CUDA's
+    sync debug mode turns any synchronizing call (``.item()``, ``.tolist()``, a blocking copy)
+    into an error. Queries and positions are on the GPU, as an engine would give them."""
+    if backend.name != "triton" or backend.device == "cpu":
+        pytest.skip("the no-sync path is the Triton backend on a CUDA pool")
+    with TieredKVCache(make_cfg(backend)) as cache:
+        seq, ref, *_ = build_multimodal(cache)
+        dev = cache.arena.device
+        q = torch.randn(3, 8, D, device=dev)
+        pos = torch.arange(239, 242, device=dev)
+        cache.attention(seq, 0, q)                           # compile the kernels first
+        cache.attention_state(seq, 0, q, q_positions=pos)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = cache.attention(seq, 0, q)
+            out2, _ = cache.attention_state(seq, 0, q, q_positions=pos)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert out.device == q.device
+        k, v, kpos = ref.gathered(0)
+        expect, _ = oracle_attention(q.cpu(), torch.arange(239, 242), k, v, kpos)
+        assert rel_err(out.cpu(), expect) < 1e-5 and rel_err(out2.cpu(), expect) < 1e-5

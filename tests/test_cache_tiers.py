@@ -17,15 +17,17 @@ VISION_PAGE = 32 * TOKEN_BYTES
 TEXT_PAGE = 16 * TOKEN_BYTES
 
 
-def make_cfg(tmp_path, device_pages=4, host_pages=4, disk=True, **over):
+def make_cfg(backend, tmp_path, device_pages=4, host_pages=4, disk=True, **over):
+    """Three tiers on ``backend`` (its attention backend and device): ``device_pages`` vision
+    pages on the device, ``host_pages`` vision pages' worth of host bytes, a disk tier."""
     base = dict(
         model="tiny-tiers", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
         modalities={"text": ModalitySpec(page_size=16, share=0.25),
                     "vision": ModalitySpec(page_size=32, share=0.5),
                     "vision_embed": ModalitySpec(kind="embedding", width=16, page_size=32, share=0.25)},
-        device="cpu", device_bytes=2 * device_pages * VISION_PAGE + 64,
+        device_bytes=2 * device_pages * VISION_PAGE + 64,
         host_bytes=host_pages * VISION_PAGE, disk_dir=(tmp_path / "spill") if disk else None,
-        disk_bytes=64 << 20, disk_free_floor_bytes=0)
+        disk_bytes=64 << 20, disk_free_floor_bytes=0, **backend.cfg())
     base.update(over)
     return CacheConfig(**base)
 
@@ -38,8 +40,8 @@ def tiers_of(cache, keys):
     return [cache._groups[k].tier for k in keys]
 
 
-def test_unreferenced_groups_cascade_device_host_disk(tmp_path):
-    with TieredKVCache(make_cfg(tmp_path)) as cache:
+def test_unreferenced_groups_cascade_device_host_disk(tmp_path, backend):
+    with TieredKVCache(make_cfg(backend, tmp_path)) as cache:
         assert cache.pools["vision"].num_pages == 4
         keys = [cache.content_key("vision", f"img{i}".encode()) for i in range(6)]
         data = {}
@@ -57,8 +59,20 @@ def test_unreferenced_groups_cascade_device_host_disk(tmp_path):
         assert s.counters["spills"] >= 4 and s.counters.get("evictions", 0) == 0
 
 
-def test_attention_across_three_tiers_equals_oracle(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=4, host_pages=4)
+def test_attention_across_three_tiers_equals_oracle(tmp_path, backend, monkeypatch):
+    """Device, host and disk parts equal the oracle once merged; the merge runs on the device
+    part's device, with the cache's backend (the lower parts' small states go up to it)."""
+    import mmtier.attention_plan as cache_module
+
+    merges = []
+    real_merge = cache_module.merge_attention_states
+
+    def spy(outs, lses, **kw):
+        merges.append(({o.device for o in outs} | {s.device for s in lses}, kw.get("backend")))
+        return real_merge(outs, lses, **kw)
+
+    monkeypatch.setattr(cache_module, "merge_attention_states", spy)
+    cfg = make_cfg(backend, tmp_path, device_pages=4, host_pages=4)
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence()
         ks, vs = [], []
@@ -82,14 +96,15 @@ def test_attention_across_three_tiers_equals_oracle(tmp_path):
             vv = torch.cat(vs, dim=1)[layer]
             t = kk.shape[0]
             expect, _ = oracle_attention(q, torch.arange(t - 3, t), kk, vv, torch.arange(t))
-            assert rel_err(out, expect) < 1e-5
+            assert rel_err(out, expect) < 1e-5 and out.device == q.device
+        assert len(merges) == L and all(m == ({cache.arena.storage.device}, backend.name) for m in merges)
         cache.release(seq)
         assert cache.pools["vision"].num_used == sum(
             len(g.pages) for g in cache._groups.values() if g.tier == Tier.DEVICE)
 
 
-def test_disk_groups_stream_for_attention(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0)
+def test_disk_groups_stream_for_attention(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0)
     cfg = cfg.model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence()
@@ -129,10 +144,10 @@ def _mixed_on_disk(cache, count, every):
     return seq, ks, vs, keys, on_disk
 
 
-def test_disk_groups_are_read_one_layer_per_call(tmp_path):
+def test_disk_groups_are_read_one_layer_per_call(tmp_path, backend):
     """Attention over one layer reads only that layer's bytes of each disk-resident page (1/L
     of the group), verified, and equals the float64 oracle for every layer."""
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 6, every=2)
         assert len(on_disk) >= 4
@@ -154,14 +169,14 @@ def test_disk_groups_are_read_one_layer_per_call(tmp_path):
         assert cache.stats().counters.get("corrupt_reads", 0) == 0
 
 
-def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path, monkeypatch):
+def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path, monkeypatch, backend):
     """Disk groups of two modalities streamed in several small batches, each computed as it
     lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
     whole call a miss (every bad group dropped), and the next call serves the rest exactly."""
     from mmtier import streaming
 
     monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)    # bytes read: one of 2 layers
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 9, every=3)
         assert len(on_disk) >= 6
@@ -187,8 +202,8 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         assert all(cache.contains(k) for k in keys if k not in victims)
 
 
-def test_warm_restart_knows_every_group_on_disk(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+def test_warm_restart_knows_every_group_on_disk(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     data = {}
     with TieredKVCache(cfg) as cache:
         for i in range(4):
@@ -214,10 +229,10 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path):
         assert again.stats().counters["adopted_from_disk"] == 3
 
 
-def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path):
+def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, backend):
     """A private run (a sequence's own K/V) on disk is unreachable after its cache is gone: a
     new cache removes its file and counts it, and still adopts the shared groups beside it."""
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=1)
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=1)
     with TieredKVCache(cfg) as cache:
         for _ in range(3):            # 2 text pages each: the first run goes device -> host -> disk
             cache.append(cache.create_sequence(tenant="acme"), "text", *kv(32))
@@ -246,8 +261,8 @@ def _flip_one_byte(path, at=None):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "zero_tail"])
-def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         keys = [cache.content_key("vision", f"c{i}".encode()) for i in range(3)]
         for key in keys:
@@ -273,8 +288,8 @@ def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage):
         assert counters.get("corrupt_reads", 0) + counters.get("disk_corrupt_reads", 0) >= 1
 
 
-def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=4, disk=False)
+def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=4, disk=False)
     with TieredKVCache(cfg) as cache:
         keys = [cache.content_key("vision", f"h{i}".encode()) for i in range(4)]
         for key in keys:
@@ -284,8 +299,8 @@ def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path):
         assert cache.stats().counters["evictions"] == 1
 
 
-def test_attach_promotes_a_host_group_when_room_allows(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=4, host_pages=4, disk=False)
+def test_attach_promotes_a_host_group_when_room_allows(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=4, host_pages=4, disk=False)
     with TieredKVCache(cfg) as cache:
         a, b, c = (cache.content_key("vision", x) for x in (b"a", b"b", b"c"))
         k, v = kv(64)
@@ -303,8 +318,8 @@ def test_attach_promotes_a_host_group_when_room_allows(tmp_path):
         assert rel_err(out, expect) < 1e-5
 
 
-def test_prefetch_brings_a_disk_group_to_host(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=6)
+def test_prefetch_brings_a_disk_group_to_host(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=6)
     with TieredKVCache(cfg) as cache:
         keys = [cache.content_key("vision", f"p{i}".encode()) for i in range(6)]
         data = {}
@@ -332,8 +347,8 @@ def test_prefetch_brings_a_disk_group_to_host(tmp_path):
         assert rel_err(out, expect) < 1e-5
 
 
-def test_embeddings_spill_and_come_back(tmp_path):
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=1)
+def test_embeddings_spill_and_come_back(tmp_path, backend):
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=1)
     with TieredKVCache(cfg) as cache:
         assert cache.pools["vision_embed"].num_pages >= 1
         xs = {}
@@ -342,17 +357,17 @@ def test_embeddings_spill_and_come_back(tmp_path):
             xs[key] = torch.randn(30, 16)
             cache.put_embedding(key, xs[key])
         for key, x in xs.items():
-            assert torch.equal(cache.get_embedding(key), x)
+            assert torch.equal(cache.get_embedding(key).cpu(), x)
 
 
-def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch):
+def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch, backend):
     """Decode steps over disk groups reuse the staging buffers of the step before (no fresh
     allocation after the first), and a call that fails midway gives every buffer back."""
     import time
 
     import mmtier.attention_plan as plan_module
 
-    cfg = make_cfg(tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence()
         for i in range(6):

@@ -22,7 +22,14 @@ import torch
 
 from mmtier.errors import ConfigError, DTypeError, ShapeError
 from mmtier.kernels import merge_attention_states, paged_attention, write_kv
-from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
+from mmtier.kernels.layout import (
+    INDEX_DTYPE,
+    TABLES,
+    HostTables,
+    PagedKV,
+    build_paged_kv,
+    upload_ints,
+)
 from tests.oracle import oracle_attention, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -189,6 +196,27 @@ def test_gqa_and_query_modes(group, mode):
     run_case(case, torch.float32)
 
 
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,dtype", [
+    (4, 7, 128, torch.bfloat16),   # Qwen2.5-VL-7B: 28 query heads over 4 KV heads
+    (2, 5, 64, torch.float32),
+    (2, 6, 64, torch.float16),
+    (4, 7, 80, torch.float32),     # head dim 80 (not a power of two) at GQA 7
+    (4, 7, 80, torch.float16),
+])
+@pytest.mark.parametrize("mode", ["decode", "chunked_prefill"])
+def test_preset_gqa_ratios(num_kv_heads, group, head_dim, dtype, mode):
+    """Query-head groups that are not powers of two: a query tile holds ``BLOCK_M // G`` whole
+    queries, so its last rows are padding that must never be read, written or mixed in."""
+    if mode == "decode":
+        seqs = decode_seqs([90, 37], pools=2, n_q=1, base=2)
+    else:            # a chunk of queries whose tiles straddle the causal boundary
+        seqs = [([(0, 0, 20), (1, 20, 30)], list(range(44, 50))),
+                ([(1, 0, 21)], list(range(18, 21)))]
+    case = make_case(dtype=dtype, head_dim=head_dim, num_kv_heads=num_kv_heads, group=group,
+                     page_sizes=(16, 32), seqs=seqs, seed=group * head_dim)
+    run_case(case, dtype, num_splits=3 if mode == "decode" else None)
+
+
 @pytest.mark.parametrize("num_splits", [2, 5, 64])
 def test_split_kv_forced(num_splits):
     seqs = decode_seqs([300, 20, 0], pools=2, n_q=2)
@@ -280,6 +308,63 @@ def test_plan_reuse_across_layers():
         got = paged_attention_triton(case.q, case.q_indptr, case.q_pos, ops, plan=plan)
         want = paged_attention_triton(case.q, case.q_indptr, case.q_pos, ops, num_splits=2)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def _on_meta(op: PagedKV) -> PagedKV:
+    """The operand with its pool and device tables on the meta device (no values to read)."""
+    return PagedKV(op.kv.to("meta"), op.layer, *(getattr(op, n).to("meta") for n in TABLES), host=op.host)
+
+
+def test_plan_from_host_tables_never_reads_the_device():
+    """With host copies of every table, planning reads nothing on the device: the same call
+    with the pools and device tables on the meta device (whose values cannot be read) plans
+    exactly like the real one, and like planning from the device tables (one sync) would."""
+    case = make_case(seqs=decode_seqs([70, 45, 0], pools=2, n_q=3), page_sizes=(16, 32), group=2,
+                     seed=4)
+    host_q = case.q_indptr.cpu()
+    assert all(op.host is not None for op in case.operands)      # build_paged_kv keeps them
+    synced = plan_paged_attention(case.q, case.q_indptr, case.operands, num_splits=2)
+    hosted = plan_paged_attention(case.q, case.q_indptr, case.operands, num_splits=2,
+                                  host_q_indptr=host_q)
+    meta_ops = [_on_meta(op) for op in case.operands]
+    meta = plan_paged_attention(case.q.to("meta"), case.q_indptr.to("meta"), meta_ops, num_splits=2,
+                                host_q_indptr=host_q)
+    for plan in (hosted, meta):
+        assert (plan.block_m, plan.group, plan.max_q, plan.num_parts) == \
+            (synced.block_m, synced.group, synced.max_q, synced.num_parts)
+        for a, b in zip(plan.operands, synced.operands):
+            assert (a.num_splits, a.pages_per_split, a.part_base) == (b.num_splits, b.pages_per_split, b.part_base)
+    for a, b in zip(hosted.operands, synced.operands):
+        for name in ("page_pos", "page_len", "batch_page"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert torch.equal(hosted.work_b, synced.work_b) and torch.equal(hosted.work_qb, synced.work_qb)
+    out, lse = paged_attention_triton(case.q, case.q_indptr, case.q_pos, case.operands,
+                                      out_dtype=torch.float32, host_q_indptr=host_q)
+    check(out, lse, *expected(case), torch.float32)
+    with pytest.raises(NotImplementedError):      # without host copies the plan reads the device
+        plan_paged_attention(case.q.to("meta"), case.q_indptr.to("meta"), meta_ops, num_splits=2)
+    bad = case.operands[0]                        # host tables are validated like device ones
+    ids = bad.host.page_ids.clone()
+    ids[0] = bad.kv.shape[0]
+    forged = PagedKV(bad.kv, bad.layer, bad.seg_indptr, bad.seg_page_indptr, bad.seg_start,
+                     bad.seg_len, bad.page_ids, host=HostTables(bad.host.seg_indptr, bad.host.seg_page_indptr,
+                                                                bad.host.seg_start, bad.host.seg_len, ids))
+    with pytest.raises(ShapeError):
+        plan_paged_attention(case.q, case.q_indptr, [forged], host_q_indptr=host_q)
+
+
+def test_upload_ints_keeps_values_and_aligns_each_table():
+    """Host-built tables reach the device with their values and shapes, each 16-byte aligned
+    (Triton specializes on pointer alignment); on the CPU they are the tensors themselves."""
+    gen = torch.Generator().manual_seed(6)
+    tables = [torch.randint(-50, 50, (n,), generator=gen, dtype=torch.int32) for n in (3, 0, 5, 1, 8)]
+    tables.append(torch.randint(0, 9, (2, 3), generator=gen, dtype=torch.int32))
+    got = upload_ints(tables, torch.device(DEVICE))
+    for t, g in zip(tables, got):
+        assert g.device.type == DEVICE and g.shape == t.shape and torch.equal(g.cpu(), t)
+        assert g.data_ptr() % 16 == 0 or g.numel() == 0 or DEVICE == "cpu"
+        if DEVICE == "cpu":
+            assert g is t
 
 
 def test_no_operands_and_no_queries():

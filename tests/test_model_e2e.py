@@ -25,6 +25,9 @@ from mmtier.models import (
 )
 
 NEW = 6
+# tokens generated per prompt: the Triton kernels under the interpreter cost ~0.1 s per
+# attention call, so that backend generates fewer (greedy: they are a prefix of the dense NEW)
+NEW_BY_BACKEND = {"torch": NEW, "triton": 2}
 SYS = Text("You are a terse assistant. ")
 IMAGES = [bytes((i * 37 + j * 11) % 256 for j in range(3072 + 97 * i)) for i in range(3)]
 CLIPS = [bytes((i * 53 + j * 7) % 256 for j in range(n)) for i, n in enumerate((1600, 3200))]
@@ -62,12 +65,13 @@ def small_pools(pages: dict[str, int], **kw):
     return reference_config(device_bytes=int(arena), shares={m: b / arena for m, b in want.items()}, **kw)
 
 
-def test_reuse_counts_and_dense_equality(dense_answers):
+def test_reuse_counts_and_dense_equality(dense_answers, backend):
+    new = NEW_BY_BACKEND[backend.name]
     model = ReferenceModel(seed=0)
     img, clip = IMAGES[0], CLIPS[0]
-    with TieredKVCache(model.cache_config()) as cache:
+    with TieredKVCache(model.cache_config(**backend.cfg())) as cache:
         def run(tenant, prompt):
-            assert model.generate(cache, tenant, prompt, NEW) == dense_answers(prompt)
+            assert model.generate(cache, tenant, prompt, new) == dense_answers(prompt)[:new]
             return model.counters.snapshot()
 
         c = run("acme", [SYS, Image(img), Text("What is this?")])
@@ -78,7 +82,7 @@ def test_reuse_counts_and_dense_equality(dense_answers):
         c = run("acme", [SYS, Image(img), Text("And the colour?")])
         assert c["encoder_runs"] == {"vision": 1}
         assert c["self_hits"] == {"vision": 1} and c["cross_hits"] == {"vision": 1}
-        assert c["decoder_tokens"] - before == len(SYS.ids) + len("And the colour?") + NEW - 1
+        assert c["decoder_tokens"] - before == len(SYS.ids) + len("And the colour?") + new - 1
 
         # another prefix: the image's self-attention K/V is recomputed from the cached encoder
         # outputs (no encoder run); its cross-attention K/V is reused at the new position
@@ -103,16 +107,17 @@ def test_reuse_counts_and_dense_equality(dense_answers):
         assert cache.stats().sequences == 0                  # every session released its sequences
 
 
-def test_prompt_ending_on_media_and_multi_turn(dense_answers):
+def test_prompt_ending_on_media_and_multi_turn(dense_answers, backend):
+    new = NEW_BY_BACKEND[backend.name]
     model = ReferenceModel(seed=0)
     prompt = [SYS, Image(IMAGES[1])]
     turns = [[SYS, Audio(CLIPS[1]), Text("Transcribe.")], [Image(IMAGES[1])], [Text("Thanks.")]]
-    with TieredKVCache(model.cache_config()) as cache:
-        assert model.generate(cache, "acme", prompt, NEW) == dense_answers(prompt)
+    with TieredKVCache(model.cache_config(**backend.cfg())) as cache:
+        assert model.generate(cache, "acme", prompt, new) == dense_answers(prompt)[:new]
         # the second time the last item's self K/V hits: only its last position is recomputed
-        assert model.generate(cache, "acme", prompt, NEW) == dense_answers(prompt)
+        assert model.generate(cache, "acme", prompt, new) == dense_answers(prompt)[:new]
         assert model.counters.self_hits["vision"] == 1
-        assert model.chat(cache, "acme", turns, NEW) == model.chat_dense(turns, NEW)
+        assert model.chat(cache, "acme", turns, new) == model.chat_dense(turns, new)
         assert model.counters.encoder_runs == {"vision": 1, "audio": 1}
 
 
@@ -129,34 +134,39 @@ def _workload(seed: int, n: int) -> list[tuple[str, list]]:
     return out
 
 
+# prompts per workload: the Triton kernels under the interpreter cost ~0.1 s per attention call,
+# so that backend serves a shorter workload (still evicting / spilling, still reusing)
+PROMPTS = {"torch": 12, "triton": 4}
 POOLS = {"text": 4, "vision": 2, "audio": 8, "vision_xattn": 2, "audio_xattn": 8,
          "vision_embed": 2, "audio_embed": 4}
 
 
-def _serve(cache, model, dense_answers, work):
+def _serve(cache, model, dense_answers, work, new=NEW):
     placements = 0
     for tenant, prompt in work:
-        assert model.generate(cache, tenant, prompt, NEW) == dense_answers(prompt), prompt
+        assert model.generate(cache, tenant, prompt, new) == dense_answers(prompt)[:new], prompt
         placements += sum(isinstance(i, Media) for i in prompt)
     runs = sum(model.counters.encoder_runs.values())
     assert 0 < runs < placements                               # encoder outputs were reused
     return cache.stats()
 
 
-def test_small_device_pools_evict_and_stay_exact(dense_answers):
+def test_small_device_pools_evict_and_stay_exact(dense_answers, backend):
     model = ReferenceModel(seed=0)
-    with TieredKVCache(small_pools(POOLS)) as cache:
-        stats = _serve(cache, model, dense_answers, _workload(1, 12))
+    with TieredKVCache(small_pools(POOLS, **backend.cfg())) as cache:
+        stats = _serve(cache, model, dense_answers, _workload(1, PROMPTS[backend.name]),
+                       NEW_BY_BACKEND[backend.name])
     assert stats.counters["evictions"] > 0
     assert sum(model.counters.self_hits.values()) + sum(model.counters.cross_hits.values()) > 0
 
 
-def test_lower_tiers_spill_and_stay_exact(dense_answers, tmp_path):
+def test_lower_tiers_spill_and_stay_exact(dense_answers, tmp_path, backend):
     model = ReferenceModel(seed=0)
     cfg = small_pools(POOLS, host_bytes=1 << 20, disk_dir=tmp_path / "spill", disk_bytes=64 << 20,
-                      disk_free_floor_bytes=0)
-    with TieredKVCache(cfg) as cache:
-        stats = _serve(cache, model, dense_answers, _workload(1, 12))
+                      disk_free_floor_bytes=0, **backend.cfg())
+    with TieredKVCache(cfg) as cache:     # all 12 prompts on both backends: fewer would not reach disk
+        stats = _serve(cache, model, dense_answers, _workload(1, PROMPTS["torch"]),
+                       NEW_BY_BACKEND[backend.name])
     # The seeded workload's media K/V is several times the tiny device pools and the 1 MiB host
     # tier: groups must go device -> host -> disk, and some come back while answers stay exact.
     c = stats.counters
@@ -166,9 +176,9 @@ def test_lower_tiers_spill_and_stay_exact(dense_answers, tmp_path):
     assert 0 < sum(u.bytes for u in stats.tiers["host"].values()) <= 1 << 20
 
 
-def test_bad_input_raises_typed_errors_and_changes_nothing():
+def test_bad_input_raises_typed_errors_and_changes_nothing(backend):
     model = ReferenceModel(seed=0)
-    with TieredKVCache(model.cache_config()) as cache:
+    with TieredKVCache(model.cache_config(**backend.cfg())) as cache:
         before = cache.stats()
         bad = [
             (MediaError, [SYS, Image(b"")]),                      # empty bytes
@@ -191,9 +201,9 @@ def test_bad_input_raises_typed_errors_and_changes_nothing():
         assert model.counters.snapshot()["decoder_tokens"] == 0
 
 
-def test_cache_of_another_model_is_refused():
+def test_cache_of_another_model_is_refused(backend):
     model = ReferenceModel(seed=0)
-    with TieredKVCache(reference_config(seed=1)) as cache:
+    with TieredKVCache(reference_config(seed=1, **backend.cfg())) as cache:
         with pytest.raises(ConfigError) as info:
             model.generate(cache, "acme", [SYS], 1)
         assert info.value.fields == ("model",)

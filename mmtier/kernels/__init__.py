@@ -13,14 +13,14 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError
-from .layout import PagedKV, build_paged_kv, check_queries
+from .layout import HostTables, PagedKV, build_paged_kv, check_queries, upload_ints
 from .reference import merge_attention_states_torch, paged_attention_torch, write_kv_torch
 
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = [
-    "BACKENDS", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
-    "paged_attention", "triton_available", "write_kv",
+    "BACKENDS", "HostTables", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
+    "paged_attention", "triton_available", "upload_ints", "write_kv",
 ]
 
 
@@ -50,16 +50,19 @@ def _use_triton(backend: str, device: torch.device) -> bool:
 def paged_attention(
     q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[PagedKV],
     *, causal: bool = True, scale: float | None = None, backend: str = "auto",
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, host_q_indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [total_q, Hq, D]`` over the segments of every operand (one per pool,
     page sizes may differ), merged exactly; returns ``(out [total_q, Hq, D], lse [total_q, Hq])``
-    with ``lse`` float32 in natural log (``-inf``, ``out == 0`` where a query sees no key)."""
+    with ``lse`` float32 in natural log (``-inf``, ``out == 0`` where a query sees no key).
+
+    ``host_q_indptr``: ``q_indptr``'s values on the CPU; with operands that carry their
+    tables on the host too (``PagedKV.host``), the Triton path plans without a device sync."""
     if _use_triton(backend, q.device):
         from .triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
-                                      out_dtype=out_dtype)
+                                      out_dtype=out_dtype, host_q_indptr=host_q_indptr)
     return paged_attention_torch(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
                                  out_dtype=out_dtype)
 
@@ -80,10 +83,12 @@ def merge_attention_states(
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
              offsets: torch.Tensor, *, backend: str = "auto") -> None:
     """Scatter ``k, v [num_layers, n, Hkv, D]`` into the page-major pool view ``kv``: token
-    ``i`` to page ``page_ids[i]``, slot ``offsets[i]``, in every layer. In place."""
+    ``i`` to page ``page_ids[i]``, slot ``offsets[i]``, in every layer. In place. The int32
+    indices may be on ``kv``'s device or on the CPU (built on the host: the Triton path checks
+    them there and uploads them without a device sync)."""
     if _use_triton(backend, kv.device):
         from .triton_write import write_kv_triton
 
         write_kv_triton(kv, k, v, page_ids, offsets)
         return
-    write_kv_torch(kv, k, v, page_ids, offsets)
+    write_kv_torch(kv, k, v, page_ids.to(kv.device), offsets.to(kv.device))

@@ -11,6 +11,12 @@ One ``PagedKV`` describes one pool (one page size, one head dim) for one layer:
 - ``seg_len`` int32 ``[S]``: its tokens (``0 <= seg_len <= pages * page_size``), packed from the
   start of its first page.
 
+A ``PagedKV`` may carry ``host``: the same five tables as CPU int32 tensors, when the caller
+built them on the host (``build_paged_kv``, the cache's ``compile_segments``). Planning a
+Triton launch then reads the host copies (validation, grid, per-page tables) and never waits
+on the device; without them it copies a few dozen ints back from the device (one sync).
+``upload_ints`` moves host-built index arrays to a device in one non-blocking copy.
+
 The queries are ``q [total_q, num_q_heads, head_dim]`` with ``q_indptr`` int32 ``[B+1]`` and
 ``q_pos`` int32 ``[total_q]`` (absolute positions; key position ``p`` is visible to a query at
 ``qp`` when ``p <= qp`` under causal masking). Results are ``(out, lse)``: ``lse`` float32
@@ -19,6 +25,7 @@ The queries are ``q [total_q, num_q_heads, head_dim]`` with ``q_indptr`` int32 `
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +33,21 @@ import torch
 from ..errors import DTypeError, ShapeError
 
 INDEX_DTYPE = torch.int32
+ALIGN_INTS = 4    # 16 bytes of int32
+
+
+TABLES = ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids")
+
+
+@dataclass(frozen=True)
+class HostTables:
+    """A ``PagedKV``'s five index tables as CPU int32 tensors (the same values)."""
+
+    seg_indptr: torch.Tensor
+    seg_page_indptr: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    page_ids: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -37,6 +59,7 @@ class PagedKV:
     seg_start: torch.Tensor
     seg_len: torch.Tensor
     page_ids: torch.Tensor
+    host: HostTables | None = None   # the tables on the host, when built there (no planning sync)
 
     @property
     def page_size(self) -> int:
@@ -61,12 +84,16 @@ class PagedKV:
             raise ShapeError(f"layer {self.layer} out of range for a pool of {self.kv.shape[1]} layers")
         if self.head_dim != head_dim:
             raise ShapeError(f"query head dim {head_dim} != pool head dim {self.head_dim}")
-        for name in ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids"):
+        for name in TABLES:
             t = getattr(self, name)
             if t.dtype != INDEX_DTYPE:
                 raise DTypeError(f"{name} must be int32, got {t.dtype}")
             if t.device != self.kv.device:
                 raise DTypeError(f"{name} is on {t.device}, kv on {self.kv.device}")
+            if self.host is not None:
+                h = getattr(self.host, name)
+                if h.dtype != INDEX_DTYPE or h.device.type != "cpu" or h.shape != t.shape:
+                    raise DTypeError(f"host copy of {name} must be a CPU int32 tensor of shape {tuple(t.shape)}")
         if self.seg_indptr.shape[0] != batch + 1:
             raise ShapeError(f"seg_indptr has {self.seg_indptr.shape[0]} entries for a batch of {batch}")
         if self.seg_page_indptr.shape[0] != self.num_segments + 1 or self.seg_len.shape[0] != self.num_segments:
@@ -74,7 +101,9 @@ class PagedKV:
 
 
 def build_paged_kv(kv: torch.Tensor, layer: int, batch_segments: list[list[tuple[list[int], int, int]]]) -> PagedKV:
-    """Build a ``PagedKV`` from Python lists: per batch item, segments ``(page_ids, start, length)``."""
+    """Build a ``PagedKV`` from Python lists: per batch item, segments ``(page_ids, start, length)``.
+    The tables are built on the host and kept there too (``host``), then copied to ``kv``'s
+    device at once."""
     seg_indptr, seg_page_indptr, seg_start, seg_len, page_ids = [0], [0], [], [], []
     for segments in batch_segments:
         for pages, start, length in segments:
@@ -83,12 +112,34 @@ def build_paged_kv(kv: torch.Tensor, layer: int, batch_segments: list[list[tuple
             seg_start.append(start)
             seg_len.append(length)
         seg_indptr.append(len(seg_start))
-    dev = kv.device
+    return paged_kv_from_host(kv, layer, seg_indptr, seg_page_indptr, seg_start, seg_len, page_ids)
 
-    def t(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=INDEX_DTYPE, device=dev)
 
-    return PagedKV(kv, layer, t(seg_indptr), t(seg_page_indptr), t(seg_start), t(seg_len), t(page_ids))
+def paged_kv_from_host(kv: torch.Tensor, layer: int, *tables: Sequence[int]) -> PagedKV:
+    """A ``PagedKV`` from the five tables as host integers (in ``TABLES`` order): kept on the
+    host as ``host`` and uploaded to ``kv``'s device in one non-blocking copy."""
+    host = [torch.tensor(t, dtype=INDEX_DTYPE) for t in tables]
+    dev = upload_ints(host, kv.device)
+    return PagedKV(kv, layer, *dev, host=HostTables(*host))
+
+
+def upload_ints(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """CPU int32 ``tensors`` on ``device``: the same tensors on the CPU; on a GPU, packed into
+    one pinned buffer and copied in one non-blocking transfer (the host never waits; the
+    caching host allocator keeps the buffer alive until the copy has run)."""
+    if device.type == "cpu":
+        return list(tensors)
+    # each tensor starts 16-byte aligned in the buffer: Triton specializes kernels on pointer
+    # alignment, so unaligned views would compile new variants as table sizes change
+    starts, at = [], 0
+    for t in tensors:
+        starts.append(at)
+        at += -(-t.numel() // ALIGN_INTS) * ALIGN_INTS
+    flat = torch.zeros(at, dtype=INDEX_DTYPE, pin_memory=device.type == "cuda")
+    for t, start in zip(tensors, starts):
+        flat[start:start + t.numel()] = t.reshape(-1)
+    on_dev = flat.to(device, non_blocking=True)
+    return [on_dev[start:start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)]
 
 
 def check_queries(q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor) -> None:

@@ -9,8 +9,9 @@ Three layers (as in Triton's fused-attention tutorial):
   once per KV head, never once per query head);
 - the launch layer: ``plan_paged_attention`` validates the index tables (ranges, monotone
   CSR, devices, GQA ratio) and picks the grid (work items, KV splits per pool: enough
-  programs to fill the GPU), one host sync; ``_launch`` picks the tile config and passes
-  every stride, so any strided view works;
+  programs to fill the GPU), from the tables' host copies when the caller has them (no
+  sync: the cache's path), else with one small device -> host copy; ``_launch`` picks the
+  tile config and passes every stride, so any strided view works;
 - ``paged_attention_triton``: the torch-facing function, ``(out, lse)``.
 
 A batch item's pages in one pool are ``page_ids[batch_page[b]:batch_page[b+1]]`` (segments of
@@ -32,10 +33,11 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
-from .layout import INDEX_DTYPE, PagedKV, check_queries
+from .layout import INDEX_DTYPE, PagedKV, check_queries, upload_ints
 from .triton_merge import merge_partials
 
 LOG2E = 1.4426950408889634
+INTERPRET_BLOCK_N = 128
 
 
 @triton.jit
@@ -163,7 +165,7 @@ def _kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# plan: grid, splits and per-page metadata (one host sync, reusable across layers)
+# plan: grid, splits and per-page metadata (from host tables, reusable across layers)
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,14 @@ def _target_programs(device: torch.device) -> int:
 def plan_paged_attention(
     q: torch.Tensor, q_indptr: torch.Tensor, operands: Sequence[PagedKV],
     *, num_splits: int | None = None, min_split_tokens: int = 256,
+    host_q_indptr: torch.Tensor | None = None,
 ) -> AttentionPlan:
-    """Validate the index tables and plan the launches. One host sync (a few dozen ints).
+    """Validate the index tables and plan the launches.
+
+    Where the tables have host copies (every operand's ``host`` and ``host_q_indptr``, the
+    same values as ``q_indptr`` on the CPU), everything is read and derived on the host and
+    the derived tables go up in one non-blocking copy: the host never waits on the device.
+    Otherwise a few dozen ints come back from the device (one sync).
 
     ``num_splits`` forces that many KV splits per pool (capped by its page count);
     ``None`` picks enough splits to fill the device, each at least ``min_split_tokens`` long.
@@ -233,28 +241,24 @@ def plan_paged_attention(
             raise ShapeError("all pools of one call must have the same number of KV heads")
         group = g
     group = group or 1
+    on_host = host_q_indptr is not None and all(op.host is not None for op in operands)
+    if host_q_indptr is not None:
+        if host_q_indptr.device.type != "cpu" or host_q_indptr.shape != q_indptr.shape:
+            raise DTypeError(f"host_q_indptr must be a CPU tensor of shape {tuple(q_indptr.shape)}")
 
-    # one small device -> host transfer carries everything the grid depends on
-    dev = q.device
-    stats = [q_indptr.to(torch.int64)]
+    # everything the grid depends on, in one list of ints: read on the host when the tables
+    # are there, else in one small device -> host transfer
+    if on_host:
+        tables = [op.host for op in operands]
+        stats = [host_q_indptr.to(torch.int64)]
+    else:
+        tables = list(operands)
+        stats = [q_indptr.to(torch.int64)]
     batch_pages = []
-    for op in operands:
-        bp = op.seg_page_indptr.to(torch.int64)[op.seg_indptr.to(torch.int64).clamp(0, op.num_segments)]
+    for op, tab in zip(operands, tables):
+        bp, summary = _table_summary(tab, batch, op.num_segments)
         batch_pages.append(bp)
-        n_ids = op.page_ids.shape[0]
-        per_batch = bp[1:] - bp[:-1]
-        stats.append(torch.stack([
-            per_batch.max() if batch else torch.zeros((), dtype=torch.int64, device=dev),
-            per_batch.min() if batch else torch.zeros((), dtype=torch.int64, device=dev),
-            op.page_ids.min().to(torch.int64) if n_ids else torch.zeros((), dtype=torch.int64, device=dev),
-            op.page_ids.max().to(torch.int64) if n_ids else torch.zeros((), dtype=torch.int64, device=dev),
-            (op.seg_indptr[1:] - op.seg_indptr[:-1]).min().to(torch.int64) if batch
-            else torch.zeros((), dtype=torch.int64, device=dev),
-            op.seg_indptr[0].to(torch.int64), op.seg_indptr[-1].to(torch.int64),
-            (op.seg_page_indptr[1:] - op.seg_page_indptr[:-1]).min().to(torch.int64) if op.num_segments
-            else torch.zeros((), dtype=torch.int64, device=dev),
-            op.seg_page_indptr[0].to(torch.int64), op.seg_page_indptr[-1].to(torch.int64),
-        ]))
+        stats.append(summary)
     host = torch.cat(stats).cpu().tolist()
     qptr, rest = host[: batch + 1], host[batch + 1:]
     if qptr[0] != 0 or qptr[-1] != total_q or any(b < a for a, b in zip(qptr, qptr[1:])):
@@ -270,10 +274,12 @@ def plan_paged_attention(
     starts = torch.cumsum(blocks, 0) - blocks
     work_qb = torch.arange(work_b.shape[0], dtype=torch.int64) - starts[work_b]
 
+    dev = q.device
     target = _target_programs(dev)
-    plans: list[OperandPlan | None] = []
+    shapes: list[tuple[int, int, int] | None] = []     # per operand: splits, pages per split, base
+    per_page: list[torch.Tensor] = []                  # page_pos, page_len, batch_page per live pool
     parts = 0
-    for i, op in enumerate(operands):
+    for i, (op, tab) in enumerate(zip(operands, tables)):
         (max_pages, min_pages, id_min, id_max, seg_step, seg_first, seg_last,
          page_step, page_first, page_last) = rest[10 * i: 10 * i + 10]
         n_ids, n_pool = op.page_ids.shape[0], op.kv.shape[0]
@@ -284,7 +290,7 @@ def plan_paged_attention(
         if n_ids and (id_min < 0 or id_max >= n_pool):
             raise ShapeError(f"page ids {id_min}..{id_max} outside a pool of {n_pool} pages")
         if max_pages == 0 or not work_b.numel():
-            plans.append(None)
+            shapes.append(None)
             continue
         if num_splits is not None:
             splits = max(1, min(int(num_splits), max_pages))
@@ -294,24 +300,63 @@ def plan_paged_attention(
             splits = max(1, min(-(-target // base), by_len))
         per_split = -(-max_pages // splits)
         splits = -(-max_pages // per_split)
-        page_pos, page_len = _page_tables(op)
-        bp = batch_pages[i].to(INDEX_DTYPE)
-        plans.append(OperandPlan(page_pos, page_len, bp, splits, per_split, parts))
+        per_page.extend([*_page_tables(tab, op.num_segments, op.page_size), batch_pages[i].to(INDEX_DTYPE)])
+        shapes.append((splits, per_split, parts))
         parts += splits
-    return AttentionPlan(work_b.to(dev, INDEX_DTYPE), work_qb.to(dev, INDEX_DTYPE), block_m,
-                         group, max_q, tuple(plans), parts)
+
+    # on the host path the derived tables are CPU tensors: one upload; else already on device
+    work = [work_b.to(INDEX_DTYPE), work_qb.to(INDEX_DTYPE)]
+    if on_host:
+        uploaded = upload_ints(work + per_page, dev)
+    else:
+        uploaded = upload_ints(work, dev) + per_page
+    work_b_dev, work_qb_dev, derived = uploaded[0], uploaded[1], iter(uploaded[2:])
+    plans: list[OperandPlan | None] = []
+    for shape in shapes:
+        if shape is None:
+            plans.append(None)
+            continue
+        page_pos, page_len, bp = next(derived), next(derived), next(derived)
+        plans.append(OperandPlan(page_pos, page_len, bp, *shape))
+    return AttentionPlan(work_b_dev, work_qb_dev, block_m, group, max_q, tuple(plans), parts)
 
 
-def _page_tables(op: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per listed page: the absolute position of its first token and its valid token count."""
-    n = op.page_ids.shape[0]
-    counts = (op.seg_page_indptr[1:] - op.seg_page_indptr[:-1]).to(torch.int64)
-    seg = torch.repeat_interleave(
-        torch.arange(op.num_segments, device=op.kv.device), counts, output_size=n)
-    idx = torch.arange(n, device=op.kv.device, dtype=torch.int64) - op.seg_page_indptr[seg].to(torch.int64)
-    first = idx * op.page_size
-    page_pos = (op.seg_start[seg].to(torch.int64) + first).to(INDEX_DTYPE)
-    page_len = (op.seg_len[seg].to(torch.int64) - first).clamp(0, op.page_size).to(INDEX_DTYPE)
+def _table_summary(tab, batch: int, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch items' page bounds ``[B+1]`` (int64) and ten int64 facts about one operand's
+    tables (``tab``: a ``PagedKV`` or its ``HostTables``), computed where the tables are:
+    most and fewest pages of a batch item, least and greatest page id, the smallest step of
+    ``seg_indptr``, its ends, the smallest step of ``seg_page_indptr``, its ends."""
+    dev = tab.page_ids.device
+    zero = torch.zeros((), dtype=torch.int64, device=dev)
+    seg_indptr = tab.seg_indptr.to(torch.int64)
+    seg_page_indptr = tab.seg_page_indptr.to(torch.int64)
+    bp = seg_page_indptr[seg_indptr.clamp(0, num_segments)]
+    per_batch = bp[1:] - bp[:-1]
+    has_ids = tab.page_ids.shape[0] > 0
+    summary = torch.stack([
+        per_batch.max() if batch else zero,
+        per_batch.min() if batch else zero,
+        tab.page_ids.min().to(torch.int64) if has_ids else zero,
+        tab.page_ids.max().to(torch.int64) if has_ids else zero,
+        (seg_indptr[1:] - seg_indptr[:-1]).min() if batch else zero,
+        seg_indptr[0], seg_indptr[-1],
+        (seg_page_indptr[1:] - seg_page_indptr[:-1]).min() if num_segments else zero,
+        seg_page_indptr[0], seg_page_indptr[-1],
+    ])
+    return bp, summary
+
+
+def _page_tables(tab, num_segments: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per listed page: the absolute position of its first token and its valid token count
+    (int32, computed where ``tab``'s tables are)."""
+    dev = tab.page_ids.device
+    n = tab.page_ids.shape[0]
+    counts = (tab.seg_page_indptr[1:] - tab.seg_page_indptr[:-1]).to(torch.int64)
+    seg = torch.repeat_interleave(torch.arange(num_segments, device=dev), counts, output_size=n)
+    idx = torch.arange(n, device=dev, dtype=torch.int64) - tab.seg_page_indptr[seg].to(torch.int64)
+    first = idx * page_size
+    page_pos = (tab.seg_start[seg].to(torch.int64) + first).to(INDEX_DTYPE)
+    page_len = (tab.seg_len[seg].to(torch.int64) - first).clamp(0, page_size).to(INDEX_DTYPE)
     return page_pos.contiguous(), page_len.contiguous()
 
 
@@ -334,6 +379,8 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
     block_n = 64 if d_pad <= 128 else 32
     if kv.dtype == torch.float32:
         block_n = min(block_n, 32)
+    if not on_gpu:   # the interpreter pays per tile op, not per element: fewer, wider tiles
+        block_n = INTERPRET_BLOCK_N
     precision = "ieee" if kv.dtype == torch.float32 or q.dtype == torch.float32 else "tf32"
     dot_f32 = not on_gpu and torch.bfloat16 in (kv.dtype, q.dtype)
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
@@ -356,13 +403,15 @@ def paged_attention_triton(
     q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[PagedKV],
     *, causal: bool = True, scale: float | None = None, out_dtype: torch.dtype | None = None,
     num_splits: int | None = None, plan: AttentionPlan | None = None,
+    host_q_indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over the segments of every operand (pool), merged exactly.
 
     ``num_splits`` forces KV splits per pool (tests); ``plan`` reuses a plan from
-    ``plan_paged_attention`` (skips validation and the host sync; no sync remains, so the call
-    can be captured in a CUDA graph). A plan is only valid for the very index tensors it was
-    built from (the layer and the pool contents may change).
+    ``plan_paged_attention`` (skips validation; no sync remains, so the call can be captured
+    in a CUDA graph). A plan is only valid for the very index tensors it was built from (the
+    layer and the pool contents may change). ``host_q_indptr`` (``q_indptr`` on the CPU) with
+    operands that carry ``host`` tables plans without a device sync.
     """
     check_queries(q, q_indptr, q_pos)
     for t in (q_indptr, q_pos):
@@ -373,7 +422,8 @@ def paged_attention_triton(
     out_dtype = out_dtype or q.dtype
     scale = head_dim ** -0.5 if scale is None else float(scale)
     if plan is None:
-        plan = plan_paged_attention(q, q_indptr, operands, num_splits=num_splits)
+        plan = plan_paged_attention(q, q_indptr, operands, num_splits=num_splits,
+                                    host_q_indptr=host_q_indptr)
     out = torch.empty((total_q, num_q_heads, head_dim), dtype=out_dtype, device=q.device)
     lse = torch.empty((total_q, num_q_heads), dtype=torch.float32, device=q.device)
     live = [(op, p) for op, p in zip(operands, plan.operands) if p is not None]

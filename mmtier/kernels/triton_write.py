@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
-from .layout import INDEX_DTYPE
+from .layout import INDEX_DTYPE, upload_ints
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -50,8 +50,12 @@ def _kernel(
 
 
 def check_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
-                offsets: torch.Tensor) -> None:
-    """Typed errors for a bad write; one host sync for the index ranges."""
+                offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Typed errors for a bad write; returns ``(page_ids, offsets)`` on ``kv``'s device.
+
+    Index tensors on the host (the cache builds them there) are range-checked there and
+    copied up in one non-blocking transfer; index tensors already on the device cost one small
+    device -> host copy for the range check."""
     if kv.dim() != 6 or kv.shape[2] != 2:
         raise ShapeError(f"kv must be [pages, layers, 2, page_size, kv_heads, head_dim], got {tuple(kv.shape)}")
     num_pages, num_layers, _, page_size, heads, head_dim = kv.shape
@@ -70,8 +74,10 @@ def check_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: to
             raise DTypeError(f"{name} must be int32, got {t.dtype}")
         if t.shape != (n,):
             raise ShapeError(f"{name} must be [{n}], got {tuple(t.shape)}")
-        if t.device != kv.device:
-            raise DTypeError(f"{name} is on {t.device}, kv on {kv.device}")
+        if t.device != kv.device and t.device.type != "cpu":
+            raise DTypeError(f"{name} is on {t.device}, kv on {kv.device} (give indices there or on the CPU)")
+    if page_ids.device != offsets.device:
+        raise DTypeError(f"page_ids on {page_ids.device}, offsets on {offsets.device}")
     if n:
         lo_p, hi_p, lo_o, hi_o = torch.stack(
             [page_ids.min(), page_ids.max(), offsets.min(), offsets.max()]).tolist()
@@ -79,14 +85,17 @@ def check_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: to
             raise ShapeError(f"page ids {lo_p}..{hi_p} outside a pool of {num_pages} pages")
         if lo_o < 0 or hi_o >= page_size:
             raise ShapeError(f"slot offsets {lo_o}..{hi_o} outside pages of {page_size} tokens")
+    if page_ids.device != kv.device:
+        page_ids, offsets = upload_ints([page_ids, offsets], kv.device)
+    return page_ids, offsets
 
 
 def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
                     offsets: torch.Tensor) -> None:
     """Scatter ``k, v [num_layers, n, Hkv, D]`` into ``kv`` (page-major pool view), token ``i``
-    to page ``page_ids[i]``, slot ``offsets[i]``, in every layer. In place; bad input raises
-    before anything is written."""
-    check_write(kv, k, v, page_ids, offsets)
+    to page ``page_ids[i]``, slot ``offsets[i]``, in every layer (indices on ``kv``'s device or
+    on the CPU). In place; bad input raises before anything is written."""
+    page_ids, offsets = check_write(kv, k, v, page_ids, offsets)
     num_layers, n, heads, head_dim = k.shape
     if n == 0 or num_layers == 0:
         return

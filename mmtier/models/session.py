@@ -139,7 +139,7 @@ class CachedSession:
         ekey = self.cache.content_key(embed_modality(m), data, tenant=self.tenant, params=params)
         if self.cache.contains(ekey):
             try:
-                out = self.cache.get_embedding(ekey)
+                out = self.cache.get_embedding(ekey).cpu()   # the model computes on the CPU
             except UnknownKeyError:          # dropped since contains() (another request)
                 pass
             else:

@@ -34,9 +34,16 @@ def _tokens(i: int) -> int:
     return 10 + (i * 29) % 80
 
 
-def test_ten_thousand_ops_leave_nothing_behind(tmp_path, figures):
+# the Triton backend runs under the interpreter on CPU-only machines (~0.1 s an attention
+# call): a tenth of the operations there, same mix; (operations, least aborts, least reads)
+# per backend (few groups are cached early on, so a short run reads fewer of them)
+RUNS = {"torch": (OPS, 1000, 150), "triton": (OPS // 10, 100, 5)}
+
+
+def test_ten_thousand_ops_leave_nothing_behind(tmp_path, figures, backend):
     spill = tmp_path / "spill"
-    cfg = make_cfg(spill, device_pages=8, host_pages=8, disk_bytes=8 << 20)
+    ops, least_aborts, least_reads = RUNS[backend.name]
+    cfg = make_cfg(spill, device_pages=8, host_pages=8, disk_bytes=8 << 20, **backend.cfg())
     rng = random.Random(20240601)
     expect = {i: fingerprint(*seeded_kv(i, _tokens(i))) for i in range(MEDIA)}
     tally = dict.fromkeys(("ops", "aborts", "typed_errors", "reads", "served_wrong", "releases",
@@ -46,7 +53,7 @@ def test_ten_thousand_ops_leave_nothing_behind(tmp_path, figures):
         seqs: list = []
         leases: list = []
         base_host = cache.lower.host.used_bytes
-        for _ in range(OPS):
+        for _ in range(ops):
             tally["ops"] += 1
             r = rng.random()
             try:
@@ -134,7 +141,7 @@ def test_ten_thousand_ops_leave_nothing_behind(tmp_path, figures):
     # fixed by pinning the group while room is made), so no read may count as corrupt
     assert tally["served_wrong"] == 0 and c.get("disk_corrupt_reads", 0) == 0
     assert c.get("disk_quarantined", 0) == 0 and c.get("corrupt_reads", 0) == 0
-    assert tally["aborts"] > 1000 and tally["reads"] > 150
+    assert tally["aborts"] > least_aborts and tally["reads"] > least_reads
     figures.update(wall_s=round(time.perf_counter() - t0, 1), groups_cached_at_end=groups,
                    spills=c.get("spills", 0), evictions=c.get("evictions", 0), restores=c.get("restores", 0),
                    phantom_corrupt_reads=c.get("corrupt_reads", 0),

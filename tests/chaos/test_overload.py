@@ -65,9 +65,9 @@ def _tokens(i: int) -> int:
     return 20 + (i * 37) % 70                  # 20..89 tokens: 1-3 vision pages
 
 
-def test_overload_gives_typed_errors_bounded_latency_and_keeps_the_floor(small_fs, figures):
+def test_overload_gives_typed_errors_bounded_latency_and_keeps_the_floor(small_fs, figures, backend):
     mnt, is_tmpfs = small_fs
-    cfg = make_cfg(mnt, device_pages=8, host_pages=8,
+    cfg = make_cfg(mnt, device_pages=8, host_pages=8, **backend.cfg(),
                    disk_bytes=(64 << 20) if is_tmpfs else (6 << 20),
                    disk_free_floor_bytes=FLOOR if is_tmpfs else 0, max_inflight_bytes=INFLIGHT)
     expect = {i: fingerprint(*seeded_kv(i, _tokens(i))) for i in range(MEDIA)}
