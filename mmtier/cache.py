@@ -7,6 +7,7 @@ raises leaves the cache exactly as it was. One re-entrant lock guards the bookke
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -14,6 +15,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .batch_attention import attend_batch, query_bounds
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_scope
 from .errors import (
@@ -28,6 +30,7 @@ from .errors import (
 from .eviction import make_policy
 from .groups import ModalityGroup, Tier
 from .kernels import merge_attention_states, paged_attention
+from .layer_writes import Reservation, write_one_layer
 from .leases import Lease, LeaseTable
 from .payload import (
     check_kv,
@@ -145,34 +148,39 @@ class TieredKVCache:
         identity = token_identity(modality, k, v, tokens)
         with self._lock:
             self.lower.apply_completions()
-            table = self._table(seq)
-            tail = table.tail
-            extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
-                and tail.group.tier == Tier.DEVICE
-            pool = self.pools[modality]
-            have = tail.group.num_tokens if extend else 0
-            slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
-            new_pages = spec.pages_for(max(0, n - slack))
-            protect = [tail.group] if extend else []
-            pages = self._allocate(pool, new_pages, protect)
-            if extend:
-                group = tail.group
-                all_pages = group.pages + pages
-            else:
-                group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
-                all_pages = pages
-            slots = torch.arange(have, have + n)
-            page_ids = torch.tensor(all_pages, dtype=torch.int64)[slots // spec.page_size]
-            self._write(pool, k, v, page_ids, slots % spec.page_size)
-            if extend:
-                group.pages = all_pages
-                group.num_tokens += n
-                table.extend_chain(identity)
-            else:
-                group.num_tokens = n
-                table.add(group, identity)
-                self.policy.on_insert(group)
-            self.counters.add("appended_tokens", modality, n)
+            _, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity)
+            self._write(pool, k, v, page_ids, offsets)
+
+    def _grow(self, table: SequenceTable, modality: str, spec: ModalitySpec, n: int, identity: bytes):
+        """``n`` more tokens at the end of ``table``: the device tail run extended, or a new run.
+        Returns ``(group, pool, page ids, slot offsets)`` of the new tokens (lock held)."""
+        tail = table.tail
+        extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
+            and tail.group.tier == Tier.DEVICE
+        pool = self.pools[modality]
+        have = tail.group.num_tokens if extend else 0
+        slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
+        new_pages = spec.pages_for(max(0, n - slack))
+        protect = [tail.group] if extend else []
+        pages = self._allocate(pool, new_pages, protect)
+        if extend:
+            group = tail.group
+            all_pages = group.pages + pages
+        else:
+            group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
+            all_pages = pages
+        slots = torch.arange(have, have + n)
+        page_ids = torch.tensor(all_pages, dtype=torch.int64)[slots // spec.page_size]
+        if extend:
+            group.pages = all_pages
+            group.num_tokens += n
+            table.extend_chain(identity)
+        else:
+            group.num_tokens = n
+            table.add(group, identity)
+            self.policy.on_insert(group)
+        self.counters.add("appended_tokens", modality, n)
+        return group, pool, page_ids, slots % spec.page_size
 
     # ------------------------------------------------------------------ shared groups
     def contains(self, key: ContentKey) -> bool:
@@ -427,6 +435,78 @@ class TieredKVCache:
 
     def _backend(self) -> str:
         return self.cfg.attention_backend
+
+    # ------------------------------------------------------------------ engine integration
+    # Per-layer writes and one attention call for a batch of sequences: what an engine's model
+    # runner (the transformers adapter, vLLM / SGLang connectors) calls once per layer.
+    def reserve(self, seq: SequenceHandle, modality: str, n: int, *,
+                tokens: Sequence[int] | None = None) -> Reservation:
+        """Add ``n`` tokens to ``seq`` whose K/V will arrive one layer at a time
+        (``write_layer``). Their pages stay on the device until every layer is written.
+        ``tokens`` (their ids) name them in the prefix chain; without them the run is unique
+        (its prefix never matches another sequence's)."""
+        self._open()
+        spec = self.cfg.spec(modality)
+        if spec.kind != "kv":
+            raise UnknownModalityError(f"modality {modality!r} holds embeddings; use put_embedding")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ShapeError(f"reserve needs n > 0 tokens, got {n!r}")
+        if tokens is not None and len(tokens) != n:
+            raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
+        identity = token_identity(modality, None, None, tokens) if tokens is not None else \
+            b"unique:" + os.urandom(16)
+        with self._lock:
+            self.lower.apply_completions()
+            group, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity)
+            group.pins += 1
+            dev = pool.device
+            return Reservation(group, pool, page_ids.to(device=dev, dtype=torch.int32),
+                               offsets.to(device=dev, dtype=torch.int32), n)
+
+    def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""
+        self._open()
+        with self._lock:
+            write_one_layer(res, layer, k, v, self._backend())
+            if res.complete:
+                res.open = False
+                res.group.pins -= 1
+
+    def attention_batch(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
+                        q_indptr: torch.Tensor | Sequence[int], *,
+                        groups: Sequence[Iterable[ContentKey] | None] | None = None,
+                        causal: bool = True, scale: float | None = None) -> torch.Tensor:
+        """Attention for a batch of sequences in one call: rows ``q_indptr[b]:q_indptr[b+1]`` of
+        ``q [total_q, num_q_heads, head_dim]`` are the last queries of ``seqs[b]``; ``groups[b]``
+        restricts sequence ``b`` to those groups (cross-attention). Device pages of every
+        sequence go through one kernel launch per pool."""
+        return self.attention_batch_state(seqs, layer, q, q_indptr, groups=groups, causal=causal,
+                                          scale=scale)[0]
+
+    def attention_batch_state(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
+                              q_indptr: torch.Tensor | Sequence[int], *,
+                              groups: Sequence[Iterable[ContentKey] | None] | None = None,
+                              causal: bool = True, scale: float | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_batch``'s ``(out, lse)``."""
+        self._check_q(q)
+        seqs = list(seqs)
+        bounds = query_bounds(q_indptr, q.shape[0], len(seqs))
+        if groups is not None and len(groups) != len(seqs):
+            raise ShapeError(f"{len(groups)} group lists for {len(seqs)} sequences")
+        with self._lock:
+            self.lower.apply_completions()
+            batch, positions = [], []
+            for b, seq in enumerate(seqs):
+                table = self._table(seq)
+                batch.append(list(self._select(seq, table, None if groups is None else groups[b])))
+                n_q, length = bounds[b + 1] - bounds[b], table.length
+                if causal and n_q > length:
+                    raise ShapeError(f"sequence {seq.id}: {n_q} queries but it holds {length} tokens")
+                first = max(0, length - n_q)
+                positions.append(torch.arange(first, first + n_q, dtype=torch.int32))
+            q_pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
+            return attend_batch(self, batch, layer, q, bounds, q_pos, causal, scale)
 
     # ------------------------------------------------------------------ room and residency
     def _allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
