@@ -151,12 +151,14 @@ class TieredKVCache:
             _, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity)
             self._write(pool, k, v, page_ids, offsets)
 
-    def _grow(self, table: SequenceTable, modality: str, spec: ModalitySpec, n: int, identity: bytes):
-        """``n`` more tokens at the end of ``table``: the device tail run extended, or a new run.
-        Returns ``(group, pool, page ids, slot offsets)`` of the new tokens (lock held)."""
+    def _grow(self, table: SequenceTable, modality: str, spec: ModalitySpec, n: int, identity: bytes,
+              new_run: bool = False):
+        """``n`` more tokens at the end of ``table``: the device tail run extended (unless
+        ``new_run``), or a new run. Returns ``(group, pool, page ids, slot offsets)`` of the new
+        tokens (lock held)."""
         tail = table.tail
-        extend = tail is not None and tail.group.key is None and tail.group.modality == modality \
-            and tail.group.tier == Tier.DEVICE
+        extend = not new_run and tail is not None and tail.group.key is None \
+            and tail.group.modality == modality and tail.group.tier == Tier.DEVICE
         pool = self.pools[modality]
         have = tail.group.num_tokens if extend else 0
         slack = (spec.pages_for(have) * spec.page_size - have) if extend else 0
@@ -440,11 +442,12 @@ class TieredKVCache:
     # Per-layer writes and one attention call for a batch of sequences: what an engine's model
     # runner (the transformers adapter, vLLM / SGLang connectors) calls once per layer.
     def reserve(self, seq: SequenceHandle, modality: str, n: int, *,
-                tokens: Sequence[int] | None = None) -> Reservation:
+                tokens: Sequence[int] | None = None, new_run: bool = False) -> Reservation:
         """Add ``n`` tokens to ``seq`` whose K/V will arrive one layer at a time
         (``write_layer``). Their pages stay on the device until every layer is written.
         ``tokens`` (their ids) name them in the prefix chain; without them the run is unique
-        (its prefix never matches another sequence's)."""
+        (its prefix never matches another sequence's). ``new_run``: start a run of their own
+        (one that ``seal`` can turn into a shared group)."""
         self._open()
         spec = self.cfg.spec(modality)
         if spec.kind != "kv":
@@ -457,7 +460,8 @@ class TieredKVCache:
             b"unique:" + os.urandom(16)
         with self._lock:
             self.lower.apply_completions()
-            group, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity)
+            group, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity,
+                                                        new_run)
             group.pins += 1
             dev = pool.device
             return Reservation(group, pool, page_ids.to(device=dev, dtype=torch.int32),
@@ -471,6 +475,30 @@ class TieredKVCache:
             if res.complete:
                 res.open = False
                 res.group.pins -= 1
+
+    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
+        """Make the sequence's last run (fully written, started by ``reserve(new_run=True)``) the
+        shared group ``key``, in place (no copy): later sequences of the tenant ``attach`` it.
+        ``False`` (the run stays private) when ``key`` is already held or the run has left the
+        device."""
+        self._check_key(key, "kv")
+        with self._lock:
+            table = self._table(seq)
+            if key.scope != tenant_scope(self._salt(seq.tenant)):
+                raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+            tail = table.tail
+            if tail is None or tail.group.key is not None or tail.group.modality != key.modality:
+                raise UnknownKeyError(f"sequence {seq.id} ends in no private {key.modality} run to seal")
+            group = tail.group
+            if group.pins:
+                raise ShapeError(f"sequence {seq.id}: its last run is still being written")
+            if key in self._groups or group.tier != Tier.DEVICE:
+                return False                      # held already, or moved down meanwhile
+            group.key = key
+            self._groups[key] = group
+            self.counters.add("puts", key.modality)
+            self.counters.add("stored_tokens", key.modality, group.num_tokens)
+            return True
 
     def attention_batch(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
                         q_indptr: torch.Tensor | Sequence[int], *,

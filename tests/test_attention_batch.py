@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmtier import ShapeError, TieredKVCache
+from mmtier import ForeignKeyError, ShapeError, TieredKVCache
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache import build_multimodal, kv, make_cfg
 
@@ -108,3 +108,24 @@ def test_bad_batches_raise_typed_errors():
                 cache.attention_batch(seqs, 0, q, bad)
         with pytest.raises(ShapeError):
             cache.attention_batch(seqs, 0, q, [0, 1, 3], groups=[None])
+
+
+def test_seal_turns_a_written_run_into_a_shared_group():
+    with TieredKVCache(make_cfg()) as cache:
+        seq = cache.create_sequence("acme")
+        k, v = kv(9)
+        res = cache.reserve(seq, "text", 9, new_run=True)
+        key = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))
+        cache.write_layer(res, 0, k[0], v[0])
+        with pytest.raises(ShapeError):
+            cache.seal(seq, key)                          # layer 1 not written yet
+        cache.write_layer(res, 1, k[1], v[1])
+        with pytest.raises(ForeignKeyError):
+            cache.seal(seq, cache.content_key("text", b"span", tenant="globex"))
+        assert cache.seal(seq, key) and not cache.seal(seq, key)
+        cache.release(seq)
+        other = cache.create_sequence("acme")
+        cache.attach(other, key)                          # stored once, no copy: still there
+        q = torch.randn(2, HQ, 64)
+        want, _ = oracle_attention(q, torch.arange(7, 9), k[1], v[1], torch.arange(9))
+        assert rel_err(cache.attention(other, 1, q), want) < 1e-5

@@ -52,6 +52,8 @@ class Rows:
     self_res: list[Reservation | None] = field(default_factory=list)
     cross_res: list[Reservation | None] = field(default_factory=list)
     next_tokens: list[list[int]] | None = None     # token ids of the next step's real tokens
+    next_modality: str = "text"                    # the pool of the next step's tokens
+    next_new_run: bool = False                     # the next step's tokens start a run of their own
 
     def ensure(self, batch: int) -> None:
         if not self.seqs:
@@ -68,12 +70,13 @@ class Rows:
 
     def begin_self(self, counts: list[int]) -> None:
         """Reserve each row's real new tokens (called at the first self-attention layer)."""
-        tokens = self.next_tokens
-        self.next_tokens = None
+        tokens, modality, new_run = self.next_tokens, self.next_modality, self.next_new_run
+        self.next_tokens, self.next_modality, self.next_new_run = None, "text", False
         if tokens is not None and [len(t) for t in tokens] != counts:
             tokens = None                           # not the step the ids were given for
         self.self_res = [
-            self.cache.reserve(seq, "text", n, tokens=None if tokens is None else tokens[b]) if n else None
+            self.cache.reserve(seq, modality, n, tokens=None if tokens is None else tokens[b],
+                               new_run=new_run) if n else None
             for b, (seq, n) in enumerate(zip(self.seqs, counts))]
 
     def begin_cross(self, counts: list[int]) -> None:

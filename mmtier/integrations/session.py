@@ -1,0 +1,147 @@
+"""Reuse across requests, as an engine does it: ``Session(model, cache, tenant=...).generate``.
+
+A prompt is cut into spans: runs of text tokens and, for each image, the run of its image
+tokens. Each span has a prefix-dependent key chained to the one before (text: its token ids;
+image: the bytes of the image, hashed by mmtier), so a span is reused only under the same prefix
+(the decoder K/V of an image depends on everything before it). A request attaches the longest
+run of spans the cache holds, prefills each missing span as a run of its own (image spans in the
+``vision`` pool, the vision tower run only for them) and seals it under its key, then generates
+from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
+tenant, so another tenant never hits.
+
+Decoder-only models with 1-D positions (LLaVA, and text-only Llama / Qwen2 / Mistral).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from ..errors import ShapeError, UnsupportedError
+from .hf_layout import layout_of
+from .transformers import cache_for
+
+SESSION_TYPES = ("llava", "llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class Media:
+    """One image of a request: its bytes (they name it) and what the model's processor made of
+    them (``pixel_values``, ...); ``params`` are preprocessing settings that change its tokens."""
+
+    data: bytes
+    inputs: Mapping[str, torch.Tensor]
+    params: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Span:
+    modality: str                 # "text" or "vision"
+    start: int
+    end: int
+    media: Media | None = None
+
+
+@dataclass
+class SessionResult:
+    sequences: torch.Tensor       # [1, prompt + generated]
+    logits: tuple[torch.Tensor, ...]
+    cached_tokens: int            # prompt tokens attached from the cache (not prefilled)
+    prefilled_tokens: int         # prompt tokens run through the model
+    media_hits: int               # images whose K/V came from the cache (no vision tower)
+
+
+class Session:
+    """Requests of one tenant to one model over one cache."""
+
+    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None):
+        layout = layout_of(model)
+        if layout.model_type not in SESSION_TYPES:
+            raise UnsupportedError(f"Session supports {SESSION_TYPES}; {layout.model_type!r} is not "
+                                   "supported yet (use cache_for for one request)")
+        self.model, self.cache, self.tenant = model, cache, tenant
+        self.image_token = getattr(model.config, "image_token_id", None)
+
+    def spans(self, input_ids: torch.Tensor, media: Sequence[Media]) -> list[Span]:
+        ids = input_ids[0].tolist()
+        out: list[Span] = []
+        start, images = 0, iter(media)
+        for i in range(1, len(ids) + 1):
+            if i < len(ids) and (ids[i] == self.image_token) == (ids[start] == self.image_token):
+                continue
+            if ids[start] == self.image_token:
+                image = next(images, None)
+                if image is None:
+                    raise ShapeError("more image token runs in the prompt than media given")
+                out.append(Span("vision", start, i, image))
+            else:
+                out.append(Span("text", start, i))
+            start = i
+        if next(images, None) is not None:
+            raise ShapeError("more media given than image token runs in the prompt")
+        if not out or out[-1].modality != "text":
+            raise ShapeError("the prompt must end with text tokens")
+        return out
+
+    def keys(self, input_ids: torch.Tensor, spans: list[Span], empty: ContentKey) -> list[ContentKey]:
+        keys, parent = [], empty
+        for s in spans:
+            if s.media is None:
+                data = input_ids[0, s.start:s.end].to(torch.int64).numpy().tobytes()
+                key = self.cache.content_key("text", data, tenant=self.tenant, parent=parent,
+                                             params={"span": "token-ids"})
+            else:
+                key = self.cache.content_key("vision", s.media.data, tenant=self.tenant, parent=parent,
+                                             params=dict(s.media.params))
+            keys.append(key)
+            parent = key
+        return keys
+
+    def generate(self, input_ids: torch.Tensor, media: Sequence[Media] = (), *,
+                 max_new_tokens: int = 16, **generate_kwargs) -> SessionResult:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ShapeError(f"Session.generate takes one request: input_ids [1, n], got {tuple(input_ids.shape)}")
+        spans = self.spans(input_ids, media)
+        cache = self.cache
+        with cache_for(self.model, cache, tenant=self.tenant) as past:
+            rows = past.rows
+            rows.ensure(1)
+            seq = rows.seqs[0]
+            keys = self.keys(input_ids, spans, cache.prefix_key(seq))
+            hits = 0
+            while hits < len(spans) - 1 and cache.contains(keys[hits]):
+                cache.attach(seq, keys[hits])
+                hits += 1
+            cached = spans[hits].start
+            for layer in past.layers:
+                layer.seen = cached
+            prefilled = 0
+            for span, key in zip(spans[hits:-1], keys[hits:-1]):
+                self._prefill(past, input_ids, span)
+                cache.seal(seq, key)
+                prefilled += span.end - span.start
+            last = spans[-1]
+            rows.next_tokens = [input_ids[0, last.start:last.end].tolist()]
+            out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                      past_key_values=past, max_new_tokens=max_new_tokens, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+        return SessionResult(out.sequences, tuple(out.logits), cached, prefilled + last.end - last.start,
+                             sum(1 for s in spans[:hits] if s.media is not None))
+
+    def _prefill(self, past, input_ids: torch.Tensor, span: Span) -> None:
+        """Run the model over one span as a run of its own (``vision`` pool for an image)."""
+        rows = past.rows
+        rows.next_modality, rows.next_new_run = span.modality, True
+        if span.media is None:
+            rows.next_tokens = [input_ids[0, span.start:span.end].tolist()]
+        extra = dict(span.media.inputs) if span.media is not None else {}
+        positions = torch.arange(span.start, span.end).unsqueeze(0)
+        with torch.no_grad():
+            self.model(input_ids=input_ids[:, span.start:span.end],
+                       attention_mask=torch.ones(1, span.end, dtype=torch.long),
+                       position_ids=positions, past_key_values=past, use_cache=True, logits_to_keep=1,
+                       **extra)

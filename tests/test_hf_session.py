@@ -1,0 +1,90 @@
+"""``Session``: a second request with the same prefix and image attaches the cached text and
+image K/V (chained to their prefix), runs no vision tower, prefills only its new tokens and
+gives the tokens of a cold run; another tenant gets no hit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+
+from mmtier import ShapeError, TieredKVCache  # noqa: E402
+from mmtier.errors import UnsupportedError  # noqa: E402
+from mmtier.integrations import transformers as mt  # noqa: E402
+from mmtier.integrations.session import Media, Session  # noqa: E402
+from tests.hf_models import llava_inputs, tiny_llava, tiny_whisper  # noqa: E402
+
+NEW = 5
+
+
+@pytest.fixture(scope="module")
+def llava():
+    torch.manual_seed(7)
+    ref = tiny_llava()
+    model = mt.enable(copy.deepcopy(ref))
+    calls = []
+    model.model.vision_tower.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    return ref, model, calls
+
+
+def cold(ref, ids, pixels):
+    return ref.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+                        max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
+
+
+def assert_same(want, got):
+    assert torch.equal(want.sequences, got.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(want.logits, got.logits)) <= 1e-5
+
+
+def test_second_request_reuses_prefix_and_image(llava):
+    ref, model, calls = llava
+    inputs = llava_inputs(1, seed=3)
+    ids, pixels = inputs["input_ids"], inputs["pixel_values"]
+    image = Media(b"\x89PNG fake image bytes", {"pixel_values": pixels})
+    with TieredKVCache(mt.config_for(model)) as cache:
+        session = Session(model, cache, tenant="acme")
+        calls.clear()
+        first = session.generate(ids, [image], max_new_tokens=NEW)
+        assert calls == [1] and first.cached_tokens == 0 and first.media_hits == 0
+        assert first.prefilled_tokens == ids.shape[1]
+        assert_same(cold(ref, ids, pixels), first)
+        assert cache.stats().by_modality["vision"]["stored_tokens"] == 16    # the image's K/V
+
+        follow = torch.cat([ids[:, :-4], torch.randint(1, 120, (1, 7))], 1)    # same prefix + image
+        calls.clear()
+        before = cache.stats().counters["appended_tokens"]
+        second = session.generate(follow, [image], max_new_tokens=NEW)
+        assert calls == []                                   # no vision tower
+        assert second.media_hits == 1 and second.cached_tokens == ids.shape[1] - 4
+        assert second.prefilled_tokens == 7
+        assert cache.stats().counters["appended_tokens"] - before == 7 + NEW - 1
+        assert_same(cold(ref, follow, pixels), second)
+
+        other = Session(model, cache, tenant="globex").generate(follow, [image], max_new_tokens=NEW)
+        assert calls == [1] and other.cached_tokens == 0 and other.media_hits == 0
+        assert torch.equal(other.sequences, second.sequences)
+
+        swapped = Media(b"another image", {"pixel_values": torch.randn_like(pixels)})
+        calls.clear()
+        third = session.generate(follow, [swapped], max_new_tokens=NEW)     # same prefix, new image
+        assert calls == [1] and third.media_hits == 0 and third.cached_tokens == 5
+        assert_same(cold(ref, follow, swapped.inputs["pixel_values"]), third)
+        assert cache.stats().sequences == 0
+
+
+def test_session_refusals(llava):
+    _, model, _ = llava
+    with TieredKVCache(mt.config_for(model)) as cache:
+        session = Session(model, cache)
+        ids = llava_inputs(1)["input_ids"]
+        with pytest.raises(ShapeError):
+            session.generate(ids, [])                      # an image run without its media
+        with pytest.raises(ShapeError):
+            session.generate(torch.cat([ids, ids]), [])    # one request at a time
+        whisper = mt.enable(tiny_whisper())
+        with pytest.raises(UnsupportedError):
+            Session(whisper, TieredKVCache(mt.config_for(whisper)))
