@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmtier import ForeignKeyError, ShapeError, TieredKVCache
+from mmtier import ForeignKeyError, ShapeError, TieredKVCache, UnknownKeyError
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache import build_multimodal, kv, make_cfg
 
@@ -122,7 +122,15 @@ def test_seal_turns_a_written_run_into_a_shared_group():
         cache.write_layer(res, 1, k[1], v[1])
         with pytest.raises(ForeignKeyError):
             cache.seal(seq, cache.content_key("text", b"span", tenant="globex"))
-        assert cache.seal(seq, key) and not cache.seal(seq, key)
+        assert cache.seal(seq, key)
+        with pytest.raises(UnknownKeyError):
+            cache.seal(seq, key)                          # its last run is shared now
+        twin = cache.create_sequence("acme")
+        res = cache.reserve(twin, "text", 9, new_run=True)
+        for layer in (0, 1):
+            cache.write_layer(res, layer, k[layer], v[layer])
+        assert not cache.seal(twin, key)                  # held already: the twin's run stays private
+        cache.release(twin)
         cache.release(seq)
         other = cache.create_sequence("acme")
         cache.attach(other, key)                          # stored once, no copy: still there
