@@ -1,6 +1,7 @@
 """``Session``: a second request with the same prefix and image attaches the cached text and
 image K/V (chained to their prefix), runs no vision tower, prefills only its new tokens and
-gives the tokens of a cold run; another tenant gets no hit."""
+gives the tokens of a cold run; another tenant gets no hit. Mllama's and Whisper's
+cross-attended media K/V is a content-only group, reused the same way."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import torch
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
+from transformers import GenerationMixin  # noqa: E402
+
 from mmtier import ShapeError, TieredKVCache  # noqa: E402
 from mmtier.errors import UnsupportedError  # noqa: E402
 from mmtier.integrations import transformers as mt  # noqa: E402
 from mmtier.integrations.session import Media, Session  # noqa: E402
-from tests.hf_models import llava_inputs, tiny_llava, tiny_whisper  # noqa: E402
+from tests.hf_models import (  # noqa: E402
+    llava_inputs,
+    mllama_inputs,
+    tiny_llava,
+    tiny_mllama,
+    tiny_whisper,
+    whisper_inputs,
+)
 
 NEW = 5
 
@@ -76,6 +86,47 @@ def test_second_request_reuses_prefix_and_image(llava):
         assert cache.stats().sequences == 0
 
 
+@pytest.mark.parametrize("name", ["mllama", "whisper"])
+def test_cross_attended_media_is_a_content_only_group(name):
+    """Mllama's projected vision K/V and Whisper's encoder K/V: stored once per tenant under a
+    content-only key; a second request attaches it and runs no vision tower / audio encoder."""
+    torch.manual_seed(11)
+    build, make = (tiny_mllama, mllama_inputs) if name == "mllama" else (tiny_whisper, whisper_inputs)
+    ref = build()
+    model = mt.enable(copy.deepcopy(ref))
+    calls = []
+    tower = model.model.vision_model if name == "mllama" else model.model.encoder
+    tower.register_forward_hook(lambda mod, args, out: calls.append(1))
+    inputs = make(1, seed=5)
+    if name == "mllama":
+        ids = inputs.pop("input_ids")
+        inputs.pop("attention_mask")
+        extra = {"cross_attention_mask": inputs.pop("cross_attention_mask")}
+        want = GenerationMixin.generate(ref, input_ids=ids, attention_mask=torch.ones_like(ids), **extra, **inputs,
+                                        max_new_tokens=NEW, do_sample=False, output_logits=True,
+                                        return_dict_in_generate=True)
+    else:
+        ids, extra = torch.tensor([[1, 5]]), {}
+        want = GenerationMixin.generate(ref, decoder_input_ids=ids, **inputs, max_new_tokens=NEW, do_sample=False,
+                                        output_logits=True, return_dict_in_generate=True)
+    media = Media(b"media bytes of " + name.encode(), inputs)
+    modality = "vision" if name == "mllama" else "audio"
+    with TieredKVCache(mt.config_for(model)) as cache:
+        session = Session(model, cache, tenant="acme")
+        for hit in (0, 1):
+            calls.clear()
+            got = session.generate(ids, [media], max_new_tokens=NEW, **extra)
+            assert got.media_hits == hit and len(calls) == 1 - hit
+            assert_same(want, got)
+        assert cache.stats().by_modality[modality]["puts"] == 1
+        key = cache.content_key(modality, media.data, tenant="acme")
+        assert key.sharing == "content" and cache.contains(key)
+        calls.clear()
+        other = Session(model, cache, tenant="globex").generate(ids, [media], max_new_tokens=NEW, **extra)
+        assert other.media_hits == 0 and calls == [1]
+        assert cache.stats().sequences == 0
+
+
 def test_session_refusals(llava):
     _, model, _ = llava
     with TieredKVCache(mt.config_for(model)) as cache:
@@ -86,5 +137,5 @@ def test_session_refusals(llava):
         with pytest.raises(ShapeError):
             session.generate(torch.cat([ids, ids]), [])    # one request at a time
         whisper = mt.enable(tiny_whisper())
-        with pytest.raises(UnsupportedError):
-            Session(whisper, TieredKVCache(mt.config_for(whisper)))
+        with TieredKVCache(mt.config_for(whisper)) as other, pytest.raises(UnsupportedError):
+            Session(whisper, other).generate(torch.tensor([[1]]), [])     # one media item per request

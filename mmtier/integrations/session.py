@@ -9,7 +9,11 @@ run of spans the cache holds, prefills each missing span as a run of its own (im
 from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
 tenant, so another tenant never hits.
 
-Decoder-only models with 1-D positions (LLaVA, and text-only Llama / Qwen2 / Mistral).
+Decoder-only models with 1-D positions (LLaVA, and text-only Llama / Qwen2 / Mistral) reuse
+text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
+K/V) keep that K/V as a content-only group (``vision`` / ``audio``): any request of the tenant
+with the same media attaches it and skips the vision tower or the audio encoder; their text is
+prefilled per request.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationMixin
 
 from ..cache import TieredKVCache
 from ..content import ContentKey
@@ -25,7 +30,7 @@ from ..errors import ShapeError, UnsupportedError
 from .hf_layout import layout_of
 from .transformers import cache_for
 
-SESSION_TYPES = ("llava", "llama", "qwen2", "mistral")
+SESSION_TYPES = ("llava", "llama", "qwen2", "mistral", "mllama", "whisper")
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,7 @@ class Session:
         if layout.model_type not in SESSION_TYPES:
             raise UnsupportedError(f"Session supports {SESSION_TYPES}; {layout.model_type!r} is not "
                                    "supported yet (use cache_for for one request)")
-        self.model, self.cache, self.tenant = model, cache, tenant
+        self.model, self.cache, self.tenant, self.layout = model, cache, tenant, layout
         self.image_token = getattr(model.config, "image_token_id", None)
 
     def spans(self, input_ids: torch.Tensor, media: Sequence[Media]) -> list[Span]:
@@ -105,6 +110,8 @@ class Session:
                  max_new_tokens: int = 16, **generate_kwargs) -> SessionResult:
         if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ShapeError(f"Session.generate takes one request: input_ids [1, n], got {tuple(input_ids.shape)}")
+        if self.layout.kind != "prefix":
+            return self._generate_cross(input_ids, media, max_new_tokens, generate_kwargs)
         spans = self.spans(input_ids, media)
         cache = self.cache
         with cache_for(self.model, cache, tenant=self.tenant) as past:
@@ -145,3 +152,51 @@ class Session:
                        attention_mask=torch.ones(1, span.end, dtype=torch.long),
                        position_ids=positions, past_key_values=past, use_cache=True, logits_to_keep=1,
                        **extra)
+
+    def _generate_cross(self, input_ids, media: Sequence[Media], max_new_tokens: int, kwargs) -> SessionResult:
+        """Mllama / Whisper: the media's cross-attention K/V is a content-only group; on a hit it
+        is attached and the vision tower (audio encoder) does not run. ``input_ids`` are the
+        decoder's prompt (Whisper: its decoder prompt)."""
+        if len(media) != 1:
+            raise UnsupportedError(f"{self.layout.model_type}: one media item per request, got {len(media)}")
+        item = media[0]
+        cache, layout = self.cache, self.layout
+        key = cache.content_key(layout.media, item.data, tenant=self.tenant, params=dict(item.params))
+        whisper = layout.kind == "encoder"
+        with cache_for(self.model, cache, tenant=self.tenant) as past:
+            cross_cache = past.cross_attention_cache if whisper else past
+            rows = cross_cache.rows
+            rows.ensure_cross(1)
+            hit = cache.contains(key)
+            extra = dict(kwargs)
+            if hit:
+                cache.attach(rows.cross_seqs[0], key)
+                for i in layout.cross_layers:
+                    cross_cache.layers[i].mark_attached(cache.sequence(rows.cross_seqs[0]).length,
+                                                        self.model.dtype, self.model.device)
+                if whisper:
+                    for i in layout.cross_layers:
+                        past.is_updated[i] = True
+                    extra["encoder_outputs"] = _unread_encoder_states(self.model)
+            else:
+                rows.next_cross_new_run = True
+                extra.update(item.inputs)
+            ids = {"decoder_input_ids": input_ids} if whisper else \
+                {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+            # the generic loop: Whisper's own generate copies the cache into dense tensors
+            out = GenerationMixin.generate(self.model, **ids, past_key_values=past, max_new_tokens=max_new_tokens,
+                                           do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                           **extra)
+            if not hit:
+                cache.seal(rows.cross_seqs[0], key)
+        return SessionResult(out.sequences, tuple(out.logits), 0, input_ids.shape[1], int(hit))
+
+
+def _unread_encoder_states(model):
+    """Whisper with its cross-attention K/V attached: ``generate`` wants encoder outputs, the
+    decoder never reads them (every layer's cross K/V is marked updated). Zeros of the shape."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    cfg = model.config
+    return BaseModelOutput(last_hidden_state=torch.zeros(1, cfg.max_source_positions, cfg.d_model,
+                                                         dtype=model.dtype, device=model.device))

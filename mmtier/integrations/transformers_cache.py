@@ -54,6 +54,7 @@ class Rows:
     next_tokens: list[list[int]] | None = None     # token ids of the next step's real tokens
     next_modality: str = "text"                    # the pool of the next step's tokens
     next_new_run: bool = False                     # the next step's tokens start a run of their own
+    next_cross_new_run: bool = False               # the next cross K/V starts a run of its own
 
     def ensure(self, batch: int) -> None:
         if not self.seqs:
@@ -80,8 +81,9 @@ class Rows:
             for b, (seq, n) in enumerate(zip(self.seqs, counts))]
 
     def begin_cross(self, counts: list[int]) -> None:
-        media = self.layout.media
-        self.cross_res = [self.cache.reserve(seq, media, n) if n else None
+        media, new_run = self.layout.media, self.next_cross_new_run
+        self.next_cross_new_run = False
+        self.cross_res = [self.cache.reserve(seq, media, n, new_run=new_run) if n else None
                           for seq, n in zip(self.cross_seqs, counts)]
 
     def release(self) -> None:
@@ -106,7 +108,7 @@ class MMTierLayer(CacheLayerMixin):
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.seen = 0                    # tokens transformers has passed (padding included)
         self.is_initialized = True
-        self._like: torch.Tensor | None = None
+        self._kind: tuple[torch.dtype, torch.device] | None = None     # of the K/V seen
 
     # transformers reads these on cached cross-attention steps; the K/V are in pages.
     @property
@@ -119,10 +121,16 @@ class MMTierLayer(CacheLayerMixin):
         return self._placeholder()
 
     def _placeholder(self) -> torch.Tensor:
-        like = self._like
-        if like is None or self.seen == 0:
+        """Empty before any K/V, one element after (transformers tests ``numel() > 0``)."""
+        if self._kind is None or self.seen == 0:
             return torch.zeros(0)
-        return like.new_zeros(1)
+        dtype, device = self._kind
+        return torch.zeros(1, dtype=dtype, device=device)
+
+    def mark_attached(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Cross K/V of ``tokens`` tokens was attached from the cache (no ``update`` will come)."""
+        self.seen = tokens
+        self._kind = (dtype, device)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None
@@ -133,7 +141,7 @@ class MMTierLayer(CacheLayerMixin):
                              f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
         self.pending = (key_states, value_states)
         self.seen += key_states.shape[2]
-        self._like = key_states
+        self._kind = (key_states.dtype, key_states.device)
         _ACTIVE.layer = self
         return key_states, value_states
 
