@@ -4,7 +4,8 @@ For a layer backed by an ``MMTierCache`` (``update`` just ran, or its cached cro
 read) it writes the step's fresh K/V of each row into pages (one layer, the row's real tokens
 only) and computes the attention of every row in one ``attention_batch`` call. Any other module
 that runs with this implementation (an encoder sharing the decoder's config, as Whisper's does)
-gets transformers' own sdpa attention.
+gets transformers' own sdpa attention; a decoder run without the mmtier cache (it would get a
+padding mask sdpa cannot read) raises ``UnsupportedError``.
 
 Masks. Self-attention receives the 2D padding mask (the mask function registered for "mmtier"
 is transformers' ``flash_attention_mask``: ``None`` when nothing is padded, else ``[batch,
@@ -27,6 +28,9 @@ def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     """transformers' attention signature: ``query [B, Hq, S, D]``; returns ``([B, S, Hq, D], None)``."""
     layer = take_active()
     if layer is None:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            raise UnsupportedError("a decoder layer ran the 'mmtier' attention without the mmtier "
+                                   "cache: pass past_key_values=cache_for(model, cache)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     own = getattr(module, "layer_idx", layer.layer_idx)
