@@ -77,7 +77,9 @@ def qwen_inputs(batch: int, seed: int = 0, image_seed: int | None = None):
     gi = torch.Generator().manual_seed(seed if image_seed is None else image_seed)
     pixels = torch.randn(batch * t * h * w, 3 * 2 * 4 * 4, generator=gi)
     grid = torch.tensor([[t, h, w]] * batch)
-    return _left_pad(dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid))
+    out = _left_pad(dict(input_ids=ids, pixel_values=pixels, image_grid_thw=grid))
+    out["mm_token_type_ids"] = (out["input_ids"] == 150).int()      # M-RoPE for the image tokens
+    return out
 
 
 def tiny_mllama():
