@@ -19,9 +19,9 @@ from mmtier.errors import UnsupportedError  # noqa: E402
 from mmtier.integrations import transformers as mt  # noqa: E402
 from mmtier.integrations.session import Media, Session  # noqa: E402
 from tests.hf_models import (  # noqa: E402
+    MODELS,
     llava_inputs,
     mllama_inputs,
-    tiny_llava,
     tiny_mllama,
     tiny_whisper,
     whisper_inputs,
@@ -30,18 +30,33 @@ from tests.hf_models import (  # noqa: E402
 NEW = 5
 
 
+IMAGE_MODELS = {"llava": "vision_tower", "qwen2_vl": "visual", "qwen2_5_vl": "visual"}
+
+
 @pytest.fixture(scope="module")
-def llava():
-    torch.manual_seed(7)
-    ref = tiny_llava()
-    model = mt.enable(copy.deepcopy(ref))
-    calls = []
-    model.model.vision_tower.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
-    return ref, model, calls
+def vlms():
+    """name -> (reference model, the same weights enabled for mmtier, vision tower calls)."""
+    out = {}
+    for name, tower in IMAGE_MODELS.items():
+        torch.manual_seed(7)
+        ref = MODELS[name][0]()
+        model = mt.enable(copy.deepcopy(ref))
+        calls = []
+        getattr(model.model, tower).register_forward_hook(lambda mod, args, out, calls=calls: calls.append(1))
+        out[name] = (ref, model, calls)
+    return out
 
 
-def cold(ref, ids, pixels):
-    return ref.generate(input_ids=ids, pixel_values=pixels, attention_mask=torch.ones_like(ids),
+def image_of(name, inputs, data=b"\x89PNG fake image bytes"):
+    keep = ("pixel_values", "image_grid_thw")
+    return Media(data, {k: v for k, v in inputs.items() if k in keep})
+
+
+def cold(ref, ids, image):
+    extra = dict(image.inputs)
+    if "image_grid_thw" in extra:
+        extra["mm_token_type_ids"] = (ids == ref.config.image_token_id).int()
+    return ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **extra,
                         max_new_tokens=NEW, do_sample=False, output_logits=True, return_dict_in_generate=True)
 
 
@@ -50,39 +65,44 @@ def assert_same(want, got):
     assert max(float((a - b).abs().max()) for a, b in zip(want.logits, got.logits)) <= 1e-5
 
 
-def test_second_request_reuses_prefix_and_image(llava):
-    ref, model, calls = llava
-    inputs = llava_inputs(1, seed=3)
-    ids, pixels = inputs["input_ids"], inputs["pixel_values"]
-    image = Media(b"\x89PNG fake image bytes", {"pixel_values": pixels})
+@pytest.mark.parametrize("name", sorted(IMAGE_MODELS))
+def test_second_request_reuses_prefix_and_image(vlms, name):
+    ref, model, calls = vlms[name]
+    inputs = MODELS[name][1](1, seed=3)
+    ids = inputs["input_ids"]
+    image = image_of(name, inputs)
+    n_img = int((ids == ref.config.image_token_id).sum())
     with TieredKVCache(mt.config_for(model)) as cache:
         session = Session(model, cache, tenant="acme")
         calls.clear()
         first = session.generate(ids, [image], max_new_tokens=NEW)
         assert calls == [1] and first.cached_tokens == 0 and first.media_hits == 0
         assert first.prefilled_tokens == ids.shape[1]
-        assert_same(cold(ref, ids, pixels), first)
-        assert cache.stats().by_modality["vision"]["stored_tokens"] == 16    # the image's K/V
+        assert_same(cold(ref, ids, image), first)
+        assert cache.stats().by_modality["vision"]["stored_tokens"] == n_img    # the image's K/V
 
-        follow = torch.cat([ids[:, :-4], torch.randint(1, 120, (1, 7))], 1)    # same prefix + image
+        follow = torch.cat([ids[:, :-3], torch.randint(3, 120, (1, 7))], 1)     # same prefix + image
         calls.clear()
         before = cache.stats().counters["appended_tokens"]
         second = session.generate(follow, [image], max_new_tokens=NEW)
         assert calls == []                                   # no vision tower
-        assert second.media_hits == 1 and second.cached_tokens == ids.shape[1] - 4
-        assert second.prefilled_tokens == 7
-        assert cache.stats().counters["appended_tokens"] - before == 7 + NEW - 1
-        assert_same(cold(ref, follow, pixels), second)
+        last_text = ids.shape[1] - int(torch.nonzero(ids[0] == ref.config.image_token_id).max()) - 1
+        assert second.media_hits == 1 and second.cached_tokens == ids.shape[1] - last_text
+        assert second.prefilled_tokens == last_text - 3 + 7
+        assert cache.stats().counters["appended_tokens"] - before == last_text - 3 + 7 + NEW - 1
+        assert_same(cold(ref, follow, image), second)
 
         other = Session(model, cache, tenant="globex").generate(follow, [image], max_new_tokens=NEW)
         assert calls == [1] and other.cached_tokens == 0 and other.media_hits == 0
         assert torch.equal(other.sequences, second.sequences)
 
-        swapped = Media(b"another image", {"pixel_values": torch.randn_like(pixels)})
+        swapped = image_of(name, {**image.inputs, "pixel_values": torch.randn_like(image.inputs["pixel_values"])},
+                           b"another image")
         calls.clear()
         third = session.generate(follow, [swapped], max_new_tokens=NEW)     # same prefix, new image
-        assert calls == [1] and third.media_hits == 0 and third.cached_tokens == 5
-        assert_same(cold(ref, follow, swapped.inputs["pixel_values"]), third)
+        first_image = int(torch.nonzero(ids[0] == ref.config.image_token_id).min())
+        assert calls == [1] and third.media_hits == 0 and third.cached_tokens == first_image
+        assert_same(cold(ref, follow, swapped), third)
         assert cache.stats().sequences == 0
 
 
@@ -127,8 +147,8 @@ def test_cross_attended_media_is_a_content_only_group(name):
         assert cache.stats().sequences == 0
 
 
-def test_session_refusals(llava):
-    _, model, _ = llava
+def test_session_refusals(vlms):
+    _, model, _ = vlms["llava"]
     with TieredKVCache(mt.config_for(model)) as cache:
         session = Session(model, cache)
         ids = llava_inputs(1)["input_ids"]

@@ -9,8 +9,8 @@ run of spans the cache holds, prefills each missing span as a run of its own (im
 from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
 tenant, so another tenant never hits.
 
-Decoder-only models with 1-D positions (LLaVA, and text-only Llama / Qwen2 / Mistral) reuse
-text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
+Decoder-only models (LLaVA, Qwen2-VL and Qwen2.5-VL with their M-RoPE positions computed over
+the whole prompt, text-only Llama / Qwen2 / Mistral) reuse text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
 K/V) keep that K/V as a content-only group (``vision`` / ``audio``): any request of the tenant
 with the same media attaches it and skips the vision tower or the audio encoder; their text is
 prefilled per request.
@@ -30,7 +30,8 @@ from ..errors import ShapeError, UnsupportedError
 from .hf_layout import layout_of
 from .transformers import cache_for
 
-SESSION_TYPES = ("llava", "llama", "qwen2", "mistral", "mllama", "whisper")
+SESSION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2", "mistral", "mllama", "whisper")
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")       # 3-D rotary positions for image tokens
 
 
 @dataclass(frozen=True)
@@ -126,9 +127,10 @@ class Session:
             cached = spans[hits].start
             for layer in past.layers:
                 layer.seen = cached
+            positions = self._positions(input_ids, media)
             prefilled = 0
             for span, key in zip(spans[hits:-1], keys[hits:-1]):
-                self._prefill(past, input_ids, span)
+                self._prefill(past, input_ids, span, positions)
                 cache.seal(seq, key)
                 prefilled += span.end - span.start
             last = spans[-1]
@@ -139,14 +141,29 @@ class Session:
         return SessionResult(out.sequences, tuple(out.logits), cached, prefilled + last.end - last.start,
                              sum(1 for s in spans[:hits] if s.media is not None))
 
-    def _prefill(self, past, input_ids: torch.Tensor, span: Span) -> None:
+    def _positions(self, input_ids: torch.Tensor, media: Sequence[Media]) -> torch.Tensor:
+        """Position ids of the whole prompt: ``[1, n]``, or for Qwen2-VL / Qwen2.5-VL the
+        ``[4, 1, n]`` text + M-RoPE positions (and the model's rope deltas, which its decode
+        steps read, set from the whole prompt even when every image is cached)."""
+        n = input_ids.shape[1]
+        text = torch.arange(n).unsqueeze(0)
+        if self.layout.model_type not in MROPE_TYPES or not media:
+            return text
+        grid = torch.cat([m.inputs["image_grid_thw"] for m in media])
+        vision, deltas = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == self.image_token).int(), image_grid_thw=grid,
+            attention_mask=torch.ones_like(input_ids))
+        self.model.model.rope_deltas = deltas
+        return torch.cat([text.unsqueeze(0), vision.to(text.dtype)], 0)
+
+    def _prefill(self, past, input_ids: torch.Tensor, span: Span, positions: torch.Tensor) -> None:
         """Run the model over one span as a run of its own (``vision`` pool for an image)."""
         rows = past.rows
         rows.next_modality, rows.next_new_run = span.modality, True
         if span.media is None:
             rows.next_tokens = [input_ids[0, span.start:span.end].tolist()]
         extra = dict(span.media.inputs) if span.media is not None else {}
-        positions = torch.arange(span.start, span.end).unsqueeze(0)
+        positions = positions[..., span.start:span.end]
         with torch.no_grad():
             self.model(input_ids=input_ids[:, span.start:span.end],
                        attention_mask=torch.ones(1, span.end, dtype=torch.long),
