@@ -27,6 +27,7 @@ COMMANDS = {
     "long_context": "python -m benchmarks.long_context --tokens 2000000 --repeats 5",
     "long_context_cluster": "python -m benchmarks.long_context --tokens 500000 --cluster",
     "multiturn": "python -m benchmarks.multiturn",
+    "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo (./run demo)",
 }
 
@@ -56,6 +57,9 @@ HEADLINES = [
     ("long_context", "max_rel_err", "< 1e-4 (fp32)", lambda v: v < 1e-4),
     ("multiturn", "ttft_speedup", "(reported)", None),
     ("multiturn", "memory_sharing_over_without", "(reported)", None),
+    ("hf_generate", "7b_warm_over_dynamic_ttft", "(reported)", None),
+    ("hf_generate", "7b_cold_over_dynamic_tpot", "(reported)", None),
+    ("hf_generate", "batch_over_single", "(reported; > 1: one call is faster)", None),
 ]
 
 

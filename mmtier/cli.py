@@ -26,7 +26,7 @@ import click
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")    # Ray binds 127.0.0.1 locally
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn")
+BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn", "hf_generate")
 DEFAULT_OUT = Path("benchmarks") / "results"
 
 
@@ -229,7 +229,8 @@ def _table(header: tuple, rows: list[tuple]) -> str:
                    "another folder gets its own RESULTS.md).")
 def bench(names: tuple[str, ...], quick: bool, out: Path | None) -> None:
     """Run the benchmark suite (default: all of NAMES below), then regenerate
-    benchmarks/RESULTS.md. NAMES: alloc kernels spill eviction cluster long_context multiturn."""
+    benchmarks/RESULTS.md. NAMES: alloc kernels spill eviction cluster long_context multiturn
+    hf_generate."""
     from tqdm import tqdm
 
     unknown = sorted(set(names) - set(BENCHMARKS))

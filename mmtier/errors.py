@@ -68,3 +68,7 @@ class ClosedError(MMTierError):
 
 class HolderLostError(UnknownKeyError):
     """What a call needed lived only on an actor that died (or did not answer): recompute it."""
+
+
+class UnsupportedError(MMTierError, NotImplementedError):
+    """A model, mask or option an integration does not handle; the message says which."""

@@ -9,7 +9,7 @@ one per (pool view, tier) that holds some of them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -104,19 +104,36 @@ def compile_segments(
     The tables are built from the host's lists, kept on the host (``PagedKV.host``: planning
     reads them, never the device) and copied to the view's device without a sync.
     """
-    by_store: dict[object, tuple[torch.Tensor, list[list[int]], list[int], list[int]]] = {}
-    for seg in segments:
-        store, view, pages = view_of(seg.group)
-        entry = by_store.setdefault(store, (view, [], [], []))
-        entry[1].append(pages)
-        entry[2].append(seg.start)
-        entry[3].append(seg.num_tokens)
+    return compile_batch([segments], layer, view_of)
+
+
+def compile_batch(
+    batch: Sequence[Iterable[Segment]],
+    layer: int,
+    view_of: Callable[[ModalityGroup], tuple[object, torch.Tensor, list[int]]],
+) -> list[PagedKV]:
+    """``compile_segments`` for a batch of sequences: one ``PagedKV`` per page store, whose
+    ``seg_indptr`` gives batch item ``b`` the segments of ``batch[b]`` in that store (none
+    where it has none), so one launch per store serves every sequence."""
+    by_store: dict[object, tuple[torch.Tensor, list[list[list[int]]], list[list[int]], list[list[int]]]] = {}
+    size = len(batch)
+    for b, segments in enumerate(batch):
+        for seg in segments:
+            store, view, pages = view_of(seg.group)
+            entry = by_store.setdefault(store, (view, [[] for _ in range(size)],
+                                                [[] for _ in range(size)], [[] for _ in range(size)]))
+            entry[1][b].append(pages)
+            entry[2][b].append(seg.start)
+            entry[3][b].append(seg.num_tokens)
     operands = []
     for view, page_lists, starts, lens in by_store.values():
-        indptr = [0]
-        flat: list[int] = []
-        for pages in page_lists:
-            flat.extend(pages)
-            indptr.append(len(flat))
-        operands.append(paged_kv_from_host(view, layer, [0, len(starts)], indptr, starts, lens, flat))
+        seg_indptr, indptr, flat, all_starts, all_lens = [0], [0], [], [], []
+        for b in range(size):
+            for pages in page_lists[b]:
+                flat.extend(pages)
+                indptr.append(len(flat))
+            all_starts.extend(starts[b])
+            all_lens.extend(lens[b])
+            seg_indptr.append(len(all_starts))
+        operands.append(paged_kv_from_host(view, layer, seg_indptr, indptr, all_starts, all_lens, flat))
     return operands

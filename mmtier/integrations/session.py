@@ -1,0 +1,219 @@
+"""Reuse across requests, as an engine does it: ``Session(model, cache, tenant=...).generate``.
+
+A prompt is cut into spans: runs of text tokens and, for each image, the run of its image
+tokens. Each span has a prefix-dependent key chained to the one before (text: its token ids;
+image: the bytes of the image, hashed by mmtier), so a span is reused only under the same prefix
+(the decoder K/V of an image depends on everything before it). A request attaches the longest
+run of spans the cache holds, prefills each missing span as a run of its own (image spans in the
+``vision`` pool, the vision tower run only for them) and seals it under its key, then generates
+from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
+tenant, so another tenant never hits.
+
+Decoder-only models (LLaVA, Qwen2-VL and Qwen2.5-VL with their M-RoPE positions computed over
+the whole prompt, text-only Llama / Qwen2 / Mistral) reuse text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
+K/V) keep that K/V as a content-only group (``vision`` / ``audio``): any request of the tenant
+with the same media attaches it and skips the vision tower or the audio encoder; their text is
+prefilled per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationMixin
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from ..errors import ShapeError, UnsupportedError
+from .hf_layout import layout_of
+from .transformers import cache_for
+
+SESSION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2", "mistral", "mllama", "whisper")
+MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")       # 3-D rotary positions for image tokens
+
+
+@dataclass(frozen=True)
+class Media:
+    """One image of a request: its bytes (they name it) and what the model's processor made of
+    them (``pixel_values``, ...); ``params`` are preprocessing settings that change its tokens."""
+
+    data: bytes
+    inputs: Mapping[str, torch.Tensor]
+    params: Mapping[str, object] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Span:
+    modality: str                 # "text" or "vision"
+    start: int
+    end: int
+    media: Media | None = None
+
+
+@dataclass
+class SessionResult:
+    sequences: torch.Tensor       # [1, prompt + generated]
+    logits: tuple[torch.Tensor, ...]
+    cached_tokens: int            # prompt tokens attached from the cache (not prefilled)
+    prefilled_tokens: int         # prompt tokens run through the model
+    media_hits: int               # images whose K/V came from the cache (no vision tower)
+
+
+class Session:
+    """Requests of one tenant to one model over one cache."""
+
+    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None):
+        layout = layout_of(model)
+        if layout.model_type not in SESSION_TYPES:
+            raise UnsupportedError(f"Session supports {SESSION_TYPES}; {layout.model_type!r} is not "
+                                   "supported yet (use cache_for for one request)")
+        self.model, self.cache, self.tenant, self.layout = model, cache, tenant, layout
+        self.image_token = getattr(model.config, "image_token_id", None)
+
+    def spans(self, input_ids: torch.Tensor, media: Sequence[Media]) -> list[Span]:
+        ids = input_ids[0].tolist()
+        out: list[Span] = []
+        start, images = 0, iter(media)
+        for i in range(1, len(ids) + 1):
+            if i < len(ids) and (ids[i] == self.image_token) == (ids[start] == self.image_token):
+                continue
+            if ids[start] == self.image_token:
+                image = next(images, None)
+                if image is None:
+                    raise ShapeError("more image token runs in the prompt than media given")
+                out.append(Span("vision", start, i, image))
+            else:
+                out.append(Span("text", start, i))
+            start = i
+        if next(images, None) is not None:
+            raise ShapeError("more media given than image token runs in the prompt")
+        if not out or out[-1].modality != "text":
+            raise ShapeError("the prompt must end with text tokens")
+        return out
+
+    def keys(self, input_ids: torch.Tensor, spans: list[Span], empty: ContentKey) -> list[ContentKey]:
+        keys, parent = [], empty
+        for s in spans:
+            if s.media is None:
+                data = input_ids[0, s.start:s.end].to(torch.int64).numpy().tobytes()
+                key = self.cache.content_key("text", data, tenant=self.tenant, parent=parent,
+                                             params={"span": "token-ids"})
+            else:
+                key = self.cache.content_key("vision", s.media.data, tenant=self.tenant, parent=parent,
+                                             params=dict(s.media.params))
+            keys.append(key)
+            parent = key
+        return keys
+
+    def generate(self, input_ids: torch.Tensor, media: Sequence[Media] = (), *,
+                 max_new_tokens: int = 16, **generate_kwargs) -> SessionResult:
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ShapeError(f"Session.generate takes one request: input_ids [1, n], got {tuple(input_ids.shape)}")
+        if self.layout.kind != "prefix":
+            return self._generate_cross(input_ids, media, max_new_tokens, generate_kwargs)
+        spans = self.spans(input_ids, media)
+        cache = self.cache
+        with cache_for(self.model, cache, tenant=self.tenant) as past:
+            rows = past.rows
+            rows.ensure(1)
+            seq = rows.seqs[0]
+            keys = self.keys(input_ids, spans, cache.prefix_key(seq))
+            hits = 0
+            while hits < len(spans) - 1 and cache.contains(keys[hits]):
+                cache.attach(seq, keys[hits])
+                hits += 1
+            cached = spans[hits].start
+            for layer in past.layers:
+                layer.seen = cached
+            positions = self._positions(input_ids, media)
+            prefilled = 0
+            for span, key in zip(spans[hits:-1], keys[hits:-1]):
+                self._prefill(past, input_ids, span, positions)
+                cache.seal(seq, key)
+                prefilled += span.end - span.start
+            last = spans[-1]
+            rows.next_tokens = [input_ids[0, last.start:last.end].tolist()]
+            out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                      past_key_values=past, max_new_tokens=max_new_tokens, do_sample=False,
+                                      output_logits=True, return_dict_in_generate=True, **generate_kwargs)
+        return SessionResult(out.sequences, tuple(out.logits), cached, prefilled + last.end - last.start,
+                             sum(1 for s in spans[:hits] if s.media is not None))
+
+    def _positions(self, input_ids: torch.Tensor, media: Sequence[Media]) -> torch.Tensor:
+        """Position ids of the whole prompt: ``[1, n]``, or for Qwen2-VL / Qwen2.5-VL the
+        ``[4, 1, n]`` text + M-RoPE positions (and the model's rope deltas, which its decode
+        steps read, set from the whole prompt even when every image is cached)."""
+        n = input_ids.shape[1]
+        text = torch.arange(n).unsqueeze(0)
+        if self.layout.model_type not in MROPE_TYPES or not media:
+            return text
+        grid = torch.cat([m.inputs["image_grid_thw"] for m in media])
+        vision, deltas = self.model.model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == self.image_token).int(), image_grid_thw=grid,
+            attention_mask=torch.ones_like(input_ids))
+        self.model.model.rope_deltas = deltas
+        return torch.cat([text.unsqueeze(0), vision.to(text.dtype)], 0)
+
+    def _prefill(self, past, input_ids: torch.Tensor, span: Span, positions: torch.Tensor) -> None:
+        """Run the model over one span as a run of its own (``vision`` pool for an image)."""
+        rows = past.rows
+        rows.next_modality, rows.next_new_run = span.modality, True
+        if span.media is None:
+            rows.next_tokens = [input_ids[0, span.start:span.end].tolist()]
+        extra = dict(span.media.inputs) if span.media is not None else {}
+        positions = positions[..., span.start:span.end]
+        with torch.no_grad():
+            self.model(input_ids=input_ids[:, span.start:span.end],
+                       attention_mask=torch.ones(1, span.end, dtype=torch.long),
+                       position_ids=positions, past_key_values=past, use_cache=True, logits_to_keep=1,
+                       **extra)
+
+    def _generate_cross(self, input_ids, media: Sequence[Media], max_new_tokens: int, kwargs) -> SessionResult:
+        """Mllama / Whisper: the media's cross-attention K/V is a content-only group; on a hit it
+        is attached and the vision tower (audio encoder) does not run. ``input_ids`` are the
+        decoder's prompt (Whisper: its decoder prompt)."""
+        if len(media) != 1:
+            raise UnsupportedError(f"{self.layout.model_type}: one media item per request, got {len(media)}")
+        item = media[0]
+        cache, layout = self.cache, self.layout
+        key = cache.content_key(layout.media, item.data, tenant=self.tenant, params=dict(item.params))
+        whisper = layout.kind == "encoder"
+        with cache_for(self.model, cache, tenant=self.tenant) as past:
+            cross_cache = past.cross_attention_cache if whisper else past
+            rows = cross_cache.rows
+            rows.ensure_cross(1)
+            hit = cache.contains(key)
+            extra = dict(kwargs)
+            if hit:
+                cache.attach(rows.cross_seqs[0], key)
+                for i in layout.cross_layers:
+                    cross_cache.layers[i].mark_attached(cache.sequence(rows.cross_seqs[0]).length,
+                                                        self.model.dtype, self.model.device)
+                if whisper:
+                    for i in layout.cross_layers:
+                        past.is_updated[i] = True
+                    extra["encoder_outputs"] = _unread_encoder_states(self.model)
+            else:
+                rows.next_cross_new_run = True
+                extra.update(item.inputs)
+            ids = {"decoder_input_ids": input_ids} if whisper else \
+                {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+            # the generic loop: Whisper's own generate copies the cache into dense tensors
+            out = GenerationMixin.generate(self.model, **ids, past_key_values=past, max_new_tokens=max_new_tokens,
+                                           do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                           **extra)
+            if not hit:
+                cache.seal(rows.cross_seqs[0], key)
+        return SessionResult(out.sequences, tuple(out.logits), 0, input_ids.shape[1], int(hit))
+
+
+def _unread_encoder_states(model):
+    """Whisper with its cross-attention K/V attached: ``generate`` wants encoder outputs, the
+    decoder never reads them (every layer's cross K/V is marked updated). Zeros of the shape."""
+    from transformers.modeling_outputs import BaseModelOutput
+
+    cfg = model.config
+    return BaseModelOutput(last_hidden_state=torch.zeros(1, cfg.max_source_positions, cfg.d_model,
+                                                         dtype=model.dtype, device=model.device))

@@ -1,0 +1,132 @@
+"""The attention function registered with transformers as ``"mmtier"``.
+
+For a layer backed by an ``MMTierCache`` (``update`` just ran, or its cached cross K/V was
+read) it writes the step's fresh K/V of each row into pages (one layer, the row's real tokens
+only) and computes the attention of every row in one ``attention_batch`` call. Any other module
+that runs with this implementation (an encoder sharing the decoder's config, as Whisper's does)
+gets transformers' own sdpa attention; a decoder run without the mmtier cache (it would get a
+padding mask sdpa cannot read) raises ``UnsupportedError``.
+
+Masks. Self-attention receives the 2D padding mask (the mask function registered for "mmtier"
+is transformers' ``flash_attention_mask``: ``None`` when nothing is padded, else ``[batch,
+kv_len]`` booleans): padded tokens are never written, padded query rows come back zero, and
+causality holds by position within each row's real tokens, as with a padded dense cache.
+Cross-attention receives ``None`` (Whisper) or Mllama's 4D additive mask: the media columns a row
+may see are stored; rows that see some other subset raise ``UnsupportedError``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..errors import UnsupportedError
+from .transformers_cache import MMTierLayer, take_active
+
+
+def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention signature: ``query [B, Hq, S, D]``; returns ``([B, S, Hq, D], None)``."""
+    layer = take_active()
+    if layer is None:
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            raise UnsupportedError("a decoder layer ran the 'mmtier' attention without the mmtier "
+                                   "cache: pass past_key_values=cache_for(model, cache)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    own = getattr(module, "layer_idx", layer.layer_idx)
+    if own != layer.layer_idx:
+        raise UnsupportedError(f"attention of layer {own} ran with the cache of layer {layer.layer_idx}")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedError("output_attentions: the mmtier attention returns no weights")
+    out = cross_attention(layer, query, attention_mask, scaling) if layer.cross else \
+        self_attention(layer, query, attention_mask, scaling)
+    return out, None
+
+
+def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torch.Tensor:
+    rows = layer.rows
+    batch, _, q_len, _ = query.shape
+    real = _padding(mask, batch, q_len, query.device)
+    rows.ensure(batch)
+    if layer.pending is not None:
+        k, v = layer.pending
+        layer.pending = None
+        if layer.first:
+            rows.begin_self(real.sum(1).tolist())
+        for b, res in enumerate(rows.self_res):
+            if res is not None:
+                keep = real[b]
+                rows.cache.write_layer(res, layer.pool_layer, k[b, :, keep].transpose(0, 1),
+                                       v[b, :, keep].transpose(0, 1))
+    return _attend(rows.cache, rows.seqs, layer.pool_layer, query, real, True, scale)
+
+
+def cross_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torch.Tensor:
+    rows = layer.rows
+    batch, _, q_len, _ = query.shape
+    rows.ensure_cross(batch)
+    if layer.pending is not None:
+        k, v = layer.pending
+        layer.pending = None
+        cols = _visible_columns(mask, batch, k.shape[2], k.device)
+        if layer.first:
+            rows.begin_cross(cols.sum(1).tolist())
+        for b, res in enumerate(rows.cross_res):
+            if res is not None:
+                rows.cache.write_layer(res, layer.pool_layer, k[b, :, cols[b]].transpose(0, 1),
+                                       v[b, :, cols[b]].transpose(0, 1))
+    elif mask is not None:
+        _visible_columns(mask, batch, mask.shape[-1], query.device)      # the same checks
+    every = torch.ones(batch, q_len, dtype=torch.bool, device=query.device)
+    return _attend(rows.cache, rows.cross_seqs, layer.pool_layer, query, every, False, scale)
+
+
+def _attend(cache, seqs, pool_layer, query, real, causal, scale) -> torch.Tensor:
+    """One ``attention_batch`` over the rows' real queries; padded query rows are zero."""
+    batch, heads, q_len, dim = query.shape
+    q = query.transpose(1, 2)                               # [B, S, Hq, D]
+    counts = real.sum(1)
+    indptr = torch.zeros(batch + 1, dtype=torch.int32)
+    indptr[1:] = counts.cumsum(0).cpu()
+    flat = cache.attention_batch(seqs, pool_layer, q[real], indptr, causal=causal, scale=scale)
+    if bool(real.all()):
+        return flat.view(batch, q_len, heads, dim)
+    out = q.new_zeros(batch, q_len, heads, dim)
+    out[real] = flat
+    return out
+
+
+def _padding(mask, batch: int, q_len: int, device) -> torch.Tensor:
+    """``[B, q_len]`` booleans: which new tokens are real (not padding)."""
+    if mask is None:
+        return torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] < q_len:
+        raise UnsupportedError(
+            f"self-attention mask of shape {getattr(mask, 'shape', type(mask).__name__)}: the mmtier "
+            "attention takes a 2D padding mask (custom 4D masks are not supported)")
+    return mask[:, -q_len:].to(torch.bool)
+
+
+def _visible_columns(mask, batch: int, n_kv: int, device) -> torch.Tensor:
+    """``[B, n_kv]`` booleans: the cross-attention columns each row sees. Query rows that see
+    some columns must all see the same ones (one media span per row)."""
+    if mask is None:
+        return torch.ones(batch, n_kv, dtype=torch.bool, device=device)
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[-1] != n_kv:
+        raise UnsupportedError(f"cross-attention mask of shape {tuple(getattr(mask, 'shape', ()))} "
+                               f"for {n_kv} media tokens is not supported")
+    m = mask[:, 0]
+    if m.dtype == torch.bool:
+        seen = m
+    else:
+        seen = m > torch.finfo(m.dtype).min / 2
+    partial = ~seen.all(-1)                               # query rows with a masked column
+    cols = torch.ones(batch, n_kv, dtype=torch.bool, device=m.device)
+    for b in range(batch):
+        rows = seen[b][partial[b]]
+        if rows.shape[0]:
+            cols[b] = rows[0]
+            if not bool((rows == rows[0]).all()) or not bool(rows[0].any()):
+                raise UnsupportedError("cross-attention rows that see different media columns "
+                                       "(several images per sequence) are not supported")
+    return cols

@@ -1,0 +1,192 @@
+"""An mmtier-backed ``transformers.Cache``: one mmtier sequence per batch row.
+
+transformers calls ``update(k, v, layer_idx)`` per layer and then the attention function. Here
+``update`` only notes the fresh K/V (a reference, no copy) and marks its layer as the one about
+to attend; the attention function registered as ``"mmtier"`` (``transformers_attention``) then
+writes the row's real tokens (the padding mask says which) into pages and attends over the pages
+of every row in one ``attention_batch`` call. A layer's ``keys`` / ``values`` are placeholders
+(the K/V live in the cache's pages, never in dense tensors here).
+
+Self-attention tokens go to the ``text`` pool; cross-attention K/V (Mllama's projected vision
+states, Whisper's encoder states) to a second sequence per row in the media pool, attended
+without causality.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from ..errors import ShapeError, UnsupportedError
+from ..layer_writes import Reservation
+from ..table import SequenceHandle
+from .hf_layout import ModelLayout
+
+_ACTIVE = threading.local()
+
+
+def take_active() -> MMTierLayer | None:
+    """The cache layer that the attention call now running belongs to (set by ``update`` or by
+    reading the layer's ``keys``), cleared as it is taken."""
+    layer = getattr(_ACTIVE, "layer", None)
+    _ACTIVE.layer = None
+    return layer
+
+
+@dataclass
+class Rows:
+    """The mmtier side of one ``cache_for``: a sequence per batch row (and a media sequence
+    per row where the model cross-attends), and the reservations of the step in progress."""
+
+    cache: TieredKVCache
+    layout: ModelLayout
+    tenant: str | None
+    seqs: list[SequenceHandle] = field(default_factory=list)
+    cross_seqs: list[SequenceHandle] = field(default_factory=list)
+    cross_keys: list[list[ContentKey] | None] = field(default_factory=list)
+    self_res: list[Reservation | None] = field(default_factory=list)
+    cross_res: list[Reservation | None] = field(default_factory=list)
+    next_tokens: list[list[int]] | None = None     # token ids of the next step's real tokens
+    next_modality: str = "text"                    # the pool of the next step's tokens
+    next_new_run: bool = False                     # the next step's tokens start a run of their own
+    next_cross_new_run: bool = False               # the next cross K/V starts a run of its own
+
+    def ensure(self, batch: int) -> None:
+        if not self.seqs:
+            self.seqs = [self.cache.create_sequence(self.tenant) for _ in range(batch)]
+        elif len(self.seqs) != batch:
+            raise UnsupportedError(f"batch of {batch} rows for a cache built for {len(self.seqs)} "
+                                   "(beam search and batch changes are not supported)")
+
+    def ensure_cross(self, batch: int) -> None:
+        self.ensure(batch)
+        if not self.cross_seqs:
+            self.cross_seqs = [self.cache.create_sequence(self.tenant) for _ in range(batch)]
+            self.cross_keys = [None] * batch
+
+    def begin_self(self, counts: list[int]) -> None:
+        """Reserve each row's real new tokens (called at the first self-attention layer)."""
+        tokens, modality, new_run = self.next_tokens, self.next_modality, self.next_new_run
+        self.next_tokens, self.next_modality, self.next_new_run = None, "text", False
+        if tokens is not None and [len(t) for t in tokens] != counts:
+            tokens = None                           # not the step the ids were given for
+        self.self_res = [
+            self.cache.reserve(seq, modality, n, tokens=None if tokens is None else tokens[b],
+                               new_run=new_run) if n else None
+            for b, (seq, n) in enumerate(zip(self.seqs, counts))]
+
+    def begin_cross(self, counts: list[int]) -> None:
+        media, new_run = self.layout.media, self.next_cross_new_run
+        self.next_cross_new_run = False
+        self.cross_res = [self.cache.reserve(seq, media, n, new_run=new_run) if n else None
+                          for seq, n in zip(self.cross_seqs, counts)]
+
+    def release(self) -> None:
+        for seq in (*self.seqs, *self.cross_seqs):
+            self.cache.release(seq)
+        self.seqs, self.cross_seqs = [], []
+
+
+class MMTierLayer(CacheLayerMixin):
+    """One decoder layer's view of the rows: self- or cross-attention K/V in mmtier pages."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, rows: Rows, layer_idx: int, cross: bool):
+        self.rows = rows
+        self.layer_idx = layer_idx
+        self.cross = cross
+        self.pool_layer = rows.layout.pool_layer(layer_idx, cross)
+        self.first = self.pool_layer == 0
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.seen = 0                    # tokens transformers has passed (padding included)
+        self.is_initialized = True
+        self._kind: tuple[torch.dtype, torch.device] | None = None     # of the K/V seen
+
+    # transformers reads these on cached cross-attention steps; the K/V are in pages.
+    @property
+    def keys(self) -> torch.Tensor:
+        _ACTIVE.layer = self
+        return self._placeholder()
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._placeholder()
+
+    def _placeholder(self) -> torch.Tensor:
+        """Empty before any K/V, one element after (transformers tests ``numel() > 0``)."""
+        if self._kind is None or self.seen == 0:
+            return torch.zeros(0)
+        dtype, device = self._kind
+        return torch.zeros(1, dtype=dtype, device=device)
+
+    def mark_attached(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Cross K/V of ``tokens`` tokens was attached from the cache (no ``update`` will come)."""
+        self.seen = tokens
+        self._kind = (dtype, device)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.dim() != 4 or key_states.shape != value_states.shape:
+            raise ShapeError(f"key/value states must be [batch, heads, n, head_dim] alike, got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        self.pending = (key_states, value_states)
+        self.seen += key_states.shape[2]
+        self._kind = (key_states.dtype, key_states.device)
+        _ACTIVE.layer = self
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise UnsupportedError("reset: release this cache and build a new one with cache_for")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise UnsupportedError("beam search is not supported by the mmtier cache")
+
+
+class MMTierCache(Cache):
+    """The ``past_key_values`` for one batch of rows (``cache_for`` builds it)."""
+
+    def __init__(self, rows: Rows, cross: bool = False):
+        layout = rows.layout
+        wanted = layout.cross_layers if cross else layout.self_layers
+        layers = []
+        for i in range(layout.num_layers):
+            if i in wanted:
+                layers.append(MMTierLayer(rows, i, cross))
+            else:      # Mllama: a cross layer in the self cache and vice versa
+                layers.append(MMTierLayer(rows, i, not cross))
+        super().__init__(layers=layers)
+        self.rows = rows
+
+    @property
+    def sequences(self) -> list[SequenceHandle]:
+        """The mmtier sequence of each batch row (empty before the first forward)."""
+        return list(self.rows.seqs)
+
+    def release(self) -> None:
+        """Drop the rows' sequences (shared groups stay cached)."""
+        self.rows.release()
+
+    def __enter__(self) -> MMTierCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
