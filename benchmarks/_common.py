@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -19,9 +20,11 @@ __all__ = ["RESULTS", "Spread", "best_time", "machine", "paired_rounds", "print_
 
 
 def write_results(name: str, figures: dict) -> Path:
-    """``benchmarks/results/NAME.json``: the flat figures plus ``machine`` and ``date``."""
+    """``benchmarks/results/NAME.json``: the flat figures plus ``machine``, ``date`` and the
+    machine's load when they were written (``cpu_load_avg_1min``: other jobs share it)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {**figures, "machine": machine(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    out = {"cpu_load_avg_1min": os.getloadavg()[0], **figures, "machine": machine(),
+           "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
     for k, v in out.items():
         if isinstance(v, (dict, list)):
             raise TypeError(f"figure {k!r} is not flat")
