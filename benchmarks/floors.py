@@ -3,8 +3,8 @@
 - ``read_bandwidth``: a streaming read (a float32 sum) of a buffer on the device or in host memory;
 - ``disk_read_bandwidth``: a cold sequential read of a directory's own files (page cache dropped
   first), up to a byte limit; ``disk_write_bandwidth``: an fsync'd sequential write;
-- ``cpu_attention_rate``: bytes/s of the cache's CPU attention path over its in-memory pages (the
-  compute a CPU decode cannot go below);
+- ``cpu_attention_rate``: bytes/s of the cache's CPU attention path over its in-memory pages, from
+  the CPU seconds it spends (the compute a CPU decode cannot go below on an idle machine);
 - ``Floors``: per resource seconds (bytes / bandwidth) and the two floors built from them: the
   *summed* floor (every resource one after another) and the *overlap* floor (the largest of them:
   independent resources working at once; on the CPU also the compute time, which the reads can
@@ -103,7 +103,11 @@ def disk_write_bandwidth(directory: Path, nbytes: int) -> float:
 
 def cpu_attention_rate(cache, table, q: torch.Tensor) -> float:
     """Bytes/s of the cache's CPU attention path over one layer of its device-tier pages alone
-    (in memory, no reads beside it), best of three."""
+    (in memory, no reads beside it) on this process's intra-op threads, best of three. Timed in
+    the process's CPU seconds (divided by those threads), not wall seconds: on a machine shared
+    with other jobs a wall-clock probe of a few seconds swings tens of times over, while the
+    CPU work the arithmetic needs does not; the floor it gives is what an idle machine would
+    take, so a decode timed in wall seconds beside it is never flattered by the load."""
     from mmtier.kernels import paged_attention
     from mmtier.table import compile_segments
 
@@ -112,9 +116,10 @@ def cpu_attention_rate(cache, table, q: torch.Tensor) -> float:
     ops = compile_segments(segs, 0, cache._device_view)
     q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
     q_pos = torch.full((q.shape[0],), table.length - 1, dtype=torch.int32)
+    threads = torch.get_num_threads()
     best = float("inf")
     for _ in range(3):
-        t0 = time.perf_counter()
+        c0 = time.process_time()
         paged_attention(q.cpu(), q_indptr, q_pos, ops, backend="torch")
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+        best = min(best, (time.process_time() - c0) / threads)
+    return nbytes / max(best, 1e-9)

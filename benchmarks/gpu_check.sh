@@ -4,12 +4,13 @@
 #   2. `python -m benchmarks.kernels --device cuda` (paged vs contiguous SDPA, bandwidth);
 #   3. when .gpu-wheels/ came along (benchmarks/gpu_wheels.sh, sent with `carry`): the cache's
 #      missing dependencies unpacked into a scratch directory, then `python -m
-#      benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS` (one
-#      layer of a real model's shape per decode step, across GPU, host and NVMe).
+#      benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS --layers
+#      $LC_LAYERS` (LC_LAYERS of a real model's shape per decode step, across GPU, host and NVMe).
 # Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt (+ tests.xml with
 # pytest), bench.txt, kernels.json, long_context.txt/.json, status.txt. Exit status: non-zero if
 # a step that ran failed. BENCH_ARGS adds kernel benchmark flags (e.g. BENCH_ARGS=--quick);
-# TEST_TIMEOUT / BENCH_TIMEOUT / LC_TIMEOUT in s; LC_PRESET (llama-3-8b), LC_TOKENS (2000000).
+# TEST_TIMEOUT / BENCH_TIMEOUT / LC_TIMEOUT in s; LC_PRESET (llama-3-8b), LC_TOKENS (2000000;
+# 'max': what the disk holds), LC_LAYERS (1; 'all': the preset's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -175,7 +176,7 @@ import importlib; sys.path.insert(0, sys.argv[1])
 for m in ('pydantic', 'xxhash', 'yaml', 'tqdm', 'click'):
     importlib.import_module(m)" "$DEPS" >"$OUT/long_context.txt" 2>&1; then
         timeout "${LC_TIMEOUT:-420}" env PYTHONPATH="$DEPS:$ROOT" "$PY" -m benchmarks.long_context \
-            --device cuda --preset "${LC_PRESET:-llama-3-8b}" --tokens "${LC_TOKENS:-2000000}" 2>&1 \
+            --device cuda --preset "${LC_PRESET:-llama-3-8b}" --tokens "${LC_TOKENS:-2000000}" --layers "${LC_LAYERS:-1}" 2>&1 \
             | tee -a "$OUT/long_context.txt"
         rc_lc=${PIPESTATUS[0]}
         cp -f benchmarks/results/long_context.json "$OUT/long_context.json" 2>/dev/null || true

@@ -22,8 +22,9 @@ layer's attention over every token, computed where the pages live and merged by 
 - ``--repeats`` pairs (5), after one untimed step (a decode loop's steady state): each pair
   measures every resource's bandwidth (device and host: a streaming read; disk: a cold read of
   the tier's own files, up to 2 GiB, page cache dropped first) and, on the CPU, the attention
-  path's own rate over in-memory pages, then one decode with the tier's files dropped from the
-  page cache. The bandwidths swing between runs on a shared machine; the pairing keeps each
+  path's own rate over in-memory pages (in CPU seconds per intra-op thread, which other jobs on
+  the machine do not inflate), then one decode with the tier's files dropped from the page
+  cache (wall seconds; ``decode_cpu_s`` beside: the process's CPU seconds). The bandwidths swing between runs on a shared machine; the pairing keeps each
   decode beside the floor measured with it.
 - ``decode_over_overlap_floor`` (headline): decode over the largest of the independent
   resources' times -- memory (device + host bytes on the CPU; device and host apart on a GPU),
@@ -217,16 +218,17 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
                 return last
 
             step()                    # one step first, as in a decode loop (buffers, code paths)
-            runs, floors, decodes = [], [], []
+            runs, floors, decodes, cpu_s = [], [], [], []
             out = torch.full_like(qs[0], float("nan"))
             for _ in range(repeats):
                 fl, bws = measure_floors(cache, table, per_tier, qs[0], device, spill)
                 drop_file_cache(spill)
                 _sync(device)
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.process_time()
                 out = step()
                 _sync(device)
                 decodes.append(time.perf_counter() - t1)
+                cpu_s.append(time.process_time() - c1)
                 floors.append(fl)
                 runs.append(bws)
             bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
@@ -251,6 +253,7 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
     figures.update({
         "decode_s": spread(decodes).median, "decode_s_best": spread(decodes).best,
         "decode_s_worst": spread(decodes).worst,
+        "decode_cpu_s": spread(cpu_s).median, "load_avg_1min_at_end": os.getloadavg()[0],
         "overlap_floor_s": floors[mid].overlap_s, "summed_floor_s": floors[mid].summed_s,
         "overlap_floor_bound": floors[mid].bound,
         **{f"floor_{k}_s": v for k, v in floors[mid].resources.items()},
