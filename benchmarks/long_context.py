@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     repeats = args.repeats or (2 if args.quick else 5)
     reserve = int(args.reserve_gib * (1 << 30))
     base = Path(os.environ.get("MMTIER_BENCH_DIR", "/var/tmp"))
-    presets = [args.preset] if args.preset else ["qwen2.5-vl-7b", "tiny"]
+    presets = [args.preset] if args.preset else ["tiny"] if args.cluster else ["qwen2.5-vl-7b", "tiny"]
     out: dict = {}
     for preset in presets:
         layers = 1 if preset == "tiny" or args.cluster else PRESETS[preset][4]
