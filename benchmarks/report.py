@@ -59,6 +59,8 @@ HEADLINES = [
     ("long_context_1layer", "max_rel_err", "< 1e-4 (fp32)", lambda v: v < 1e-4),
     ("long_context_cluster", "decode_over_floor", "(reported)", None),
     ("multiturn", "ttft_speedup_vs_dense", "(reported)", None),
+    ("multiturn", "ttft_cache_p50_s", "(reported)", None),
+    ("multiturn", "ttft_dense_p50_s", "(reported)", None),
     ("multiturn", "ttft_cache_p95_s", "(reported)", None),
     ("multiturn", "ttft_dense_p95_s", "(reported)", None),
     ("multiturn", "memory_sharing_over_without", "(reported)", None),
@@ -151,7 +153,7 @@ def plot_missing(results: dict[str, dict]) -> list[Path]:
         if name.startswith("gpu/") or name in OWN_PLOTS:
             continue
         ratios = {k: float(v) for k, v in data.items()
-                  if isinstance(v, (int, float)) and not isinstance(v, bool)
+                  if isinstance(v, (int, float)) and not isinstance(v, bool) and not k.endswith("_n")
                   and any(t in k for t in ("_over_", "fraction", "ratio", "speedup"))}
         if not ratios:
             continue
