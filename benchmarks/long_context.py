@@ -98,8 +98,8 @@ def build_config(tokens: int, preset: str, layers: int, device: str, spill_dir: 
     """``tiny``: one layer, tiers of 30 / 30 / 40 % of the bytes. A real preset: its ``configs/``
     file (modalities, page sizes, policy) with ``layers`` layers, 1 GiB device and host tiers."""
     total = tokens * token_bytes(preset, layers)
-    yaml = CONFIGS / f"{preset}.yaml"
-    if preset == "tiny" or not yaml.exists():
+    path = CONFIGS / f"{preset}.yaml"
+    if preset == "tiny" or not path.exists():
         hkv, dim, _, dtype, _ = PRESETS[preset]
         return CacheConfig(
             model=f"long-context-{preset}", num_layers=layers, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
@@ -111,12 +111,15 @@ def build_config(tokens: int, preset: str, layers: int, device: str, spill_dir: 
             host_bytes=max(8 << 20, int(total * 0.30)),
             disk_dir=spill_dir, disk_bytes=4 * total, disk_free_floor_bytes=reserve,
             max_inflight_bytes=64 << 20)
-    base = CacheConfig.from_yaml(yaml).model_dump()
+    import yaml
+
+    CacheConfig.from_yaml(path)                      # the preset as shipped is valid
+    base = yaml.safe_load(path.read_text())         # its own fields only (no filled defaults)
     # each pool (a share of a tier) must take its modality's largest group whole
     tier = min(TIER_BYTES, max(4 * max(MEDIA.values()) * token_bytes(preset, layers), total // 4))
     base.update(num_layers=layers, device=device, device_bytes=tier, host_bytes=tier, disk_dir=spill_dir,
                 disk_bytes=2 * total + (1 << 30), disk_free_floor_bytes=reserve, max_inflight_bytes=64 << 20)
-    return CacheConfig.model_validate(base)
+    return CacheConfig(**base)
 
 
 def plan_segments(tokens: int, seed: int, kinds: tuple[str, ...] = ("text", "vision", "audio", "video")

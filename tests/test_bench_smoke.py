@@ -73,3 +73,18 @@ def test_overlap_floor_is_the_largest_resource_and_the_sum_beside_it():
     assert (f.overlap_s, f.summed_s, f.bound) == (0.5, 0.6, "disk")
     g = Floors({"memory": 0.1, "disk": 0.2}, compute_s=0.7)
     assert (g.overlap_s, g.bound) == (0.7, "compute")
+
+
+def test_long_context_preset_config_is_the_shipped_preset_with_its_own_layers(tmp_path):
+    from benchmarks import long_context as lc
+
+    cfg = lc.build_config(12_000, "qwen2.5-vl-7b", 2, "cpu", tmp_path / "spill", reserve=4 << 30)
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype) == (2, 4, 128, "bfloat16")
+    assert set(cfg.modalities) == {"text", "vision", "video"}
+    assert all(cfg.spec(m).num_layers == 2 for m in cfg.modalities)
+    assert cfg.disk_free_floor_bytes == 4 << 30
+    assert lc.token_bytes("qwen2.5-vl-7b", 28) == 56 * 1024
+    free = lc.shutil.disk_usage(tmp_path).free
+    if free > 5 << 30:
+        n = lc.max_tokens(tmp_path, "qwen2.5-vl-7b", 28, reserve=4 << 30)
+        assert 0 < n * 56 * 1024 <= free - (4 << 30)
