@@ -19,7 +19,8 @@
 # Time: the three steps' limits (TEST_TIMEOUT 240 s, BENCH_TIMEOUT 200 s, LC_TIMEOUT 120 s)
 # fit one 10-minute device call. BENCH_ARGS adds kernel benchmark flags (BENCH_ARGS=--quick:
 # 64K-256K only); LC_PRESET (qwen2.5-vl-7b: 28 query / 4 KV heads), LC_TOKENS (500000);
-# TEST_WORKERS (8: pytest-xdist processes, where it is installed; they share the GPU).
+# TEST_WORKERS (8: pytest-xdist processes, where it is installed; they share the GPU);
+# LC_LAYERS (1; 'all': the preset's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -204,7 +205,7 @@ if fresh benchmarks/results/kernels.json; then cp -f benchmarks/results/kernels.
 rc_lc=0
 if [[ -z $SHIM ]]; then
     timeout "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.long_context --device cuda \
-        --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" 2>&1 \
+        --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" --layers "${LC_LAYERS:-1}" 2>&1 \
         | tee "$OUT/long_context.txt"
     rc_lc=${PIPESTATUS[0]}
     if fresh benchmarks/results/long_context.json; then

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -195,9 +194,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--quick", action="store_true", help="fewer tokens, shorter contexts")
     ap.add_argument("--runs", type=int, default=None, help="timed runs per arm (>= 5)")
     ap.add_argument("--context", type=int, default=None, help="tokens per sequence in batch_over_single")
-    ap.add_argument("--models", default="tiny,7b", help="comma-separated: tiny, 7b")
+    ap.add_argument("--models", default=None, help="comma-separated: tiny, 7b (default both; quick: tiny)")
     ap.add_argument("--device", default="cpu", help="device of batch_over_single's cache (cuda:N: Triton)")
-    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results)")
+    _common.add_out_arg(ap)
     args = ap.parse_args(argv)
     runs = max(5, args.runs or 5)
     new_tokens = 6 if args.quick else 16
@@ -206,15 +205,13 @@ def main(argv=None) -> dict:
     from tests.hf_models import tiny_llava
 
     models = {"tiny": (tiny_llava, 32 if args.quick else 128), "7b": (llava_7b_shapes, 64 if args.quick else 256)}
-    for label in args.models.split(","):
+    for label in (args.models or ("tiny" if args.quick else "tiny,7b")).split(","):
         if label not in models:
             raise SystemExit(f"--models: unknown {label!r}; choose from {sorted(models)}")
         build, prompt = models[label]
         figures.update(bench_model(label, build, prompt, new_tokens, runs))
     figures.update(batch_over_single(args.context or (256 if args.quick else 1024), device=args.device))
-    if args.out:
-        _common.RESULTS = Path(args.out)
-    path = _common.write_results("hf_generate", figures)
+    path = _common.write_results("hf_generate", figures, args.out)
     print_table("transformers through mmtier: TTFT / TPOT (median s) and batched attention",
                 [(k, v) for k, v in figures.items()])
     print(f"\nwrote {path}")

@@ -1,30 +1,45 @@
-"""A 2M-token multimodal context across device, host and disk: decode against the bandwidth floor.
+"""A long multimodal context across device, host and disk: one decode step against its floors.
 
-``python -m benchmarks.long_context --tokens 2000000 [--preset NAME] [--device cuda] [--cluster] [--quick]``
+``python -m benchmarks.long_context [--preset NAME] [--tokens N|max] [--layers all|1] [--repeats N]
+[--device cuda] [--cluster] [--quick]``
 
-Builds one sequence of interleaved text, images (576 tokens), audio clips (1500 tokens per
-30 s) and video segments under budgets that force it across the device, host and disk tiers,
-then measures one decode step of one layer over every token, computed where the pages live and
-merged by log-sum-exp:
+Without ``--preset`` two rows run, each writing its own JSON:
 
-- ``decode_s`` and the bytes read from each tier;
-- ``floor_s``: the sum over tiers of bytes / bandwidth, each bandwidth measured in this run
-  (device and host: a streaming read of a buffer of the same size class; disk: a cold read of
-  the tier's own files after dropping them from the page cache);
-- ``decode_over_floor`` (target <= 1.3): each of ``--repeats`` repetitions measures the
-  bandwidths and then one cold decode side by side (the disk's speed swings between runs on a
-  shared machine), after one untimed step (a decode loop's steady state); the best pair is
-  the figure, the median and worst are reported with it;
-- ``max_rel_err`` against a float64 oracle over gathered K/V for sampled query heads;
-- on the CPU, ``cpu_attention_gbps`` (the CPU path's own rate over in-memory pages) and
-  ``decode_over_max_floor``: the decode against the larger of the bandwidth floor and the time
-  that rate needs for every byte, i.e. how far the overlap of reads and compute is from perfect;
-- ingestion: tokens/s written through the tiers, against the disk's measured write bandwidth;
-- the extrapolation to a whole model (decode time x layers, with that model's per-token bytes).
+- ``long_context.json``: a real model's shape, ``qwen2.5-vl-7b`` from ``configs/`` (28 layers,
+  4 KV heads, head dim 128, bfloat16: 56 KiB per token), all layers; device and host tiers of a
+  quarter of the bytes each (at most 1 GiB), the rest on disk. ``--tokens max`` takes the
+  largest count the disk holds (its free bytes less ``--reserve-gib``, which also stays the
+  cache's own disk free floor): the default on a GPU. On the CPU the default is 32,768 tokens
+  (1.9 GB per step): the CPU path decodes a 16-bit context at tens to hundreds of MB/s, so a
+  step over what the disk holds would take hours;
+- ``long_context_1layer.json``: 2,000,000 tokens of one layer, one KV head, head dim 64, fp32
+  (512 B per token), 30 % device, 30 % host, 40 % disk.
 
-Here (CPU) the per-token footprint is small (stated in the output): one layer, one KV head,
-head dim 64, float16, so the whole context fits this machine; on a GPU use ``--preset`` for a
-real model's per-layer shape.
+Each builds one sequence of interleaved text, images (576 tokens), audio clips (1500 tokens per
+30 s; presets without audio skip it) and video segments, then measures one decode step: every
+layer's attention over every token, computed where the pages live and merged by log-sum-exp.
+
+- ``--repeats`` pairs (5), after one untimed step (a decode loop's steady state): each pair
+  measures every resource's bandwidth (device and host: a streaming read; disk: a cold read of
+  the tier's own files, up to 2 GiB, page cache dropped first) and, on the CPU, the attention
+  path's own rate over in-memory pages (in CPU seconds per intra-op thread, which other jobs on
+  the machine do not inflate), then one decode with the tier's files dropped from the page
+  cache (wall seconds; ``decode_cpu_s`` beside: the process's CPU seconds). The bandwidths swing between runs on a shared machine; the pairing keeps each
+  decode beside the floor measured with it.
+- ``decode_over_overlap_floor`` (headline): decode over the largest of the independent
+  resources' times -- memory (device + host bytes on the CPU; device and host apart on a GPU),
+  disk, and on the CPU the compute (all bytes at the attention path's rate) -- i.e. against a
+  perfect overlap of reads and compute; ``decode_over_summed_floor`` beside it (the resources
+  one after another). Each is the median of the pairs' ratios, best and worst and every pair
+  beside it.
+- ``max_rel_err`` against a float64 oracle over the gathered K/V of sampled query heads of one
+  layer (the last).
+- ingestion: tokens/s written through the tiers, against the disk's measured write bandwidth.
+
+``--cluster``: the same context over a local multi-node Ray cluster on loopback (one layer);
+``extrapolated_decode_s_all_layers`` multiplies its decode by the preset's layers, since every
+layer reads the same bytes per token as the one measured (the per-layer footprint is the
+preset's own).
 """
 
 from __future__ import annotations
@@ -32,46 +47,90 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks._common import add_out_arg, print_table, write_results
+from benchmarks._common import add_out_arg, print_table, ratio_figures, spread, write_results
+from benchmarks.floors import (
+    Floors,
+    cpu_attention_rate,
+    disk_read_bandwidth,
+    disk_write_bandwidth,
+    drop_file_cache,
+    read_bandwidth,
+)
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.groups import Tier
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)
     "tiny": (1, 64, 4, "float32", 32),
     "llama-3-8b": (8, 128, 32, "bfloat16", 32),
     "qwen2.5-vl-7b": (4, 128, 28, "bfloat16", 28),
 }
 MEDIA = {"vision": 576, "audio": 1500, "video": 1024}
+TIER_BYTES = 1 << 30          # device and host tiers of a preset run (the rest goes to disk)
+PROBE_BYTES = 2 << 30         # the disk bandwidth probe's cold read
+CPU_PRESET_TOKENS = 32_768    # a real preset's default on a CPU (see the module's docstring)
 
 
-def build_config(tokens: int, preset: str, device: str, spill_dir: Path) -> CacheConfig:
+def token_bytes(preset: str, layers: int) -> int:
     hkv, dim, _, dtype, _ = PRESETS[preset]
-    token_bytes = 2 * hkv * dim * (2 if dtype != "float32" else 4)
-    total = tokens * token_bytes
-    return CacheConfig(
-        model=f"long-context-{preset}", num_layers=1, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
-        modalities={"text": ModalitySpec(page_size=16, share=0.25),
-                    "vision": ModalitySpec(page_size=64, share=0.25),
-                    "audio": ModalitySpec(page_size=60, share=0.25),
-                    "video": ModalitySpec(page_size=128, share=0.25)},
-        device=device, device_bytes=max(8 << 20, int(total * 0.30)),
-        host_bytes=max(8 << 20, int(total * 0.30)),
-        disk_dir=spill_dir, disk_bytes=4 * total, disk_free_floor_bytes=0,
-        max_inflight_bytes=64 << 20)
+    return 2 * hkv * dim * getattr(torch, dtype).itemsize * layers
 
 
-def plan_segments(tokens: int, seed: int) -> list[tuple[str, int]]:
+def max_tokens(directory: Path, preset: str, layers: int, reserve: int) -> int:
+    """The most tokens whose K/V fit the disk under ``directory`` with ``reserve`` bytes left
+    free (the device and host tiers hold some too: they are not counted, a margin)."""
+    free = shutil.disk_usage(directory).free - reserve
+    if free <= 0:
+        raise SystemExit(f"{directory}: {shutil.disk_usage(directory).free >> 30} GiB free, "
+                         f"under the {reserve >> 30} GiB reserve")
+    return int(free * 0.95) // token_bytes(preset, layers)
+
+
+def build_config(tokens: int, preset: str, layers: int, device: str, spill_dir: Path,
+                 reserve: int) -> CacheConfig:
+    """``tiny``: one layer, tiers of 30 / 30 / 40 % of the bytes. A real preset: its ``configs/``
+    file (modalities, page sizes, policy) with ``layers`` layers, 1 GiB device and host tiers."""
+    total = tokens * token_bytes(preset, layers)
+    path = CONFIGS / f"{preset}.yaml"
+    if preset == "tiny" or not path.exists():
+        hkv, dim, _, dtype, _ = PRESETS[preset]
+        return CacheConfig(
+            model=f"long-context-{preset}", num_layers=layers, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
+            modalities={"text": ModalitySpec(page_size=16, share=0.25),
+                        "vision": ModalitySpec(page_size=64, share=0.25),
+                        "audio": ModalitySpec(page_size=60, share=0.25),
+                        "video": ModalitySpec(page_size=128, share=0.25)},
+            device=device, device_bytes=max(8 << 20, int(total * 0.30)),
+            host_bytes=max(8 << 20, int(total * 0.30)),
+            disk_dir=spill_dir, disk_bytes=4 * total, disk_free_floor_bytes=reserve,
+            max_inflight_bytes=64 << 20)
+    import yaml
+
+    CacheConfig.from_yaml(path)                      # the preset as shipped is valid
+    base = yaml.safe_load(path.read_text())         # its own fields only (no filled defaults)
+    # each pool (a share of a tier) must take its modality's largest group whole
+    tier = min(TIER_BYTES, max(4 * max(MEDIA.values()) * token_bytes(preset, layers), total // 4))
+    base.update(num_layers=layers, device=device, device_bytes=tier, host_bytes=tier, disk_dir=spill_dir,
+                disk_bytes=2 * total + (1 << 30), disk_free_floor_bytes=reserve, max_inflight_bytes=64 << 20)
+    return CacheConfig(**base)
+
+
+def plan_segments(tokens: int, seed: int, kinds: tuple[str, ...] = ("text", "vision", "audio", "video")
+                  ) -> list[tuple[str, int]]:
     """Interleaved (modality, tokens): text turns between media items, until ``tokens``."""
     rng = random.Random(seed)
+    weights = {"text": 4, "vision": 3, "audio": 1, "video": 1}
+    kinds = tuple(k for k in weights if k in kinds)
     out, total = [], 0
     while total < tokens:
-        kind = rng.choices(["text", "vision", "audio", "video"], weights=[4, 3, 1, 1])[0]
+        kind = rng.choices(kinds, weights=[weights[k] for k in kinds])[0]
         n = rng.randint(40, 400) if kind == "text" else MEDIA[kind]
         n = min(n, tokens - total)
         out.append((kind, n))
@@ -79,108 +138,70 @@ def plan_segments(tokens: int, seed: int) -> list[tuple[str, int]]:
     return out
 
 
-def feed(cache, seq, plan, gen, shape, put_opts=lambda i: {}, attach_opts=None):
-    """Append the plan's text and put + attach its media (random K/V of ``shape`` = (KV heads,
-    head dim, dtype)); returns the K and V it fed, in order, for the oracle."""
-    hkv, dim, tdtype = shape
+def feed(cache, seq, plan, gen, shape, keep=(0, 0), put_opts=lambda i: {}, attach_opts=None):
+    """Append the plan's text and put + attach its media (random K/V of ``shape`` = (layers, KV
+    heads, head dim, dtype)); returns the K and V of layer and KV head ``keep`` it fed, in order,
+    for the oracle (the rest is not kept: a real model's context outgrows memory)."""
+    layers, hkv, dim, tdtype = shape
     ks, vs = [], []
     for i, (kind, n) in enumerate(plan):
-        k = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
-        v = torch.randn(1, n, hkv, dim, generator=gen).to(tdtype)
+        k = torch.randn(layers, n, hkv, dim, generator=gen, dtype=torch.float32).to(tdtype)
+        v = torch.randn(layers, n, hkv, dim, generator=gen, dtype=torch.float32).to(tdtype)
         if kind == "text":
             cache.append(seq, "text", k, v)
         else:
             key = cache.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
             cache.put(key, k, v, **put_opts(i))
             cache.attach(seq, key, **(attach_opts or {}))
-        ks.append(k[0])
-        vs.append(v[0])
+        ks.append(k[keep[0], :, keep[1]].clone())
+        vs.append(v[keep[0], :, keep[1]].clone())
     return ks, vs
 
 
-def cpu_attention_rate(cache, table, q) -> float:
-    """Bytes/s of the cache's CPU attention path over its device-tier pages alone (in memory, no
-    reads beside it), best of three."""
-    from mmtier.kernels import paged_attention
-    from mmtier.table import compile_segments
-
-    segs = [s for s in table.segments if s.group.tier == Tier.DEVICE]
-    nbytes = sum(s.group.nbytes for s in segs)
-    ops = compile_segments(segs, 0, cache._device_view)
-    q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
-    q_pos = torch.full((q.shape[0],), table.length - 1, dtype=torch.int32)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        paged_attention(q.cpu(), q_indptr, q_pos, ops, backend="torch")
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
-def read_bandwidth(nbytes: int, device: str) -> float:
-    """Bytes/s of a streaming read (a float32 sum) over a buffer of ``nbytes`` on ``device``."""
-    x = torch.randn(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    best = float("inf")
-    for _ in range(4):
-        if device != "cpu":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        x.sum()
-        if device != "cpu":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+def measure_floors(cache, table, per_tier: dict, q: torch.Tensor, device: str,
+                   spill: Path) -> tuple[Floors, dict[str, float]]:
+    """Every resource's seconds for this step's bytes, bandwidths measured now."""
+    dev, host, disk = per_tier[Tier.DEVICE], per_tier[Tier.HOST], per_tier[Tier.DISK]
+    bw_dev = read_bandwidth(min(dev or (64 << 20), 512 << 20), device)
+    bw_host = read_bandwidth(min(host or (64 << 20), 512 << 20), "cpu")
+    bw_disk = disk_read_bandwidth(spill, min(disk, PROBE_BYTES)) if disk else None
+    res: dict[str, float] = {}
+    if device == "cpu":        # one memory: both tiers stream through the same channels
+        res["memory"] = (dev + host) / ((bw_dev + bw_host) / 2)
+    else:
+        res["device"], res["host"] = dev / bw_dev, host / bw_host
+    if disk:
+        res["disk"] = disk / bw_disk
+    compute = None
+    if device == "cpu":
+        compute = sum(per_tier.values()) / cpu_attention_rate(cache, table, q)
+    return Floors(res, compute), {"device_read_gbps": bw_dev / 1e9, "host_read_gbps": bw_host / 1e9,
+                                  "disk_read_gbps": (bw_disk or 0) / 1e9}
 
 
-def drop_file_cache(directory: Path) -> None:
-    for path in directory.glob("*.arrow"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def disk_read_bandwidth(directory: Path, limit: int) -> float:
-    """Cold sequential read of the tier's own files (page cache dropped first)."""
-    drop_file_cache(directory)
-    files = sorted(directory.glob("*.arrow"))
-    got, t0 = 0, time.perf_counter()
-    for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                got += len(chunk)
-        if got >= limit:
-            break
-    return got / max(time.perf_counter() - t0, 1e-9)
-
-
-def disk_write_bandwidth(directory: Path, nbytes: int) -> float:
-    path = directory / "raw-write-probe.bin"
-    block = os.urandom(8 << 20)
-    t0 = time.perf_counter()
-    with open(path, "wb", buffering=0) as f:
-        written = 0
-        while written < nbytes:
-            written += f.write(block)
-        os.fsync(f.fileno())
-    dt = time.perf_counter() - t0
-    path.unlink()
-    return written / dt
-
-
-def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int, repeats: int = 3) -> dict:
+def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_heads: int,
+        repeats: int, reserve: int) -> dict:
     hkv, dim, hq, dtype, model_layers = PRESETS[preset]
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    with tempfile.TemporaryDirectory(prefix="mmtier-long-", dir=os.environ.get("MMTIER_BENCH_DIR")) as tmp:
+    base = Path(os.environ.get("MMTIER_BENCH_DIR", "/var/tmp"))
+    with tempfile.TemporaryDirectory(prefix="mmtier-long-", dir=base) as tmp:
         spill = Path(tmp) / "spill"
-        cfg = build_config(tokens, preset, device, spill)
-        plan = plan_segments(tokens, seed)
+        cfg = build_config(tokens, preset, layers, device, spill, reserve)
+        plan = plan_segments(tokens, seed, tuple(cfg.modalities))
+        rng = random.Random(seed)
+        check_layer, check_head = layers - 1, rng.randrange(hkv)
+        group = hq // hkv
+        heads = rng.sample(range(check_head * group, (check_head + 1) * group), min(oracle_heads, group))
         t0 = time.perf_counter()
         with TieredKVCache(cfg) as cache:
             seq = cache.create_sequence(tenant="bench")
-            ks, vs = feed(cache, seq, plan, gen, (hkv, dim, tdtype))
+            ks, vs = feed(cache, seq, plan, gen, (layers, hkv, dim, tdtype), keep=(check_layer, check_head))
             cache.flush()
             ingest_s = time.perf_counter() - t0
             table = cache.sequence(seq)
@@ -191,81 +212,77 @@ def run(tokens: int, preset: str, device: str, seed: int, oracle_heads: int, rep
                 per_tier[s.group.tier] += s.group.nbytes
                 tok_tier[s.group.tier] += s.group.num_tokens
             total_bytes = sum(per_tier.values())
-            q = torch.randn(1, hq, dim, generator=gen).to(tdtype).to(device)
-            out = torch.full_like(q, float("nan"))
-            # The disk's bandwidth swings run to run on a shared machine: each repetition
-            # measures the floor's bandwidths and then one cold decode, side by side.
-            cache.attention(seq, 0, q)    # one step first, as in a decode loop (buffers, code paths)
-            runs = []
+            qs = torch.randn(layers, 1, hq, dim, generator=gen).to(tdtype).to(device)
+
+            def step() -> torch.Tensor:
+                last = None
+                for layer in range(layers):
+                    last = cache.attention(seq, layer, qs[layer])
+                return last
+
+            step()                    # one step first, as in a decode loop (buffers, code paths)
+            runs, floors, decodes, cpu_s = [], [], [], []
+            out = torch.full_like(qs[0], float("nan"))
             for _ in range(repeats):
-                bw_dev = read_bandwidth(min(per_tier[Tier.DEVICE] or (64 << 20), 512 << 20), device)
-                bw_host = read_bandwidth(min(per_tier[Tier.HOST] or (64 << 20), 512 << 20), "cpu")
-                bw_disk = disk_read_bandwidth(spill, per_tier[Tier.DISK])
-                floor = sum(b / bw for b, bw in ((per_tier[Tier.DEVICE], bw_dev), (per_tier[Tier.HOST], bw_host),
-                                                 (per_tier[Tier.DISK], bw_disk)) if b)
+                fl, bws = measure_floors(cache, table, per_tier, qs[0], device, spill)
                 drop_file_cache(spill)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                t1 = time.perf_counter()
-                out = cache.attention(seq, 0, q)
-                if device != "cpu":
-                    torch.cuda.synchronize()
-                runs.append({"decode_s": time.perf_counter() - t1, "floor_s": floor, "device_read_gbps": bw_dev / 1e9,
-                             "host_read_gbps": bw_host / 1e9, "disk_read_gbps": bw_disk / 1e9})
+                _sync(device)
+                t1, c1 = time.perf_counter(), time.process_time()
+                out = step()
+                _sync(device)
+                decodes.append(time.perf_counter() - t1)
+                cpu_s.append(time.process_time() - c1)
+                floors.append(fl)
+                runs.append(bws)
             bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
-            best = min(runs, key=lambda r: r["decode_s"] / r["floor_s"])
-            ratios = sorted(r["decode_s"] / r["floor_s"] for r in runs)
-            decode_s, floor = best["decode_s"], best["floor_s"]
-            err = oracle_error(q.cpu(), out.cpu(), ks, vs, oracle_heads, hq // hkv)
+            err = oracle_error(qs[check_layer].cpu(), out.cpu(), ks, vs, heads, check_head)
             stats = cache.stats()
-            attention_gbps = cpu_attention_rate(cache, table, q) / 1e9 if device == "cpu" else None
-        model_token_bytes = {"tiny": 2 * 8 * 128 * 2, "llama-3-8b": 2 * 8 * 128 * 2,
-                             "qwen2.5-vl-7b": 2 * 4 * 128 * 2}[preset]
-        figures = {
-            "tokens": tokens,
-            "preset": preset,
-            "device": device,
-            "per_token_bytes_per_layer": 2 * hkv * dim * tdtype.itemsize,
-            "segments": len(plan),
-            "device_tokens": tok_tier[Tier.DEVICE], "host_tokens": tok_tier[Tier.HOST],
-            "disk_tokens": tok_tier[Tier.DISK],
-            "device_bytes_read": per_tier[Tier.DEVICE], "host_bytes_read": per_tier[Tier.HOST],
-            "disk_bytes_read": per_tier[Tier.DISK],
-            "device_read_gbps": best["device_read_gbps"], "host_read_gbps": best["host_read_gbps"],
-            "disk_read_gbps": best["disk_read_gbps"], "disk_write_gbps": bw_write / 1e9,
-            "decode_s": decode_s,
-            "floor_s": floor,
-            "decode_over_floor": decode_s / floor,
-            "decode_over_floor_median": ratios[len(ratios) // 2],
-            "decode_over_floor_worst": ratios[-1],
-            # On the CPU the attention arithmetic, not memory, bounds the device and host parts:
-            # the rate of the same CPU path over in-memory pages, measured here, and the decode
-            # against the larger of the bandwidth floor and that compute time (perfect overlap).
-            "cpu_attention_gbps": attention_gbps,
-            "compute_floor_s": total_bytes / (attention_gbps * 1e9) if attention_gbps else None,
-            "decode_over_max_floor": decode_s / max(floor, total_bytes / (attention_gbps * 1e9))
-            if attention_gbps else None,
-            "runs": "; ".join(f"decode {r['decode_s']:.3f} s / floor {r['floor_s']:.3f} s "
-                              f"(disk {r['disk_read_gbps']:.2f} GB/s)" for r in runs),
-            "max_rel_err": err,
-            "ingest_s": ingest_s,
-            "ingest_tokens_per_s": tokens / ingest_s,
-            "ingest_over_disk_write": (total_bytes / ingest_s) / bw_write,
-            "spills": stats.counters.get("spills", 0),
-            "extrapolated_model": "llama-3-8b-like (32 layers, 8 KV heads, head dim 128, 16-bit)"
-            if preset == "tiny" else preset,
-            "extrapolated_decode_s_all_layers": decode_s * model_layers
-            * (model_token_bytes / (2 * hkv * dim * tdtype.itemsize)),
-        }
+    figures: dict[str, object] = {
+        "tokens": tokens, "preset": preset, "device": device, "layers": layers,
+        "model_layers": model_layers, "dtype": dtype,
+        "per_token_bytes": token_bytes(preset, layers),
+        "per_token_bytes_per_layer": token_bytes(preset, 1),
+        "step_bytes": total_bytes, "segments": len(plan),
+        "device_tokens": tok_tier[Tier.DEVICE], "host_tokens": tok_tier[Tier.HOST],
+        "disk_tokens": tok_tier[Tier.DISK],
+        "device_bytes_read": per_tier[Tier.DEVICE], "host_bytes_read": per_tier[Tier.HOST],
+        "disk_bytes_read": per_tier[Tier.DISK],
+        "repeats": repeats,
+        "summary": f"ratios: median of {repeats} (floor, decode) pairs, best and worst beside",
+    }
+    figures.update(ratio_figures("decode_over_overlap_floor", decodes, [f.overlap_s for f in floors], False))
+    figures.update(ratio_figures("decode_over_summed_floor", decodes, [f.summed_s for f in floors], False))
+    mid = sorted(range(repeats), key=lambda i: decodes[i] / floors[i].overlap_s)[repeats // 2]
+    figures.update({
+        "decode_s": spread(decodes).median, "decode_s_best": spread(decodes).best,
+        "decode_s_worst": spread(decodes).worst,
+        "decode_cpu_s": spread(cpu_s).median, "load_avg_1min_at_end": os.getloadavg()[0],
+        "overlap_floor_s": floors[mid].overlap_s, "summed_floor_s": floors[mid].summed_s,
+        "overlap_floor_bound": floors[mid].bound,
+        **{f"floor_{k}_s": v for k, v in floors[mid].resources.items()},
+        "floor_compute_s": floors[mid].compute_s,
+        **{k: spread([r[k] for r in runs], True).median for k in runs[0]},
+        "disk_write_gbps": bw_write / 1e9,
+        "runs": "; ".join(f"decode {d:.3f} s / overlap floor {f.overlap_s:.3f} s ({f.bound}) / summed "
+                          f"{f.summed_s:.3f} s, disk {r['disk_read_gbps']:.2f} GB/s"
+                          for d, f, r in zip(decodes, floors, runs)),
+        "max_rel_err": err, "oracle": f"layer {check_layer}, query heads {heads}, float64",
+        "ingest_s": ingest_s, "ingest_tokens_per_s": tokens / ingest_s,
+        "ingest_over_disk_write": (total_bytes / ingest_s) / bw_write,
+        "spills": stats.counters.get("spills", 0),
+    })
     return figures
 
 
-def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: int) -> dict:
+def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: int, repeats: int) -> dict:
     """The same context spread over a local multi-node Ray cluster on loopback: media groups are
     put round-robin on the nodes' pools, text on the sequence's home pool; one decode step runs
     a partial attention on every actor holding parts (remote, where the pages live) and merges
     them by log-sum-exp in the client. All nodes share this machine's cores and memory, so the
-    floor is the total bytes over this machine's measured read bandwidth."""
+    floor is the total bytes over this machine's measured read bandwidth, measured beside each
+    of ``repeats`` decodes. One layer is measured; the whole-model figure scales it by the
+    layers and by the real model's bytes per token and layer over the measured shape's
+    (``tiny`` stands for Llama-3-8B's 4 KiB), so it assumes decode stays bandwidth-bound."""
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
@@ -276,8 +293,8 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
 
     hkv, dim, hq, dtype, model_layers = PRESETS[preset]
     tdtype = getattr(torch, dtype)
-    token_bytes = 2 * hkv * dim * tdtype.itemsize
-    per_node = int(tokens * token_bytes * 1.3 / nodes) + (64 << 20)
+    layer_bytes = token_bytes(preset, 1)
+    per_node = int(tokens * layer_bytes * 1.3 / nodes) + (64 << 20)
     cfg = CacheConfig(
         model=f"long-context-{preset}", num_layers=1, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
         modalities={"text": ModalitySpec(page_size=16, share=0.25),
@@ -301,21 +318,22 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
         plan = plan_segments(tokens, seed)
         t0 = time.perf_counter()
         seq = cc.create_sequence("bench", node=node_ids[0])
-        ks, vs = feed(cc, seq, plan, gen, (hkv, dim, tdtype),
+        ks, vs = feed(cc, seq, plan, gen, (1, hkv, dim, tdtype),
                       put_opts=lambda i: {"node": node_ids[i % len(node_ids)]},
                       attach_opts={"transfer": "remote"})
         ingest_s = time.perf_counter() - t0
-        total_bytes = tokens * token_bytes
-        bw = read_bandwidth(min(total_bytes, 512 << 20), "cpu")
+        total_bytes = tokens * layer_bytes
         q = torch.randn(1, hq, dim, generator=gen).to(tdtype)
-        times = []
+        cc.attention(seq, 0, q)       # one untimed step first
+        times, floors = [], []
         out = torch.full_like(q, float("nan"))
-        for _ in range(3):
+        for _ in range(repeats):
+            floors.append(total_bytes / read_bandwidth(min(total_bytes, 512 << 20), "cpu"))
             t1 = time.perf_counter()
             out = cc.attention(seq, 0, q)
             times.append(time.perf_counter() - t1)
-        decode_s = min(times)
-        err = oracle_error(q, out, ks, vs, oracle_heads, hq // hkv)
+        heads = random.Random(seed).sample(range(hq // hkv), min(oracle_heads, hq // hkv))
+        err = oracle_error(q, out, ks, vs, heads, 0)
         remote = cc.counters.get("remote_attentions", 0)
         cc.release(seq)
         cc.close()
@@ -323,65 +341,88 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
         mma.shutdown(settings)
         ray.shutdown()
         cluster.shutdown()
-    floor = total_bytes / bw
+    decode_s = spread(times).median
+    model = "llama-3-8b" if preset == "tiny" else preset
+    model_layer_bytes = token_bytes(model, 1)
     return {
         "tokens": tokens, "preset": preset, "device": "cpu", "cluster_nodes": nodes,
-        "per_token_bytes_per_layer": token_bytes, "segments": len(plan),
-        "bytes_read": total_bytes, "host_read_gbps": bw / 1e9,
-        "decode_s": decode_s, "floor_s": floor, "decode_over_floor": decode_s / floor,
+        "per_token_bytes_per_layer": layer_bytes, "segments": len(plan),
+        "bytes_read": total_bytes, "host_read_gbps": total_bytes / spread(floors).median / 1e9,
+        "decode_s": decode_s, "decode_s_best": spread(times).best, "decode_s_worst": spread(times).worst,
+        "floor_s": spread(floors).median,
+        **ratio_figures("decode_over_floor", times, floors, False),
         "max_rel_err": err, "remote_attentions": remote,
         "ingest_s": ingest_s, "ingest_tokens_per_s": tokens / ingest_s,
-        "extrapolated_decode_s_all_layers": decode_s * model_layers,
+        "extrapolated_model": f"{model} ({PRESETS[model][4]} layers, {model_layer_bytes} B per token and layer)",
+        "extrapolated_decode_s_all_layers": decode_s * PRESETS[model][4] * model_layer_bytes / layer_bytes,
     }
 
 
-def oracle_error(q, out, ks, vs, heads: int, group: int) -> float:
-    """Max relative error over ``heads`` sampled query heads, float64 over gathered K/V."""
-    k_all = torch.cat(ks)            # [T, Hkv, D]
-    v_all = torch.cat(vs)
-    t, _, dim = k_all.shape
-    rng = random.Random(0)
+def oracle_error(q, out, ks, vs, heads: list[int], kv_head: int) -> float:
+    """Max relative error over the query ``heads`` (all of one KV head's group), float64 over
+    that KV head's gathered K/V (``ks``/``vs``: ``[n, D]`` per segment)."""
+    k = torch.cat(ks).double()       # [T, D]
+    v = torch.cat(vs).double()
+    dim = k.shape[1]
     worst = 0.0
-    for h in rng.sample(range(q.shape[1]), min(heads, q.shape[1])):
-        kv_head = h // group
-        k = k_all[:, kv_head].double()
-        v = v_all[:, kv_head].double()
+    del kv_head                       # ks / vs hold only that head
+    for h in heads:
         s = (k @ q[0, h].double()) * dim ** -0.5
         p = torch.softmax(s, dim=0)
         ref = p @ v
         worst = max(worst, float((out[0, h].double() - ref).abs().max() / ref.abs().max()))
-        del k, v
     return worst
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=2_000_000)
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="one row of this shape (default: both rows, qwen2.5-vl-7b and tiny)")
+    ap.add_argument("--tokens", default=None,
+                    help="a count, or 'max' (what the disk holds); default: a real preset max on a "
+                         f"GPU, {CPU_PRESET_TOKENS:,} on the CPU; tiny 2,000,000")
+    ap.add_argument("--layers", default=None, help="'all' (the preset's; default) or a count; tiny: 1")
+    ap.add_argument("--reserve-gib", type=float, default=4.0, help="disk left free (and the cache's floor)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-heads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="floor + decode pairs measured")
-    ap.add_argument("--quick", action="store_true", help="50k tokens: seconds, a check that it runs")
+    ap.add_argument("--repeats", type=int, default=None, help="floor + decode pairs (5; quick 2)")
+    ap.add_argument("--quick", action="store_true", help="12k tokens of 2 of the preset's layers, 50k of tiny")
     ap.add_argument("--cluster", action="store_true",
                     help="spread the context over a local multi-node Ray cluster on loopback")
     ap.add_argument("--nodes", type=int, default=3, help="nodes of the --cluster run")
     add_out_arg(ap)
     args = ap.parse_args(argv)
-    tokens = 50_000 if args.quick else args.tokens
-    if args.cluster:
-        figures = run_cluster(tokens, args.preset, args.seed, args.oracle_heads, args.nodes)
-        name = "long_context_cluster"
-    else:
-        figures = run(tokens, args.preset, args.device, args.seed, args.oracle_heads, args.repeats)
-        name = "long_context"
-    print_table(f"long context: {tokens:,} tokens, one decode step of one layer", list(figures.items()))
-    print("\nThe footprint per token and layer is stated above; the extrapolation multiplies the "
-          "measured decode time by the model's layers and its per-token bytes, assuming decode "
-          "stays bandwidth-bound.")
-    path = write_results(name, figures, args.out)
-    print(f"wrote {path}")
-    return figures
+    repeats = args.repeats or (2 if args.quick else 5)
+    reserve = int(args.reserve_gib * (1 << 30))
+    base = Path(os.environ.get("MMTIER_BENCH_DIR", "/var/tmp"))
+    presets = [args.preset] if args.preset else ["tiny"] if args.cluster else ["qwen2.5-vl-7b", "tiny"]
+    out: dict = {}
+    for preset in presets:
+        layers = 1 if preset == "tiny" or args.cluster else PRESETS[preset][4]
+        if args.layers not in (None, "all"):
+            layers = int(args.layers)
+        if args.quick:             # seconds: a few layers of the preset, a small tiny row
+            tokens = 50_000 if preset == "tiny" else 12_000
+            layers = layers if preset == "tiny" or args.layers not in (None, "all") else 2
+        elif args.tokens == "max" or (args.tokens is None and preset != "tiny" and args.device != "cpu"):
+            tokens = max_tokens(base, preset, layers, reserve)
+        elif args.tokens is None and preset != "tiny":
+            tokens = CPU_PRESET_TOKENS
+        else:
+            tokens = int(args.tokens or 2_000_000)
+        if args.cluster:
+            figures = run_cluster(tokens, preset, args.seed, args.oracle_heads, args.nodes, repeats)
+            name = "long_context_cluster"
+        else:
+            figures = run(tokens, preset, layers, args.device, args.seed, args.oracle_heads, repeats, reserve)
+            name = "long_context_1layer" if preset == "tiny" else "long_context"
+        print_table(f"long context ({preset}): {tokens:,} tokens, one decode step of {layers} layer(s)",
+                    list(figures.items()))
+        path = write_results(name, figures, args.out)
+        print(f"wrote {path}")
+        out[name] = figures
+    return out
 
 
 if __name__ == "__main__":

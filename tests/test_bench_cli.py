@@ -33,15 +33,17 @@ PROMISED = {
                  "waste_fraction_uniform16", "waste_fraction_padded", "dedup_bytes_ratio"),
     "cluster": ("registry_lookups_per_s", "registry_single_lookups_per_s", "remote_over_local_attention",
                 "transfer_over_object_store", "copy_gb_per_s"),
-    "long_context": ("decode_over_floor", "decode_over_floor_median", "max_rel_err"),
-    "multiturn": ("ttft_speedup", "memory_sharing_over_without", "encoder_runs_avoided_fraction",
-                  "ttft_cache_s", "ttft_recompute_s"),
+    "long_context": ("decode_over_overlap_floor", "decode_over_summed_floor", "max_rel_err"),
+    "multiturn": ("ttft_speedup_vs_dense", "memory_sharing_over_without", "encoder_runs_avoided_fraction",
+                  "ttft_cache_p50_s", "ttft_dense_p95_s"),
+    "hf_generate": ("tiny_warm_over_dynamic_ttft", "tiny_cold_over_dynamic_tpot", "batch_over_single"),
 }
 PLOTS = ("eviction", "multiturn")          # benchmarks that draw their own PNG
 # Checks of correctness a quick run still makes (against an oracle / the dense model).
 CORRECT = {
     "alloc": lambda d: d["max_abs_diff_vs_sdpa"] < 1e-3,
-    "long_context": lambda d: d["max_rel_err"] < 1e-4,
+    "long_context": lambda d: d["max_rel_err"] < 8e-3,          # the preset's bf16 output
+    "hf_generate": lambda d: d["tiny_tokens_match"] is True and d["batch_max_abs_diff"] <= 1e-5,
     "multiturn": lambda d: d["tokens_match"] is True,
 }
 
