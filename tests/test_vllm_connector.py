@@ -1,0 +1,127 @@
+"""mmtier's vLLM KV connector, driven by vLLM's own factory, config, Request and SchedulerOutput.
+
+Needs vLLM importable (the optional engines environment, ``tests/engines_env.sh``); skipped with
+the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                    reason="vLLM is not importable: create the engines env with tests/engines_env.sh")
+
+from mmtier.groups import Tier  # noqa: E402
+from mmtier.integrations.engine_cache import close_shared  # noqa: E402
+from tests import vllm_harness as h  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def pair(tmp_path):
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"))
+    yield sched, worker
+    worker.shutdown()
+    close_shared()
+
+
+def shuffled_blocks(seed: int, n: int = 6) -> list[int]:
+    return torch.randperm(h.NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
+
+
+def test_factory_loads_the_connector_and_both_roles_share_the_embedded_cache(pair):
+    sched, worker = pair
+    assert type(sched).__module__ == "mmtier.integrations.vllm"
+    assert sched.cache is worker.cache
+
+
+def test_hits_by_full_blocks_per_prefix_image_and_salt(pair):
+    sched, worker = pair
+    src = h.paged(seed=1)
+    assert h.step(sched, worker, h.request("r1"), shuffled_blocks(1), src) == 0
+    # same prefix + image: every full block (40 of 41 tokens; the last one vLLM computes)
+    assert sched.get_num_new_matched_tokens(h.request("r2"), 0) == (40, False)
+    assert sched.get_num_new_matched_tokens(h.request("r2b"), 16) == (24, False)
+    # another tenant (cache_salt): nothing
+    assert sched.get_num_new_matched_tokens(h.request("r3", salt="other"), 0) == (0, False)
+    # another image after the same prefix: only the prefix's full block ([0, 8) of [0, 10))
+    assert sched.get_num_new_matched_tokens(h.request("r4", image="img-B"), 0) == (8, False)
+    # another prompt altogether: nothing
+    assert sched.get_num_new_matched_tokens(h.request("r5", seed=9), 0) == (0, False)
+
+
+def test_save_with_shuffled_slots_then_load_into_a_fresh_tensor_restores_the_bytes(pair):
+    sched, worker = pair
+    blocks_a, blocks_b = shuffled_blocks(2), shuffled_blocks(3)
+    src = h.paged(seed=5)
+    assert h.step(sched, worker, h.request("a"), blocks_a, src) == 0
+    dst = h.paged()                                   # NaN-poisoned
+    worker._layers, worker._layer_index = {}, {}
+    assert h.step(sched, worker, h.request("b"), blocks_b, dst) == 40
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert torch.equal(h.tokens_kv(dst, blocks_b, 40), h.tokens_kv(src, blocks_a, 40))
+    untouched = h.tokens_kv(dst, blocks_b, 41)[:, 40]  # the last token is vLLM's to compute
+    assert torch.isnan(untouched).all()
+
+
+def _fill_device(cache, n: int) -> None:
+    """Unrelated groups that push everything the connector saved down to disk."""
+    for i in range(n):
+        for modality, size in (("text", h.BS), ("vision", 16)):
+            key = cache.content_key(modality, f"filler-{i}".encode())
+            cache.put(key, torch.randn(h.L, size, h.H, h.D), torch.randn(h.L, size, h.H, h.D))
+    cache.flush()
+
+
+def _run_loader(disk_dir: Path, seed: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    done = subprocess.run([sys.executable, "-m", "tests.vllm_harness", str(disk_dir), str(seed)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _save_to_disk(tmp_path, seed: int):
+    fields = h.cache_fields(tmp_path / "spill", device_pages=8)
+    sched, worker = h.connectors(fields)
+    blocks = shuffled_blocks(seed)
+    src = h.paged(seed=seed)
+    h.step(sched, worker, h.request("first", seed=seed), blocks, src)
+    saved = [seg.key for seg in sched._plan(h.request("probe", seed=seed)).plan.segments]
+    _fill_device(worker.cache, 8)
+    assert {worker.cache._groups[k].tier for k in saved} == {Tier.DISK}
+    worker.shutdown()
+    close_shared()
+    return saved, h.tokens_kv(src, blocks, 40)
+
+
+def test_load_after_groups_went_to_disk_in_a_new_process(tmp_path):
+    saved, expect = _save_to_disk(tmp_path, seed=11)
+    got = _run_loader(tmp_path / "spill", seed=11)
+    assert got["hit"] == 40 and got["failed"] == []
+    assert torch.equal(torch.tensor(got["values"]).reshape(expect.shape), expect)
+
+
+def test_a_corrupt_file_fails_the_load_and_is_reported_never_wrong_bytes(tmp_path):
+    saved, expect = _save_to_disk(tmp_path, seed=12)
+    image_key = saved[2]                               # text [0,8), text [8,10), image [10,26)
+    assert image_key.modality == "vision"
+    files = sorted((tmp_path / "spill").glob(f"vision-{image_key.hex}*.arrow"))
+    raw = bytearray(files[0].read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    files[0].write_bytes(bytes(raw))
+    got = _run_loader(tmp_path / "spill", seed=12)
+    blocks = list(range(h.NUM_BLOCKS))[::-1][:6]      # the loader's block ids
+    assert got["hit"] == 40
+    assert set(got["failed"]) == {blocks[1], blocks[2], blocks[3]}     # positions [10, 26)
+    values = torch.tensor(got["values"]).reshape(expect.shape)
+    bad = torch.isnan(values).all(dim=(0, 2, 3))
+    assert bad[10:26].all() and not bad[:10].any() and not bad[26:].any()
+    assert torch.equal(values[:, :10], expect[:, :10]) and torch.equal(values[:, 26:], expect[:, 26:])
