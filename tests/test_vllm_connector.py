@@ -32,6 +32,18 @@ def pair(tmp_path):
     close_shared()
 
 
+@pytest.mark.parametrize(("chunk_blocks", "expect"), [(1, 32), (16, 24)])
+def test_a_changed_token_hits_up_to_its_block_or_its_chunk(tmp_path, chunk_blocks, expect):
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=chunk_blocks)
+    try:
+        h.step(sched, worker, h.request("r1"), shuffled_blocks(1), h.paged(seed=1))
+        # token 35 differs: block-sized groups keep [26, 32); one chunk [26, 40) is lost whole
+        assert sched.get_num_new_matched_tokens(h.request("r2", change_at=35), 0) == (expect, False)
+    finally:
+        worker.shutdown()
+        close_shared()
+
+
 def shuffled_blocks(seed: int, n: int = 6) -> list[int]:
     return torch.randperm(h.NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
@@ -111,8 +123,7 @@ def test_load_after_groups_went_to_disk_in_a_new_process(tmp_path):
 
 def test_a_corrupt_file_fails_the_load_and_is_reported_never_wrong_bytes(tmp_path):
     saved, expect = _save_to_disk(tmp_path, seed=12)
-    image_key = saved[2]                               # text [0,8), text [8,10), image [10,26)
-    assert image_key.modality == "vision"
+    image_key = next(k for k in saved if k.modality == "vision")      # positions [10, 26)
     files = sorted((tmp_path / "spill").glob(f"vision-{image_key.hex}*.arrow"))
     raw = bytearray(files[0].read_bytes())
     raw[len(raw) // 2] ^= 0xFF

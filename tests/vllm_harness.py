@@ -34,25 +34,28 @@ def cache_fields(disk_dir, device_pages=64) -> dict:
                 disk_dir=str(disk_dir), disk_bytes=64 << 20, disk_free_floor_bytes=0)
 
 
-def vllm_config(fields: dict) -> VllmConfig:
+def vllm_config(fields: dict, **extra) -> VllmConfig:
     kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
                           kv_connector_module_path="mmtier.integrations.vllm",
-                          kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme"})
+                          kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
+                                                     **extra})
     return VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BS),
                       device_config=DeviceConfig(device="cpu"),
                       scheduler_config=SchedulerConfig(max_model_len=4096, is_encoder_decoder=False,
                                                        disable_hybrid_kv_cache_manager=True))
 
 
-def connectors(fields: dict):
-    cfg = vllm_config(fields)
+def connectors(fields: dict, **extra):
+    cfg = vllm_config(fields, **extra)
     return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
             KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None))
 
 
-def request(rid: str, *, image="img-A", salt=None, seed=0) -> Request:
+def request(rid: str, *, image="img-A", salt=None, seed=0, change_at=None) -> Request:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(100, 30000, (PROMPT,), generator=g).tolist()
+    if change_at is not None:
+        tokens[change_at] += 1
     tokens[IMAGE_AT:IMAGE_AT + IMAGE_LEN] = [32000] * IMAGE_LEN     # placeholder tokens
     mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
                                 mm_position=PlaceholderRange(offset=IMAGE_AT, length=IMAGE_LEN))]

@@ -89,6 +89,7 @@ class MMTierConnector(KVConnectorBase_V1):
         self.cache = shared_cache(config_from_extra(extra))
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
+        self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
         self.modality_map = dict(extra.get("mmtier_modalities", {}))
         if self.cache.cfg.spec(self.text_modality).kind != "kv":
             raise ConfigError(f"{self.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
@@ -114,7 +115,8 @@ class MMTierConnector(KVConnectorBase_V1):
         if state is None:
             plan = plan_request(self.cache, list(request.prompt_token_ids or []), media_of(request),
                                 block_size=self.block_size, tenant=self._tenant(request),
-                                text_modality=self.text_modality, modality_map=self.modality_map)
+                                chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
+                                modality_map=self.modality_map)
             state = self._reqs[request.request_id] = _ReqState(plan)
         return state
 

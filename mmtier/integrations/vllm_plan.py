@@ -2,9 +2,12 @@
 
 The prompt is cut into segments in position order: each media item's placeholder positions
 (from ``mm_features``) are one group keyed by SHA-256 of vLLM's identifier; the text between
-items is cut at vLLM's block boundaries, each piece keyed by its token ids. Every key chains
-its predecessor (``parent=``), so a segment is reused only under the same prefix, and every key
-carries the tenant (vLLM's ``cache_salt``), so tenants never share.
+items is cut every ``chunk_blocks`` blocks (absolute positions) and at the end of the prompt's
+full blocks, each piece keyed by its token ids. Larger chunks mean fewer, larger groups (the
+per-group cost of a store is paid less often); a prefix then hits up to its last whole chunk
+or media item (LMCache's chunking trade-off). ``chunk_blocks=1`` hits block by block.
+Every key chains its predecessor (``parent=``), so a segment is reused only under the same
+prefix, and every key carries the tenant (vLLM's ``cache_salt``), so tenants never share.
 
 Only segments that end within the prompt's full blocks are stored or looked up; a hit is the
 longest run of stored segments from the start, rounded down to a block and kept below the
@@ -62,11 +65,14 @@ class RequestPlan:
 
 
 def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence[MediaItem], *,
-                 block_size: int, tenant: str | None, text_modality: str = "text",
-                 modality_map: dict[str, str] | None = None) -> RequestPlan:
+                 block_size: int, tenant: str | None, chunk_blocks: int = 1,
+                 text_modality: str = "text", modality_map: dict[str, str] | None = None) -> RequestPlan:
     """The chained segments of a prompt (see the module's docstring)."""
+    if chunk_blocks < 1:
+        raise ShapeError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
     n = len(token_ids)
     full = n // block_size * block_size
+    chunk = chunk_blocks * block_size
     modality_of = _modality_resolver(cache, text_modality, modality_map)
     tokens = np.asarray(token_ids, dtype=np.int64)
     cuts: list[tuple[int, int, str, bytes]] = []        # (start, end, modality, bytes to hash)
@@ -75,11 +81,11 @@ def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence
         if item.offset < pos or item.length <= 0 or item.offset + item.length > n:
             raise ShapeError(f"media item at {item.offset}+{item.length} overlaps another item "
                              f"or leaves the prompt of {n} tokens")
-        cuts += _text_cuts(tokens, pos, item.offset, block_size, text_modality)
+        cuts += _text_cuts(tokens, pos, item.offset, chunk, full, text_modality)
         cuts.append((item.offset, item.offset + item.length, modality_of(item.modality),
                      b"vllm-mm\x00" + item.identifier.encode()))
         pos = item.offset + item.length
-    cuts += _text_cuts(tokens, pos, n, block_size, text_modality)
+    cuts += _text_cuts(tokens, pos, n, chunk, full, text_modality)
     segments, parent = [], None
     for start, end, modality, data in cuts:
         if end > full:
@@ -90,10 +96,12 @@ def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence
     return RequestPlan(n, tuple(segments))
 
 
-def _text_cuts(tokens: np.ndarray, lo: int, hi: int, block_size: int, modality: str):
+def _text_cuts(tokens: np.ndarray, lo: int, hi: int, chunk: int, full: int, modality: str):
     out = []
     while lo < hi:
-        end = min(hi, (lo // block_size + 1) * block_size)
+        end = min(hi, (lo // chunk + 1) * chunk)
+        if lo < full < end:                      # the full blocks end inside this chunk
+            end = full
         out.append((lo, end, modality, b"vllm-text\x00" + tokens[lo:end].tobytes()))
         lo = end
     return out
