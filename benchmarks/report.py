@@ -54,6 +54,8 @@ HEADLINES = [
     ("long_context", "max_rel_err", "< 1e-4 (fp32)", lambda v: v < 1e-4),
     ("multiturn", "ttft_speedup", "(reported)", None),
     ("multiturn", "memory_sharing_over_without", "(reported)", None),
+    ("connector_copy", "save_over_plain_copy", "(reported)", None),
+    ("connector_copy", "load_over_plain_copy", "(reported)", None),
 ]
 
 
