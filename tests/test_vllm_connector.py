@@ -92,17 +92,9 @@ def _fill_device(cache, n: int) -> None:
     cache.flush()
 
 
-def _run_loader(disk_dir: Path, seed: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    done = subprocess.run([sys.executable, "-m", "tests.vllm_harness", str(disk_dir), str(seed)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def _save_to_disk(tmp_path, seed: int):
-    fields = h.cache_fields(tmp_path / "spill", device_pages=8)
-    sched, worker = h.connectors(fields)
+def _save_to_disk(disk_dir: Path, seed: int) -> tuple[list, torch.Tensor]:
+    """Save a request's KV, push every group it made down to disk, close the process's cache."""
+    sched, worker = h.connectors(h.cache_fields(disk_dir, device_pages=8))
     blocks = shuffled_blocks(seed)
     src = h.paged(seed=seed)
     h.step(sched, worker, h.request("first", seed=seed), blocks, src)
@@ -114,22 +106,40 @@ def _save_to_disk(tmp_path, seed: int):
     return saved, h.tokens_kv(src, blocks, 40)
 
 
-def test_load_after_groups_went_to_disk_in_a_new_process(tmp_path):
-    saved, expect = _save_to_disk(tmp_path, seed=11)
-    got = _run_loader(tmp_path / "spill", seed=11)
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory):
+    """Two directories, one left intact and one with the image's file corrupted, each opened
+    and loaded from by one new process (``python -m tests.vllm_harness``)."""
+    root = tmp_path_factory.mktemp("restart")
+    cases = {"clean": (root / "clean", 11), "corrupt": (root / "corrupt", 12)}
+    expect = {}
+    for name, (disk_dir, seed) in cases.items():
+        saved, expect[name] = _save_to_disk(disk_dir, seed)
+        if name == "corrupt":
+            image = next(k for k in saved if k.modality == "vision")      # positions [10, 26)
+            path = next(disk_dir.glob(f"vision-{image.hex}*.arrow"))
+            raw = bytearray(path.read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            path.write_bytes(bytes(raw))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    args = [a for d, seed in cases.values() for a in (str(d), str(seed))]
+    done = subprocess.run([sys.executable, "-m", "tests.vllm_harness", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    got = {name: next(g for g in lines if g["dir"] == str(d)) for name, (d, _) in cases.items()}
+    return {name: (got[name], expect[name]) for name in cases}
+
+
+def test_load_after_groups_went_to_disk_in_a_new_process(restarted):
+    got, expect = restarted["clean"]
     assert got["hit"] == 40 and got["failed"] == []
     assert torch.equal(torch.tensor(got["values"]).reshape(expect.shape), expect)
 
 
-def test_a_corrupt_file_fails_the_load_and_is_reported_never_wrong_bytes(tmp_path):
-    saved, expect = _save_to_disk(tmp_path, seed=12)
-    image_key = next(k for k in saved if k.modality == "vision")      # positions [10, 26)
-    files = sorted((tmp_path / "spill").glob(f"vision-{image_key.hex}*.arrow"))
-    raw = bytearray(files[0].read_bytes())
-    raw[len(raw) // 2] ^= 0xFF
-    files[0].write_bytes(bytes(raw))
-    got = _run_loader(tmp_path / "spill", seed=12)
-    blocks = list(range(h.NUM_BLOCKS))[::-1][:6]      # the loader's block ids
+def test_a_corrupt_file_fails_the_load_and_is_reported_never_wrong_bytes(restarted):
+    got, expect = restarted["corrupt"]
+    blocks = h.LOADER_BLOCKS
     assert got["hit"] == 40
     assert set(got["failed"]) == {blocks[1], blocks[2], blocks[3]}     # positions [10, 26)
     values = torch.tensor(got["values"]).reshape(expect.shape)

@@ -1,9 +1,9 @@
 """Drives mmtier's vLLM connectors with vLLM's own objects (config, factory, Request,
 SchedulerOutput), the way vLLM's scheduler and model runner call them, on CPU tensors.
 
-Run as ``python -m tests.vllm_harness DIR SEED`` it is the "new process" of the warm
-restart test: it opens the same disk directory, loads the request's hit into a fresh paged
-tensor and prints what it found as JSON."""
+Run as ``python -m tests.vllm_harness DIR SEED [DIR SEED ...]`` it is the "new process" of the
+warm restart tests: for each directory it opens a cache over it, loads the request's hit into a
+fresh paged tensor and prints what it found as one JSON line."""
 
 from __future__ import annotations
 
@@ -110,16 +110,22 @@ def tokens_kv(kv: dict[str, torch.Tensor], block_ids: list[int], n: int) -> torc
     return torch.stack([t.transpose(1, 2).reshape(-1, H, 2 * D)[slots] for t in kv.values()])
 
 
+LOADER_BLOCKS = list(range(NUM_BLOCKS))[::-1][:6]
+
+
 def main(argv: list[str]) -> int:
-    disk_dir, seed = argv
-    sched, worker = connectors(cache_fields(disk_dir))
-    blocks = list(range(NUM_BLOCKS))[::-1][:6]
-    kv = paged()
-    hit = step(sched, worker, request("restart", seed=int(seed)), blocks, kv)
-    failed = sorted(worker.get_block_ids_with_load_errors())
-    got = tokens_kv(kv, blocks, hit)
-    print(json.dumps({"hit": hit, "failed": failed, "values": got.flatten().tolist()}))
-    worker.shutdown()
+    from mmtier.integrations.engine_cache import close_shared
+
+    for disk_dir, seed in zip(argv[::2], argv[1::2], strict=True):
+        sched, worker = connectors(cache_fields(disk_dir))
+        kv = paged()
+        hit = step(sched, worker, request("restart", seed=int(seed)), LOADER_BLOCKS, kv)
+        failed = sorted(worker.get_block_ids_with_load_errors())
+        got = tokens_kv(kv, LOADER_BLOCKS, hit)
+        print(json.dumps({"dir": disk_dir, "hit": hit, "failed": failed,
+                          "values": got.flatten().tolist()}))
+        worker.shutdown()
+        close_shared()
     return 0
 
 
