@@ -54,6 +54,20 @@ def test_factory_loads_the_connector_and_both_roles_share_the_embedded_cache(pai
     assert sched.cache is worker.cache
 
 
+def test_tensor_parallel_engines_are_refused_not_silently_mixed(tmp_path):
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from mmtier.errors import ConfigError
+    from mmtier.integrations.vllm import MMTierConnector
+
+    cfg = h.vllm_config(h.cache_fields(tmp_path / "spill"))
+    cfg.parallel_config = ParallelConfig(tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        MMTierConnector(cfg, KVConnectorRole.WORKER, None)
+    close_shared()
+
+
 def test_hits_by_full_blocks_per_prefix_image_and_salt(pair):
     sched, worker = pair
     src = h.paged(seed=1)

@@ -85,6 +85,13 @@ class MMTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size * par.pipeline_parallel_size != 1:
+            # Each rank would hold other heads / layers under the same keys, and the scheduler
+            # (in the engine core) would not see the workers' caches: one GPU per engine for now.
+            raise ConfigError("mmtier's vLLM connector runs with tensor_parallel_size 1 and "
+                              "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
+                              ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
         self.cache = shared_cache(config_from_extra(extra))
         self.tenant = tenant_from_extra(extra)
