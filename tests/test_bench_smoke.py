@@ -45,3 +45,16 @@ def test_dense_check_reports_a_wrong_answer():
                            first={"recompute": want[0], "dense": (want[0] + 1) % 256})
     lines = multiturn.dense_check([turn], [bad], 2)
     assert len(lines) == 2 and "cache" in lines[0] and "dense first token" in lines[1]
+
+
+def test_connector_copy_quick_restores_the_bytes_and_reports_ratios(tmp_path, monkeypatch):
+    import benchmarks._common as common
+    from benchmarks import connector_copy
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    fig = connector_copy.main(["--quick", "--repeat", "5"])    # raises if a load is wrong
+    data = json.loads((tmp_path / "connector_copy.json").read_text())
+    assert data["quick"] is True and data["threads"] == 1
+    for key in ("plain_copy_gbs", "save_gbs", "load_gbs", "save_block_groups_gbs"):
+        assert data[key] > 0
+    assert fig["save_over_plain_copy"] == pytest.approx(fig["save_gbs"] / fig["plain_copy_gbs"])
