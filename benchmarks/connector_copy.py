@@ -12,8 +12,8 @@ round over the same bytes (random values):
 - slot gather / scatter: vLLM's tensors to contiguous and back by ``slot_mapping`` (what any
   connector pays, no store behind it);
 - save: what ``MMTierConnector`` does per step, layer by layer: gather each group's slots
-  into a staging buffer (``save_kv_layer``), then ``TieredKVCache.put`` of every group
-  (``wait_for_save``);
+  into a staging buffer (``save_kv_layer``), then ``TieredKVCache.put`` of every group (the
+  connector's writer thread does this after ``wait_for_save``; timed here inline, its cost);
 - load: ``read_group`` of every group, then per layer a scatter by slot into a fresh paged
   tensor (``start_load_kv`` + ``wait_for_layer_load``); checked equal to the source.
 

@@ -96,6 +96,7 @@ def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.
         worker.save_kv_layer(name, layer, None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
+    worker.wait_for_saves()            # the writer thread's puts (vLLM itself does not wait)
     return hit
 
 

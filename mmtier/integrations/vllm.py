@@ -11,7 +11,7 @@ lists, per step, the groups to load (the hit) and to save (groups whose position
 completes). Worker side: ``start_load_kv`` reads the groups in a background thread;
 ``wait_for_layer_load`` scatters that layer's slice by slot into vLLM's tensor;
 ``save_kv_layer`` gathers each saved group's slots of that layer into a staging buffer;
-``wait_for_save`` stores the complete groups. A group that fails to load (corrupt file,
+``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that fails to load (corrupt file,
 evicted meanwhile) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
 those blocks: wrong KV is never written.
 """
@@ -105,7 +105,10 @@ class MMTierConnector(KVConnectorBase_V1):
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if role == KVConnectorRole.WORKER else None
+        worker = role == KVConnectorRole.WORKER
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if worker else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save") if worker else None
+        self._saving: set[Future] = set()
         self._loading: list[tuple[GroupCopy, Future]] = []
         self._staged: dict[ContentKey, tuple[GroupCopy, torch.Tensor, torch.Tensor, set[int]]] = {}
         self._failed_blocks: set[int] = set()
@@ -253,14 +256,34 @@ class MMTierConnector(KVConnectorBase_V1):
             layers.add(layer)
 
     def wait_for_save(self) -> None:
+        """Hand this step's complete groups to the writer thread: the staged copies are the
+        connector's own, so vLLM may reuse its blocks at once and the step does not wait."""
         staged, self._staged = self._staged, {}
-        for op, k, v, layers in staged.values():
-            if len(layers) != self.cache.cfg.num_layers:
-                continue
+        layers = self.cache.cfg.num_layers
+        done = [(op, k, v) for op, k, v, seen in staged.values() if len(seen) == layers]
+        if not done:
+            return
+        event = None
+        if done[0][1].is_cuda:                   # the gathers were queued on vLLM's stream
+            event = torch.cuda.Event()
+            event.record()
+        fut = self._writer.submit(self._store, done, event)
+        self._saving.add(fut)
+        fut.add_done_callback(self._saving.discard)
+
+    def _store(self, done: list[tuple[GroupCopy, torch.Tensor, torch.Tensor]], event) -> None:
+        if event is not None:
+            event.synchronize()
+        for op, k, v in done:
             try:
                 self.cache.put(op.key, k, v)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
                 log.warning("mmtier: save of %r skipped: %s", op.key, exc)
+
+    def wait_for_saves(self, timeout: float = LOAD_TIMEOUT_S) -> None:
+        """Block until every save handed to the writer so far is stored (tests, shutdown)."""
+        for fut in list(self._saving):
+            fut.result(timeout=timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -268,4 +291,6 @@ class MMTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         if self._reader is not None:
+            self.wait_for_saves()
             self._reader.shutdown(wait=True)
+            self._writer.shutdown(wait=True)
