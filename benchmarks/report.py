@@ -70,6 +70,8 @@ HEADLINES = [
     ("hf_generate", "7b_warm_over_dynamic_ttft", "(reported)", None),
     ("hf_generate", "7b_cold_over_dynamic_tpot", "(reported)", None),
     ("hf_generate", "batch_over_single", "(reported; > 1: one call is faster)", None),
+    ("connector_copy", "save_over_plain_copy", "(reported)", None),
+    ("connector_copy", "load_over_plain_copy", "(reported)", None),
 ]
 
 

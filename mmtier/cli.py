@@ -26,7 +26,8 @@ import click
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")    # Ray binds 127.0.0.1 locally
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn", "hf_generate")
+BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn", "hf_generate",
+              "connector_copy")
 DEFAULT_OUT = Path("benchmarks") / "results"
 
 

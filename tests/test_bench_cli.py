@@ -36,6 +36,7 @@ PROMISED = {
     "long_context": ("decode_over_overlap_floor", "decode_over_summed_floor", "max_rel_err"),
     "multiturn": ("ttft_speedup_vs_dense", "memory_sharing_over_without", "encoder_runs_avoided_fraction",
                   "ttft_cache_p50_s", "ttft_dense_p95_s"),
+    "connector_copy": ("save_over_plain_copy", "load_over_plain_copy", "plain_copy_gbs"),
     "hf_generate": ("tiny_warm_over_dynamic_ttft", "tiny_cold_over_dynamic_tpot", "batch_over_single"),
 }
 PLOTS = ("eviction", "multiturn")          # benchmarks that draw their own PNG

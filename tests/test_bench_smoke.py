@@ -88,3 +88,15 @@ def test_long_context_preset_config_is_the_shipped_preset_with_its_own_layers(tm
     if free > 5 << 30:
         n = lc.max_tokens(tmp_path, "qwen2.5-vl-7b", 28, reserve=4 << 30)
         assert 0 < n * 56 * 1024 <= free - (4 << 30)
+
+
+def test_connector_copy_quick_restores_the_bytes_and_reports_ratios(tmp_path):
+    from benchmarks import connector_copy
+
+    fig = connector_copy.main(["--quick", "--repeat", "5", "--out", str(tmp_path)])    # raises if a load is wrong
+    data = json.loads((tmp_path / "connector_copy.json").read_text())
+    assert data["quick"] is True and data["threads"] == 1
+    for key in ("plain_copy_gbs", "save_gbs", "load_gbs", "save_block_groups_gbs"):
+        assert data[key] > 0
+    assert fig["save_over_plain_copy"] == pytest.approx(fig["save_gbs"] / fig["plain_copy_gbs"])
+

@@ -1,5 +1,10 @@
 """Engine integrations: adapters that put an engine's model code on top of ``TieredKVCache``.
 
-Each module imports its engine lazily (an optional extra): ``mmtier.integrations.transformers``
-needs ``pip install mmtier[hf]``. Nothing in the core imports this package.
+Each module imports its engine lazily (an optional extra); nothing in the core imports this
+package.
+
+- ``transformers``: the transformers adapter (``pip install mmtier[hf]``): attention function,
+  ``Cache``, ``Session``;
+- ``vllm``: the vLLM KV connector (``KVConnectorBase_V1``), ``vllm_ec``: the encoder-cache
+  connector (``ECConnectorBase``), ``sglang``: the SGLang HiCache storage backend.
 """

@@ -1,0 +1,178 @@
+"""The vLLM connector's worker-side copies against a plain tensor copy of the same bytes.
+
+``python -m benchmarks.connector_copy [--quick]``
+
+One request's prompt of ``tokens`` positions sits in vLLM-layout paged KV tensors (one per
+layer, ``[blocks, heads, block_size, 2 * head_dim]``, physically block-then-token-major) on
+shuffled blocks. Measured side by side in one run, medians of ``--repeat`` (>= 5) rounds, each
+round over the same bytes (random values):
+
+- plain copy: ``copy_`` of a contiguous ``[layers, tokens, heads, 2 * head_dim]`` tensor into
+  another (the floor: the bytes moved once, no indexing);
+- slot gather / scatter: vLLM's tensors to contiguous and back by ``slot_mapping`` (what any
+  connector pays, no store behind it);
+- save: what ``MMTierConnector`` does per step, layer by layer: gather each group's slots
+  into a staging buffer (``save_kv_layer``), then ``TieredKVCache.put`` of every group (the
+  connector's writer thread does this after ``wait_for_save``; timed here inline, its cost);
+- load: ``read_group`` of every group, then per layer a scatter by slot into a fresh paged
+  tensor (``start_load_kv`` + ``wait_for_layer_load``); checked equal to the source.
+
+Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
+connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
+(``--threads``, default 1): on a shared machine oversubscribed threads make every figure noise.
+
+Figures: GB/s of each, ``save_over_plain_copy`` / ``load_over_plain_copy`` (ratios of GB/s,
+chunks of 16 blocks) and the same with ``_block_groups``.
+Writes ``benchmarks/results/connector_copy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks._common import add_out_arg, print_table, write_results
+from mmtier import CacheConfig, TieredKVCache
+from mmtier.integrations import vllm_copy
+
+
+def _median_s(fn, repeat: int) -> float:
+    fn()                                           # warm-up (allocations, first-touch)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small shapes (a smoke run)")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads on a CPU")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        torch.set_num_threads(args.threads)
+    if args.repeat < 5:
+        ap.error("--repeat must be >= 5 (medians of at least five rounds)")
+    L, H, D, BS = (4, 4, 64, 16) if args.quick else (16, 8, 128, 16)
+    tokens = 512 if args.quick else 2048
+    dtype, dev = torch.float16, torch.device(args.device)
+    nblk = tokens // BS
+    num_blocks = 2 * nblk
+    assert tokens % (16 * BS) == 0
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randperm(num_blocks, generator=g)[:nblk]
+    slots = (blocks[:, None] * BS + torch.arange(BS)).flatten().to(dev)
+
+    def paged(fill: bool):
+        t = torch.full((num_blocks, BS, H, 2 * D), float("nan"), dtype=dtype, device=dev)
+        if fill:
+            t.copy_(torch.randn(t.shape, generator=g).to(dtype))
+        return t.transpose(1, 2)
+    src = [paged(True) for _ in range(L)]
+    dst = [paged(False) for _ in range(L)]
+    nbytes = L * tokens * H * 2 * D * src[0].element_size()
+
+    cfg = CacheConfig(model="bench-connector", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16",
+                      modalities={"text": {"page_size": BS}}, device=str(dev),
+                      device_bytes=3 * nbytes, host_bytes=0, disk_dir=None)
+    cache = TieredKVCache(cfg)
+    # keys are the scheduler's work (computed there, once per request): made before timing
+    made = iter(range(1 << 30))
+    keys: list = []
+    group = [BS]                                      # tokens per group (one block, or a chunk)
+
+    def new_keys():
+        r = next(made)
+        return [cache.content_key("text", f"r{r}g{i}".encode()) for i in range(tokens // group[0])]
+
+    plain_a = torch.randn(L, tokens, H, 2 * D, generator=g).to(dtype).to(dev)
+    plain_b = torch.empty_like(plain_a)
+    stage_k = torch.empty(L, tokens, H, D, dtype=dtype, device=dev)
+    stage_v = torch.empty_like(stage_k)
+
+    def sync():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def plain():
+        plain_b.copy_(plain_a)
+        sync()
+
+    def gather_scatter():
+        for layer in range(L):
+            vllm_copy.gather(src[layer], slots, D, stage_k[layer], stage_v[layer])
+        for layer in range(L):
+            vllm_copy.scatter(dst[layer], slots, D, stage_k[layer], stage_v[layer])
+        sync()
+
+    def save(batch):
+        keys[:] = batch
+        n = group[0]
+        k = torch.empty(L, tokens, H, D, dtype=dtype, device=dev)    # staging, as the connector
+        v = torch.empty_like(k)
+        for layer in range(L):
+            for i in range(len(keys)):
+                s = slice(i * n, (i + 1) * n)
+                vllm_copy.gather(src[layer], slots[s], D, k[layer, s], v[layer, s])
+        for i, key in enumerate(keys):
+            s = slice(i * n, (i + 1) * n)
+            cache.put(key, k[:, s], v[:, s])
+        sync()
+
+    def load():
+        n = group[0]
+        parts = [cache.read_group(key) for key in keys]
+        for layer in range(L):
+            for i, (k, v) in enumerate(parts):
+                s = slice(i * n, (i + 1) * n)
+                vllm_copy.scatter(dst[layer], slots[s], D, k[layer].to(dev, non_blocking=True),
+                                  v[layer].to(dev, non_blocking=True))
+        sync()
+
+    t_plain = _median_s(plain, args.repeat)
+    t_gs = _median_s(gather_scatter, args.repeat)
+    timed = {}
+    for label, n in (("block", BS), ("chunk", 16 * BS)):
+        group[0] = n
+        batches = [new_keys() for _ in range(args.repeat + 1)]   # outside the timed rounds
+        t_save = _median_s(lambda b=iter(batches): save(next(b)), args.repeat)
+        for t in dst:                               # poisoned again: only load can restore them
+            t.fill_(float("nan"))
+        t_load = _median_s(load, args.repeat)
+        if not all(_slots_equal(d, s, slots) for d, s in zip(dst, src, strict=True)):
+            raise AssertionError("load did not restore the saved bytes")
+        timed[label] = (t_save, t_load)
+    cache.close()
+    gbs = lambda t: nbytes / t / 1e9  # noqa: E731
+    fig = {"quick": args.quick, "device": str(dev), "layers": L, "kv_heads": H, "head_dim": D,
+           "block_size": BS, "tokens": tokens, "bytes": nbytes, "repeat": args.repeat,
+           "plain_copy_gbs": gbs(t_plain), "slot_gather_scatter_gbs": gbs(t_gs / 2),
+           "threads": torch.get_num_threads(),
+           "save_gbs": gbs(timed["chunk"][0]), "load_gbs": gbs(timed["chunk"][1]),
+           "save_block_groups_gbs": gbs(timed["block"][0]), "load_block_groups_gbs": gbs(timed["block"][1]),
+           "save_over_plain_copy": t_plain / timed["chunk"][0],
+           "load_over_plain_copy": t_plain / timed["chunk"][1],
+           "save_over_plain_copy_block_groups": t_plain / timed["block"][0],
+           "load_over_plain_copy_block_groups": t_plain / timed["block"][1]}
+    print_table(f"connector worker-side copy, {nbytes / 2**20:.0f} MiB, {dev} (medians of {args.repeat})",
+                [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups"))])
+    write_results("connector_copy", fig, args.out)
+    return fig
+
+
+def _slots_equal(a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor) -> bool:
+    fa = a.transpose(1, 2).flatten(0, 1)[slots]
+    fb = b.transpose(1, 2).flatten(0, 1)[slots]
+    return torch.equal(fa, fb)
+
+
+if __name__ == "__main__":
+    main()

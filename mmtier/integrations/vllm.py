@@ -1,0 +1,296 @@
+"""vLLM KV connector: vLLM's paged KV saved to and loaded from the worker's embedded mmtier cache.
+
+    kv_transfer_config = {"kv_connector": "MMTierConnector",
+                          "kv_connector_module_path": "mmtier.integrations.vllm",
+                          "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"mmtier_config": "configs/x.yaml"}}
+
+Scheduler side: a request's prompt becomes chained groups (``vllm_plan``); the hit is the
+leading run of held groups in whole blocks, looked up in one pass; ``build_connector_meta``
+lists, per step, the groups to load (the hit) and to save (groups whose positions this step
+completes). Worker side: ``start_load_kv`` reads the groups in a background thread;
+``wait_for_layer_load`` scatters that layer's slice by slot into vLLM's tensor;
+``save_kv_layer`` gathers each saved group's slots of that layer into a staging buffer;
+``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that fails to load (corrupt file,
+evicted meanwhile) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
+those blocks: wrong KV is never written.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..content import ContentKey
+from ..errors import ConfigError, MMTierError
+from . import vllm_copy
+from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+LOAD_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class GroupCopy:
+    """One group's positions ``[lo, hi)`` (within the group ``[start, end)``) and their slots."""
+
+    req_id: str
+    key: ContentKey
+    start: int
+    end: int
+    lo: int
+    hi: int
+    slots: torch.Tensor          # int64 [hi - lo]
+    block_ids: tuple[int, ...]   # the vLLM blocks these slots live in
+
+
+@dataclass
+class MMTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[GroupCopy] = field(default_factory=list)
+    saves: list[GroupCopy] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    plan: RequestPlan
+    computed: int = 0              # vLLM's locally computed tokens when the hit was asked
+    hit: int = 0
+    load: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0                 # segments [0, saved) are held or queued for saving
+
+
+def media_of(request: Any) -> list[MediaItem]:
+    """A vLLM request's media items (``mm_features``) as plain data."""
+    return [MediaItem(f.mm_position.offset, f.mm_position.length, f.identifier, f.modality)
+            for f in (request.mm_features or [])]
+
+
+class MMTierConnector(KVConnectorBase_V1):
+    """See the module docstring. One class for both roles, as vLLM's factory expects."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size * par.pipeline_parallel_size != 1:
+            # Each rank would hold other heads / layers under the same keys, and the scheduler
+            # (in the engine core) would not see the workers' caches: one GPU per engine for now.
+            raise ConfigError("mmtier's vLLM connector runs with tensor_parallel_size 1 and "
+                              "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
+                              ("tensor_parallel_size", "pipeline_parallel_size"))
+        self.block_size = vllm_config.cache_config.block_size
+        self.cache = shared_cache(config_from_extra(extra))
+        self.tenant = tenant_from_extra(extra)
+        self.text_modality = extra.get("mmtier_text_modality", "text")
+        self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
+        self.modality_map = dict(extra.get("mmtier_modalities", {}))
+        if self.cache.cfg.spec(self.text_modality).kind != "kv":
+            raise ConfigError(f"{self.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
+        # scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        # worker side
+        self._layers: dict[str, torch.Tensor] = {}
+        self._layer_index: dict[str, int] = {}
+        worker = role == KVConnectorRole.WORKER
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if worker else None
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save") if worker else None
+        self._saving: set[Future] = set()
+        self._loading: list[tuple[GroupCopy, Future]] = []
+        self._staged: dict[ContentKey, tuple[GroupCopy, torch.Tensor, torch.Tensor, set[int]]] = {}
+        self._failed_blocks: set[int] = set()
+
+    # ------------------------------------------------------------------ scheduler side
+    def _tenant(self, request: Request) -> str | None:
+        salt = getattr(request, "cache_salt", None)
+        if not salt:
+            return self.tenant
+        return f"{self.tenant}/{salt}" if self.tenant else f"salt/{salt}"
+
+    def _plan(self, request: Request) -> _ReqState:
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            plan = plan_request(self.cache, list(request.prompt_token_ids or []), media_of(request),
+                                block_size=self.block_size, tenant=self._tenant(request),
+                                chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
+                                modality_map=self.modality_map)
+            state = self._reqs[request.request_id] = _ReqState(plan)
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._plan(request)
+        held = self._lookup([s.key for s in state.plan.segments])
+        state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
+        state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
+        return max(0, state.hit - num_computed_tokens), False
+
+    def _lookup(self, keys: list[ContentKey]) -> list[bool]:
+        """Which keys the cache holds, in one pass that stops at the first miss."""
+        held: list[bool] = []
+        for key in keys:
+            held.append(self.cache.contains(key))
+            if not held[-1]:
+                break
+        return held + [False] * (len(keys) - len(held))
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            state.load = num_external_tokens > 0
+            if state.load:
+                state.hit = state.computed + num_external_tokens
+
+    def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
+        meta = MMTierConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.load:
+                meta.loads += self._copies(new.req_id, state, state.computed, state.hit)
+                state.load = False
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            meta.saves += self._saves(new.req_id, state, max(done, state.hit))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            if req_id in cached.resumed_req_ids:           # preempted: blocks were rebuilt
+                state.block_ids = []
+            if cached.new_block_ids[i] is not None:
+                state.block_ids += list(cached.new_block_ids[i][0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            meta.saves += self._saves(req_id, state, done)
+        return meta
+
+    def _copies(self, req_id: str, state: _ReqState, lo: int, hi: int) -> list[GroupCopy]:
+        out = []
+        for seg in state.plan.segments:
+            a, b = max(lo, seg.start), min(hi, seg.end)
+            if a < b:
+                out.append(self._copy(req_id, state, seg, a, b))
+        return out
+
+    def _saves(self, req_id: str, state: _ReqState, computed: int) -> list[GroupCopy]:
+        out, segs = [], state.plan.segments
+        while state.saved < len(segs) and segs[state.saved].end <= computed:
+            seg = segs[state.saved]
+            out.append(self._copy(req_id, state, seg, seg.start, seg.end))
+            state.saved += 1
+        return out
+
+    def _copy(self, req_id: str, state: _ReqState, seg: Segment, lo: int, hi: int) -> GroupCopy:
+        slots = slots_for(state.block_ids, lo, hi, self.block_size)
+        blocks = tuple(sorted({int(s) // self.block_size for s in slots}))
+        return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, torch.from_numpy(slots), blocks)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if len(kv_caches) != self.cache.cfg.num_layers:
+            raise ConfigError(f"vLLM has {len(kv_caches)} attention layers, the mmtier config "
+                              f"{self.cache.cfg.num_layers}", ("num_layers",))
+        self._layers = dict(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if not self._layers:
+            self.register_kv_caches({name: layer.kv_cache for name, layer in
+                                     forward_context.no_compile_layers.items()
+                                     if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)})
+        self._loading = [(op, self._reader.submit(self.cache.read_group, op.key)) for op in meta.loads]
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._loading:
+            return
+        kv_layer = self._layers[layer_name]
+        for op, fut in self._loading:
+            if fut is None:
+                continue
+            try:
+                k, v = fut.result(timeout=LOAD_TIMEOUT_S)
+            except (MMTierError, TimeoutError) as exc:
+                log.warning("mmtier: load of %r failed (%s); vLLM recomputes its blocks", op.key, exc)
+                self._failed_blocks.update(op.block_ids)
+                continue
+            a, b = op.lo - op.start, op.hi - op.start
+            vllm_copy.scatter(kv_layer, op.slots.to(kv_layer.device), self.cache.cfg.head_dim,
+                              k[layer, a:b].to(kv_layer.device, non_blocking=True),
+                              v[layer, a:b].to(kv_layer.device, non_blocking=True))
+        if layer == len(self._layer_index) - 1:
+            self._loading = []
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        cfg = self.cache.cfg
+        for op in meta.saves:
+            staged = self._staged.get(op.key)
+            if staged is None:
+                shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
+                staged = self._staged[op.key] = (op, kv_layer.new_empty(shape), kv_layer.new_empty(shape), set())
+            _, k, v, layers = staged
+            vllm_copy.gather(kv_layer, op.slots.to(kv_layer.device), cfg.head_dim, k[layer], v[layer])
+            layers.add(layer)
+
+    def wait_for_save(self) -> None:
+        """Hand this step's complete groups to the writer thread: the staged copies are the
+        connector's own, so vLLM may reuse its blocks at once and the step does not wait."""
+        staged, self._staged = self._staged, {}
+        layers = self.cache.cfg.num_layers
+        done = [(op, k, v) for op, k, v, seen in staged.values() if len(seen) == layers]
+        if not done:
+            return
+        event = None
+        if done[0][1].is_cuda:                   # the gathers were queued on vLLM's stream
+            event = torch.cuda.Event()
+            event.record()
+        fut = self._writer.submit(self._store, done, event)
+        self._saving.add(fut)
+        fut.add_done_callback(self._saving.discard)
+
+    def _store(self, done: list[tuple[GroupCopy, torch.Tensor, torch.Tensor]], event) -> None:
+        if event is not None:
+            event.synchronize()
+        for op, k, v in done:
+            try:
+                self.cache.put(op.key, k, v)
+            except MMTierError as exc:           # best effort: a dropped save is a later miss
+                log.warning("mmtier: save of %r skipped: %s", op.key, exc)
+
+    def wait_for_saves(self, timeout: float = LOAD_TIMEOUT_S) -> None:
+        """Block until every save handed to the writer so far is stored (tests, shutdown)."""
+        for fut in list(self._saving):
+            fut.result(timeout=timeout)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self._reader is not None:
+            self.wait_for_saves()
+            self._reader.shutdown(wait=True)
+            self._writer.shutdown(wait=True)

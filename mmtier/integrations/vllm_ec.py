@@ -1,0 +1,121 @@
+"""vLLM encoder-cache connector: encoder outputs as mmtier ``embedding`` groups.
+
+    ec_transfer_config = {"ec_connector": "MMTierECConnector",
+                          "ec_connector_module_path": "mmtier.integrations.vllm_ec",
+                          "ec_role": "ec_both",
+                          "ec_connector_extra_config": {"mmtier_config": "configs/x.yaml",
+                                                        "mmtier_embed_modality": "vision_embed"}}
+
+An item's key is SHA-256 of vLLM's identifier under the server-side tenant
+(``mmtier_tenant``); the group is content-only, so every request and every instance sharing
+the cache reuses it. The scheduler asks ``has_cache_item`` and lists the items to load; the
+worker reads them into vLLM's ``encoder_cache`` before the model gathers embeddings and saves
+what the encoder computed. An item that fails to load (corrupt, evicted meanwhile) fails its
+request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+    ECConnectorWorkerMetadata,
+)
+
+from ..content import ContentKey
+from ..errors import ConfigError, MMTierError
+from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MMTierECMetadata(ECConnectorMetadata):
+    loads: dict[str, list[str]] = field(default_factory=dict)      # identifier -> request ids
+
+
+@dataclass
+class MMTierECWorkerMetadata(ECConnectorWorkerMetadata):
+    failed_requests: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> MMTierECWorkerMetadata:
+        assert isinstance(other, MMTierECWorkerMetadata)
+        return MMTierECWorkerMetadata(self.failed_requests | other.failed_requests)
+
+
+class MMTierECConnector(ECConnectorBase):
+    def __init__(self, vllm_config, role: ECConnectorRole):
+        super().__init__(vllm_config=vllm_config, role=role)
+        extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
+        self.cache = shared_cache(config_from_extra(extra))
+        self.tenant = tenant_from_extra(extra)
+        self.modality = extra.get("mmtier_embed_modality", "vision_embed")
+        if self.cache.cfg.spec(self.modality).kind != "embedding":
+            raise ConfigError(f"{self.modality!r} must hold embedding payloads", ("mmtier_embed_modality",))
+        self._loads: dict[str, list[str]] = {}
+        self._failed: set[str] = set()             # worker: requests whose item failed to load
+        self._unavailable: set[str] = set()        # scheduler: the same, reported back
+
+    def key(self, identifier: str) -> ContentKey:
+        return self.cache.content_key(self.modality, b"vllm-ec\x00" + identifier.encode(), tenant=self.tenant)
+
+    # ------------------------------------------------------------------ scheduler side
+    def has_cache_item(self, identifier: str) -> bool:
+        return self.cache.contains(self.key(identifier))
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        identifier = request.mm_features[index].identifier
+        if self.is_consumer and self.has_cache_item(identifier):
+            self._loads.setdefault(identifier, []).append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output) -> MMTierECMetadata:
+        meta, self._loads = MMTierECMetadata(self._loads), {}
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = connector_output.ec_connector_worker_meta
+        if isinstance(meta, MMTierECWorkerMetadata):
+            self._unavailable |= meta.failed_requests
+
+    def take_unavailable_requests(self) -> set[str]:
+        out, self._unavailable = self._unavailable, set()
+        return out
+
+    # ------------------------------------------------------------------ worker side
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        device = kwargs.get("device")
+        for identifier, req_ids in meta.loads.items():
+            if identifier in encoder_cache:
+                continue
+            try:
+                x = self.cache.get_embedding(self.key(identifier))
+            except MMTierError as exc:
+                log.warning("mmtier: encoder output %s failed to load (%s)", identifier, exc)
+                self._failed.update(req_ids)
+                continue
+            encoder_cache[identifier] = x if device is None else x.to(device, non_blocking=True)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        if not self.is_producer:
+            return
+        x = encoder_cache[mm_hash]
+        try:
+            self.cache.put_embedding(self.key(mm_hash), x.detach().reshape(-1, x.shape[-1]))
+        except MMTierError as exc:                  # best effort: a dropped save is a later miss
+            log.warning("mmtier: encoder output %s not saved: %s", mm_hash, exc)
+
+    def build_connector_worker_meta(self) -> MMTierECWorkerMetadata | None:
+        if not self._failed:
+            return None
+        meta, self._failed = MMTierECWorkerMetadata(self._failed), set()
+        return meta

@@ -1,0 +1,128 @@
+"""How a vLLM request's prompt maps to mmtier groups (no vLLM import: plain data in, plan out).
+
+The prompt is cut into segments in position order: each media item's placeholder positions
+(from ``mm_features``) are one group keyed by SHA-256 of vLLM's identifier; the text between
+items is cut every ``chunk_blocks`` blocks (absolute positions) and at the end of the prompt's
+full blocks, each piece keyed by its token ids. Larger chunks mean fewer, larger groups (the
+per-group cost of a store is paid less often); a prefix then hits up to its last whole chunk
+or media item (LMCache's chunking trade-off). ``chunk_blocks=1`` hits block by block.
+Every key chains its predecessor (``parent=``), so a segment is reused only under the same
+prefix, and every key carries the tenant (vLLM's ``cache_salt``), so tenants never share.
+
+Only segments that end within the prompt's full blocks are stored or looked up; a hit is the
+longest run of stored segments from the start, rounded down to a block and kept below the
+prompt's length (vLLM computes at least the last prompt token itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from ..errors import ShapeError
+
+# vLLM's modality names -> the mmtier modality whose pool holds that item's decoder KV.
+DEFAULT_MODALITIES = {"image": "vision", "video": "vision", "audio": "audio"}
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One media item of a prompt: its placeholder positions and vLLM's identifier."""
+
+    offset: int
+    length: int
+    identifier: str
+    modality: str
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Positions ``[start, end)`` of a prompt, stored as one group under ``key``."""
+
+    start: int
+    end: int
+    key: ContentKey
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    prompt_len: int
+    segments: tuple[Segment, ...]      # cacheable segments only (within the full blocks)
+
+    def hit_tokens(self, held: Sequence[bool], block_size: int) -> int:
+        """Tokens covered by the leading held segments, in whole blocks, below the prompt end."""
+        end = 0
+        for seg, ok in zip(self.segments, held, strict=True):
+            if not ok:
+                break
+            end = seg.end
+        end = min(end, self.prompt_len - 1)
+        return end // block_size * block_size
+
+
+def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence[MediaItem], *,
+                 block_size: int, tenant: str | None, chunk_blocks: int = 1,
+                 text_modality: str = "text", modality_map: dict[str, str] | None = None) -> RequestPlan:
+    """The chained segments of a prompt (see the module's docstring)."""
+    if chunk_blocks < 1:
+        raise ShapeError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    n = len(token_ids)
+    full = n // block_size * block_size
+    chunk = chunk_blocks * block_size
+    modality_of = _modality_resolver(cache, text_modality, modality_map)
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    cuts: list[tuple[int, int, str, bytes]] = []        # (start, end, modality, bytes to hash)
+    pos = 0
+    for item in sorted(media, key=lambda m: m.offset):
+        if item.offset < pos or item.length <= 0 or item.offset + item.length > n:
+            raise ShapeError(f"media item at {item.offset}+{item.length} overlaps another item "
+                             f"or leaves the prompt of {n} tokens")
+        cuts += _text_cuts(tokens, pos, item.offset, chunk, full, text_modality)
+        cuts.append((item.offset, item.offset + item.length, modality_of(item.modality),
+                     b"vllm-mm\x00" + item.identifier.encode()))
+        pos = item.offset + item.length
+    cuts += _text_cuts(tokens, pos, n, chunk, full, text_modality)
+    segments, parent = [], None
+    for start, end, modality, data in cuts:
+        if end > full:
+            break
+        parent = cache.content_key(modality, data, tenant=tenant, parent=parent,
+                                   params={"positions": end - start})
+        segments.append(Segment(start, end, parent))
+    return RequestPlan(n, tuple(segments))
+
+
+def _text_cuts(tokens: np.ndarray, lo: int, hi: int, chunk: int, full: int, modality: str):
+    out = []
+    while lo < hi:
+        end = min(hi, (lo // chunk + 1) * chunk)
+        if lo < full < end:                      # the full blocks end inside this chunk
+            end = full
+        out.append((lo, end, modality, b"vllm-text\x00" + tokens[lo:end].tobytes()))
+        lo = end
+    return out
+
+
+def _modality_resolver(cache: TieredKVCache, text: str, mapping: dict[str, str] | None
+                       ) -> Callable[[str], str]:
+    table = dict(DEFAULT_MODALITIES, **(mapping or {}))
+    kv = {name for name, spec in cache.cfg.modalities.items() if spec.kind == "kv"}
+
+    def resolve(vllm_modality: str) -> str:
+        name = table.get(vllm_modality, vllm_modality)
+        return name if name in kv else text
+    return resolve
+
+
+def slots_for(block_ids: Sequence[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """vLLM slot ids (``block * block_size + offset``) of positions ``[start, end)``."""
+    pos = np.arange(start, end, dtype=np.int64)
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    if end > len(blocks) * block_size:
+        raise ShapeError(f"positions up to {end} need {-(-end // block_size)} blocks, "
+                         f"the request holds {len(blocks)}")
+    return blocks[pos // block_size] * block_size + pos % block_size

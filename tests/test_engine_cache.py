@@ -1,0 +1,61 @@
+"""The engine-side cache plumbing every connector shares (no engine needed): the cache named by
+an extra config, one per configuration per process, and the Serve LLM config's connectors."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mmtier.errors import ConfigError
+from mmtier.integrations.engine_cache import (
+    close_shared,
+    config_from_extra,
+    shared_cache,
+    tenant_from_extra,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+FIELDS = dict(model="tiny-engine", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32",
+              modalities={"text": {"page_size": 16}}, device="cpu", device_bytes=1 << 20)
+
+
+def test_one_cache_per_configuration_per_process():
+    try:
+        a = shared_cache(config_from_extra({"mmtier_cache": FIELDS}))
+        assert shared_cache(config_from_extra({"mmtier_cache": dict(FIELDS)})) is a
+        assert shared_cache(config_from_extra({"mmtier_cache": {**FIELDS, "model": "other"}})) is not a
+    finally:
+        close_shared()
+    assert a._closed
+
+
+@pytest.mark.parametrize("extra", [{}, {"mmtier_cache": FIELDS, "mmtier_config": "x.yaml"},
+                                   {"mmtier_cache": [1, 2]}])
+def test_the_cache_must_be_named_exactly_once(extra):
+    with pytest.raises(ConfigError):
+        config_from_extra(extra)
+
+
+def test_a_bad_tenant_is_refused():
+    assert tenant_from_extra({"mmtier_tenant": "acme"}) == "acme"
+    with pytest.raises(ConfigError):
+        tenant_from_extra({"mmtier_tenant": ""})
+
+
+def test_serve_llm_config_carries_both_connectors_over_one_valid_cache():
+    app = yaml.safe_load((ROOT / "configs" / "serve-llm-vllm.yaml").read_text())["applications"][0]
+    assert app["import_path"] == "ray.serve.llm:build_openai_app"
+    kwargs = app["args"]["llm_configs"][0]["engine_kwargs"]
+    kv, ec = kwargs["kv_transfer_config"], kwargs["ec_transfer_config"]
+    for module, cls in ((kv["kv_connector_module_path"], kv["kv_connector"]),
+                        (ec["ec_connector_module_path"], ec["ec_connector"])):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        assert f"class {cls}(" in path.read_text()
+        assert importlib.util.find_spec(module.rsplit(".", 1)[0]) is not None
+    cfg = config_from_extra(kv["kv_connector_extra_config"])
+    assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype) == (28, 4, 128, "bfloat16")
+    assert cfg.spec(ec["ec_connector_extra_config"]["mmtier_embed_modality"]).kind == "embedding"
+    assert kwargs["block_size"] == cfg.spec("text").page_size

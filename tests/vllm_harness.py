@@ -1,0 +1,134 @@
+"""Drives mmtier's vLLM connectors with vLLM's own objects (config, factory, Request,
+SchedulerOutput), the way vLLM's scheduler and model runner call them, on CPU tensors.
+
+Run as ``python -m tests.vllm_harness DIR SEED [DIR SEED ...]`` it is the "new process" of the
+warm restart tests: for each directory it opens a cache over it, loads the request's hit into a
+fresh paged tensor and prints what it found as one JSON line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.request import Request
+
+BS, L, H, D = 8, 2, 2, 16
+NUM_BLOCKS = 24
+PROMPT = 41                      # 5 full blocks and one token
+IMAGE_AT, IMAGE_LEN = 10, 16     # the image's placeholder positions [10, 26)
+
+
+def cache_fields(disk_dir, device_pages=64) -> dict:
+    token = 2 * L * H * D * 4
+    return dict(model="tiny-vllm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+                modalities={"text": {"page_size": BS, "share": 0.5},
+                            "vision": {"page_size": 16, "share": 0.5}},
+                device="cpu", device_bytes=device_pages * 16 * token, host_bytes=0,
+                disk_dir=str(disk_dir), disk_bytes=64 << 20, disk_free_floor_bytes=0)
+
+
+def vllm_config(fields: dict, **extra) -> VllmConfig:
+    kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
+                          kv_connector_module_path="mmtier.integrations.vllm",
+                          kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
+                                                     **extra})
+    return VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BS),
+                      device_config=DeviceConfig(device="cpu"),
+                      scheduler_config=SchedulerConfig(max_model_len=4096, is_encoder_decoder=False,
+                                                       disable_hybrid_kv_cache_manager=True))
+
+
+def connectors(fields: dict, **extra):
+    cfg = vllm_config(fields, **extra)
+    return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
+            KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None))
+
+
+def request(rid: str, *, image="img-A", salt=None, seed=0, change_at=None) -> Request:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(100, 30000, (PROMPT,), generator=g).tolist()
+    if change_at is not None:
+        tokens[change_at] += 1
+    tokens[IMAGE_AT:IMAGE_AT + IMAGE_LEN] = [32000] * IMAGE_LEN     # placeholder tokens
+    mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
+                                mm_position=PlaceholderRange(offset=IMAGE_AT, length=IMAGE_LEN))]
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None, mm_features=mm, cache_salt=salt)
+
+
+def paged(seed=None) -> dict[str, torch.Tensor]:
+    """vLLM's standardized per-layer views [blocks, heads, block_size, 2*head_dim], physically
+    block-then-token-major (LBNHC), poisoned with NaN or filled with random values."""
+    out = {}
+    for i in range(L):
+        phys = torch.full((NUM_BLOCKS, BS, H, 2 * D), float("nan"))
+        if seed is not None:
+            phys.copy_(torch.randn(phys.shape, generator=torch.Generator().manual_seed(seed + i)))
+        out[f"model.layers.{i}.self_attn.attn"] = phys.transpose(1, 2)
+    return out
+
+
+def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.Tensor]) -> int:
+    """One prefill step of ``req``: ask for the hit, allocate, build and run the metadata.
+    Returns the hit (tokens vLLM would not compute)."""
+    hit, is_async = sched.get_num_new_matched_tokens(req, 0)
+    assert is_async is False
+    sched.update_state_after_alloc(req, None, hit)
+    new = NewRequestData(req.request_id, req.prompt_token_ids, req.mm_features, req.sampling_params,
+                         None, (list(block_ids),), hit, None)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={req.request_id: PROMPT - hit}, total_num_scheduled_tokens=PROMPT - hit,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[])
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    if not worker._layers:
+        worker.register_kv_caches(kv)
+    worker.start_load_kv(None)
+    for name, layer in kv.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, layer, None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    worker.wait_for_saves()            # the writer thread's puts (vLLM itself does not wait)
+    return hit
+
+
+def slots_of(block_ids: list[int], n: int) -> torch.Tensor:
+    pos = torch.arange(n)
+    return torch.tensor(block_ids)[pos // BS] * BS + pos % BS
+
+
+def tokens_kv(kv: dict[str, torch.Tensor], block_ids: list[int], n: int) -> torch.Tensor:
+    """[layers, n, heads, 2*head_dim]: what the paged tensors hold for positions [0, n)."""
+    slots = slots_of(block_ids, n)
+    return torch.stack([t.transpose(1, 2).reshape(-1, H, 2 * D)[slots] for t in kv.values()])
+
+
+LOADER_BLOCKS = list(range(NUM_BLOCKS))[::-1][:6]
+
+
+def main(argv: list[str]) -> int:
+    from mmtier.integrations.engine_cache import close_shared
+
+    for disk_dir, seed in zip(argv[::2], argv[1::2], strict=True):
+        sched, worker = connectors(cache_fields(disk_dir))
+        kv = paged()
+        hit = step(sched, worker, request("restart", seed=int(seed)), LOADER_BLOCKS, kv)
+        failed = sorted(worker.get_block_ids_with_load_errors())
+        got = tokens_kv(kv, LOADER_BLOCKS, hit)
+        print(json.dumps({"dir": disk_dir, "hit": hit, "failed": failed,
+                          "values": got.flatten().tolist()}))
+        worker.shutdown()
+        close_shared()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
