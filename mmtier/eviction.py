@@ -14,8 +14,14 @@ heaps' heads by ``_rank(key, modality)``, which a policy may make depend on the 
 time as long as it is increasing in the key for a fixed modality. So ``victims`` costs
 O((k + s) log n) for k victims and s skipped (pinned, leased, busy) groups, not O(n).
 
-Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``) and no
-live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``).
+Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``), no
+live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``), and
+no cached child at this tier or above. Leaf-first: a prefix-dependent group (``group.parent``
+set by the cache from its key's chain) is useless without its parent, so a policy never
+evicts a parent from a tier while a child of it sits in that tier or a faster one (as radix-
+tree caches evict leaves only). Every policy gets this from the mechanism: each entry counts
+its children per tier; a parent held back only by children that ``victims`` itself chose in
+the same call joins the candidates at its own rank, so one call can free a whole cold chain.
 
 Tier changes: the cache should call ``on_move(group, old_tier)`` after moving a group; a policy
 also notices a group whose tier changed without the hook (it re-files groups it handed out as
@@ -29,7 +35,7 @@ import heapq
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import CacheConfig
 from .groups import ModalityGroup, Tier
@@ -45,6 +51,12 @@ class _Entry:
     seq: int = -1                            # seq of this group's live heap item
     tier: Tier = Tier.DEVICE                 # the heap (tier) that live item sits in
     freq: int = 0                            # insert + accesses
+    parent: int | None = None                # gid of the parent group (prefix chains)
+    kids: list[int] = field(default_factory=lambda: [0] * len(Tier))   # children per tier
+
+    def kids_at_or_above(self, tier: Tier) -> int:
+        """Children in ``tier`` or a faster one: they need this group to stay."""
+        return sum(self.kids[: tier + 1])
 
 
 class EvictionPolicy:
@@ -67,7 +79,11 @@ class EvictionPolicy:
     def on_insert(self, group: ModalityGroup) -> None:
         """A new group exists (in ``group.tier``)."""
         self.tick += 1
-        entry = _Entry(group, freq=1)
+        entry = _Entry(group, freq=1, tier=group.tier)
+        parent = group.parent
+        if parent is not None and parent.gid in self._entries and parent.gid != group.gid:
+            entry.parent = parent.gid
+            self._entries[parent.gid].kids[entry.tier] += 1
         self._entries[group.gid] = entry
         self._file(entry, self._key(entry))
 
@@ -102,6 +118,7 @@ class EvictionPolicy:
         entry = self._entries.pop(group.gid, None)
         if entry is not None:
             self._left(entry.tier, entry)
+            self._count_kid(entry, entry.tier, None)
         self._watch.discard(group.gid)
 
     # ------------------------------------------------------------------ queries
@@ -115,7 +132,9 @@ class EvictionPolicy:
         try:
             now = self.clock()
             mods = [modality] if modality is not None else [m for (t, m) in self._heaps if t == tier]
-            scans = [self._scan(tier, m, now, held) for m in mods]
+            blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
+            taken: dict[int, int] = {}          # parent gid -> children chosen in this call
+            scans = [self._scan(tier, m, now, held, blocked, taken) for m in mods]
             merge: list[tuple[float, int, int, ModalityGroup]] = []
             for i, scan in enumerate(scans):
                 self._advance(merge, scans, i, scan)
@@ -124,7 +143,9 @@ class EvictionPolicy:
                 _, _, i, group = heapq.heappop(merge)
                 out.append(group)
                 got += group.nbytes
-                self._advance(merge, scans, i, scans[i])
+                if i >= 0:
+                    self._advance(merge, scans, i, scans[i])
+                self._unblock(self._entries[group.gid].parent, tier, taken, blocked, merge)
         finally:
             for hkey, item in held:
                 heapq.heappush(self._heaps.setdefault(hkey, []), item)
@@ -155,9 +176,33 @@ class EvictionPolicy:
     def _evictable(self, group: ModalityGroup, now: float) -> bool:
         return group.refs == 0 and group.pins == 0 and group.busy == 0 and group.live_leases(now) == 0
 
+    def _count_kid(self, entry: _Entry, old: Tier | None, new: Tier | None) -> None:
+        """Keep the parent's per-tier child counts in step with ``entry``'s tier."""
+        parent = self._entries.get(entry.parent) if entry.parent is not None else None
+        if parent is None or old == new:
+            return
+        if old is not None:
+            parent.kids[old] -= 1
+        if new is not None:
+            parent.kids[new] += 1
+
+    def _unblock(self, gid: int | None, tier: Tier, taken: dict[int, int],
+                 blocked: dict[int, _Entry], merge: list) -> None:
+        """A child of ``gid`` was chosen: if that frees its (scanned, held-back) parent, the
+        parent becomes a candidate at its own rank."""
+        if gid is None:
+            return
+        taken[gid] = taken.get(gid, 0) + 1
+        entry = blocked.get(gid)
+        if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
+            del blocked[gid]
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, -1,
+                                   entry.group))
+
     def _file(self, entry: _Entry, key: float) -> None:
         entry.key = key
         entry.seq = next(self._seq)
+        self._count_kid(entry, entry.tier, entry.group.tier)
         entry.tier = entry.group.tier
         heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality), []),
                        (key, entry.seq, entry.group.gid))
@@ -183,6 +228,7 @@ class EvictionPolicy:
         for entry in self._entries.values():
             if entry.tier != entry.group.tier:
                 self._left(entry.tier, entry)
+                self._count_kid(entry, entry.tier, entry.group.tier)
                 entry.tier = entry.group.tier
             self._heaps.setdefault((entry.tier, entry.group.modality), []).append(
                 (entry.key, entry.seq, entry.group.gid))
@@ -191,8 +237,10 @@ class EvictionPolicy:
         self._items = len(self._entries)
 
     def _scan(self, tier: Tier, modality: str, now: float,
-              held: list[tuple[tuple[Tier, str], _HeapItem]]) -> Iterator[ModalityGroup]:
-        """Evictable groups of one heap in key order; popped items are kept in ``held``."""
+              held: list[tuple[tuple[Tier, str], _HeapItem]],
+              blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[ModalityGroup]:
+        """Evictable groups of one heap in key order; popped items are kept in ``held``; groups
+        held back only by cached children go to ``blocked``."""
         hkey = (tier, modality)
         heap = self._heaps.get(hkey, [])
         while heap:
@@ -207,7 +255,10 @@ class EvictionPolicy:
                 continue
             held.append((hkey, item))
             if self._evictable(entry.group, now):
-                yield entry.group
+                if entry.kids_at_or_above(tier) > taken.get(entry.group.gid, 0):
+                    blocked[entry.group.gid] = entry
+                else:
+                    yield entry.group
 
     def _advance(self, merge: list, scans: list, i: int, scan: Iterator[ModalityGroup]) -> None:
         group = next(scan, None)
