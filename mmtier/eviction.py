@@ -41,6 +41,7 @@ from .config import CacheConfig
 from .groups import ModalityGroup, Tier
 
 Clock = Callable[[], float]
+MAX_BUNDLE = 64                              # descendants evicted with a parent in one bundle
 _HeapItem = tuple[float, int, int]          # (key, seq, gid)
 
 
@@ -53,6 +54,7 @@ class _Entry:
     freq: int = 0                            # insert + accesses
     parent: int | None = None                # gid of the parent group (prefix chains)
     kids: list[int] = field(default_factory=lambda: [0] * len(Tier))   # children per tier
+    children: set[int] = field(default_factory=set)                    # their gids
 
     def kids_at_or_above(self, tier: Tier) -> int:
         """Children in ``tier`` or a faster one: they need this group to stay."""
@@ -84,6 +86,7 @@ class EvictionPolicy:
         if parent is not None and parent.gid in self._entries and parent.gid != group.gid:
             entry.parent = parent.gid
             self._entries[parent.gid].kids[entry.tier] += 1
+            self._entries[parent.gid].children.add(group.gid)
         self._entries[group.gid] = entry
         self._file(entry, self._key(entry))
 
@@ -119,6 +122,9 @@ class EvictionPolicy:
         if entry is not None:
             self._left(entry.tier, entry)
             self._count_kid(entry, entry.tier, None)
+            parent = self._entries.get(entry.parent) if entry.parent is not None else None
+            if parent is not None:
+                parent.children.discard(group.gid)
         self._watch.discard(group.gid)
 
     # ------------------------------------------------------------------ queries
@@ -135,17 +141,23 @@ class EvictionPolicy:
             blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
             taken: dict[int, int] = {}          # parent gid -> children chosen in this call
             scans = [self._scan(tier, m, now, held, blocked, taken) for m in mods]
-            merge: list[tuple[float, int, int, ModalityGroup]] = []
+            merge: list[tuple[float, int, int, list[ModalityGroup]]] = []
             for i, scan in enumerate(scans):
                 self._advance(merge, scans, i, scan)
             got = 0
+            chosen: set[int] = set()
             while merge and got < bytes_needed:
-                _, _, i, group = heapq.heappop(merge)
-                out.append(group)
-                got += group.nbytes
+                _, _, i, bundle = heapq.heappop(merge)
                 if i >= 0:
                     self._advance(merge, scans, i, scans[i])
-                self._unblock(self._entries[group.gid].parent, tier, taken, blocked, merge)
+                for group in bundle:
+                    if group.gid in chosen:
+                        continue
+                    chosen.add(group.gid)
+                    out.append(group)
+                    if modality is None or group.modality == modality:
+                        got += group.nbytes
+                    self._unblock(self._entries[group.gid].parent, tier, taken, blocked, merge)
         finally:
             for hkey, item in held:
                 heapq.heappush(self._heaps.setdefault(hkey, []), item)
@@ -197,7 +209,7 @@ class EvictionPolicy:
         if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
             del blocked[gid]
             heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, -1,
-                                   entry.group))
+                                   [entry.group]))
 
     def _file(self, entry: _Entry, key: float) -> None:
         entry.key = key
@@ -238,9 +250,11 @@ class EvictionPolicy:
 
     def _scan(self, tier: Tier, modality: str, now: float,
               held: list[tuple[tuple[Tier, str], _HeapItem]],
-              blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[ModalityGroup]:
-        """Evictable groups of one heap in key order; popped items are kept in ``held``; groups
-        held back only by cached children go to ``blocked``."""
+              blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[list[ModalityGroup]]:
+        """Evictable groups of one heap in key order, each as a bundle: the group alone, or,
+        when only cached children of other modalities (other pools, which this scan never
+        reaches) hold it back and they can all go, its subtree leaves first, then the group.
+        Popped items are kept in ``held``; groups held back by children go to ``blocked``."""
         hkey = (tier, modality)
         heap = self._heaps.get(hkey, [])
         while heap:
@@ -254,17 +268,45 @@ class EvictionPolicy:
                 self._resync(entry)
                 continue
             held.append((hkey, item))
-            if self._evictable(entry.group, now):
-                if entry.kids_at_or_above(tier) > taken.get(entry.group.gid, 0):
-                    blocked[entry.group.gid] = entry
-                else:
-                    yield entry.group
+            if not self._evictable(entry.group, now):
+                continue
+            if entry.kids_at_or_above(tier) <= taken.get(entry.group.gid, 0):
+                yield [entry.group]
+                continue
+            sub = self._subtree(entry, tier, now)
+            if sub is None:
+                blocked[entry.group.gid] = entry
+            else:
+                yield sub
 
-    def _advance(self, merge: list, scans: list, i: int, scan: Iterator[ModalityGroup]) -> None:
-        group = next(scan, None)
-        if group is not None:
-            entry = self._entries[group.gid]
-            heapq.heappush(merge, (self._rank(entry.key, group.modality), entry.seq, i, group))
+    def _subtree(self, entry: _Entry, tier: Tier, now: float) -> list[ModalityGroup] | None:
+        """``entry``'s group after every cached descendant that holds it in ``tier`` (post-order:
+        leaves first), when the children holding it are all of other modalities and the whole
+        subtree can go; else ``None`` (children of its own modality come up in this scan)."""
+        out: list[ModalityGroup] = []
+
+        def visit(e: _Entry) -> bool:
+            for gid in e.children:
+                c = self._entries.get(gid)
+                if c is None or c.tier > tier:
+                    continue                      # slower tiers never hold a parent back
+                if (c.tier != tier or len(out) >= MAX_BUNDLE
+                        or (e is entry and c.group.modality == entry.group.modality)
+                        or not self._evictable(c.group, now) or not visit(c)):
+                    return False
+                out.append(c.group)
+            return True
+
+        if not visit(entry):
+            return None
+        out.append(entry.group)
+        return out
+
+    def _advance(self, merge: list, scans: list, i: int, scan: Iterator[list[ModalityGroup]]) -> None:
+        bundle = next(scan, None)
+        if bundle is not None:
+            entry = self._entries[bundle[-1].gid]
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, i, bundle))
 
 
 class LRUPolicy(EvictionPolicy):
@@ -296,6 +338,49 @@ class ModalityLRUPolicy(EvictionPolicy):
         return -age / self.cfg.modalities[modality].priority
 
 
+class BimodalLRUPolicy(EvictionPolicy):
+    """Thrash-resistant LRU: bimodal insertion (BIP, Qureshi et al., ISCA 2007) over prefix
+    chains. Rule: a group that has been reused (``group.hits > 0``: a later lookup found it)
+    or was admitted is ordered by recency like LRU; a new, unadmitted group is filed at the LRU
+    end (it goes before every admitted or reused group, LRU among its kind). Admission is decided
+    once per new chain: the first new group below cached content is admitted when its key's
+    digest falls in ``1 / admit_every`` of the hash space (deterministic, pseudo-random), and
+    new groups chained to a new parent inherit its decision, so a request's new blocks stay
+    together. When reuse distances exceed the cache (most blocks of production prefix traces
+    are first references, reused, if at all, long after), LRU keeps only the newest content and
+    loses it before its reuse; bimodal insertion keeps a stable fraction of chains resident
+    until they are reused, and anything reused becomes LRU-ordered."""
+
+    name = "bimodal_lru"
+    admit_every = 4
+    _UNADMITTED = float(1 << 52)
+
+    def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
+        super().__init__(cfg, clock)
+        self._admitted: dict[int, bool] = {}
+
+    def on_insert(self, group: ModalityGroup) -> None:
+        parent = group.parent
+        if parent is not None and parent.hits == 0 and parent.gid in self._admitted:
+            admit = self._admitted[parent.gid]
+        elif group.key is None:
+            admit = True
+        else:
+            admit = group.key.digest[0] % self.admit_every == 0
+        self._admitted[group.gid] = admit
+        super().on_insert(group)
+
+    def on_remove(self, group: ModalityGroup) -> None:
+        super().on_remove(group)
+        self._admitted.pop(group.gid, None)
+
+    def _key(self, entry: _Entry) -> float:
+        g = entry.group
+        if g.hits > 0 or self._admitted.get(g.gid, True):
+            return float(self.tick)
+        return float(self.tick) - self._UNADMITTED
+
+
 class CostAwarePolicy(EvictionPolicy):
     """Greedy-dual-size-frequency. A group's priority at its latest touch is
     ``H = L[tier] + freq * recompute_cost / nbytes``, where ``freq`` counts its insert and
@@ -323,6 +408,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "lru": LRUPolicy,
     "modality_lru": ModalityLRUPolicy,
     "cost_aware": CostAwarePolicy,
+    "bimodal_lru": BimodalLRUPolicy,
 }
 
 

@@ -4,8 +4,8 @@ A prefix-dependent key chains its parent's digest, which cannot be read back fro
 ``Lineage`` remembers, for keys this cache derived, the key they chain: ``content_key(...,
 parent=P)`` notes ``key -> P``, and ``prefix_key(seq)`` notes ``chain key -> the key of the
 sequence's last shared group``. When a group is stored, ``parent_of`` follows those notes to the
-nearest stored group. The notes are bounded (oldest dropped first): a lost note costs eviction
-order, never correctness.
+nearest stored group. The notes are bounded (least recently used dropped first): a lost note
+costs eviction order, never correctness.
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ class Lineage:
 
     def parent_of(self, key: ContentKey, groups: Mapping[ContentKey, ModalityGroup]
                   ) -> ModalityGroup | None:
-        """The stored group ``key`` chains (through chain keys), or ``None``."""
-        up = self._up.pop(key, None)
+        """The stored group ``key`` chains (through chain keys), or ``None``. The note stays
+        (refreshed), so a group evicted and stored again keeps its parent."""
+        up = self._up.get(key)
+        if up is not None:
+            self._up.move_to_end(key)
         for _ in range(MAX_HOPS):
             if up is None:
                 return None
