@@ -58,6 +58,7 @@ class _Entry:
     parent: int | None = None                # gid of the parent group (prefix chains)
     kids: list[int] = field(default_factory=lambda: [0] * len(Tier))   # children per tier
     children: set[int] = field(default_factory=set)                    # their gids
+    parked: bool = False                     # out of its heap while a same-pool child holds it
 
     def kids_at_or_above(self, tier: Tier) -> int:
         """Children in ``tier`` or a faster one: they need this group to stay."""
@@ -160,7 +161,8 @@ class EvictionPolicy:
                     out.append(group)
                     if modality is None or group.modality == modality:
                         got += group.nbytes
-                    self._unblock(self._entries[group.gid].parent, tier, taken, blocked, merge)
+                    self._unblock(self._entries[group.gid].parent, tier, modality, now, taken,
+                                  blocked, merge)
         finally:
             for hkey, item in held:
                 heapq.heappush(self._heaps.setdefault(hkey, []), item)
@@ -200,21 +202,31 @@ class EvictionPolicy:
             parent.kids[old] -= 1
         if new is not None:
             parent.kids[new] += 1
+        if parent.parked and old is not None:
+            self._file(parent, parent.key)      # a child left: scan the parent again
 
-    def _unblock(self, gid: int | None, tier: Tier, taken: dict[int, int],
-                 blocked: dict[int, _Entry], merge: list) -> None:
-        """A child of ``gid`` was chosen: if that frees its (scanned, held-back) parent, the
-        parent becomes a candidate at its own rank."""
+    def _unblock(self, gid: int | None, tier: Tier, modality: str | None, now: float,
+                 taken: dict[int, int], blocked: dict[int, _Entry], merge: list) -> None:
+        """A child of ``gid`` was chosen: if that frees its held-back parent (scanned in this
+        call, or parked by an earlier one), the parent becomes a candidate at its own rank."""
         if gid is None:
             return
         taken[gid] = taken.get(gid, 0) + 1
         entry = blocked.get(gid)
+        if entry is None:
+            parked = self._entries.get(gid)
+            if (parked is not None and parked.parked and parked.tier == tier
+                    and parked.group.tier == tier
+                    and modality in (None, parked.group.modality)
+                    and self._evictable(parked.group, now)):
+                entry = blocked[gid] = parked
         if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
             del blocked[gid]
             heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, -1,
                                    [entry.group]))
 
     def _file(self, entry: _Entry, key: float) -> None:
+        entry.parked = False
         entry.key = key
         entry.seq = next(self._seq)
         self._count_kid(entry, entry.tier, entry.group.tier)
@@ -257,7 +269,8 @@ class EvictionPolicy:
         """Evictable groups of one heap in key order, each as a bundle: the group alone, or,
         when only cached children of other modalities (other pools, which this scan never
         reaches) hold it back and they can all go, its subtree leaves first, then the group.
-        Popped items are kept in ``held``; groups held back by children go to ``blocked``."""
+        Popped items are kept in ``held``; groups held back by children go to ``blocked`` (and,
+        when a child in the same pool holds them, are parked out of the heap)."""
         hkey = (tier, modality)
         heap = self._heaps.get(hkey, [])
         while heap:
@@ -270,17 +283,32 @@ class EvictionPolicy:
                 self._items -= 1
                 self._resync(entry)
                 continue
-            held.append((hkey, item))
             if not self._evictable(entry.group, now):
+                held.append((hkey, item))
                 continue
             if entry.kids_at_or_above(tier) <= taken.get(entry.group.gid, 0):
+                held.append((hkey, item))
                 yield [entry.group]
                 continue
+            blocked[entry.group.gid] = entry
+            if self._same_pool_child(entry, tier):
+                # park it: out of the heap until a child leaves (``_count_kid`` re-files it),
+                # so long chains are not rescanned parent by parent at every call
+                entry.parked = True
+                self._items -= 1
+                continue
+            held.append((hkey, item))
             sub = self._subtree(entry, tier, now)
-            if sub is None:
-                blocked[entry.group.gid] = entry
-            else:
+            if sub is not None:
+                del blocked[entry.group.gid]
                 yield sub
+
+    def _same_pool_child(self, entry: _Entry, tier: Tier) -> bool:
+        for gid in entry.children:
+            c = self._entries.get(gid)
+            if c is not None and c.tier <= tier and c.group.modality == entry.group.modality:
+                return True
+        return False
 
     def _subtree(self, entry: _Entry, tier: Tier, now: float) -> list[ModalityGroup] | None:
         """``entry``'s group after every cached descendant that holds it in ``tier`` (post-order:
