@@ -176,3 +176,21 @@ def test_cache_links_a_parent_named_by_prefix_key():
         del again
         cache.put(after, *kv(4))
         assert cache._groups[after].parent is cache._groups[img]
+
+
+def test_lineage_notes_are_bounded_and_hop_through_chain_keys():
+    from mmtier.lineage import Lineage
+
+    km = KeyMaker("tiny", "secret")
+    k = [km.derive(modality="text", layout=(), media=bytes([i]), tenant_salt=b"t" * 16) for i in range(5)]
+    stored = ModalityGroup(1, k[0], CFG.modalities["text"], 4)
+    lin = Lineage(max_notes=3)
+    lin.note(k[1], k[0])                     # k1 chains the stored k0
+    lin.note(k[2], k[1])                     # k2 chains k1 (a chain key, never stored)
+    assert lin.parent_of(k[2], {k[0]: stored}) is stored
+    assert lin.parent_of(k[3], {k[0]: stored}) is None
+    lin.note(k[3], k[0])
+    lin.note(k[4], k[0])                     # the least recently used note (k1) is dropped
+    assert len(lin) == 3
+    assert lin.parent_of(k[2], {k[0]: stored}) is None
+    assert lin.parent_of(k[4], {k[0]: stored}) is stored
