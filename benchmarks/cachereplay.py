@@ -54,6 +54,7 @@ class ReplayResult:
     puts: int = 0
     evictions: int = 0
     overflow: int = 0                    # requests whose chain did not fit (CapacityError)
+    last_error: str = ""
     wall_s: float = 0.0
 
     @property
@@ -163,9 +164,7 @@ def replay(trace: ChainTrace, policy: str, pages: dict[str, int], costs: dict[st
     oracle = _NextUse(run) if policy == "belady" else None
     biggest = max(it.tokens for it in run.items.values())
     k = torch.randn(1, biggest, 1, 1)
-    with TieredKVCache(cfg) as cache:
-        if oracle is not None:
-            cache.policy = BeladyPolicy(cfg, oracle, clock=cache.policy.clock)
+    with TieredKVCache(cfg, BeladyPolicy(cfg, oracle) if oracle is not None else None) as cache:
         keys: dict[int, object] = {}
 
         def key_of(uid: int):
@@ -194,20 +193,22 @@ def replay(trace: ChainTrace, policy: str, pages: dict[str, int], costs: dict[st
             seq = cache.create_sequence(tenant=TENANT)
             present: dict[int, bool] = {}
             try:
-                for uid in r.chain:
-                    key = key_of(uid)
-                    present[uid] = cache.contains(key)
-                    if not present[uid]:
-                        store(uid, key)
-                    cache.attach(seq, key)
-                cache.release(seq)
+                try:
+                    for uid in r.chain:
+                        key = key_of(uid)
+                        present[uid] = cache.contains(key)
+                        if not present[uid]:
+                            store(uid, key)
+                        cache.attach(seq, key)
+                finally:
+                    cache.release(seq)
                 for uid in r.outputs:
                     key = key_of(uid)
                     if not cache.contains(key):
                         store(uid, key)
-            except CapacityError:
+            except CapacityError as exc:
                 res.overflow += 1
-                cache.release(seq)
+                res.last_error = str(exc)
             _score(trace, trace.requests[i], present, groups_of, run, costs, res)
         res.evictions = int(cache.stats().counters.get("evictions", 0))
     res.wall_s = time.perf_counter() - t0

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from mmtier.eviction import POLICIES
 
-from ._common import RESULTS, print_table, write_results
+from ._common import RESULTS, add_out_arg, print_table, write_results
 from .cachereplay import pool_floor, replay
 from .chains import ChainTrace, from_plan, load_jsonl, write_jsonl
 from .heavytail import HeavyTailConfig, generate
@@ -52,10 +52,14 @@ def sample_config() -> HeavyTailConfig:
 
 
 def traces(quick: bool, jsonl: list[str], seed: int) -> list[ChainTrace]:
-    n = 150 if quick else 600
-    dialogue = from_plan(plan(generate_dialogue(WorkloadConfig(seed=seed, turns=n // 2 if quick else 300)), 16),
+    """The three traces (``quick``: a few dozen requests each, a check that it runs)."""
+    n = 40 if quick else 600
+    dialogue = from_plan(plan(generate_dialogue(WorkloadConfig(seed=seed, turns=40 if quick else 300)), 16),
                          "dialogue")
-    out = [dialogue, load_jsonl(SAMPLE, name="sample")]
+    sample = load_jsonl(SAMPLE, name="sample")
+    if quick:
+        sample.requests = sample.requests[:40]
+    out = [dialogue, sample]
     cfg = HeavyTailConfig(seed=seed, requests=n, duration_s=n * 1.8)
     with tempfile.TemporaryDirectory() as tmp:      # through the file, as a published trace
         path = write_jsonl(generate(cfg), Path(tmp) / "heavytail.jsonl")
@@ -76,7 +80,8 @@ def pages_for(trace: ChainTrace, frac: float) -> tuple[dict[str, int], float]:
     return pages, sum(pages.values()) / distinct
 
 
-def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0) -> dict:
+def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0,
+        out: Path = RESULTS) -> dict:
     t_start = time.perf_counter()
     costs = load_costs()
     names = [*POLICIES, *REFERENCE]
@@ -124,8 +129,8 @@ def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0) -> d
     fig["heavytail_lru_hit_over_belady_cap0.05"] = fig["lru_hit_over_belady__heavytail__cap0.05"]
     fig["wall_s"] = time.perf_counter() - t_start
     report(fig)
-    plot(fig, tnames, names)
-    write_results("eviction", fig)
+    plot(fig, tnames, names, out)
+    write_results("eviction", fig, out)
     return fig
 
 
@@ -137,7 +142,7 @@ def report(fig: dict) -> None:
     print_table("eviction figures", [(k, fig[k]) for k in keys])
 
 
-def plot(fig: dict, tnames: list[str], names: list[str]) -> None:
+def plot(fig: dict, tnames: list[str], names: list[str], out: Path = RESULTS) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,23 +163,24 @@ def plot(fig: dict, tnames: list[str], names: list[str]) -> None:
     axes[0][0].legend(fontsize=7)
     f.suptitle("mmtier eviction on TieredKVCache: prefix hits and recompute avoided")
     f.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    f.savefig(RESULTS / "eviction.png", dpi=100)
+    out.mkdir(parents=True, exist_ok=True)
+    f.savefig(out / "eviction.png", dpi=100)
     plt.close(f)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="short traces (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="short traces: seconds, a check that it runs")
     ap.add_argument("--jsonl", action="append", default=[], help="a prefix-hash trace to add")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write-sample", action="store_true",
                     help=f"regenerate {SAMPLE.name} from the generator and exit")
+    add_out_arg(ap)
     a = ap.parse_args(argv)
     if a.write_sample:
         write_jsonl(generate(sample_config()), SAMPLE)
-        return
-    run(a.quick, a.jsonl, a.seed)
+        return None
+    return run(a.quick, a.jsonl, a.seed, a.out)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ from .errors import (
     UnknownKeyError,
     UnknownModalityError,
 )
-from .eviction import make_policy
+from .eviction import EvictionPolicy, make_policy
 from .groups import ModalityGroup, Tier
 from .layer_writes import Reservation, write_one_layer
 from .leases import Lease, LeaseTable
@@ -61,12 +61,14 @@ DEFAULT_TENANT = "default"
 class TieredKVCache:
     """Paged, modality-aware KV cache with content-keyed sharing (see docs/design.md's contract)."""
 
-    def __init__(self, cfg: CacheConfig):
+    def __init__(self, cfg: CacheConfig, policy: EvictionPolicy | None = None):
+        """``policy``: an eviction policy instance to use instead of ``cfg.eviction_policy``'s
+        (an offline reference in a benchmark, say); it must be new (it has seen no group)."""
         self.cfg = cfg
         self.arena = DeviceArena(cfg)
         self.pools: dict[str, PagePool] = self.arena.pools
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
-        self.policy = make_policy(cfg)
+        self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
         self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}

@@ -173,12 +173,11 @@ def test_dialogue_plan_as_chains():
 def test_eviction_benchmark_end_to_end_small(tmp_path, monkeypatch):
     small = from_records(generate(HeavyTailConfig(seed=2, requests=15, duration_s=27.0)), B, "heavytail")
     monkeypatch.setattr(bench, "traces", lambda quick, jsonl, seed: [tiny_trace(), small])
-    monkeypatch.setattr(bench, "RESULTS", tmp_path)
     monkeypatch.setattr(bench, "FRACTIONS", (0.05, 0.2))
     written = {}
-    monkeypatch.setattr(bench, "write_results", lambda name, fig: written.setdefault(name, fig))
-    fig = bench.run(quick=True)
-    assert written["eviction"] is fig and (tmp_path / "eviction.png").exists()
+    monkeypatch.setattr(bench, "write_results", lambda name, fig, out: written.setdefault(name, (fig, out)))
+    fig = bench.run(quick=True, out=tmp_path)
+    assert written["eviction"] == (fig, tmp_path) and (tmp_path / "eviction.png").exists()
     for t in ("tiny", "heavytail"):
         for c in (0.05, 0.2):
             assert fig[f"hit__{t}__cap{c}__belady"] >= fig[f"hit__{t}__cap{c}__lru"] * 0.99
