@@ -58,6 +58,7 @@ class Plan:
     groups: dict[int, tuple[str, int]]           # key -> (modality, tokens), every group
     uses: dict[int, list[int]]                   # key -> reqs that look it up (sorted)
     conv_groups: dict[int, set[int]]             # conversation -> keys in its context
+    content: set[int] = field(default_factory=set)   # content-only keys (no parent)
 
     def next_use(self, key: int, now: int) -> float:
         reqs = self.uses.get(key)
@@ -79,6 +80,7 @@ def plan(trace: Trace, text_page: int = 16) -> Plan:
     groups: dict[int, tuple[str, int]] = {}
     uses: dict[int, list[int]] = defaultdict(list)
     conv_groups: dict[int, set[int]] = defaultdict(set)
+    content: set[int] = set()
     n = len(t["req"])
     i = 0
     while i < n:
@@ -100,6 +102,7 @@ def plan(trace: Trace, text_page: int = 16) -> Plan:
             elif role == "media":
                 if t["sharing"][i] == "content":
                     k = key("content", tenant, mod, media)
+                    content.add(k)
                     st["chain"] = key("after", st["chain"], k)
                 else:
                     k = key("prefix", st["chain"], mod, media)
@@ -127,7 +130,7 @@ def plan(trace: Trace, text_page: int = 16) -> Plan:
             conv_groups[conv].add(k)
         turns.append(Turn(req, conv, [(k, *groups[k]) for k in lookups], prefill,
                           total - prefill, seal_key, sealed))
-    return Plan(turns, groups, dict(uses), dict(conv_groups))
+    return Plan(turns, groups, dict(uses), dict(conv_groups), content)
 
 
 # ---------------------------------------------------------------------------------- stats

@@ -34,10 +34,11 @@ from .errors import (
     UnknownKeyError,
     UnknownModalityError,
 )
-from .eviction import make_policy
+from .eviction import EvictionPolicy, make_policy
 from .groups import ModalityGroup, Tier
 from .layer_writes import Reservation, write_one_layer
 from .leases import Lease, LeaseTable
+from .lineage import Lineage
 from .locking import OwnerLock
 from .payload import (
     check_kv,
@@ -60,12 +61,14 @@ DEFAULT_TENANT = "default"
 class TieredKVCache:
     """Paged, modality-aware KV cache with content-keyed sharing (see docs/design.md's contract)."""
 
-    def __init__(self, cfg: CacheConfig):
+    def __init__(self, cfg: CacheConfig, policy: EvictionPolicy | None = None):
+        """``policy``: an eviction policy instance to use instead of ``cfg.eviction_policy``'s
+        (an offline reference in a benchmark, say); it must be new (it has seen no group)."""
         self.cfg = cfg
         self.arena = DeviceArena(cfg)
         self.pools: dict[str, PagePool] = self.arena.pools
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
-        self.policy = make_policy(cfg)
+        self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
         self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}
@@ -74,6 +77,7 @@ class TieredKVCache:
         self._seq_ids = itertools.count(1)
         self._closed = False
         self.leases = LeaseTable(ttl=30.0, clock=self.policy.clock)
+        self.lineage = Lineage()
         self.lower = LowerTiers(cfg, self.keys, self.counters, self.policy, owner=self)
         self.room = Room(self._lock, self.policy, self.lower, self._live_groups, self._drop)
         for group in self.lower.adopt_disk_inventory(self._groups, lambda: next(self._gids)):
@@ -103,17 +107,25 @@ class TieredKVCache:
         spec = self.cfg.spec(modality)
         if not isinstance(media, (bytes, bytearray, memoryview)):
             raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
-        return self.keys.derive(
+        key = self.keys.derive(
             modality=modality, layout=spec.layout_fields(), media=media_digest(media, params),
             tenant_salt=self._salt(tenant), parent=parent)
+        if parent is not None:
+            with self._lock:
+                self.lineage.note(key, parent)
+        return key
 
     def prefix_key(self, seq: SequenceHandle) -> ContentKey:
         """A key naming everything ``seq`` holds so far; pass it as ``parent=`` to chain."""
         with self._lock:
             table = self._table(seq)
             modality = table.tail.group.modality if table.tail else next(iter(self.cfg.modalities))
-            return self.keys.chain(modality=modality, chain_digest=table.chain,
-                                   tenant_salt=self._salt(seq.tenant))
+            key = self.keys.chain(modality=modality, chain_digest=table.chain,
+                                  tenant_salt=self._salt(seq.tenant))
+            last = next((s.group.key for s in reversed(table.segments) if s.group.key is not None), None)
+            if last is not None:
+                self.lineage.note(key, last)
+            return key
 
     def _check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec:
         self.keys.verify(key)
@@ -300,7 +312,8 @@ class TieredKVCache:
             del self._seqs[seq.id]
 
     def _insert_group(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int]) -> ModalityGroup:
-        group = ModalityGroup(next(self._gids), key, spec, n, pages=pages)
+        group = ModalityGroup(next(self._gids), key, spec, n, pages=pages,
+                              parent=self.lineage.parent_of(key, self._groups))
         self._groups[key] = group
         self.policy.on_insert(group)
         self.counters.add("puts", key.modality)

@@ -40,6 +40,7 @@ class ModalityGroup:
     busy: int = 0                                    # copies in flight from or to its pages
     freed: bool = False                              # gone from the cache; its storage goes
                                                      # when the last pin is dropped
+    parent: ModalityGroup | None = None              # the group its key chains (prefix-dependent)
 
     @property
     def modality(self) -> str:

@@ -109,7 +109,7 @@ class Room:
                 break
             if g not in protect:
                 chosen.append(g)
-                got += len(g.pages)
+                got += len(g.pages) if g.modality == spec.name else 0   # a child in another pool
         if got < pages_needed and referenced and self.lower.enabled:
             held = sorted((g for g in self.live_groups()
                            if g.tier == Tier.DEVICE and g.modality == spec.name
