@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
@@ -56,6 +57,19 @@ from .stats import CacheStats, Counters, TierUsage
 from .table import Segment, SequenceHandle, SequenceTable, compile_batch, compile_segments
 
 DEFAULT_TENANT = "default"
+
+
+@dataclass(eq=False)
+class _Growth:
+    """Pages allocated for ``n`` tokens at a sequence's end, not yet recorded (``_grow``)."""
+
+    table: SequenceTable
+    group: ModalityGroup | None         # the tail run they extend; None: a new run
+    pool: PagePool
+    pages: list[int]                    # the new pages
+    n: int
+    page_ids: torch.Tensor              # int32 slot mapping of the n tokens (host)
+    offsets: torch.Tensor
 
 
 class TieredKVCache:
@@ -170,19 +184,23 @@ class TieredKVCache:
         if tokens is not None and len(tokens) != n:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
         identity = token_identity(modality, k, v, tokens)
-        pool = self.pools[modality]
         with self._lock:
             self.lower.apply_completions()
-            group, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity)
-            self._write(pool, k, v, page_ids, offsets)
+            growth = self._grow(self._table(seq), modality, spec, n)
+            try:
+                self._write(growth.pool, k, v, growth.page_ids, growth.offsets)
+            except BaseException:
+                growth.pool.free(growth.pages)
+                raise
+            self._commit_growth(growth, identity)
 
-    def _grow(self, table: SequenceTable, modality: str, spec: ModalitySpec, n: int, identity: bytes,
-              new_run: bool = False):
-        """``n`` more tokens at the end of ``table``'s sequence: the device tail run extended
-        (unless ``new_run``, or another thread is moving it down: its staged copy would miss the
-        new tokens), or a new run. Returns ``(group, pool, page ids, slot offsets)`` of the new
-        tokens, int32 on the host (lock held; making room may let go of it, so the plan is made
-        again after each wait)."""
+    def _grow(self, table: SequenceTable, modality: str, spec: ModalitySpec, n: int,
+              new_run: bool = False) -> _Growth:
+        """Pages for ``n`` more tokens at the end of ``table``'s sequence: the device tail run
+        extended (unless ``new_run``, or another thread is moving it down: its staged copy would
+        miss the new tokens), or a new run. Nothing is recorded until ``_commit_growth``: a write
+        that fails in between gives the new pages back and leaves the sequence as it was (lock
+        held; making room may let go of it, so the plan is made again after each wait)."""
         pool = self.pools[modality]
         seq = table.handle
         deadline = time.monotonic() + ROOM_WAIT_S
@@ -199,23 +217,23 @@ class TieredKVCache:
                 break
             self._make_room(pool, new_pages - pool.num_free, [tail.group] if extend else [], deadline=deadline)
         pages = pool.allocate(new_pages)
-        if extend:
-            group = tail.group
-            all_pages = group.pages + pages
-        else:
-            group = ModalityGroup(next(self._gids), None, spec, 0, pages=pages, refs=1)
-            all_pages = pages
+        all_pages = (tail.group.pages + pages) if extend else pages
         page_ids, offsets = slot_mapping(all_pages, have, n, spec.page_size)
-        if extend:
-            group.pages = all_pages
-            group.num_tokens += n
-            table.extend_chain(identity)
+        return _Growth(table, tail.group if extend else None, pool, pages, n, page_ids, offsets)
+
+    def _commit_growth(self, g: _Growth, identity: bytes) -> ModalityGroup:
+        """Record a growth whose tokens are (or will be) written: the run and the prefix chain."""
+        if g.group is not None:
+            group = g.group
+            group.pages = group.pages + g.pages
+            group.num_tokens += g.n
+            g.table.extend_chain(identity)
         else:
-            group.num_tokens = n
-            table.add(group, identity)
+            group = ModalityGroup(next(self._gids), None, g.pool.spec, g.n, pages=g.pages, refs=1)
+            g.table.add(group, identity)
             self.policy.on_insert(group)
-        self.counters.add("appended_tokens", modality, n)
-        return group, pool, page_ids, offsets
+        self.counters.add("appended_tokens", group.modality, g.n)
+        return group
 
     # ------------------------------------------------------------------ shared groups
     def contains(self, key: ContentKey) -> bool:
@@ -256,7 +274,11 @@ class TieredKVCache:
             if key in self._groups:          # put by another thread while room was made
                 pool.free(pages)
                 return False
-            write(pool, pages)
+            try:
+                write(pool, pages)
+            except BaseException:            # nothing recorded: the call changes nothing
+                pool.free(pages)
+                raise
             self._insert_group(key, spec, n, pages)
             return True
 
@@ -493,10 +515,10 @@ class TieredKVCache:
             b"unique:" + os.urandom(16)
         with self._lock:
             self.lower.apply_completions()
-            group, pool, page_ids, offsets = self._grow(self._table(seq), modality, spec, n, identity,
-                                                        new_run)
+            growth = self._grow(self._table(seq), modality, spec, n, new_run)
+            group = self._commit_growth(growth, identity)
             group.pins += 1
-            return Reservation(group, pool, page_ids, offsets, n)
+            return Reservation(group, growth.pool, growth.page_ids, growth.offsets, n)
 
     def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""

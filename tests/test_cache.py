@@ -447,3 +447,37 @@ def test_attention_on_cuda_makes_no_host_sync(backend):
         k, v, kpos = ref.gathered(0)
         expect, _ = oracle_attention(q.cpu(), torch.arange(239, 242), k, v, kpos)
         assert rel_err(out.cpu(), expect) < 1e-5 and rel_err(out2.cpu(), expect) < 1e-5
+
+
+def test_a_write_that_fails_midway_changes_nothing(backend, monkeypatch):
+    """A kernel launch that raises during ``append`` or ``put`` (a device fault, an interpreter
+    error) leaves pages, the sequence and the index as they were; the next call works."""
+    import mmtier.payload as payload
+
+    with TieredKVCache(make_cfg(backend)) as cache:
+        seq = cache.create_sequence(tenant="acme")
+        k0, v0 = kv(10)
+        cache.append(seq, "text", k0, v0)
+        used = {m: p.num_used for m, p in cache.pools.items()}
+        before = (cache.sequence(seq).length, cache.prefix_key(seq))
+        real = payload.write_kv
+
+        def broken(*a, **kw):
+            raise RuntimeError("injected launch failure")
+
+        monkeypatch.setattr(payload, "write_kv", broken)
+        key = cache.content_key("vision", b"img", tenant="acme")
+        with pytest.raises(RuntimeError):
+            cache.append(seq, "text", *kv(30))          # extends the run and needs a new page
+        with pytest.raises(RuntimeError):
+            cache.put(key, *kv(70))                      # the partial last page fails
+        assert {m: p.num_used for m, p in cache.pools.items()} == used
+        assert (cache.sequence(seq).length, cache.prefix_key(seq)) == before
+        assert not cache.contains(key)
+        monkeypatch.setattr(payload, "write_kv", real)
+        k1, v1 = kv(30)
+        cache.append(seq, "text", k1, v1)
+        q = torch.randn(1, 4, D)
+        k, v = torch.cat([k0, k1], 1), torch.cat([v0, v1], 1)
+        expect, _ = oracle_attention(q, torch.tensor([39]), k[1], v[1], torch.arange(40))
+        assert rel_err(cache.attention(seq, 1, q), expect) < 1e-5

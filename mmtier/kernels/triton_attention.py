@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
+from .launch import launch_guard
 from .layout import INDEX_DTYPE, PagedKV, check_queries, upload_ints
 from .triton_merge import merge_partials
 
@@ -385,18 +386,19 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
     dot_f32 = not on_gpu and torch.bfloat16 in (kv.dtype, q.dtype)
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
     extra = {"num_warps": 4, "num_stages": 2} if on_gpu else {}
-    _kernel[grid](
-        q, q_indptr, q_pos,
-        kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
-        plan.work_b, plan.work_qb,
-        out, lse,
-        op.layer, op_plan.pages_per_split, op_plan.part_base, scale * LOG2E,
-        *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
-        G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
-        BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
-        SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision,
-        DOT_F32=dot_f32, **extra,
-    )
+    with launch_guard(kv.device.type):
+        _kernel[grid](
+            q, q_indptr, q_pos,
+            kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
+            plan.work_b, plan.work_qb,
+            out, lse,
+            op.layer, op_plan.pages_per_split, op_plan.part_base, scale * LOG2E,
+            *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
+            G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
+            BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
+            SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision,
+            DOT_F32=dot_f32, **extra,
+        )
 
 
 def paged_attention_triton(

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
+from .launch import launch_guard
 
 
 @triton.jit(do_not_specialize=["n_parts", "n_rows", "num_heads"])
@@ -98,11 +99,12 @@ def merge_partials(parts: torch.Tensor, lses: torch.Tensor, out: torch.Tensor,
             block_r //= 2
     extra = {"num_warps": 4} if parts.device.type == "cuda" else {}
     grid = (triton.cdiv(n_rows, block_r),)
-    _kernel[grid](
-        parts, lses, out, lse, n, n_rows, num_heads,
-        *parts.stride(), *lses.stride(), *out.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_P=block_p, **extra,
-    )
+    with launch_guard(parts.device.type):
+        _kernel[grid](
+            parts, lses, out, lse, n, n_rows, num_heads,
+            *parts.stride(), *lses.stride(), *out.stride(), *lse.stride(),
+            HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_R=block_r, BLOCK_P=block_p, **extra,
+        )
 
 
 def merge_attention_states_triton(

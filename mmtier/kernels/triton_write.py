@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
+from .launch import launch_guard
 from .layout import INDEX_DTYPE, upload_ints
 
 
@@ -104,8 +105,9 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids
     block_t = max(1, min(16, 4096 // hd_pad))
     extra = {"num_warps": 4} if kv.device.type == "cuda" else {}
     grid = (triton.cdiv(n, block_t), num_layers)
-    _kernel[grid](
-        kv, k, v, page_ids, offsets, n,
-        *kv.stride(), *k.stride(), *v.stride(),
-        HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad, HD_PAD=hd_pad, BLOCK_T=block_t, **extra,
-    )
+    with launch_guard(kv.device.type):
+        _kernel[grid](
+            kv, k, v, page_ids, offsets, n,
+            *kv.stride(), *k.stride(), *v.stride(),
+            HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad, HD_PAD=hd_pad, BLOCK_T=block_t, **extra,
+        )
