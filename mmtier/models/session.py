@@ -60,6 +60,9 @@ class CachedSession:
         items = self.model.validate(prompt, max_new_tokens)     # nothing touched on bad input
         if self._pending is not None:
             items.insert(0, Text([self._pending]))
+        begin = getattr(self.cache, "begin_turn", None)     # an embedded pool: turn boundaries
+        if begin is not None:
+            begin(self._shared_keys(items), calls_left=self._calls(items, max_new_tokens))
         try:
             last = None
             for i, item in enumerate(items):
@@ -71,8 +74,27 @@ class CachedSession:
         except BaseException:
             self._state = "broken (a turn failed half-way; close it)"
             raise
+        finally:
+            if begin is not None:
+                self.cache.end_turn()
         self._pending = tokens[-1] if tokens else None
         return tokens
+
+    def _shared_keys(self, items: Sequence[Item]) -> list[ContentKey]:
+        """The content-only keys of the turn's media (cross-attention K/V, encoder outputs): what
+        another conversation anywhere may already hold."""
+        keys = []
+        for item in items:
+            if isinstance(item, Media):
+                m, params = item.modality, self.model.encoders[item.modality].params
+                keys += [self.cache.content_key(cross_modality(m), item.data, tenant=self.tenant, params=params),
+                         self.cache.content_key(embed_modality(m), item.data, tenant=self.tenant, params=params)]
+        return keys
+
+    def _calls(self, items: Sequence[Item], max_new_tokens: int) -> int:
+        """Attention calls the turn will make (one per layer per chunk or step): the cost
+        model's weight of attending a group where it lives instead of fetching it."""
+        return (len(items) + max_new_tokens) * self.dec.dims.num_layers
 
     def close(self) -> None:
         if self._state == "closed":
