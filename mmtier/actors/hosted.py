@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +39,11 @@ from .launch import STORE_PREFIX, store_name
 
 LINK_BYTES_PER_S = 1e9        # the cost model's node-to-node rate (object store transfer)
 CALL_S = 1e-3                 # and its cost of one remote partial-attention call
+
+
+class Offloaded(NamedTuple):
+    groups: int
+    nbytes: int
 
 
 class HostedCache:
@@ -143,13 +149,16 @@ class HostedCache:
             self.transport.publish(self.host.name, self._publish, self._removed, self.host.ping())
             self._publish, self._removed = [], []
 
-    def offload(self, keys: Iterable[ContentKey]) -> int:
+    def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
         """Hand unreferenced groups to this node's store and free them here (turn-boundary
-        traffic: one call per group); returns how many moved."""
+        traffic: one call per group)."""
         store = store_name(self.host.node)
-        moved = 0
+        moved = nbytes = 0
         for key in keys:
-            if not self.cache.contains(key):
+            with self.cache._lock:
+                group = self.cache._groups.get(key)
+                size = 0 if group is None or not group.evictable else group.nbytes
+            if not size:
                 continue
             meta, box = self.host.export(key.to_wire())
             item, _evicted = self.transport.offload(store, key.to_wire(), meta, box)
@@ -157,7 +166,8 @@ class HostedCache:
             dropped = self.host.drop([key.to_wire()])
             self._removed += dropped
             moved += len(dropped)
-        return moved
+            nbytes += size if dropped else 0
+        return Offloaded(moved, nbytes)
 
     def turn_stats(self) -> dict[str, int]:
         """The plan and traffic so far: ``plan_*``, ``fetched``, ``fetch_failed``, and Ray calls."""

@@ -59,11 +59,11 @@ class ReferenceEngine(PoolHost):
         self._session(sid).close()
         del self._sessions[sid]
 
-    def spill(self, wires: list[dict]) -> int:
-        """Hand these groups to the node store (the demo's pressure valve); how many moved."""
+    def spill(self, wires: list[dict]) -> tuple[int, int]:
+        """Hand these groups to the node store (the demo's pressure valve): ``(groups, bytes)``."""
         from ..content import ContentKey
 
-        return self.local.offload(ContentKey.from_wire(w) for w in wires)
+        return tuple(self.local.offload(ContentKey.from_wire(w) for w in wires))
 
     def _session(self, sid: int):
         s = self._sessions.get(sid)
