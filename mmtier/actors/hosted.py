@@ -6,10 +6,10 @@ in this process, on this device, with no Ray call. What is shared with the clust
 boundaries only:
 
 - ``begin_turn(keys)`` (at admission, with the content-only keys of every media item of the
-  turn): the keys not held here go to the registry in **one** batched lookup; each one held
-  elsewhere is planned (``placement.transfer_plan``) and, planned ``"fetch"``, pulled whole with
-  **one** call to its holder, started now and left running in the background while the turn
-  encodes and prefills what it has;
+  turn): the keys not held here go to the registry in **one** batched lookup, sent at once and
+  read when the turn first lacks a key; each one held elsewhere is planned
+  (``placement.transfer_plan``) and, planned ``"fetch"``, pulled whole with **one** call to its
+  holder, left running in the background while the turn encodes and prefills what it has;
 - ``contains(key)`` answers from this pool; a key being fetched lands first (its pages are
   imported into the pool: a hit), so the model sees a fetched group exactly as a local one;
 - ``end_turn()`` lands what is still in flight and publishes, in **one** fire-and-forget call,
@@ -58,6 +58,8 @@ class HostedCache:
         self._incoming: dict[ContentKey, tuple[str, object]] = {}
         self._publish: list[dict] = []
         self._removed: list[str] = []
+        self._asked: tuple[list[ContentKey], object, int] | None = None   # the turn's lookup, in flight
+        self.plan: dict[str, str] = {}        # this turn: digest -> "local" | "fetch" | "remote" | "miss"
 
     # ------------------------------------------------------------------ local, no Ray call
     def content_key(self, *args, **kw) -> ContentKey:
@@ -98,6 +100,7 @@ class HostedCache:
         """Held here, or fetched for this turn (then it lands now)."""
         if self.cache.contains(key):
             return True
+        self._resolve()
         pending = self._incoming.pop(key, None)
         return pending is not None and self._land(key, pending)
 
@@ -112,35 +115,21 @@ class HostedCache:
         return item is not None
 
     # ------------------------------------------------------------------ turn boundaries
-    def begin_turn(self, keys: Iterable[ContentKey], calls_left: int = 0) -> dict[str, str]:
-        """At admission: one lookup for the keys not held here; a fetch started per group
-        planned ``"fetch"``. Returns the plan, ``digest -> "local" | "fetch" | "remote" | "miss"``."""
-        plan: dict[str, str] = {}
-        missing = []
-        for k in dict.fromkeys(keys):
-            if self.cache.contains(k) or k in self._incoming:
-                plan[k.hex] = "local" if k not in self._incoming else "fetch"
-            else:
-                missing.append(k)
-        if not missing:
-            return plan
-        for k, loc in zip(missing, self.transport.lookup([k.hex for k in missing])):
-            holders = [] if loc is None else [h for h, _tier in loc.holders if h != self.host.name]
-            if not holders:
-                plan[k.hex] = "miss"
-                continue
-            pool = self.cache.pools[k.modality]
-            choice = placement.transfer_plan(loc.nbytes, pool.num_pages * pool.spec.page_bytes, calls_left,
-                                             link_bytes_per_s=LINK_BYTES_PER_S, call_s=CALL_S)
-            plan[k.hex] = choice
-            self.counters[f"plan_{choice}"] += 1
-            if choice == "fetch":
-                holder = self._nearest(holders)
-                self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
-        return plan
+    def begin_turn(self, keys: Iterable[ContentKey], calls_left: int = 0) -> None:
+        """At admission: one lookup, sent now, for the keys not held here. Its answer is read
+        when the turn first needs a key it does not hold (or at ``end_turn``), so it overlaps
+        the turn's first chunks; each group then planned ``"fetch"`` starts its pull."""
+        self._resolve()                                   # a turn that never ended: finish it
+        keys = list(dict.fromkeys(keys))
+        held = self.host.holds([k.to_wire() for k in keys]) if keys else []
+        missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
+        self.plan = {k.hex: "local" for k, h in zip(keys, held) if h}
+        if missing:
+            self._asked = (missing, self.transport.lookup_async([k.hex for k in missing]), calls_left)
 
     def end_turn(self) -> None:
         """Land the fetches still in flight; publish this turn's changes in one call."""
+        self._resolve()
         for key, pending in list(self._incoming.items()):
             self._incoming.pop(key, None)
             self._land(key, pending)
@@ -148,6 +137,26 @@ class HostedCache:
         if self._publish or self._removed:
             self.transport.publish(self.host.name, self._publish, self._removed, self.host.ping())
             self._publish, self._removed = [], []
+
+    def _resolve(self) -> None:
+        """Read the turn's lookup (once) and start a fetch per group planned ``"fetch"``."""
+        if self._asked is None:
+            return
+        missing, ref, calls_left = self._asked
+        self._asked = None
+        for k, loc in zip(missing, self.transport.wait(ref, len(missing))):
+            holders = [] if loc is None else [h for h, _tier in loc.holders if h != self.host.name]
+            if not holders:
+                self.plan[k.hex] = "miss"
+                continue
+            pool = self.cache.pools[k.modality]
+            choice = placement.transfer_plan(loc.nbytes, pool.num_pages * pool.spec.page_bytes, calls_left,
+                                             link_bytes_per_s=LINK_BYTES_PER_S, call_s=CALL_S)
+            self.plan[k.hex] = choice
+            self.counters[f"plan_{choice}"] += 1
+            if choice == "fetch":
+                holder = self._nearest(holders)
+                self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
 
     def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
         """Hand unreferenced groups to this node's store and free them here (turn-boundary

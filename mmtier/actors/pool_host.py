@@ -63,10 +63,20 @@ class RayTransport:
         self.calls["announce"] += 1
         self.registry.sync_holder.remote(info, inventory)
 
-    def lookup(self, digests: list[str]) -> list[Location | None]:
-        """One batched registry lookup."""
+    def lookup_async(self, digests: list[str]):
+        """One batched registry lookup, sent now; ``wait`` reads its answer."""
         self.calls["lookup"] += 1
-        return ray.get(self.registry.lookup.remote(digests), timeout=self.settings.call_timeout_s)
+        return self.registry.lookup.remote(digests)
+
+    def wait(self, ref, n: int) -> list[Location | None]:
+        """The lookup's answer; all misses when the registry did not answer in time (the
+        turn recomputes what it lacks rather than fail)."""
+        try:
+            return ray.get(ref, timeout=self.settings.call_timeout_s)
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
+                ray.exceptions.ActorUnavailableError):
+            self.calls["lookup_failed"] += 1
+            return [None] * n
 
     def fetch(self, holder: str, wire: dict[str, str]):
         """Start pulling a whole group from ``holder``: ``(meta ref, buffer ref)``; nothing waits."""
