@@ -4,6 +4,8 @@ unwritten slots and unlisted pages NaN (``make_case``), across operands of diffe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,3 +65,34 @@ def test_large_or_batched_cases_take_the_general_path(taken):
     two = make_case([Item([Seg(0, 40)], [39]), Item([Seg(0, 20)], [19])], seed=4)
     run_and_check(two)
     assert taken["small"] == 0
+
+
+def test_pools_of_one_arena_are_gathered_together(taken):
+    """Two pools carved from one storage (as the cache's arena is): the one-gather path over
+    both equals the oracle, at every layer."""
+    a = make_case([Item([Seg(0, 130), Seg(130, 20, "scatter")], [300])], size=16, hkv=2, group=2, seed=5)
+    b = make_case([Item([Seg(150, 100, "scatter"), Seg(250, 51)], [300])], size=8, hkv=2, group=2, seed=6)
+    row = a.op.num_kv_heads * a.op.head_dim
+    arena = torch.full((a.op.kv.numel() + 3 * row + b.op.kv.numel(),), float("nan"))
+    kv_a = arena[:a.op.kv.numel()].view(a.op.kv.shape)
+    kv_b = arena[a.op.kv.numel() + 3 * row:].view(b.op.kv.shape)     # a gap of three token rows
+    kv_a.copy_(a.op.kv)
+    kv_b.copy_(b.op.kv)
+    for layer in range(a.op.kv.shape[1]):
+        ops = [dataclasses.replace(a.op, kv=kv_a, layer=layer), dataclasses.replace(b.op, kv=kv_b, layer=layer)]
+        out, lse = paged_attention(a.q, a.q_indptr, a.q_pos, ops, causal=True, backend="torch",
+                                   out_dtype=torch.float32)
+        ks, vs, ps = [], [], []
+        for case, op in ((a, ops[0]), (b, ops[1])):
+            pages = op.page_ids.tolist()
+            ptr = op.seg_page_indptr.tolist()
+            for i, s in enumerate(case.items[0].segments):
+                kv = op.kv[pages[ptr[i]:ptr[i + 1]], layer]
+                ks.append(kv[:, 0].flatten(0, 1)[:s.length])
+                vs.append(kv[:, 1].flatten(0, 1)[:s.length])
+                ps.append(torch.arange(s.start, s.start + s.length))
+        ref_out, ref_lse = oracle_attention(a.q, a.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+        assert rel_err(out, ref_out) <= OUT_TOL
+        assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
+    assert taken["small"] == a.op.kv.shape[1]
+    assert small._slots([ops[0], ops[1]], torch.device("cpu")).rows is not None

@@ -193,7 +193,7 @@ class CachedSession:
         local_mask = self.dec.causal_mask(n, 0)
 
         def self_attn(layer, q, k, v):
-            out, lse = attend(q, k, v, local_mask)
+            out, lse = _attend_one(q, k, v) if n == 1 else attend(q, k, v, local_mask)
             if start == 0:
                 return out
             p_out, p_lse = self.cache.attention_state(self.seq, layer, q, q_positions=positions)
@@ -215,8 +215,17 @@ class CachedSession:
     def _cross_attn(self, c: int, q: torch.Tensor) -> torch.Tensor | None:
         if not self.xkeys:
             return None
-        return self.cache.attention(self.xseq, c, q, groups=list(dict.fromkeys(self.xkeys)),
-                                    causal=False)
+        # xseq holds exactly the cross-attention groups placed so far: all of it, no filter
+        return self.cache.attention(self.xseq, c, q, causal=False)
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token chunk attending to itself (a decode step's local part): the softmax over
+    one key is 1, so ``out`` is its value and ``lse`` its score (GQA: KV heads repeated)."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)
+    lse = (q.float() * kk).sum(-1) * q.shape[-1] ** -0.5
+    return v.float().repeat_interleave(group, dim=1), lse
 
 
 def _merge_two(o1: torch.Tensor, s1: torch.Tensor, o2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
