@@ -101,3 +101,13 @@ def test_remote_media_groups_cost_one_lookup_n_fetches_one_publish(cluster, new_
     assert stats["fetched"] == 4 and stats["plan_fetch"] == 4 and stats.get("plan_remote", 0) == 0
     ray.kill(a)
     ray.kill(b)
+
+
+def test_transfer_plan_fetches_what_fits_and_attends_huge_cold_groups_in_place():
+    from mmtier.actors.placement import transfer_plan
+
+    plan = lambda nbytes, calls: transfer_plan(nbytes, 64 << 20, calls, link_bytes_per_s=1e9, call_s=1e-3)  # noqa: E731
+    assert plan(8 << 20, 0) == "fetch"                 # fits easily: always pulled whole
+    assert plan(100 << 20, 10_000) == "remote"         # larger than the local arena
+    assert plan(40 << 20, 4) == "remote"               # large, and 42 ms to move > 4 calls left
+    assert plan(40 << 20, 1_000) == "fetch"            # large, but a long turn pays the move back
