@@ -421,7 +421,7 @@ def plot(r: DemoReport, path: Path) -> Path:
     f = r.figures
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.4))
     xs = range(1, len(r.turn_cache_s) + 1)
-    a1.plot(xs, r.turn_cache_s, "o-", ms=3, label="with cache (cluster)")
+    a1.plot(xs, r.turn_cache_s, "o-", ms=3, label="with cache (the engine's own pool)")
     a1.plot(xs, r.turn_nocache_s, "s-", ms=3, color="C3", label="without cache (dense recompute)")
     ratio = f.get("later_turns_cached_over_dense")
     a1.set(xlabel="turn (conversations in start order, their turns in order)", ylabel="seconds",
