@@ -125,8 +125,9 @@ _LOCK = threading.Lock()
 
 def _slots(ops: list[PagedKV], device: torch.device) -> _Slots:
     """The layout's slots, remembered. The cache hands the layers of one step the same index
-    tensors (``table.compile_segments``), so the key is their identity; the entry holds the
-    tensors themselves, so an id cannot be reused while its entry lives."""
+    tensors (``table.compile_segments``) over the same pool views, so the key is their
+    identity: the entry holds the index tensors (their ids cannot be reused while it lives)
+    and weak references to the views (checked on a hit; a view is never kept alive here)."""
     tensors = tuple(t for op in ops for t in (op.seg_start, op.seg_len, op.seg_page_indptr, op.page_ids))
     key = (tuple(map(id, tensors)), tuple((id(op.kv), op.kv.data_ptr(), tuple(op.kv.shape)) for op in ops))
     with _LOCK:
