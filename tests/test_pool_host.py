@@ -111,3 +111,24 @@ def test_transfer_plan_fetches_what_fits_and_attends_huge_cold_groups_in_place()
     assert plan(100 << 20, 10_000) == "remote"         # larger than the local arena
     assert plan(40 << 20, 4) == "remote"               # large, and 42 ms to move > 4 calls left
     assert plan(40 << 20, 1_000) == "fetch"            # large, but a long turn pays the move back
+
+
+def test_spilled_group_comes_back_from_the_node_store(cluster):
+    """The embedded pool spills to its node's store and restores from it through the turn's
+    lookup (a fetch from the store), with the same tokens as the dense model."""
+    eng = _engine(cluster["node_a"], 2)
+    img = Image(_blob("img", 3072))
+    prompt = [Text("Look: "), img]
+    want = MODEL.chat_dense([prompt], 4)[0]
+    sid = ray.get(eng.open.remote("acme"), timeout=60)
+    first = _turn(eng, sid, prompt, 4)
+    assert first["tokens"] == want
+    ray.get(eng.close_session.remote(sid), timeout=60)
+    moved, nbytes = ray.get(eng.spill.remote(first["xkeys"]), timeout=60)
+    assert moved == 1 and nbytes > 0
+    sid = ray.get(eng.open.remote("acme"), timeout=60)
+    again = _turn(eng, sid, prompt, 4)
+    assert again["tokens"] == want
+    assert again["counters"]["cross_hits"] == {"vision": 1}
+    assert again["calls"] == {"lookup": 1, "fetch": 1, "publish": 1}     # back from the store
+    ray.kill(eng)

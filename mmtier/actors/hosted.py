@@ -160,9 +160,10 @@ class HostedCache:
 
     def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
         """Hand unreferenced groups to this node's store and free them here (turn-boundary
-        traffic: one call per group)."""
+        traffic: one call per group, then the registry told in one call per holder)."""
         store = store_name(self.host.node)
         moved = nbytes = 0
+        taken: list[dict] = []
         for key in keys:
             with self.cache._lock:
                 group = self.cache._groups.get(key)
@@ -171,11 +172,17 @@ class HostedCache:
                 continue
             meta, box = self.host.export(key.to_wire())
             item, _evicted = self.transport.offload(store, key.to_wire(), meta, box)
-            del item                      # the store's own announce covers what it holds
+            if item is not None:
+                taken.append(item)
             dropped = self.host.drop([key.to_wire()])
             self._removed += dropped
             moved += len(dropped)
             nbytes += size if dropped else 0
+        if taken:
+            self.transport.publish(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
+        if self._removed:
+            self.transport.publish(self.host.name, [], self._removed, self.host.ping())
+            self._removed = []
         return Offloaded(moved, nbytes)
 
     def turn_stats(self) -> dict[str, int]:
