@@ -84,6 +84,8 @@ class Conversation:
     turns: list[list]                  # prompt items per turn
     answers: list[list[int]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    dense_answers: list[list[int]] = field(default_factory=list)   # the dense model's, all turns so far
+    dense_seconds: list[float] = field(default_factory=list)       # each turn recomputed without a cache
 
 
 def workload(spec: DemoSpec) -> list[Conversation]:
@@ -160,12 +162,12 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
         ).remote(settings.model_dump(mode="json"), spec.seed)
         ray.get(engine.ping.remote(), timeout=settings.start_timeout_s)
         ray_start_s = time.perf_counter() - t_all
-        moved, counters = _run_cached(spec, convs, engine, progress)
+        moved, counters = _run_cached(spec, convs, engine, model, progress)
         with actors.connect(settings) as cc:
             stats = cc.stats()
             client = dict(cc.counters)
             per_actor = cc.actor_stats()
-        mismatches, nocache_s, work = _dense(spec, convs, model, progress)
+        mismatches, nocache_s, work = _dense(spec, convs, model)
     finally:
         actors.shutdown(settings)
         ray.shutdown()
@@ -176,9 +178,12 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
                       [i for c in convs for i in range(len(c.seconds))], mismatches)
 
 
-def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, progress: bool) -> tuple[Counter, dict]:
-    """Every turn through the engine (the model and its pool in one actor); ``active``
-    conversations interleaved turn by turn. Returns what moved and the model's counters."""
+def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, model, progress: bool
+                ) -> tuple[Counter, dict]:
+    """Every turn through the engine (the model and its pool in one actor), ``active``
+    conversations interleaved turn by turn; right after each, the same turn without a cache
+    (the conversation so far recomputed densely, here), so both see the same machine state.
+    Returns what moved and the model's counters."""
     import ray
     from tqdm import tqdm
 
@@ -187,7 +192,7 @@ def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, progress: boo
     pending = list(convs)
     open_: list[tuple[Conversation, int, list]] = []          # conversation, session, its cross keys
     finished: list[list] = []                       # cross keys of closed conversations, oldest first
-    bar = tqdm(total=sum(len(c.turns) for c in convs), desc="turns (with cache)", unit="turn",
+    bar = tqdm(total=sum(len(c.turns) for c in convs), desc="turns (with cache, then dense)", unit="turn",
                disable=not progress, leave=False)
     while pending or open_:
         while pending and len(open_) < spec.active:
@@ -198,6 +203,9 @@ def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, progress: boo
             r = ray.get(engine.turn.remote(sid, c.turns[len(c.answers)], spec.new_tokens), timeout=300)
             c.answers.append(r["tokens"])
             c.seconds.append(r["seconds"])                   # the turn's time inside the engine
+            t0 = time.perf_counter()
+            c.dense_answers = model.chat_dense(c.turns[:len(c.answers)], spec.new_tokens)
+            c.dense_seconds.append(time.perf_counter() - t0)
             xkeys[:] = r["xkeys"]
             for name, per in r["counters"].items():
                 counters.setdefault(name, Counter()).update(per if isinstance(per, dict) else {"": per})
@@ -232,34 +240,28 @@ def _spill(spec: DemoSpec, engine, finished: list[list], in_use: set, moved: Cou
         hot = over()
 
 
-def _dense(spec: DemoSpec, convs: list[Conversation], model, progress: bool):
-    """Dense answers (the check) and per-turn time without the cache (conversation so far
-    recomputed); also the work a cache-less server does (decoder positions, encoder runs)."""
-    from tqdm import tqdm
-
+def _dense(spec: DemoSpec, convs: list[Conversation], model):
+    """The check (every turn's tokens against the dense model's), the per-turn times without
+    the cache measured beside the cached turns, and the work a cache-less server does
+    (decoder positions, encoder runs)."""
     from .models import Media, Text
 
     mismatches: list[str] = []
-    seconds: list[float] = []
+    seconds = [s for c in convs for s in c.dense_seconds]
     work: Counter = Counter()
-    bar = tqdm(total=sum(len(c.turns) for c in convs), desc="turns (no cache, dense check)", unit="turn",
-               disable=not progress, leave=False)
     for n, c in enumerate(convs):
-        answers: list[list[int]] = []
+        answers = c.dense_answers
         for i in range(len(c.turns)):
-            t0 = time.perf_counter()
-            answers = model.chat_dense(c.turns[: i + 1], spec.new_tokens)
-            seconds.append(time.perf_counter() - t0)
             for j, items in enumerate(c.turns[: i + 1]):
                 work["encoder_runs"] += sum(isinstance(x, Media) for x in items)
                 work["decoder_tokens"] += sum(len(x.ids) if isinstance(x, Text)
                                               else model.encoders[x.modality].tokens_for(x.data) for x in items)
                 work["decoder_tokens"] += max(spec.new_tokens - 1, 0) + (1 if j and spec.new_tokens else 0)
-            bar.update(1)
+        if len(answers) != len(c.answers):
+            mismatches.append(f"conversation {n} ({c.tenant}): {len(c.answers)} turns, {len(answers)} dense")
         for i, (got, want) in enumerate(zip(c.answers, answers)):
             if got != want:
                 mismatches.append(f"conversation {n} ({c.tenant}) turn {i}: cache {got} != dense {want}")
-    bar.close()
     return mismatches, seconds, work
 
 
