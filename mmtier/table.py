@@ -9,6 +9,8 @@ one per (pool view, tier) that holds some of them.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -16,7 +18,7 @@ import torch
 
 from .content import ContentKey
 from .groups import ModalityGroup
-from .kernels.layout import PagedKV, paged_kv_from_host
+from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
 
 
 @dataclass(frozen=True)
@@ -135,5 +137,29 @@ def compile_batch(
             all_starts.extend(starts[b])
             all_lens.extend(lens[b])
             seg_indptr.append(len(all_starts))
-        operands.append(paged_kv_from_host(view, layer, seg_indptr, indptr, all_starts, all_lens, flat))
+        operands.append(_paged_kv(view, layer, seg_indptr, indptr, all_starts, all_lens, flat))
     return operands
+
+
+
+_INDEX_MEMO: OrderedDict[tuple, tuple[list[torch.Tensor], HostTables]] = OrderedDict()
+_INDEX_LOCK = threading.Lock()
+_INDEX_KEPT = 64
+
+
+def _paged_kv(view: torch.Tensor, layer: int, *tables: list[int]) -> PagedKV:
+    """``paged_kv_from_host`` with its tables shared: the layers of a decode step ask for the
+    same tables, so they are made (and uploaded) once and reused, read-only (a small LRU keyed
+    by the lists and the device; it holds tables only, never a view)."""
+    key = (str(view.device), *map(tuple, tables))
+    with _INDEX_LOCK:
+        hit = _INDEX_MEMO.get(key)
+        if hit is not None:
+            _INDEX_MEMO.move_to_end(key)
+            return PagedKV(view, layer, *hit[0], host=hit[1])
+    op = paged_kv_from_host(view, layer, *tables)
+    with _INDEX_LOCK:
+        _INDEX_MEMO[key] = ([op.seg_indptr, op.seg_page_indptr, op.seg_start, op.seg_len, op.page_ids], op.host)
+        while len(_INDEX_MEMO) > _INDEX_KEPT:
+            _INDEX_MEMO.popitem(last=False)
+    return op

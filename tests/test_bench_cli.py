@@ -33,7 +33,7 @@ PROMISED = {
                  "min_avoided_over_lru__lru", "min_avoided_over_lru__bimodal_lru",
                  "min_hit_over_lru__cost_aware"),
     "cluster": ("registry_lookups_per_s", "registry_single_lookups_per_s", "remote_over_local_attention",
-                "transfer_over_object_store", "copy_gb_per_s"),
+                "remote_fetch_over_object_store", "copy_gb_per_s"),
     "long_context": ("decode_over_overlap_floor", "decode_over_summed_floor", "max_rel_err"),
     "multiturn": ("ttft_speedup_vs_dense", "memory_sharing_over_without", "encoder_runs_avoided_fraction",
                   "ttft_cache_p50_s", "ttft_dense_p95_s"),

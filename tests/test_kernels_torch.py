@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mmtier.kernels import paged_attention, reference, unmasked
+from mmtier.kernels import paged_attention, reference, small, unmasked
 from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
 from tests.oracle import oracle_attention, rel_err
 
@@ -143,7 +143,9 @@ def run_and_check(case: Case, *, causal=True, scale=None):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Counts calls of the flash op (unmasked pages) and of the masked loop (the rest)."""
+    """Counts calls of the flash op (unmasked pages) and of the masked loop (the rest); the
+    small case's single pass (``test_kernels_small``) is off, so the general path runs."""
+    monkeypatch.setattr(small, "SMALL_TOKENS", 0)
     counts = {"flash": 0, "masked": 0}
     flash, masked = unmasked.FLASH_OP, reference._masked_attention
 

@@ -16,6 +16,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import base64  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
+import time  # noqa: E402
 import urllib.error  # noqa: E402
 import urllib.request  # noqa: E402
 
@@ -266,3 +267,73 @@ def test_cli_start_and_status_on_the_running_cluster(url, tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.count("pool ") >= 2 and "hit ratio" in result.output
     assert "vision_xattn" in result.output
+
+
+def _other_node_conversation(url: str, home: str) -> dict:
+    """Open text-only conversations (least-loaded rotation) until one lands off ``home``."""
+    for _ in range(6):
+        status, opening = call(url, turn("Hi."))
+        assert status == 200, opening
+        if opening["node"] != home:
+            return opening
+        call(url, None, method="DELETE", path=f"/v1/conversations/{opening['conversation_id']}")
+    raise AssertionError("the rotation never used the other node")
+
+
+def test_other_node_fetches_the_image_once_and_skips_the_encoder(url, model):
+    """The worker holds its node's pool: the image's groups on the first node are pulled whole
+    (one lookup, one fetch per group, one publish) and the encoder does not run again."""
+    img = bytes((j * 29 + 7) % 256 for j in range(3000))
+    status, first = call(url, turn("Look: ", ("image", img)))
+    assert status == 200 and first["cache"]["counts"]["encoder_runs"] == {"image": 1}, first
+    opening = _other_node_conversation(url, first["node"])
+    conv = opening["conversation_id"]
+    status, second = call(url, turn("Look: ", ("image", img), conv=conv))
+    assert status == 200, second
+    assert second["node"] == opening["node"] != first["node"]
+    counts = second["cache"]["counts"]
+    assert counts["encoder_runs"] == {} and counts["cross_hits"] == {"image": 1}
+    assert counts["embedding_hits"] == {"image": 1}            # self K/V from the fetched outputs
+    # cross-attention K/V and encoder outputs: two groups, each fetched once
+    assert second["cache"]["traffic"] == {"lookup": 1, "fetch": 2, "publish": 1}, second["cache"]
+    status, third = call(url, turn("And now?", conv=conv))
+    assert status == 200 and not {"lookup", "fetch"} & set(third["cache"]["traffic"])
+    assert [opening["tokens"], second["tokens"], third["tokens"]] == model.chat_dense(
+        [[Text("Hi.")], [Text("Look: "), Image(img)], [Text("And now?")]], NEW)
+
+
+def test_killing_a_worker_loses_only_its_pool(url, model):
+    """A worker dies: the registry forgets its pool's groups (it restarts empty), the other
+    node's groups still serve, and the next turns succeed (recomputing what was lost)."""
+    from mmtier.actors.pool_host import host_name
+    from mmtier.models import cross_modality
+
+    settings = ServeAppConfig.parse(ARGS).settings()
+    imgs: dict[str, bytes] = {}
+    for i in range(6):
+        img = bytes((j * 13 + 31 * i + 3) % 256 for j in range(2500 + i))
+        status, body = call(url, turn("See: ", ("image", img)), key="key-globex")
+        assert status == 200, body
+        imgs.setdefault(body["node"], img)
+        if len(imgs) == 2:
+            break
+    assert len(imgs) == 2
+    (dead, img_dead), (alive, img_alive) = sorted(imgs.items())
+    cc = mma.connect(settings)
+    params = model.encoders["vision"].params
+    key = lambda img: cc.content_key(cross_modality("vision"), img, tenant="globex", params=params)  # noqa: E731
+    assert cc.locate(key(img_dead)) is not None
+    ray.kill(ray.get_actor(host_name(dead), namespace=settings.namespace), no_restart=False)
+    deadline = time.monotonic() + 60
+    while cc.locate(key(img_dead)) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)                                   # the restarted worker announces an empty pool
+    assert cc.locate(key(img_dead)) is None
+    assert host_name(alive) in {h for h, _ in cc.locate(key(img_alive)).holders}
+    status, body = call(url, turn("Again: ", ("image", img_alive)), key="key-globex")
+    assert status == 200 and body["node"] == alive, body
+    assert body["cache"]["counts"]["cross_hits"] == {"image": 1}
+    status, body = call(url, turn("Again: ", ("image", img_dead)), key="key-globex")
+    assert status == 200, body
+    assert body["cache"]["counts"]["encoder_runs"] == {"image": 1}       # recomputed
+    assert body["tokens"] == model.generate_dense([Text("Again: "), Image(img_dead)], NEW)
+    cc.close()

@@ -1,4 +1,5 @@
-"""The Ray layer: ContentRegistry, PagePoolActor, NodeStoreActor and the ``ClusterCache`` client.
+"""The Ray layer: ContentRegistry, ``PoolHost`` (an engine actor that holds its device's pool),
+PagePoolActor (memory with no model in front), NodeStoreActor and the ``ClusterCache`` client.
 
 ``start(cfg)`` creates the actors on a running cluster (idempotent), ``connect()`` returns the
 client, ``shutdown()`` removes them. Names load lazily: ``mmtier.actors.registry`` (the plain
@@ -14,6 +15,7 @@ _EXPORTS = {
     "StartReport": "launch", "start": "launch", "shutdown": "launch",
     "ContentRegistry": "registry", "HolderInfo": "registry", "Location": "registry",
     "ClusterSettings": "settings",
+    "PoolHost": "pool_host", "RayTransport": "pool_host", "host_name": "pool_host", "HostedCache": "hosted",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -410,6 +410,12 @@ class ClusterCache:
             self._check_key(k)
         return [loc is not None for loc in await self._lookup(keys)]
 
+    async def locate_many_async(self, keys: Sequence[ContentKey]) -> list[Location | None]:
+        """Where each group lives (``None``: nowhere), in one registry call."""
+        for k in keys:
+            self._check_key(k)
+        return await self._lookup(keys) if keys else []
+
     async def locate_async(self, key: ContentKey) -> Location | None:
         self._check_key(key)
         return (await self._lookup([key]))[0]
@@ -650,7 +656,7 @@ def _twin(name: str):
     return sync
 
 
-for _name in ("create_sequence", "append", "attach", "release", "contains", "contains_many", "locate",
+for _name in ("create_sequence", "append", "attach", "release", "contains", "contains_many", "locate", "locate_many",
               "put", "put_embedding", "get_embedding", "offload", "attention", "attention_state",
               "actor_stats", "stats", "leak_report", "registry_stats"):
     setattr(ClusterCache, _name, _twin(_name))

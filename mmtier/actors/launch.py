@@ -43,6 +43,7 @@ from .node_store import NodeStoreService
 from .pool_actor import PoolService
 from .registry import ContentRegistry, HolderInfo
 from .settings import ClusterSettings
+from .transfer import export_to_object_store, unbox
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +70,27 @@ class StartReport:
 
 
 # ---------------------------------------------------------------------- actor classes (the edge)
+def pool_config(base: CacheConfig, name: str, device: str, settings: ClusterSettings) -> CacheConfig:
+    """The config of one device's pool (an actor's or an engine's embedded one): no host tier
+    (the node store has one); its own disk tier when the config has one, so device pressure
+    demotes groups to disk instead of dropping them; the arena on ``device``."""
+    disk = None if base.disk_dir is None else base.disk_dir / f"pool-{_sanitize(name)}"
+    update: dict[str, Any] = {"host_bytes": 0, "disk_dir": disk}
+    if device == "cuda":
+        update.update(device="cuda:0", device_bytes=base.device_bytes or _nvml_free_bytes(base))
+    else:
+        update.update(device="cpu", device_bytes=base.device_bytes if base.device == "cpu"
+                      else settings.cpu_pool_bytes)
+    return CacheConfig(**{**base.model_dump(), **update})
+
+
 class PagePoolActor(PoolService):
     """A pool on its node's device: resolves the arena there (NVML sees the physical GPU)."""
 
     def __init__(self, cfg_json: dict, name: str, node: str, device: str, settings_json: dict):
         settings = ClusterSettings(**settings_json)
-        base = CacheConfig(**cfg_json)
-        # No host tier in a pool (the node store has one); its own disk tier, when the config
-        # has one, so device pressure demotes groups to disk instead of dropping them.
-        disk = None if base.disk_dir is None else base.disk_dir / f"pool-{_sanitize(name)}"
-        update: dict[str, Any] = {"host_bytes": 0, "disk_dir": disk}
-        if device == "cuda":
-            update.update(device="cuda:0", device_bytes=base.device_bytes or _nvml_free_bytes(base))
-        else:
-            update.update(device="cpu", device_bytes=base.device_bytes if base.device == "cpu"
-                          else settings.cpu_pool_bytes)
-        super().__init__(CacheConfig(**{**base.model_dump(), **update}), name=name, node=node)
+        self.settings = settings
+        super().__init__(pool_config(CacheConfig(**cfg_json), name, device, settings), name=name, node=node)
         self.metrics = ActorMetrics(name)
         self.on_lost = lambda digests: _report_lost(settings, name, digests)
         _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
@@ -94,6 +100,12 @@ class PagePoolActor(PoolService):
             self.metrics.publish(self.stats())
         return super().ping()
 
+    def export(self, wire: dict[str, str]) -> tuple[dict, list]:
+        return export_to_object_store(self, wire)
+
+    def import_group(self, wire: dict[str, str], meta: dict, buf) -> tuple[dict | None, list[str]]:
+        return super().import_group(wire, meta, unbox(buf, self.settings.call_timeout_s))
+
 
 class NodeStoreActor(NodeStoreService):
     def __init__(self, cfg_json: dict, name: str, node: str, settings_json: dict):
@@ -101,6 +113,7 @@ class NodeStoreActor(NodeStoreService):
         cfg = CacheConfig(**cfg_json)
         super().__init__(cfg, name=name, node=node,
                          capacity_bytes=cfg.host_bytes or settings.store_bytes)
+        self.settings = settings
         self.metrics = ActorMetrics(name)
         self.on_lost = lambda digests: _report_lost(settings, name, digests)
         _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
@@ -109,6 +122,9 @@ class NodeStoreActor(NodeStoreService):
         if self.metrics.due():
             self.metrics.publish(self.tier_stats())
         return super().ping()
+
+    def import_group(self, wire: dict[str, str], meta: dict, buf) -> tuple[dict | None, list[str]]:
+        return super().import_group(wire, meta, unbox(buf, self.settings.call_timeout_s))
 
 
 class ContentRegistryActor:
@@ -204,6 +220,13 @@ class ContentRegistryActor:
     async def add(self, holder: str, items: list[dict], info: dict | None = None) -> None:
         await self._started()
         self.reg.add(holder, items, HolderInfo(**info) if info else None)
+        self._wake(item["key"]["digest"] for item in items)
+
+    async def publish(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
+        """An embedded pool's turn, in one call: groups it now holds, groups it no longer holds."""
+        await self._started()
+        self.reg.add(holder, items, HolderInfo(**info))
+        self.reg.remove(holder, removed)
         self._wake(item["key"]["digest"] for item in items)
 
     async def remove(self, holder: str, digests: list[str]) -> int:

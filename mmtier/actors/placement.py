@@ -90,3 +90,19 @@ def plan(st: _Seq, wanted: set[ContentKey] | None) -> dict[str, list]:
             out.setdefault(r.holder, []).append(
                 Part(st.proxies[r.holder], r.start - r.local_start, (r.key.to_wire(),), r.local_start))
     return out
+
+
+# ---------------------------------------------------------------------- an embedded pool's plan
+def transfer_plan(nbytes: int, local_capacity: int, calls_left: int, *, link_bytes_per_s: float,
+                  call_s: float, large_fraction: float = 0.5) -> str:
+    """How an embedded pool uses a group held elsewhere: ``"fetch"`` (pulled whole into the
+    local pool, then attended at memory speed) or ``"remote"`` (partial attention where it
+    lives: a call per layer and step). A group that fits the local pool's modality arena is
+    always fetched unless it is very large (over ``large_fraction`` of the arena) *and* moving
+    it costs more than the calls the turn still has to make; one that does not fit at all can
+    only be attended where it lives."""
+    if nbytes > local_capacity:
+        return "remote"
+    if nbytes <= large_fraction * local_capacity:
+        return "fetch"
+    return "remote" if nbytes / link_bytes_per_s > calls_left * call_s else "fetch"

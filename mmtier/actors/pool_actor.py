@@ -110,10 +110,11 @@ class PoolService:
             self._report_lost()
             raise
 
-    def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
-        """A group's pages as one page-major raw buffer, with the token count to rebuild it."""
+    def export(self, wire: dict[str, str], *, copy: bool = True) -> tuple[dict, np.ndarray]:
+        """A group's pages as one page-major raw buffer, with the token count to rebuild it
+        (``copy=False``: a view of the arena where it can be one; see ``export_pages``)."""
         try:
-            return export_pages(self.cache, ContentKey.from_wire(wire))
+            return export_pages(self.cache, ContentKey.from_wire(wire), copy=copy)
         except CorruptDataError:
             self._report_lost()
             raise
@@ -248,11 +249,12 @@ class PoolService:
 
 
 # ---------------------------------------------------------------------- page I/O (cache internals)
-def export_pages(cache: TieredKVCache, key: ContentKey) -> tuple[dict, np.ndarray]:
+def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) -> tuple[dict, np.ndarray]:
     """``({"num_tokens"}, pages as uint8 [n_pages * page_bytes])``, page-major: one copy when
-    the group is on the device (a slice when its pages are one run), else through
-    ``read_group`` from whichever tier holds it."""
-    spec = cache._check_key(key, "kv")
+    the group is on the device, else through ``read_group`` from whichever tier holds it.
+    ``copy=False`` returns a CPU device group whose pages are one run as a *view* of the
+    arena (no copy): the caller holds a lease on the group until it is done reading."""
+    spec = cache._check_key(key)
     with cache._lock:
         group = cache._groups.get(key)
         if group is None:
@@ -261,11 +263,19 @@ def export_pages(cache: TieredKVCache, key: ContentKey) -> tuple[dict, np.ndarra
             view = cache.pools[key.modality].view
             pages = group.pages
             if pages == list(range(pages[0], pages[0] + len(pages))):
-                data = view[pages[0]:pages[0] + len(pages)].clone()
+                data = view[pages[0]:pages[0] + len(pages)]
+                if copy or data.device.type != "cpu":
+                    data = data.clone()
             else:
                 data = view[torch.tensor(pages, dtype=torch.int64, device=view.device)]
             flat = data.cpu().contiguous().view(torch.uint8).reshape(-1)
             return {"num_tokens": group.num_tokens}, flat.numpy()
+    if spec.kind == "embedding":             # encoder outputs in a lower tier: padded to pages
+        x = cache.get_embedding(key)
+        n = x.shape[0]
+        pages = torch.zeros(spec.pages_for(n) * spec.page_size, spec.width, dtype=x.dtype)
+        pages[:n] = x
+        return {"num_tokens": n}, pages.view(torch.uint8).reshape(-1).numpy()
     k, v = cache.read_group(key)
     n = k.shape[1]
     n_pages = spec.pages_for(n)

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ShapeError
 from .layout import PagedKV, check_queries
+from .small import small_attention
 from .unmasked import unmasked_attention
 
 CHUNK_BYTES = 4 << 20
@@ -45,6 +46,12 @@ def paged_attention_torch(
     total_q, num_q_heads, head_dim = q.shape
     batch = q_indptr.shape[0] - 1
     scale = head_dim ** -0.5 if scale is None else float(scale)
+    if batch == 1:                            # a short sequence: one pass over every operand
+        for op in operands:
+            op.validate(batch, head_dim)
+        small = small_attention(q, q_pos, operands, causal=causal, scale=scale)
+        if small is not None:
+            return small[0].to(out_dtype or q.dtype), small[1]
     out = torch.zeros(total_q, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
     q_bounds = q_indptr.tolist()

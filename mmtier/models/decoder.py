@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ops import Init, rms_norm, rope
+from .ops import Init, apply_rope, rms_norm, rope_tables
 
 SelfAttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 CrossAttnFn = Callable[[int, torch.Tensor], "torch.Tensor | None"]
@@ -123,10 +123,11 @@ class Decoder:
         n = x.shape[0]
         cross_of = {layer: c for c, layer in enumerate(d.cross_layers)}
         ks, vs = [], []
+        cos, sin = rope_tables(positions, d.head_dim, d.rope_base, x.dtype)    # one table per chunk
         for layer in range(d.num_layers):
             h = rms_norm(x)
-            q = rope((h @ self.wq[layer]).view(n, d.num_q_heads, d.head_dim), positions, d.rope_base)
-            k = rope((h @ self.wk[layer]).view(n, d.num_kv_heads, d.head_dim), positions, d.rope_base)
+            q = apply_rope((h @ self.wq[layer]).view(n, d.num_q_heads, d.head_dim), cos, sin)
+            k = apply_rope((h @ self.wk[layer]).view(n, d.num_kv_heads, d.head_dim), cos, sin)
             v = (h @ self.wv[layer]).view(n, d.num_kv_heads, d.head_dim)
             ks.append(k)
             vs.append(v)

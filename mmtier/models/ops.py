@@ -40,12 +40,21 @@ def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding (rotate-half form) of ``x [n, heads, dim]`` at absolute
     ``positions [n]``: what makes decoder self-attention KV depend on where it sits."""
-    dim = x.shape[-1]
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], base, x.dtype))
+
+
+def rope_tables(positions: torch.Tensor, dim: int, base: float = 10000.0,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``[n, 1, dim // 2]`` of ``rope`` at ``positions``: computed once per
+    chunk, shared by every layer's queries and keys."""
     half = dim // 2
     inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
     angles = positions.to(torch.float64)[:, None] * inv[None, :]
-    cos = torch.cos(angles).to(x.dtype)[:, None, :]
-    sin = torch.sin(angles).to(x.dtype)[:, None, :]
+    return torch.cos(angles).to(dtype)[:, None, :], torch.sin(angles).to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 

@@ -29,7 +29,6 @@ import torch
 
 from ..content import ContentKey
 from ..errors import UnknownKeyError
-from ..kernels import merge_attention_states
 from .encoders import ModelError
 from .ops import attend
 from .reference import Item, Media, ReferenceModel, Text, cross_modality, embed_modality
@@ -60,6 +59,9 @@ class CachedSession:
         items = self.model.validate(prompt, max_new_tokens)     # nothing touched on bad input
         if self._pending is not None:
             items.insert(0, Text([self._pending]))
+        begin = getattr(self.cache, "begin_turn", None)     # an embedded pool: turn boundaries
+        if begin is not None:
+            begin(self._shared_keys(items), calls_left=self._calls(items, max_new_tokens))
         try:
             last = None
             for i, item in enumerate(items):
@@ -71,8 +73,27 @@ class CachedSession:
         except BaseException:
             self._state = "broken (a turn failed half-way; close it)"
             raise
+        finally:
+            if begin is not None:
+                self.cache.end_turn()
         self._pending = tokens[-1] if tokens else None
         return tokens
+
+    def _shared_keys(self, items: Sequence[Item]) -> list[ContentKey]:
+        """The content-only keys of the turn's media (cross-attention K/V, encoder outputs): what
+        another conversation anywhere may already hold."""
+        keys = []
+        for item in items:
+            if isinstance(item, Media):
+                m, params = item.modality, self.model.encoders[item.modality].params
+                keys += [self.cache.content_key(cross_modality(m), item.data, tenant=self.tenant, params=params),
+                         self.cache.content_key(embed_modality(m), item.data, tenant=self.tenant, params=params)]
+        return keys
+
+    def _calls(self, items: Sequence[Item], max_new_tokens: int) -> int:
+        """Attention calls the turn will make (one per layer per chunk or step): the cost
+        model's weight of attending a group where it lives instead of fetching it."""
+        return (len(items) + max_new_tokens) * self.dec.dims.num_layers
 
     def close(self) -> None:
         if self._state == "closed":
@@ -172,13 +193,11 @@ class CachedSession:
         local_mask = self.dec.causal_mask(n, 0)
 
         def self_attn(layer, q, k, v):
-            out, lse = attend(q, k, v, local_mask)
+            out, lse = _attend_one(q, k, v) if n == 1 else attend(q, k, v, local_mask)
             if start == 0:
                 return out
             p_out, p_lse = self.cache.attention_state(self.seq, layer, q, q_positions=positions)
-            merged, _ = merge_attention_states([p_out.float(), out], [p_lse.float(), lse],
-                                               backend="torch", out_dtype=torch.float32)
-            return merged
+            return _merge_two(p_out.float(), p_lse.float(), out, lse)
 
         h, k, v = self.dec.forward(x, positions, self_attn, self._cross_attn)
         self.model.counters.add("decoder_tokens", n=n)
@@ -196,5 +215,22 @@ class CachedSession:
     def _cross_attn(self, c: int, q: torch.Tensor) -> torch.Tensor | None:
         if not self.xkeys:
             return None
-        return self.cache.attention(self.xseq, c, q, groups=list(dict.fromkeys(self.xkeys)),
-                                    causal=False)
+        # xseq holds exactly the cross-attention groups placed so far: all of it, no filter
+        return self.cache.attention(self.xseq, c, q, causal=False)
+
+
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-token chunk attending to itself (a decode step's local part): the softmax over
+    one key is 1, so ``out`` is its value and ``lse`` its score (GQA: KV heads repeated)."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.float().repeat_interleave(group, dim=1)
+    lse = (q.float() * kk).sum(-1) * q.shape[-1] ** -0.5
+    return v.float().repeat_interleave(group, dim=1), lse
+
+
+def _merge_two(o1: torch.Tensor, s1: torch.Tensor, o2: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """The exact log-sum-exp merge of two partial states whose second one sees at least one key
+    (a chunk always sees itself), so the merged lse is finite: four operations per layer and
+    step instead of the general N-way merge."""
+    lse = torch.logaddexp(s1, s2)
+    return o1 * torch.exp(s1 - lse)[..., None] + o2 * torch.exp(s2 - lse)[..., None]

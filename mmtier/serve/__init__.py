@@ -4,8 +4,10 @@
 - ``config.ServeAppConfig``: its ``args`` (API keys -> tenants, limits, affinity, workers);
 - ``protocol``: the HTTP JSON API and its status codes;
 - ``routing``: the cache-affinity rule (which node's worker takes a turn);
-- ``worker.TurnWorker``: the per-node worker running the reference model through the cache;
-- ``node_cache.NodeCache``: a ``ClusterCache`` as the model sees it from one node.
+- ``worker.TurnWorker``: the per-node worker, an actor that runs the reference model and holds
+  its node's pool (``mmtier.actors.PoolHost``);
+- ``node_cache.NodeCache``: a ``ClusterCache`` as a model sees it from one node (for a model
+  that does not hold a pool of its own).
 
 Names load lazily so that ``import mmtier.serve`` does not import Ray.
 """

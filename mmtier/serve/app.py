@@ -5,11 +5,13 @@
 
 1. starts mmtier on the cluster when ``start_cache`` is set (idempotent: registry, a pool per
    GPU / CPU node, a store per node);
-2. creates one ``TurnWorker`` deployment per node, pinned there by a per-node resource
-   (``routing.pin_targets``: ``node:<ip>`` in production, custom resources in tests);
+2. creates one ``TurnWorker`` per node, pinned there by a per-node resource
+   (``routing.pin_targets``: ``node:<ip>`` in production, custom resources in tests): a named
+   actor (``host_name(node)``) that runs the model and holds that node's pool itself;
 3. puts ``TurnIngress`` in front: it authenticates (API key -> tenant, server side), parses
    and checks the request, decodes and hashes the media, asks the ContentRegistry where the
-   request's content lives and forwards the turn to the worker on that node
+   request's content lives (one batched lookup per request) and forwards the turn to the
+   worker on that node
    (``routing.Router``: conversation, then content, then least loaded).
 
 Routes: ``POST /v1/turn``, ``DELETE /v1/conversations/{id}``, ``GET /healthz``. The protocol
@@ -42,7 +44,10 @@ class TurnIngress:
 
         self.cfg = ServeAppConfig.parse(cfg_json)
         self.keys = self.cfg.key_table()
-        self.workers = dict(workers)                      # node id -> worker DeploymentHandle
+        import ray
+
+        ns = ServeAppConfig.parse(cfg_json).settings().namespace
+        self.workers = {node: ray.get_actor(name, namespace=ns) for node, name in workers.items()}   # node -> worker
         self.index = {i: node for i, node in enumerate(sorted(self.workers))}
         self.node_index = {node: i for i, node in self.index.items()}
         self.cluster = connect(self.cfg.settings())
@@ -82,7 +87,7 @@ class TurnIngress:
             tenant = self._tenant(request)
             conv = path.removeprefix("/v1/conversations/")
             node = self._conversation_node(conv)
-            return await self._call(node, "close", tenant, conv)
+            return await self._call(node, "close_conversation", tenant, conv)
         raise HTTPError(404, "not_found", f"no route {method} {path}")
 
     def _media_tokens(self, item: MediaItem) -> int:
@@ -141,7 +146,7 @@ class TurnIngress:
             p = self.params[m.modality]
             keys += [self.cluster.content_key(cross, m.data, tenant=tenant, params=p),
                      self.cluster.content_key(emb, m.data, tenant=tenant, params=p)]
-        locs = await asyncio.gather(*(self.cluster.locate_async(k) for k in keys))
+        locs = await self.cluster.locate_many_async(keys)          # one registry call per request
         return [(locs[i], locs[i + 1]) for i in range(0, len(locs), 2)]
 
     def _holder(self, name: str) -> tuple[str, str] | None:
@@ -164,10 +169,15 @@ class TurnIngress:
 
     async def _call(self, node: str, method: str, *args) -> tuple[int, dict]:
         self.router.inflight[node] += 1
+        import ray
+
         try:
             return await asyncio.wait_for(getattr(self.workers[node], method).remote(*args), TURN_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise HTTPError(503, "timeout", f"the worker on node {node} did not answer in time") from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            raise HTTPError(503, "worker_lost", f"the worker on node {node} died (it restarts with an empty "
+                                                "pool; its conversations are gone): start again") from None
         finally:
             self.router.inflight[node] -= 1
 
@@ -183,6 +193,7 @@ def build_app(args: dict | None = None):
     from ray import serve
 
     from ..actors import start
+    from ..actors.pool_host import host_name
 
     cfg = ServeAppConfig.parse(args)
     cfg.key_table()                                     # fail at deploy time, not per request
@@ -197,14 +208,20 @@ def build_app(args: dict | None = None):
         raise ConfigError("no node to pin a worker to: with affinity.pin_resource_prefix set, give "
                           "each node a custom resource with that prefix", ("affinity.pin_resource_prefix",))
     w, ing = cfg.workers, cfg.ingress
-    worker = serve.deployment(TurnWorker)
+    settings = cfg.settings()
+    worker = ray.remote(TurnWorker)
     workers = {}
     for i, t in enumerate(sorted(targets, key=lambda t: t.node)):
+        # a named actor that holds its node's pool (the model and its cache in one process);
+        # restarted with an empty pool if it dies (its groups leave the registry at once)
         workers[t.node] = worker.options(
-            name=f"mmtier-worker-{i}", num_replicas=1, max_ongoing_requests=w.max_ongoing_requests,
-            ray_actor_options={"num_cpus": w.num_cpus, "resources": {t.resource: cfg.affinity.pin_amount}},
-        ).bind(cfg_json, i, t.node)
+            name=host_name(t.node), namespace=settings.namespace, get_if_exists=True, lifetime="detached",
+            max_restarts=-1, max_concurrency=w.max_ongoing_requests + settings.pool_concurrency,
+            num_cpus=w.num_cpus, resources={t.resource: cfg.affinity.pin_amount},
+        ).remote(cfg_json, i, t.node)
+    ray.get([h.ping.remote() for h in workers.values()], timeout=settings.start_timeout_s)
+    names = {node: host_name(node) for node in workers}
     ingress = serve.deployment(TurnIngress).options(
         name="mmtier-ingress", num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus})
-    return ingress.bind(cfg_json, workers)
+    return ingress.bind(cfg_json, names)

@@ -1,10 +1,11 @@
 """``TurnWorker``: the per-node worker of the Serve app (a plain class; ``app.py`` wraps it).
 
-One worker runs on each node (pinned by a per-node resource). It holds a ``ClusterCache``
-client, the reference model, and the node's open conversations: each is a ``CachedSession``
-(``mmtier.models``) whose sequences are homed on a pool of this node, so a turn's attention
-over the conversation's own K/V stays on the node; media groups come from wherever the
-registry says they are (attended remotely, or copied here after repeated use).
+One worker runs on each node (pinned by a per-node resource), as a named actor that holds its
+device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the reference model and its
+cache live in one process, so a turn's attention reads local pages with no Ray call. Its open
+conversations are ``CachedSession``s (``mmtier.models``) over that embedded cache; media groups
+held elsewhere are found by one registry lookup per turn and pulled whole into the pool (the
+turn's ``traffic`` in the answer counts those calls); new groups are published after the turn.
 
 Turns of one conversation run one at a time (a lock per conversation); turns of different
 conversations run concurrently in threads. Each conversation has its own copy of the model's
@@ -14,7 +15,6 @@ half-way closes its conversation (its state is no longer a prefix the model can 
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import logging
 import secrets
@@ -23,10 +23,10 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..actors.pool_host import PoolHost
 from ..errors import CapacityError, MMTierError, UnknownKeyError
 from ..models import Media, MediaError, ModelCounters, ModelError, ReferenceModel, Text
 from .config import ServeAppConfig
-from .node_cache import NodeCache
 from .protocol import TYPE_OF
 
 log = logging.getLogger(__name__)
@@ -45,41 +45,40 @@ class _Conversation:
     turns: int = 0
 
 
-class TurnWorker:
-    """Runs turns of conversations on this node."""
+class TurnWorker(PoolHost):
+    """Runs turns of conversations on this node, over the pool it holds. A threaded actor:
+    turns of different conversations, and the pool's own methods (exports to other holders,
+    pings), run concurrently."""
 
     def __init__(self, cfg_json: dict, index: int, expected_node: str | None = None):
         import ray
         import torch
 
-        from ..actors import connect
-
-        self.cfg = ServeAppConfig.parse(cfg_json)
-        torch.set_num_threads(self.cfg.workers.torch_threads)
+        self.app_cfg = ServeAppConfig.parse(cfg_json)
+        torch.set_num_threads(self.app_cfg.workers.torch_threads)
+        super().__init__(self.app_cfg.settings())
         self.index = index
-        self.node = ray.get_runtime_context().get_node_id()
         if expected_node is not None and expected_node != self.node:
-            log.warning("worker %d expected on node %s runs on %s", index, expected_node, self.node)
-        self.cluster = connect(self.cfg.settings())
-        self.cache = NodeCache(self.cluster, self.node)
-        self.model = ReferenceModel(seed=self.cfg.model.seed)
-        self.model.check_cache(self.cache)
+            log.warning("worker %d expected on node %s runs on %s", index, expected_node,
+                        ray.get_runtime_context().get_node_id())
+        self.model = ReferenceModel(seed=self.app_cfg.model.seed)
+        self.model.check_cache(self.local)
         self._convs: OrderedDict[str, _Conversation] = OrderedDict()
-        self._lock = threading.Lock()
+        self._convs_lock = threading.Lock()
 
     # ------------------------------------------------------------------ remote interface
-    async def turn(self, tenant: str, conversation_id: str | None, items: list[tuple[str, object]],
-                   max_new_tokens: int) -> tuple[int, dict]:
+    def turn(self, tenant: str, conversation_id: str | None, items: list[tuple[str, object]],
+             max_new_tokens: int) -> tuple[int, dict]:
         """``(status, body)``; ``items``: ``("text", str)`` or ``(request media type, bytes)``."""
-        return await asyncio.to_thread(self._turn, tenant, conversation_id, items, max_new_tokens)
+        return self._turn(tenant, conversation_id, items, max_new_tokens)
 
-    async def close(self, tenant: str, conversation_id: str) -> tuple[int, dict]:
-        return await asyncio.to_thread(self._close_one, tenant, conversation_id)
+    def close_conversation(self, tenant: str, conversation_id: str) -> tuple[int, dict]:
+        return self._close_one(tenant, conversation_id)
 
-    async def info(self) -> dict:
-        with self._lock:
+    def info(self) -> dict:
+        with self._convs_lock:
             return {"index": self.index, "node": self.node, "conversations": len(self._convs),
-                    "pools": self.cluster.pools(self.node)}
+                    "pool": self.name}
 
     # ------------------------------------------------------------------ turns
     def _turn(self, tenant, conversation_id, items, max_new_tokens) -> tuple[int, dict]:
@@ -103,10 +102,13 @@ class TurnWorker:
                 if conv.id not in self._convs:       # closed while we waited
                     return 404, _error(404, "unknown_conversation", f"conversation {conv.id!r} was closed")
                 before = conv.model.counters.snapshot()
+                calls_before = dict(self.transport.calls)
                 t0 = time.perf_counter()
                 tokens = conv.session.send(prompt, max_new_tokens)
                 seconds = time.perf_counter() - t0
                 after = conv.model.counters.snapshot()
+                traffic = {k: n - calls_before.get(k, 0) for k, n in self.transport.calls.items()
+                           if n != calls_before.get(k, 0)}
                 conv.turns += 1
                 conv.last_used = time.monotonic()
         except CapacityError as exc:
@@ -123,20 +125,20 @@ class TurnWorker:
             "conversation_id": conv.id, "turn": conv.turns, "tokens": tokens,
             "text": bytes(tokens).decode("utf-8", errors="replace"),
             "node": self.node, "worker": self.index, "seconds": round(seconds, 4),
-            "cache": {"counts": _delta(before, after)},
+            "cache": {"counts": _delta(before, after), "traffic": traffic},
         }
 
     def _open(self, tenant: str) -> _Conversation:
         model = copy.copy(self.model)              # shares weights; counters of its own
         model.counters = ModelCounters()
-        session = model.session(self.cache, tenant)
+        session = model.session(self.local, tenant)
         conv = _Conversation(f"w{self.index}.{secrets.token_hex(12)}", tenant, session, model)
-        with self._lock:
+        with self._convs_lock:
             self._convs[conv.id] = conv
         return conv
 
     def _find(self, tenant: str, conversation_id: str) -> _Conversation | None:
-        with self._lock:
+        with self._convs_lock:
             conv = self._convs.get(conversation_id)
             if conv is None or conv.tenant != tenant:     # another tenant's id: not found
                 return None
@@ -148,7 +150,7 @@ class TurnWorker:
             self._close(conv)
 
     def _close(self, conv: _Conversation) -> None:
-        with self._lock:
+        with self._convs_lock:
             self._convs.pop(conv.id, None)
         try:
             conv.session.close()
@@ -165,9 +167,9 @@ class TurnWorker:
 
     def _sweep(self) -> None:
         """Close conversations idle past the TTL, and the idlest beyond the limit."""
-        w = self.cfg.workers
+        w = self.app_cfg.workers
         now = time.monotonic()
-        with self._lock:
+        with self._convs_lock:
             stale = [c for c in self._convs.values() if now - c.last_used > w.conversation_ttl_s]
             extra = max(0, len(self._convs) - len(stale) - w.max_conversations + 1)
             live = [c for c in self._convs.values() if c not in stale]

@@ -1,0 +1,213 @@
+"""``HostedCache``: an engine's embedded pool as its model sees it.
+
+``TieredKVCache``'s surface over the ``PoolHost``'s own cache: ``create_sequence``, ``append``,
+``attach``, ``attention``, ``attention_state``, ``put``, ``get_embedding``, ``release``... run
+in this process, on this device, with no Ray call. What is shared with the cluster moves at turn
+boundaries only:
+
+- ``begin_turn(keys)`` (at admission, with the content-only keys of every media item of the
+  turn): the keys not held here go to the registry in **one** batched lookup, sent at once and
+  read when the turn first lacks a key; each one held elsewhere is planned
+  (``placement.transfer_plan``) and, planned ``"fetch"``, pulled whole with **one** call to its
+  holder, left running in the background while the turn encodes and prefills what it has;
+- ``contains(key)`` answers from this pool; a key being fetched lands first (its pages are
+  imported into the pool: a hit), so the model sees a fetched group exactly as a local one;
+- ``end_turn()`` lands what is still in flight and publishes, in **one** fire-and-forget call,
+  the groups this pool now holds (puts and fetches of the turn) and those it gave up (evicted);
+- ``release`` is local (the embedded cache drops the references; the registry learns of any
+  group that leaves with the next publish).
+
+A group planned ``"remote"`` (larger than this pool's arena for its modality, or very large and
+cheaper to attend where it lives than to move for the calls left in the turn) is not fetched:
+it counts as ``plan_remote`` in ``turn_stats()`` and the turn treats it as a miss here.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from ..errors import CapacityError, UnknownKeyError
+from ..table import SequenceHandle
+from . import placement
+from .launch import STORE_PREFIX, store_name
+
+LINK_BYTES_PER_S = 1e9        # the cost model's node-to-node rate (object store transfer)
+CALL_S = 1e-3                 # and its cost of one remote partial-attention call
+
+
+class Offloaded(NamedTuple):
+    groups: int
+    nbytes: int
+
+
+class HostedCache:
+    """The model's cache in a ``PoolHost``: local operations, turn-boundary cluster traffic."""
+
+    def __init__(self, host):
+        self.host = host
+        self.cache: TieredKVCache = host.cache
+        self.cfg = self.cache.cfg
+        self.transport = host.transport
+        self.counters: Counter[str] = Counter()
+        self._incoming: dict[ContentKey, tuple[str, object]] = {}
+        self._publish: list[dict] = []
+        self._removed: list[str] = []
+        self._asked: tuple[list[ContentKey], object, int] | None = None   # the turn's lookup, in flight
+        self.plan: dict[str, str] = {}        # this turn: digest -> "local" | "fetch" | "remote" | "miss"
+
+    # ------------------------------------------------------------------ local, no Ray call
+    def content_key(self, *args, **kw) -> ContentKey:
+        return self.cache.content_key(*args, **kw)
+
+    def prefix_key(self, seq: SequenceHandle) -> ContentKey:
+        return self.cache.prefix_key(seq)
+
+    def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
+        return self.host.create(tenant)
+
+    def sequence(self, seq: SequenceHandle):
+        return self.cache.sequence(seq)
+
+    def append(self, seq: SequenceHandle, modality: str, k: torch.Tensor, v: torch.Tensor, *,
+               tokens=None) -> None:
+        self.cache.append(seq, modality, k, v, tokens=tokens)
+
+    def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
+        self.cache.attach(seq, key)
+
+    def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, **kw) -> torch.Tensor:
+        return self.cache.attention(seq, layer, q, **kw)
+
+    def attention_state(self, seq: SequenceHandle, layer: int, q: torch.Tensor, **kw):
+        return self.cache.attention_state(seq, layer, q, **kw)
+
+    def get_embedding(self, key: ContentKey) -> torch.Tensor:
+        return self.cache.get_embedding(key)
+
+    def release(self, seq: SequenceHandle) -> None:
+        self.host.release([seq])
+
+    def stats(self):
+        return self.cache.stats()
+
+    def contains(self, key: ContentKey) -> bool:
+        """Held here, or fetched for this turn (then it lands now)."""
+        if self.cache.contains(key):
+            return True
+        self._resolve()
+        pending = self._incoming.pop(key, None)
+        return pending is not None and self._land(key, pending)
+
+    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
+        item, evicted = self.host.put(key.to_wire(), k, v)
+        self._note(item, evicted)
+        return item is not None
+
+    def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:
+        item, evicted = self.host.put_embedding(key.to_wire(), x)
+        self._note(item, evicted)
+        return item is not None
+
+    # ------------------------------------------------------------------ turn boundaries
+    def begin_turn(self, keys: Iterable[ContentKey], calls_left: int = 0) -> None:
+        """At admission: one lookup, sent now, for the keys not held here. Its answer is read
+        when the turn first needs a key it does not hold (or at ``end_turn``), so it overlaps
+        the turn's first chunks; each group then planned ``"fetch"`` starts its pull."""
+        self._resolve()                                   # a turn that never ended: finish it
+        keys = list(dict.fromkeys(keys))
+        held = self.host.holds([k.to_wire() for k in keys]) if keys else []
+        missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
+        self.plan = {k.hex: "local" for k, h in zip(keys, held) if h}
+        if missing:
+            self._asked = (missing, self.transport.lookup_async([k.hex for k in missing]), calls_left)
+
+    def end_turn(self) -> None:
+        """Land the fetches still in flight; publish this turn's changes in one call."""
+        self._resolve()
+        for key, pending in list(self._incoming.items()):
+            self._incoming.pop(key, None)
+            self._land(key, pending)
+        self._removed += self.host._evicted()
+        if self._publish or self._removed:
+            self.transport.publish(self.host.name, self._publish, self._removed, self.host.ping())
+            self._publish, self._removed = [], []
+
+    def _resolve(self) -> None:
+        """Read the turn's lookup (once) and start a fetch per group planned ``"fetch"``."""
+        if self._asked is None:
+            return
+        missing, ref, calls_left = self._asked
+        self._asked = None
+        for k, loc in zip(missing, self.transport.wait(ref, len(missing))):
+            holders = [] if loc is None else [h for h, _tier in loc.holders if h != self.host.name]
+            if not holders:
+                self.plan[k.hex] = "miss"
+                continue
+            pool = self.cache.pools[k.modality]
+            choice = placement.transfer_plan(loc.nbytes, pool.num_pages * pool.spec.page_bytes, calls_left,
+                                             link_bytes_per_s=LINK_BYTES_PER_S, call_s=CALL_S)
+            self.plan[k.hex] = choice
+            self.counters[f"plan_{choice}"] += 1
+            if choice == "fetch":
+                holder = self._nearest(holders)
+                self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
+
+    def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
+        """Hand unreferenced groups to this node's store and free them here (turn-boundary
+        traffic: one call per group, then the registry told in one call per holder)."""
+        store = store_name(self.host.node)
+        moved = nbytes = 0
+        taken: list[dict] = []
+        for key in keys:
+            with self.cache._lock:
+                group = self.cache._groups.get(key)
+                size = 0 if group is None or not group.evictable else group.nbytes
+            if not size:
+                continue
+            meta, box = self.host.export(key.to_wire())
+            item, _evicted = self.transport.offload(store, key.to_wire(), meta, box)
+            if item is not None:
+                taken.append(item)
+            dropped = self.host.drop([key.to_wire()])
+            self._removed += dropped
+            moved += len(dropped)
+            nbytes += size if dropped else 0
+        if taken:
+            self.transport.publish(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
+        if self._removed:
+            self.transport.publish(self.host.name, [], self._removed, self.host.ping())
+            self._removed = []
+        return Offloaded(moved, nbytes)
+
+    def turn_stats(self) -> dict[str, int]:
+        """The plan and traffic so far: ``plan_*``, ``fetched``, ``fetch_failed``, and Ray calls."""
+        return {**self.counters, **{f"calls_{k}": n for k, n in self.transport.calls.items()}}
+
+    # ------------------------------------------------------------------ helpers
+    def _land(self, key: ContentKey, pending: tuple[str, object]) -> bool:
+        holder, refs = pending
+        try:
+            meta, buf = self.transport.land(refs)
+            item, evicted = self.host.import_group(key.to_wire(), meta, buf)
+        except (UnknownKeyError, CapacityError):      # gone meanwhile, or no room: a miss
+            self.counters["fetch_failed"] += 1
+            return False
+        self.counters["fetched"] += 1
+        self._note(item, evicted)
+        return True
+
+    def _note(self, item: dict | None, evicted: list[str]) -> None:
+        if item is not None:
+            self._publish.append(item)
+        self._removed += evicted
+
+    def _nearest(self, holders: list[str]) -> str:
+        """A holder on this node first, a pool before a store."""
+        node = self.host.node
+        return min(holders, key=lambda h: (h.split(":")[1] != node, h.startswith(STORE_PREFIX), h))
