@@ -93,7 +93,7 @@ class TieredKVCache:
         self.leases = LeaseTable(ttl=30.0, clock=self.policy.clock)
         self.lineage = Lineage()
         self.lower = LowerTiers(cfg, self.keys, self.counters, self.policy, owner=self)
-        self.room = Room(self._lock, self.policy, self.lower, self._live_groups, self._drop)
+        self.room = Room(self._lock, self.policy, self.lower, self._live_groups, self._drop, self.pools)
         for group in self.lower.adopt_disk_inventory(self._groups, lambda: next(self._gids)):
             self._groups[group.key] = group
             self.policy.on_insert(group)

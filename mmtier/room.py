@@ -12,7 +12,7 @@ threads), a call with a deadline waits until another thread lets go of the lock 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .errors import CapacityError
 from .eviction import EvictionPolicy
@@ -28,8 +28,11 @@ class Room:
     """Makes room in the device pools of one cache (called with its lock held)."""
 
     def __init__(self, lock: OwnerLock, policy: EvictionPolicy, lower: LowerTiers,
-                 live_groups: Callable[[], list[ModalityGroup]], drop: Callable[[ModalityGroup], None]):
+                 live_groups: Callable[[], list[ModalityGroup]], drop: Callable[[ModalityGroup], None],
+                 pools: Mapping[str, PagePool]):
         self.lock, self.policy, self.lower = lock, policy, lower
+        self.pools = pools                      # modality -> its device pool (a victim's own pool:
+                                                # leaf-first may choose a child in another one)
         self.live_groups = live_groups          # every group indexed or held by a sequence
         self.drop = drop                        # evict a group (it leaves the cache)
 
@@ -72,7 +75,8 @@ class Room:
         refused = None
         try:
             for g in chosen:
-                copy = self.lower.stage_demotion(g, pool) if self.lower.enabled and not g.freed else None
+                copy = self.lower.stage_demotion(g, self.pools[g.modality]) \
+                    if self.lower.enabled and not g.freed else None
                 if copy is None and g.refs > 0 and not g.freed:
                     refused = g
                     break
@@ -97,7 +101,7 @@ class Room:
             elif copy is None:
                 self.drop(g)
             else:
-                self.lower.commit_demotion(g, copy, pool)
+                self.lower.commit_demotion(g, copy, self.pools[g.modality])
 
     def _victims(self, pool: PagePool, pages_needed: int, protect: list[ModalityGroup],
                  referenced: bool) -> list[ModalityGroup]:

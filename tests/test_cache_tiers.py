@@ -402,3 +402,26 @@ def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch, backend
         assert not staging._out
         monkeypatch.undo()
         assert torch.equal(cache.attention(seq, 0, q), first)
+
+
+def test_leaf_first_demotes_a_child_from_its_own_pool(tmp_path, backend):
+    """A chain text -> vision -> text with room for two text pages: storing the last text group
+    makes room in the text pool, and leaf-first moves the vision child (in the vision pool)
+    before its text parent. The child is copied from its own pool's pages and both stay whole
+    on disk (before, it was copied through the text pool's view, the copy failed with a shape
+    error and the group was dropped)."""
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0)
+    cfg = cfg.model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        assert cache.pools["text"].num_pages == 2
+        root = cache.content_key("text", b"system prompt")
+        img = cache.content_key("vision", b"image", parent=root)
+        tail = cache.content_key("text", b"after the image", parent=img)
+        data = {root: kv(16), img: kv(40), tail: kv(20)}
+        for key in (root, img, tail):
+            cache.put(key, *data[key])
+        assert tiers_of(cache, [root, img, tail]) == [Tier.DISK, Tier.DISK, Tier.DEVICE]
+        for key in (root, img, tail):
+            k, v = cache.read_group(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+        assert cache.stats().counters.get("spill_failures", 0) == 0
