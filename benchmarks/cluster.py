@@ -5,9 +5,11 @@
 - ``remote_attention_ms`` vs ``local_attention_ms``: the same attention through the client, the
   group in the home pool against the group on the other node (partial attention there, merged);
 - ``copy_gb_per_s`` (a group's pages exported by a pool on node B, imported by a pool on node A:
-  what an embedded pool's fetch does; the export puts the pages into the object store straight
-  from the arena, with no safety copy) against ``object_store_gb_per_s`` (the same bytes put by
-  an actor on B and got by one on A), interleaved in the same run, medians of the rounds:
+  what an embedded pool's fetch does; the export returns the pages themselves, a leased view of
+  the arena that Ray writes into the object store, and the import copies them from the object
+  store buffer straight into its pages: one round trip, one copy on each side) against
+  ``object_store_gb_per_s`` (the same bytes returned by an actor on B and taken by one on A,
+  which does not even read them), interleaved in the same run, medians of the rounds:
   ``remote_fetch_over_object_store`` = copy throughput / raw throughput.
 """
 
@@ -172,7 +174,7 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     def raw_once() -> None:
         assert ray.get(sink.take.remote(source.make.remote()), timeout=120) == nbytes
 
-    reps = 5 if quick else 7
+    reps = 5 if quick else 11             # a loaded 2-core machine: more rounds, steadier medians
     t_copy, t_raw = [], []
     copy_once()                            # one untimed round each: actors and buffers warm
     raw_once()

@@ -299,8 +299,8 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
                          f"({n_pages} pages of {spec.page_bytes} bytes)")
     with warnings.catch_warnings():        # a read-only object-store buffer: only read from
         warnings.simplefilter("ignore", UserWarning)
-        src = torch.from_numpy(buf)
-    src = src.view(spec.torch_dtype).view(n_pages, *spec.page_shape)
+        src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
+    pb = spec.page_bytes
     with cache._lock:
         if key in cache._groups:
             return False
@@ -310,7 +310,7 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
             pool.free(pages)
             return False
         for page, at, count in page_runs(pages):   # from the buffer into the pages: the one copy
-            pool.view[page:page + count].copy_(src[at:at + count])
+            pool.view[page:page + count].view(-1).view(torch.uint8).copy_(src[at * pb:(at + count) * pb])
         cache._insert_group(key, spec, n, pages)
         return True
 
