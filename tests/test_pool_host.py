@@ -16,7 +16,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 import random  # noqa: E402
 import time  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -99,6 +101,7 @@ def test_remote_media_groups_cost_one_lookup_n_fetches_one_publish(cluster, new_
     assert got["calls"] == {"lookup": 1, "fetch": 4, "publish": 1}
     stats = ray.get(b.stats.remote(), timeout=60)["host"]
     assert stats["fetched"] == 4 and stats["plan_fetch"] == 4 and stats.get("plan_remote", 0) == 0
+    assert ray.get(a.leak_report.remote(), timeout=60)["leases"] == 0   # every export's lease back
     ray.kill(a)
     ray.kill(b)
 
@@ -132,3 +135,43 @@ def test_spilled_group_comes_back_from_the_node_store(cluster):
     assert again["counters"]["cross_hits"] == {"vision": 1}
     assert again["calls"] == {"lookup": 1, "fetch": 1, "publish": 1}     # back from the store
     ray.kill(eng)
+
+
+def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
+    """No Ray: an export's buffer is a view of the arena leased exactly as long as it lives (the
+    group cannot leave meanwhile); an import into scattered pages, run by run, stores the same
+    K/V; a key not held raises and leaves no lease."""
+    from mmtier.actors.pool_actor import PoolService, page_runs
+    from mmtier.actors.transfer import export_to_object_store
+    from mmtier.errors import UnknownKeyError
+
+    cfg = MODEL.cache_config(device_bytes=6 << 20)
+    src, dst = PoolService(cfg, name="src", node="n"), PoolService(cfg, name="dst", node="n")
+    spec = cfg.spec("vision")
+    k = torch.randn(spec.num_layers, 3 * spec.page_size - 5, spec.num_kv_heads, spec.head_dim)
+    v = torch.randn_like(k)
+    key = src.cache.content_key("vision", _blob("scatter", 64), tenant="acme")
+    src.put(key.to_wire(), k, v)
+    # the destination's vision pool full of one-page groups, every other one dropped
+    one = [dst.cache.content_key("vision", _blob(f"fill{i}", 64), tenant="acme")
+           for i in range(dst.cache.pools["vision"].num_pages)]
+    for f in one:
+        dst.put(f.to_wire(), *(torch.randn(spec.num_layers, 7, spec.num_kv_heads, spec.head_dim),) * 2)
+    assert dst.drop([f.to_wire() for f in one[::2]]) == [f.hex for f in one[::2]]
+
+    meta, buf = export_to_object_store(src, key.to_wire())
+    assert len(src.cache.leases) == 1
+    assert src.drop([key.to_wire()]) == []                     # leased: cannot leave
+    assert np.shares_memory(buf, src.cache.pools["vision"].view.numpy())   # a view, no copy
+    item, _ = dst.import_group(key.to_wire(), meta, buf)
+    assert item is not None and item["num_tokens"] == k.shape[1]
+    del buf                                                    # the last reference: lease back
+    assert len(src.cache.leases) == 0
+    assert len(page_runs(dst.cache._groups[key].pages)) > 1    # landed in scattered pages
+    got_k, got_v = dst.cache.read_group(key)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    assert src.drop([key.to_wire()]) == [key.hex]
+    with pytest.raises(UnknownKeyError):
+        export_to_object_store(src, key.to_wire())
+    assert len(src.cache.leases) == 0
+    assert dst.leak_report()["leases"] == 0

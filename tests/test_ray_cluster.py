@@ -408,6 +408,8 @@ def test_no_pages_leak_once_every_sequence_is_released(cc):
     for name, r in reports.items():
         assert r["sequences"] == 0 and r["handles"] == 0, name
         assert r["used_pages"] == r["cached_pages"], name
+    assert all(r["leases"] == 0 for r in reports.values() if "leases" in r)   # exports gave them back
+    assert any("leases" in r for r in reports.values())
     st = cc.stats()
     assert st.sequences == 0 and st.total_bytes("device") > 0
 

@@ -170,8 +170,9 @@ class HostedCache:
                 size = 0 if group is None or not group.evictable else group.nbytes
             if not size:
                 continue
-            meta, box = self.host.export(key.to_wire())
-            item, _evicted = self.transport.offload(store, key.to_wire(), meta, box)
+            # the export's buffer (a leased view of the arena) lives only for this call, so the
+            # lease is gone before the drop below
+            item, _evicted = self.transport.offload(store, key.to_wire(), *self.host.export(key.to_wire()))
             if item is not None:
                 taken.append(item)
             dropped = self.host.drop([key.to_wire()])

@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -43,7 +44,7 @@ from .node_store import NodeStoreService
 from .pool_actor import PoolService
 from .registry import ContentRegistry, HolderInfo
 from .settings import ClusterSettings
-from .transfer import export_to_object_store, unbox
+from .transfer import export_to_object_store
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,8 @@ class PagePoolActor(PoolService):
             self.metrics.publish(self.stats())
         return super().ping()
 
-    def export(self, wire: dict[str, str]) -> tuple[dict, list]:
+    def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
         return export_to_object_store(self, wire)
-
-    def import_group(self, wire: dict[str, str], meta: dict, buf) -> tuple[dict | None, list[str]]:
-        return super().import_group(wire, meta, unbox(buf, self.settings.call_timeout_s))
 
 
 class NodeStoreActor(NodeStoreService):
@@ -122,9 +120,6 @@ class NodeStoreActor(NodeStoreService):
         if self.metrics.due():
             self.metrics.publish(self.tier_stats())
         return super().ping()
-
-    def import_group(self, wire: dict[str, str], meta: dict, buf) -> tuple[dict | None, list[str]]:
-        return super().import_group(wire, meta, unbox(buf, self.settings.call_timeout_s))
 
 
 class ContentRegistryActor:

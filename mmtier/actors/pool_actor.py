@@ -29,6 +29,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -215,7 +216,7 @@ class PoolService:
             used = sum(p.num_used for p in self.cache.pools.values())
             cached = sum(len(g.pages) for g in self.cache._groups.values() if g.tier == Tier.DEVICE)
             return {"sequences": len(self.cache._seqs), "handles": len(self._handles),
-                    "used_pages": used, "cached_pages": cached}
+                    "used_pages": used, "cached_pages": cached, "leases": len(self.cache.leases)}
 
     def close(self) -> None:
         self.cache.close()
@@ -253,7 +254,8 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
     """``({"num_tokens"}, pages as uint8 [n_pages * page_bytes])``, page-major: one copy when
     the group is on the device, else through ``read_group`` from whichever tier holds it.
     ``copy=False`` returns a CPU device group whose pages are one run as a *view* of the
-    arena (no copy): the caller holds a lease on the group until it is done reading."""
+    arena (no copy): the caller holds a lease on the group until it is done reading. Scattered
+    pages, or pages on a GPU, are copied run by run straight into one host buffer."""
     spec = cache._check_key(key)
     with cache._lock:
         group = cache._groups.get(key)
@@ -261,15 +263,14 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
             raise UnknownKeyError(f"{key!r} is not held here")
         if group.tier == Tier.DEVICE:
             view = cache.pools[key.modality].view
-            pages = group.pages
-            if pages == list(range(pages[0], pages[0] + len(pages))):
-                data = view[pages[0]:pages[0] + len(pages)]
-                if copy or data.device.type != "cpu":
-                    data = data.clone()
-            else:
-                data = view[torch.tensor(pages, dtype=torch.int64, device=view.device)]
-            flat = data.cpu().contiguous().view(torch.uint8).reshape(-1)
-            return {"num_tokens": group.num_tokens}, flat.numpy()
+            runs = page_runs(group.pages)
+            if len(runs) == 1 and not copy and view.device.type == "cpu":
+                data = view[runs[0].page:runs[0].page + runs[0].count]   # a view, no copy
+            else:                                  # one copy per run, straight to host memory
+                data = torch.empty((len(group.pages), *view.shape[1:]), dtype=view.dtype)
+                for page, at, n in runs:
+                    data[at:at + n].copy_(view[page:page + n])
+            return {"num_tokens": group.num_tokens}, data.view(torch.uint8).reshape(-1).numpy()
     if spec.kind == "embedding":             # encoder outputs in a lower tier: padded to pages
         x = cache.get_embedding(key)
         n = x.shape[0]
@@ -288,7 +289,8 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
 
 
 def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndarray) -> bool:
-    """Store a group from an ``export`` buffer: one copy into freshly allocated pages."""
+    """Store a group from an ``export`` buffer (a read-only object-store buffer, read in
+    place): one copy, run by run, into freshly allocated pages."""
     spec = cache._check_key(key)
     n = int(meta["num_tokens"])
     n_pages = spec.pages_for(n)
@@ -297,8 +299,8 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
                          f"({n_pages} pages of {spec.page_bytes} bytes)")
     with warnings.catch_warnings():        # a read-only object-store buffer: only read from
         warnings.simplefilter("ignore", UserWarning)
-        src = torch.from_numpy(buf)
-    src = src.view(spec.torch_dtype).view(n_pages, *spec.page_shape)
+        src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
+    pb = spec.page_bytes
     with cache._lock:
         if key in cache._groups:
             return False
@@ -307,9 +309,26 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
         if key in cache._groups:           # imported by another thread while room was made
             pool.free(pages)
             return False
-        if pages == list(range(pages[0], pages[0] + n_pages)):
-            pool.view[pages[0]:pages[0] + n_pages].copy_(src)
-        else:
-            pool.view[torch.tensor(pages, dtype=torch.int64, device=pool.device)] = src.to(pool.device)
+        for page, at, count in page_runs(pages):   # from the buffer into the pages: the one copy
+            pool.view[page:page + count].view(-1).view(torch.uint8).copy_(src[at * pb:(at + count) * pb])
         cache._insert_group(key, spec, n, pages)
         return True
+
+
+class Run(NamedTuple):
+    """Consecutive page ids: the first, its index in the group's page list, how many."""
+
+    page: int
+    at: int
+    count: int
+
+
+def page_runs(pages: Sequence[int]) -> list[Run]:
+    """A group's page list as runs of consecutive page ids (one copy each)."""
+    runs: list[Run] = []
+    for i, p in enumerate(pages):
+        if runs and runs[-1].page + runs[-1].count == p:
+            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
+        else:
+            runs.append(Run(p, i, 1))
+    return runs

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import ray
 
 from ..config import CacheConfig
@@ -35,7 +36,7 @@ from .metrics import ActorMetrics
 from .pool_actor import PoolService
 from .registry import Location
 from .settings import ClusterSettings
-from .transfer import export_to_object_store, unbox
+from .transfer import export_to_object_store
 
 
 def host_name(node: str, index: int = 0) -> str:
@@ -83,8 +84,9 @@ class RayTransport:
         self.calls["fetch"] += 1
         return self.handle(holder).export.options(num_returns=2).remote(wire)
 
-    def land(self, refs) -> tuple[dict, object]:
-        """Wait for a fetch: ``(meta, buffer or boxed reference)``."""
+    def land(self, refs) -> tuple[dict, np.ndarray]:
+        """Wait for a fetch: ``(meta, page buffer)``, one ``ray.get`` of both returns (the
+        buffer pulled to this node's object store and read there zero-copy)."""
         try:
             meta, buf = ray.get(list(refs), timeout=self.settings.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:
@@ -94,15 +96,16 @@ class RayTransport:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError) as exc:
             raise HolderLostError(f"a fetch failed ({type(exc).__name__})") from None
-        return meta, unbox(buf, self.settings.call_timeout_s)
+        return meta, buf
 
     def publish(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
         """Fire and forget, one call: groups this holder now holds and those it gave up."""
         self.calls["publish"] += 1
         self.registry.publish.remote(holder, items, removed, info)
 
-    def offload(self, store: str, wire: dict[str, str], meta: dict, buf: list):
-        """Hand a group to the node store (one call); waits for its answer."""
+    def offload(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
+        """Hand a group to the node store (one call: the submission puts ``buf`` into the
+        object store); waits for its answer."""
         self.calls["offload"] += 1
         return ray.get(self.handle(store).import_group.remote(wire, meta, buf),
                        timeout=self.settings.call_timeout_s)
@@ -149,11 +152,8 @@ class PoolHost(PoolService):
             self.metrics.publish(self.stats())
         return super().ping()
 
-    def export(self, wire: dict[str, str]) -> tuple[dict, list]:
+    def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
         return export_to_object_store(self, wire)
-
-    def import_group(self, wire: dict[str, str], meta: dict, buf) -> tuple[dict | None, list[str]]:
-        return super().import_group(wire, meta, unbox(buf, self.settings.call_timeout_s))
 
     def stats(self) -> dict:
         d = super().stats()

@@ -1,17 +1,25 @@
 """Whole groups between holders through the object store, with no copy on the sender but the
 object store's own (the Ray edge of ``PoolService.export`` / ``import_group``).
 
-``export_to_object_store`` leases the group (it cannot be evicted or moved while read), puts
-its pages into this node's object store straight from the arena (a view, no safety copy), gives
-the lease back, and returns ``(meta, [ref])``: the reference travels boxed in a list, so Ray
-hands it to the importer as a reference and the bytes move once, node to node. A holder on the
-same node reads them zero-copy. ``unbox`` is the importer's side (a plain buffer passes as is).
+``export_to_object_store`` leases the group (it cannot be evicted or moved while read) and
+returns ``(meta, buffer)``, the buffer a *view* of the arena where the group's pages are one run
+on the CPU. The lease lives exactly as long as the view: it is given back when the last
+reference to the buffer goes, that is once Ray has written the actor method's return value into
+this node's object store (one copy), or once a local caller's ``.remote(...)`` has put it there.
+Nothing reads the pages after the lease is gone, because every reader holds the buffer; a
+reader that never lets go is bounded by the lease's TTL.
+
+So a fetch is one call and one round trip: the importer's ``ray.get`` of the export's second
+return (or Ray, resolving it as an argument) pulls the bytes node to node once; on the same node
+it reads them zero-copy, and ``import_pages`` copies them into the pool's pages: the only copy on
+the receiving side.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
-import ray
 
 from ..content import ContentKey
 from .pool_actor import PoolService
@@ -19,19 +27,14 @@ from .pool_actor import PoolService
 LEASE_S = 60.0          # bound of one export's read of the arena (a put into the object store)
 
 
-def export_to_object_store(service: PoolService, wire: dict[str, str]) -> tuple[dict, list]:
-    """``(meta, [ObjectRef of the page buffer])`` of a group held by ``service`` ."""
+def export_to_object_store(service: PoolService, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
+    """``(meta, page buffer)`` of a group held by ``service``, leased while the buffer lives."""
     cache = service.cache
     lease = cache.lease(ContentKey.from_wire(wire), LEASE_S)     # UnknownKeyError when not held
     try:
         meta, buf = PoolService.export(service, wire, copy=False)   # the plain logic's view
-        return meta, [ray.put(buf)]
-    finally:
+    except BaseException:
         cache.release_lease(lease)
-
-
-def unbox(buf, timeout_s: float) -> np.ndarray:
-    """The page buffer of an export: as passed, or fetched from its boxed reference."""
-    if isinstance(buf, list) and len(buf) == 1 and isinstance(buf[0], ray.ObjectRef):
-        return ray.get(buf[0], timeout=timeout_s)
-    return buf
+        raise
+    weakref.finalize(buf, cache.release_lease, lease)
+    return meta, buf
