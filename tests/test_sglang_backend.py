@@ -13,7 +13,7 @@ import pytest
 import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
-                    reason="SGLang is not importable: create the engines env with tests/engines_env.sh")
+                    reason="SGLang is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
 
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402

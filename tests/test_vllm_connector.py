@@ -15,7 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
-                    reason="vLLM is not importable: create the engines env with tests/engines_env.sh")
+                    reason="vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
 
 from mmtier.groups import Tier  # noqa: E402
 from mmtier.integrations.engine_cache import close_shared  # noqa: E402
