@@ -1,0 +1,155 @@
+"""What an engine's model runner calls once per layer: per-layer writes (``reserve`` /
+``write_layer``, sealed into a shared group by ``seal``) and one attention call for a batch of
+sequences (``attention_batch``). Used by the transformers adapter and the vLLM / SGLang
+connectors; a part of ``TieredKVCache`` (this class is one of its bases), kept in its own file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .batch_attention import BatchPlan, check_segments, query_bounds
+from .content import ContentKey, tenant_scope
+from .errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
+from .groups import Tier
+from .layer_writes import Reservation, write_one_layer
+from .payload import token_identity
+from .table import Segment, SequenceHandle, compile_batch
+
+
+class EngineAPI:
+    """Per-layer writes and batched attention over ``TieredKVCache``'s own state (its lock,
+    tables, planning and pinning helpers)."""
+
+    def reserve(self, seq: SequenceHandle, modality: str, n: int, *,
+                tokens: Sequence[int] | None = None, new_run: bool = False) -> Reservation:
+        """Add ``n`` tokens to ``seq`` whose K/V will arrive one layer at a time
+        (``write_layer``). Their pages stay on the device until every layer is written.
+        ``tokens`` (their ids) name them in the prefix chain; without them the run is unique
+        (its prefix never matches another sequence's). ``new_run``: start a run of their own
+        (one that ``seal`` can turn into a shared group)."""
+        self._open()
+        spec = self.cfg.spec(modality)
+        if spec.kind != "kv":
+            raise UnknownModalityError(f"modality {modality!r} holds embeddings; use put_embedding")
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ShapeError(f"reserve needs n > 0 tokens, got {n!r}")
+        if tokens is not None and len(tokens) != n:
+            raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
+        identity = token_identity(modality, None, None, tokens) if tokens is not None else \
+            b"unique:" + os.urandom(16)
+        with self._lock:
+            self.lower.apply_completions()
+            growth = self._grow(self._table(seq), modality, spec, n, new_run)
+            group = self._commit_growth(growth, identity)
+            group.pins += 1
+            return Reservation(group, growth.pool, growth.page_ids, growth.offsets, n)
+
+    def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""
+        self._open()
+        with self._lock:
+            write_one_layer(res, layer, k, v, self._backend())
+            if res.complete:
+                res.open = False
+                res.group.pins -= 1
+
+    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
+        """Make the sequence's last run (fully written, started by ``reserve(new_run=True)``) the
+        shared group ``key``, in place (no copy): later sequences of the tenant ``attach`` it.
+        ``False`` (the run stays private) when ``key`` is already held or the run has left the
+        device."""
+        self._check_key(key, "kv")
+        with self._lock:
+            table = self._table(seq)
+            if key.scope != tenant_scope(self._salt(seq.tenant)):
+                raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+            tail = table.tail
+            if tail is None or tail.group.key is not None or tail.group.modality != key.modality:
+                raise UnknownKeyError(f"sequence {seq.id} ends in no private {key.modality} run to seal")
+            group = tail.group
+            if group.pins:
+                raise ShapeError(f"sequence {seq.id}: its last run is still being written")
+            if key in self._groups or group.tier != Tier.DEVICE:
+                return False                      # held already, or moved down meanwhile
+            group.key = key
+            self._groups[key] = group
+            self.counters.add("puts", key.modality)
+            self.counters.add("stored_tokens", key.modality, group.num_tokens)
+            return True
+
+    def attention_batch(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
+                        q_indptr: torch.Tensor | Sequence[int], *,
+                        groups: Sequence[Iterable[ContentKey] | None] | None = None,
+                        causal: bool = True, scale: float | None = None) -> torch.Tensor:
+        """Attention for a batch of sequences in one call: rows ``q_indptr[b]:q_indptr[b+1]`` of
+        ``q [total_q, num_q_heads, head_dim]`` are the last queries of ``seqs[b]``; ``groups[b]``
+        restricts sequence ``b`` to those groups (cross-attention). Device pages of every
+        sequence go through one kernel launch per pool."""
+        return self.attention_batch_state(seqs, layer, q, q_indptr, groups=groups, causal=causal,
+                                          scale=scale)[0]
+
+    def attention_batch_state(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
+                              q_indptr: torch.Tensor | Sequence[int], *,
+                              groups: Sequence[Iterable[ContentKey] | None] | None = None,
+                              causal: bool = True, scale: float | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``attention_batch``'s ``(out, lse)``."""
+        self._check_q(q)
+        seqs = list(seqs)
+        bounds = query_bounds(q_indptr, q.shape[0], len(seqs))
+        if groups is not None and len(groups) != len(seqs):
+            raise ShapeError(f"{len(groups)} group lists for {len(seqs)} sequences")
+        with self._lock:
+            self.lower.apply_completions()
+            batch, positions = [], []
+            for b, seq in enumerate(seqs):
+                table = self._table(seq)
+                batch.append(list(self._select(seq, table, None if groups is None else groups[b])))
+                n_q, length = bounds[b + 1] - bounds[b], table.length
+                if causal and n_q > length:
+                    raise ShapeError(f"sequence {seq.id}: {n_q} queries but it holds {length} tokens")
+                first = max(0, length - n_q)
+                positions.append(torch.arange(first, first + n_q, dtype=torch.int32))
+            q_pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
+            plan = self._plan_batch(batch, layer, q)
+        try:
+            return plan.run(q, bounds, q_pos, causal=causal, scale=scale, backend=self._backend())
+        finally:
+            with self._lock:
+                self._unpin_batch(plan)
+
+    def _plan_batch(self, batch: list[list[Segment]], layer: int, q: torch.Tensor) -> BatchPlan:
+        """A batch's plan (lock held): the device segments of every sequence compiled into one
+        operand per pool (one launch each), their groups pinned; each sequence's host and disk
+        segments in a plan of its own (``_plan``)."""
+        check_segments([s for segs in batch for s in segs], layer, q)
+        device_batch = [[s for s in segs if s.group.tier == Tier.DEVICE] for segs in batch]
+        plan = BatchPlan([s.group for segs in device_batch for s in segs], [], {}, self.arena.device)
+        for g in plan.device_groups:
+            g.pins += 1
+            self.policy.on_access(g)
+        try:
+            plan.device_ops = compile_batch(device_batch, layer, self._device_view)
+            for b, segs in enumerate(batch):
+                lower = [s for s in segs if s.group.tier != Tier.DEVICE]
+                if lower:
+                    plan.lower[b] = self._plan(lower, layer, q)
+        except BaseException:
+            self._unpin_batch(plan)
+            raise
+        return plan
+
+    def _unpin_batch(self, plan: BatchPlan) -> None:
+        for p in plan.lower.values():
+            self._unpin(p)
+        plan.lower = {}
+        for g in plan.device_groups:
+            g.pins -= 1
+        for g in dict.fromkeys(plan.device_groups):
+            if g.pins == 0 and g.freed:
+                self._settle(g)
+        plan.device_groups = []
