@@ -23,6 +23,7 @@ import torch
 
 from .attention_plan import AttentionPlan
 from .batch_attention import BatchPlan, check_segments, query_bounds
+from .compiled_operands import CompiledOperands
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_scope
 from .errors import (
@@ -84,6 +85,7 @@ class TieredKVCache:
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
         self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
+        self._compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
         self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}
         self._seqs: dict[int, SequenceTable] = {}
@@ -323,6 +325,7 @@ class TieredKVCache:
         with self._lock:
             self.lower.apply_completions()
             table = self._table(seq)
+            self._compiled.drop(seq.id)
             for seg in table.segments:
                 group = seg.group
                 group.refs -= 1
@@ -383,7 +386,7 @@ class TieredKVCache:
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
                 q_pos = self._positions(q_positions, n_q)
-            plan = self._plan(segments, layer, q)
+            plan = self._plan(segments, layer, q, seq_id=seq.id)
         return self._run(plan, q, q_pos, causal, scale)
 
     def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
@@ -440,9 +443,11 @@ class TieredKVCache:
             raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
         return [s for s in table.segments if s.group.key in wanted]
 
-    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor) -> AttentionPlan:
+    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor,
+              seq_id: int | None = None) -> AttentionPlan:
         """Check the segments fit ``q`` and ``layer``, pin their groups and capture what the
-        computation reads (lock held; ``_run`` computes it without the lock)."""
+        computation reads (lock held; ``_run`` computes it without the lock). With ``seq_id``
+        (the segments are that sequence's), its device operands are reused while unchanged."""
         check_segments(segments, layer, q)
         for s in segments:
             s.group.pins += 1
@@ -454,7 +459,11 @@ class TieredKVCache:
         try:
             plan.stream = self.lower.stream(disk_segs, layer)   # disk reads first:
             if device_segs or not segments:                                       # they overlap the rest
-                plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+                if seq_id is None:
+                    plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+                else:
+                    plan.device_ops = self._compiled.operands(
+                        seq_id, device_segs, layer, lambda segs, lay: compile_segments(segs, lay, self._device_view))
             if host_segs:
                 plan.host_ops, plan.held = self.lower.plan_host(host_segs, layer)
         except BaseException:
