@@ -80,7 +80,7 @@ class AttentionPlan:
                 q_indptr, = upload_ints([host_q_indptr], dev)
                 q_pos_dev = q_pos.to(dev)
             states.append(paged_attention(
-                q.to(dev), q_indptr, q_pos_dev, self.device_ops, causal=causal, scale=scale,
+                q if q.device == dev else q.to(dev), q_indptr, q_pos_dev, self.device_ops, causal=causal, scale=scale,
                 backend=backend, out_dtype=torch.float32, host_q_indptr=host_q_indptr))
         if self.lower:
             qc, pos = q.cpu(), q_pos.cpu()
@@ -100,7 +100,9 @@ class AttentionPlan:
             merge_backend = backend if self.device_ops is not None else "torch"
             out, lse = merge_attention_states([o.to(dev) for o, _ in states], [x.to(dev) for _, x in states],
                                               backend=merge_backend, out_dtype=torch.float32)
-        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+        if out.device != q.device or out.dtype != q.dtype:
+            out = out.to(device=q.device, dtype=q.dtype)
+        return out, (lse if lse.device == q.device else lse.to(q.device))
 
     def close(self, release_held: Callable[[list[HostEntry]], None]) -> None:
         """Give back what the plan holds (host entries, the stream's buffers); idempotent."""

@@ -421,7 +421,7 @@ class TieredKVCache:
                 or q_positions.is_floating_point() or q_positions.is_complex():
             raise ShapeError(f"q_positions must be {n_q} integer positions, got "
                              f"{tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}")
-        return q_positions.to(torch.int32)
+        return q_positions if q_positions.dtype == torch.int32 else q_positions.to(torch.int32)
 
     def _check_q(self, q) -> None:
         self._open()

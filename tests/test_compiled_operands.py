@@ -6,10 +6,13 @@ other K/V) fails."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from mmtier import TieredKVCache
+from mmtier.errors import ShapeError
 from mmtier.groups import Tier
+from mmtier.kernels import build_paged_kv
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache_tiers import D, L, kv, make_cfg
 
@@ -103,3 +106,19 @@ def test_release_forgets_the_sequence(tmp_path, backend):
         cache.append(seq2, "text", k, v)
         logical2.add(k, v, "text")
         check(cache, seq2, logical2)
+
+
+def test_a_remembered_operand_check_still_refuses_another_batch_or_head_dim():
+    """``PagedKV.validate`` remembers a passed check per ``(batch, head_dim)`` only."""
+    kv_pool = torch.randn(3, L, 2, 16, 2, D)
+    op = build_paged_kv(kv_pool, 1, [[([2, 0], 5, 20)]])
+    op.validate(1, D)
+    op.validate(1, D)                              # remembered
+    with pytest.raises(ShapeError):
+        op.validate(2, D)
+    with pytest.raises(ShapeError):
+        op.validate(1, D + 1)
+    bad = build_paged_kv(kv_pool, L, [[([1], 0, 4)]])     # layer out of range: never remembered
+    for _ in range(2):
+        with pytest.raises(ShapeError):
+            bad.validate(1, D)

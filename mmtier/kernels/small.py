@@ -67,8 +67,9 @@ def small_attention(q: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[Pag
             ks.append(torch.index_select(rows, 0, idx))
             vs.append(torch.index_select(rows, 0, idx + size))
         k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
-    k = k.view(-1, hkv, head_dim).to(torch.float32)                       # [T, Hkv, D]
-    v = v.view(-1, hkv, head_dim).to(torch.float32)
+    k, v = k.view(-1, hkv, head_dim), v.view(-1, hkv, head_dim)           # [T, Hkv, D]
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
     group = num_q_heads // hkv
     bias = _causal_bias(slots_of, q_pos, group) if causal else None
     if n_q == 1:                                         # [1, Hq, D] -> [Hkv, G, D]: a view
