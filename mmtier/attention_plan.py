@@ -26,6 +26,17 @@ from .streaming import DiskStream
 from .table import Segment
 
 WAIT_S = 120.0
+_INDPTRS: dict[int, torch.Tensor] = {}     # [0, n_q] int32 on the host, per n_q: read-only, shared
+
+
+def _query_indptr(n_q: int) -> torch.Tensor:
+    """The one-item query indptr ``[0, n_q]`` (made once per ``n_q``; the kernels only read it)."""
+    t = _INDPTRS.get(n_q)
+    if t is None:
+        t = torch.tensor([0, n_q], dtype=torch.int32)
+        if len(_INDPTRS) < 4096:
+            _INDPTRS[n_q] = t
+    return t
 
 
 @dataclass(eq=False)
@@ -62,18 +73,18 @@ class AttentionPlan:
             dev = self.device
             # the query's index arrays: built on the host (planning reads them there) and uploaded
             # without a sync; caller-given positions already on the device stay there
-            host_q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            host_q_indptr = _query_indptr(q.shape[0])
             if q_pos.device.type == "cpu":
                 q_indptr, q_pos_dev = upload_ints([host_q_indptr, q_pos], dev)
             else:
                 q_indptr, = upload_ints([host_q_indptr], dev)
                 q_pos_dev = q_pos.to(dev)
             states.append(paged_attention(
-                q.to(dev), q_indptr, q_pos_dev, self.device_ops, causal=causal, scale=scale,
+                q if q.device == dev else q.to(dev), q_indptr, q_pos_dev, self.device_ops, causal=causal, scale=scale,
                 backend=backend, out_dtype=torch.float32, host_q_indptr=host_q_indptr))
         if self.lower:
             qc, pos = q.cpu(), q_pos.cpu()
-            indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+            indptr = _query_indptr(q.shape[0])
             stream = self.stream
             if stream is not None:     # what has landed while the device part ran, before the host part
                 states.extend(stream.states(self.disk_segments, qc, indptr, pos, causal, scale, WAIT_S, wait=False))
@@ -89,7 +100,9 @@ class AttentionPlan:
             merge_backend = backend if self.device_ops is not None else "torch"
             out, lse = merge_attention_states([o.to(dev) for o, _ in states], [x.to(dev) for _, x in states],
                                               backend=merge_backend, out_dtype=torch.float32)
-        return out.to(device=q.device, dtype=q.dtype), lse.to(q.device)
+        if out.device != q.device or out.dtype != q.dtype:
+            out = out.to(device=q.device, dtype=q.dtype)
+        return out, (lse if lse.device == q.device else lse.to(q.device))
 
     def close(self, release_held: Callable[[list[HostEntry]], None]) -> None:
         """Give back what the plan holds (host entries, the stream's buffers); idempotent."""

@@ -22,6 +22,7 @@ import torch
 
 from .attention_plan import AttentionPlan
 from .batch_attention import check_segments
+from .compiled_operands import CompiledOperands
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey, KeyMaker, media_digest, tenant_salt, tenant_scope
 from .engine_api import EngineAPI
@@ -83,6 +84,7 @@ class TieredKVCache(EngineAPI):
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
         self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
+        self._compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
         self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}
         self._seqs: dict[int, SequenceTable] = {}
@@ -322,6 +324,7 @@ class TieredKVCache(EngineAPI):
         with self._lock:
             self.lower.apply_completions()
             table = self._table(seq)
+            self._compiled.drop(seq.id)
             for seg in table.segments:
                 group = seg.group
                 group.refs -= 1
@@ -382,7 +385,7 @@ class TieredKVCache(EngineAPI):
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
                 q_pos = self._positions(q_positions, n_q)
-            plan = self._plan(segments, layer, q)
+            plan = self._plan(segments, layer, q, seq_id=seq.id)
         return self._run(plan, q, q_pos, causal, scale)
 
     def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
@@ -417,7 +420,7 @@ class TieredKVCache(EngineAPI):
                 or q_positions.is_floating_point() or q_positions.is_complex():
             raise ShapeError(f"q_positions must be {n_q} integer positions, got "
                              f"{tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}")
-        return q_positions.to(torch.int32)
+        return q_positions if q_positions.dtype == torch.int32 else q_positions.to(torch.int32)
 
     def _check_q(self, q) -> None:
         self._open()
@@ -439,9 +442,11 @@ class TieredKVCache(EngineAPI):
             raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
         return [s for s in table.segments if s.group.key in wanted]
 
-    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor) -> AttentionPlan:
+    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor,
+              seq_id: int | None = None) -> AttentionPlan:
         """Check the segments fit ``q`` and ``layer``, pin their groups and capture what the
-        computation reads (lock held; ``_run`` computes it without the lock)."""
+        computation reads (lock held; ``_run`` computes it without the lock). With ``seq_id``
+        (the segments are that sequence's), its device operands are reused while unchanged."""
         check_segments(segments, layer, q)
         for s in segments:
             s.group.pins += 1
@@ -453,7 +458,11 @@ class TieredKVCache(EngineAPI):
         try:
             plan.stream = self.lower.stream(disk_segs, layer)   # disk reads first:
             if device_segs or not segments:                                       # they overlap the rest
-                plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+                if seq_id is None:
+                    plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+                else:
+                    plan.device_ops = self._compiled.operands(
+                        seq_id, device_segs, layer, lambda segs, lay: compile_segments(segs, lay, self._device_view))
             if host_segs:
                 plan.host_ops, plan.held = self.lower.plan_host(host_segs, layer)
         except BaseException:

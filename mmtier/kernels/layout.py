@@ -78,6 +78,16 @@ class PagedKV:
         return self.seg_start.shape[0]
 
     def validate(self, batch: int, head_dim: int) -> None:
+        """``ShapeError`` / ``DTypeError`` unless the operand fits a batch of ``batch`` items with
+        head dim ``head_dim``. What it checks (dims, dtypes, devices, shapes) cannot change for
+        the same tensors, so a passed check is remembered on the operand (the cache hands the
+        layers and steps of a sequence the same operands)."""
+        if self.__dict__.get("_valid_for") == (batch, head_dim):
+            return
+        self._validate(batch, head_dim)
+        object.__setattr__(self, "_valid_for", (batch, head_dim))   # frozen: a memo, not a field
+
+    def _validate(self, batch: int, head_dim: int) -> None:
         if self.kv.dim() != 6 or self.kv.shape[2] != 2:
             raise ShapeError(f"kv must be [pages, layers, 2, page_size, kv_heads, head_dim], got {tuple(self.kv.shape)}")
         if not 0 <= self.layer < self.kv.shape[1]:

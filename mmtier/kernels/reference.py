@@ -51,7 +51,8 @@ def paged_attention_torch(
             op.validate(batch, head_dim)
         small = small_attention(q, q_pos, operands, causal=causal, scale=scale)
         if small is not None:
-            return small[0].to(out_dtype or q.dtype), small[1]
+            out_dt = out_dtype or q.dtype
+            return (small[0] if small[0].dtype == out_dt else small[0].to(out_dt)), small[1]
     out = torch.zeros(total_q, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.full((total_q, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
     q_bounds = q_indptr.tolist()

@@ -67,8 +67,9 @@ def small_attention(q: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[Pag
             ks.append(torch.index_select(rows, 0, idx))
             vs.append(torch.index_select(rows, 0, idx + size))
         k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
-    k = k.view(-1, hkv, head_dim).to(torch.float32)                       # [T, Hkv, D]
-    v = v.view(-1, hkv, head_dim).to(torch.float32)
+    k, v = k.view(-1, hkv, head_dim), v.view(-1, hkv, head_dim)           # [T, Hkv, D]
+    if k.dtype != torch.float32:
+        k, v = k.float(), v.float()
     group = num_q_heads // hkv
     bias = _causal_bias(slots_of, q_pos, group) if causal else None
     if n_q == 1:                                         # [1, Hq, D] -> [Hkv, G, D]: a view
@@ -137,22 +138,36 @@ def _slots(ops: list[PagedKV], device: torch.device) -> _Slots:
             return hit[2]
     bases, positions = [], []
     for op in ops:
-        size, layers = op.page_size, op.kv.shape[1]
-        ptr, pages = op.seg_page_indptr.tolist(), op.page_ids.tolist()
-        base: list[int] = []
-        for s, (start, length) in enumerate(zip(op.seg_start.tolist(), op.seg_len.tolist())):
-            seg_pages = pages[ptr[s]:ptr[s + 1]]
-            n = min(max(length, 0), len(seg_pages) * size)   # tokens are packed from the start
-            base += [seg_pages[i // size] * layers * 2 * size + i % size for i in range(n)]
-            positions.extend(range(start, start + n))
-        bases.append(torch.tensor(base, dtype=torch.int64, device=device))
-    out = _Slots(bases, torch.tensor(positions, dtype=torch.int64, device=device))
+        base, pos = _op_slots(op)
+        bases.append(base.to(device))
+        positions.append(pos)
+    out = _Slots(bases, torch.cat(positions).to(device))
     _share_arena(out, ops)
     with _LOCK:
         _MEMO[key] = (tensors, tuple(weakref.ref(op.kv) for op in ops), out)
         while len(_MEMO) > _KEPT:
             _MEMO.popitem(last=False)
     return out
+
+
+def _op_slots(op: PagedKV) -> tuple[torch.Tensor, torch.Tensor]:
+    """One operand's written slots on the host, in segment, page and slot order: each token's
+    K row at layer 0 (``(page * layers * 2) * page_size + slot``) and its absolute position.
+    A segment's tokens are packed from the start of its first page; slots past its length are
+    left out. Vectorised over pages (no Python loop per token)."""
+    t = op.host if op.host is not None else op
+    size, layers = op.page_size, op.kv.shape[1]
+    ptr = t.seg_page_indptr.cpu().long()
+    pages = t.page_ids.cpu().long()
+    counts = ptr[1:] - ptr[:-1]
+    seg = torch.repeat_interleave(torch.arange(counts.numel()), counts)     # each page's segment
+    lens = torch.minimum(t.seg_len.cpu().long().clamp(min=0), counts * size)[seg]
+    slot = torch.arange(size)
+    tok = (torch.arange(pages.numel()) - ptr[:-1][seg])[:, None] * size + slot    # [P, size]: token in segment
+    keep = tok < lens[:, None]
+    base = (pages[:, None] * (layers * 2 * size) + slot)[keep]
+    pos = (t.seg_start.cpu().long()[seg][:, None] + tok)[keep]
+    return base, pos
 
 
 def _share_arena(slots: _Slots, ops: list[PagedKV]) -> None:
