@@ -14,12 +14,22 @@ completes). Worker side: ``start_load_kv`` reads the groups in a background thre
 ``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that fails to load (corrupt file,
 evicted meanwhile) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
 those blocks: wrong KV is never written.
+
+Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``): a
+request whose groups are not all held here makes **one** batched registry lookup for those it
+lacks, on the cache's ``EngineLink`` thread; the leading run held elsewhere is pulled whole into
+the local cache (one call per group) and then counts as a hit. Meanwhile
+``get_num_new_matched_tokens`` answers ``None`` (vLLM's "ask again at a later step"), so the
+scheduler never waits on the cluster; a pull that fails is a miss. What the writer thread
+stores is written through to the node's store and published, one publish per batch
+(``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
+store's copies outlive it.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
-from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+from .engine_cache import config_from_extra, shared_cache, shared_link, tenant_from_extra
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
 if TYPE_CHECKING:
@@ -41,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
+ADMISSION_WAIT_S = 0.005      # how long a scheduler step waits for a cluster pull before "ask again"
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,7 @@ class _ReqState:
     load: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0                 # segments [0, saved) are held or queued for saving
+    pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
 
 
 def media_of(request: Any) -> list[MediaItem]:
@@ -94,6 +106,7 @@ class MMTierConnector(KVConnectorBase_V1):
                               ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
         self.cache = shared_cache(config_from_extra(extra))
+        self.link = shared_link(self.cache, extra)       # None: this process's cache alone
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
@@ -130,9 +143,17 @@ class MMTierConnector(KVConnectorBase_V1):
             state = self._reqs[request.request_id] = _ReqState(plan)
         return state
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
         state = self._plan(request)
-        held = self._lookup([s.key for s in state.plan.segments])
+        keys = [s.key for s in state.plan.segments]
+        held = self._lookup(keys)
+        if self.link is not None and not all(held):
+            if state.pull is None:                     # one lookup (and its pulls) per request
+                state.pull = self.link.pull_async(keys[held.index(False):])
+            if not wait([state.pull], timeout=ADMISSION_WAIT_S).done:
+                return None, False                     # vLLM asks again at a later step
+            held = self._lookup(keys)                  # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         return max(0, state.hit - num_computed_tokens), False
@@ -274,16 +295,22 @@ class MMTierConnector(KVConnectorBase_V1):
     def _store(self, done: list[tuple[GroupCopy, torch.Tensor, torch.Tensor]], event) -> None:
         if event is not None:
             event.synchronize()
+        stored = []
         for op, k, v in done:
             try:
-                self.cache.put(op.key, k, v)
+                if self.cache.put(op.key, k, v):
+                    stored.append(op.key)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
                 log.warning("mmtier: save of %r skipped: %s", op.key, exc)
+        if self.link is not None and stored:
+            self.link.share(stored)              # to the node store and the registry, off this thread
 
     def wait_for_saves(self, timeout: float = LOAD_TIMEOUT_S) -> None:
         """Block until every save handed to the writer so far is stored (tests, shutdown)."""
         for fut in list(self._saving):
             fut.result(timeout=timeout)
+        if self.link is not None:
+            self.link.wait(timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

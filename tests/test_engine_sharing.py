@@ -1,0 +1,112 @@
+"""Live sharing across vLLM instances through the mmtier cluster (``mmtier_cluster``), on a real
+two-node Ray cluster on loopback: instance A (a process on node A) saves a request with a prefix
+and an image; instance B (a process on node B, its own cache) gets every full block from one
+registry lookup and one fetch per group, and loads the same bytes into its own paged tensors;
+another ``cache_salt`` gets nothing; the registry shows the groups at A's node store; once A's
+process is killed B's copies still load, and a fresh cache in B pulls them again from the store.
+
+Each instance is a Ray actor that builds its connectors with vLLM's own factory and objects
+(``tests/vllm_instance.py``); needs vLLM importable (``./run engines``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); "
+                "./run test then runs this file there", allow_module_level=True)
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+import mmtier.actors as mma  # noqa: E402
+from mmtier.actors import ClusterSettings  # noqa: E402
+from mmtier.actors.launch import store_name  # noqa: E402
+from mmtier.config import CacheConfig  # noqa: E402
+from tests.engine_shapes import cache_fields  # noqa: E402
+from tests.vllm_instance import VllmInstance  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+SETTINGS = ClusterSettings(namespace="mmtier-share-test", device_resource="no_such_device",
+                           sweep_interval_s=0.5, ping_timeout_s=2.0, call_timeout_s=20.0)
+CLUSTER = {"namespace": SETTINGS.namespace, "call_timeout_s": 20.0}
+NUM_BLOCKS, PROMPT_BLOCKS = 24, 6
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    base = tmp_path_factory.mktemp("share")
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_a": 1}, "object_store_memory": 80 << 20, "include_dashboard": False})
+    c.add_node(num_cpus=2, resources={"node_b": 1}, object_store_memory=80 << 20)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=SETTINGS.namespace, include_dashboard=False)
+    mma.start(CacheConfig(**cache_fields(base / "cluster")), SETTINGS)
+    nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
+    yield base, nodes
+    mma.shutdown(SETTINGS)
+    ray.shutdown()
+    c.shutdown()
+
+
+def _instance(node: str, disk_dir):
+    """An engine process on ``node`` with its own cache (its own disk directory: nothing is
+    shared through the filesystem)."""
+    return ray.remote(VllmInstance).options(
+        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(cache_fields(disk_dir), CLUSTER)
+
+
+def _blocks(seed: int) -> list[int]:
+    return torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:PROMPT_BLOCKS].tolist()
+
+
+def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
+    base, nodes = cluster
+    a, b = _instance(nodes["node_a"], base / "a"), _instance(nodes["node_b"], base / "b")
+    ray.get([a.ready.remote(), b.ready.remote()], timeout=180)
+    seed = int.from_bytes(os.urandom(4), "little")              # a fresh prompt every run
+
+    src = ray.get(a.save.remote("r1", seed, _blocks(1), seed), timeout=60)
+    assert torch.isfinite(src).all() and src.abs().sum() > 0
+
+    # the registry shows every group of the request, held by A's node store
+    digests = ray.get(a.digests.remote("r1", seed), timeout=60)
+    assert len(digests) == 3                                   # text [0, 10), image [10, 26), text [26, 40)
+    registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
+    locs = ray.get(registry.lookup.remote(digests), timeout=30)
+    assert all(loc is not None for loc in locs)
+    assert {loc.holders for loc in locs} == {((store_name(nodes["node_a"]), "host"),)}
+
+    # B: every full block, one lookup and one fetch per group, the same bytes in its own tensors
+    got = ray.get(b.load.remote("r2", seed, _blocks(2)), timeout=60)
+    assert got["hit"] == 40 and got["failed"] == []
+    assert torch.equal(got["kv"], src)
+    assert got["calls"]["lookup"] == 1 and got["calls"]["fetch"] == 3
+    assert got["counters"]["pulled"] == 3
+
+    # another tenant (cache_salt) gets nothing, from B's cache or the cluster's
+    assert ray.get(b.hit.remote("r3", seed, "other"), timeout=60) == 0
+
+    # A's process dies: B's own copies load (no cluster call), and a fresh cache in B pulls
+    # the groups again from the node store, which outlives A
+    ray.kill(a, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(a.ready.remote(), timeout=60)
+    again = ray.get(b.load.remote("r4", seed, _blocks(3)), timeout=60)
+    assert again["hit"] == 40 and again["failed"] == [] and torch.equal(again["kv"], src)
+    assert again["calls"]["fetch"] == 3                         # nothing fetched this time
+    ray.get(b.reopen.remote(), timeout=60)
+    fresh = ray.get(b.load.remote("r5", seed, _blocks(4)), timeout=60)
+    assert fresh["hit"] == 40 and fresh["failed"] == [] and torch.equal(fresh["kv"], src)
+    assert fresh["counters"]["pulled"] == 3
+    ray.kill(b, no_restart=True)

@@ -1,0 +1,65 @@
+"""One vLLM engine instance as a test process: vLLM's own factory builds its scheduler-side and
+worker-side connectors over the process's embedded mmtier cache, joined to the mmtier cluster
+(``mmtier_cluster``). The sharing tests run each instance as a Ray actor (its own process);
+vLLM is imported in that process only, so the test driver needs none."""
+
+from __future__ import annotations
+
+import torch
+
+
+class VllmInstance:
+    def __init__(self, fields: dict, cluster: dict):
+        from tests import vllm_harness
+
+        self.h = vllm_harness
+        self.fields, self.cluster = fields, cluster
+        self.sched, self.worker = self.h.connectors(fields, mmtier_cluster=cluster)
+        self.kv = self.h.paged()          # the worker's paged KV tensors, registered at its first step
+
+    def ready(self) -> bool:
+        return True
+
+    def reopen(self) -> None:
+        """A fresh, empty cache in this process (what a restarted engine starts with)."""
+        from mmtier.integrations.engine_cache import close_shared
+
+        self.worker.shutdown()
+        close_shared()
+        self.sched, self.worker = self.h.connectors(self.fields, mmtier_cluster=self.cluster)
+        self.kv = self.h.paged()
+
+    def save(self, rid: str, seed: int, blocks: list[int], kv_seed: int) -> torch.Tensor:
+        """Prefill ``rid`` from random paged KV (nothing held anywhere yet); waits until its
+        groups are stored here, in the node store and in the registry. Returns the KV of the
+        prompt's full blocks as the paged tensors hold it."""
+        for name, values in self.h.paged(seed=kv_seed).items():
+            self.kv[name].copy_(values)
+        hit = self.h.step(self.sched, self.worker, self.h.request(rid, seed=seed), blocks, self.kv)
+        assert hit == 0, hit
+        return self.h.tokens_kv(self.kv, blocks, self.h.PROMPT // self.h.BS * self.h.BS)
+
+    def load(self, rid: str, seed: int, blocks: list[int]) -> dict:
+        """Prefill ``rid`` into the paged tensors, NaN-poisoned first: the hit, the blocks whose load
+        failed, the KV of the hit's positions, and the cluster traffic so far."""
+        for t in self.kv.values():
+            t.fill_(float("nan"))
+        hit = self.h.step(self.sched, self.worker, self.h.request(rid, seed=seed), blocks, self.kv)
+        return {"hit": hit, "failed": sorted(self.worker.get_block_ids_with_load_errors()),
+                "kv": self.h.tokens_kv(self.kv, blocks, hit), "calls": dict(self.sched.link.calls),
+                "counters": dict(self.sched.link.counters)}
+
+    def hit(self, rid: str, seed: int, salt: str | None = None) -> int:
+        req = self.h.request(rid, seed=seed, salt=salt)
+        try:
+            return self.h.ask(self.sched, req)[0]
+        finally:
+            self.sched.request_finished(req, [])
+
+    def digests(self, rid: str, seed: int) -> list[str]:
+        """The content keys of the request's groups, as the registry names them."""
+        req = self.h.request(rid, seed=seed)
+        try:
+            return [s.key.hex for s in self.sched._plan(req).plan.segments]
+        finally:
+            self.sched.request_finished(req, [])
