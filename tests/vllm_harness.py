@@ -126,7 +126,7 @@ def main(argv: list[str]) -> int:
         failed = sorted(worker.get_block_ids_with_load_errors())
         got = tokens_kv(kv, LOADER_BLOCKS, hit)
         print(json.dumps({"dir": disk_dir, "hit": hit, "failed": failed,
-                          "values": got.flatten().tolist()}))
+                          "values": got.flatten().tolist(), "ray_imported": "ray" in sys.modules}))
         worker.shutdown()
         close_shared()
     return 0
