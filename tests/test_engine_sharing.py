@@ -11,7 +11,11 @@ Each instance is a Ray actor that builds its connectors with vLLM's own factory 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -35,6 +39,7 @@ from tests.engine_shapes import cache_fields  # noqa: E402
 from tests.vllm_instance import VllmInstance  # noqa: E402
 
 pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parent.parent
 
 SETTINGS = ClusterSettings(namespace="mmtier-share-test", device_resource="no_such_device",
                            sweep_interval_s=0.5, ping_timeout_s=2.0, call_timeout_s=20.0)
@@ -52,7 +57,7 @@ def cluster(tmp_path_factory):
     ray.init(address=c.address, namespace=SETTINGS.namespace, include_dashboard=False)
     mma.start(CacheConfig(**cache_fields(base / "cluster")), SETTINGS)
     nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
-    yield base, nodes
+    yield base, nodes, c.address
     mma.shutdown(SETTINGS)
     ray.shutdown()
     c.shutdown()
@@ -71,7 +76,7 @@ def _blocks(seed: int) -> list[int]:
 
 
 def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
-    base, nodes = cluster
+    base, nodes, _address = cluster
     a, b = _instance(nodes["node_a"], base / "a"), _instance(nodes["node_b"], base / "b")
     ray.get([a.ready.remote(), b.ready.remote()], timeout=180)
     seed = int.from_bytes(os.urandom(4), "little")              # a fresh prompt every run
@@ -110,3 +115,37 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     assert fresh["hit"] == 40 and fresh["failed"] == [] and torch.equal(fresh["kv"], src)
     assert fresh["counters"]["pulled"] == 3
     ray.kill(b, no_restart=True)
+
+
+def test_sglang_instances_share_pages_through_the_cluster(cluster):
+    """SGLang's backend in this process (A) stores pages; a second process (B), not connected to
+    Ray until its backend joins the cluster (``RAY_ADDRESS``), finds them with ``batch_exists``
+    (one lookup, one fetch per page) and loads the same bytes zero-copy into its host pool."""
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
+    from mmtier.integrations.engine_cache import close_shared
+    from tests import sglang_harness as sh
+
+    base, _nodes, address = cluster
+    run = os.urandom(6).hex()                                   # fresh page keys every run
+    keys = [f"{run}-page-{i}" for i in range(3)]
+    store = sh.backend_for(cache_fields(base / "sgl-a"), mmtier_cluster=CLUSTER)
+    try:
+        pool = sh.HostPool("page_first")
+        pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
+        store.register_mem_pool_host(pool)
+        assert store.batch_exists(keys) == 0                    # nobody holds them yet
+        assert store.batch_set_v1(keys, sh.page_indices([4, 1, 3])) == [True] * 3
+        store.link.wait()                                       # written through and published
+        assert store.link.counters["shared"] == 3
+        want = torch.stack([pool.tokens(p * sh.P) for p in (4, 1, 3)])
+    finally:
+        close_shared()
+    env = dict(os.environ, RAY_ADDRESS=address, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    job = {"fields": cache_fields(base / "sgl-b"), "cluster": CLUSTER, "keys": keys, "pages": [0, 5, 2]}
+    done = subprocess.run([sys.executable, "-m", "tests.sglang_harness", json.dumps(job)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("{")))
+    assert got["found"] == 3 and got["loaded"] == [True] * 3 and got["other_tenant"] == 0
+    assert got["calls"]["lookup"] == 1 and got["calls"]["fetch"] == 3 and got["pulled"] == 3
+    assert torch.equal(torch.tensor(got["values"]).reshape(want.shape), want)
