@@ -13,3 +13,13 @@ def cache_fields(disk_dir, device_pages=64) -> dict:
                             "vision": {"page_size": 16, "share": 0.5}},
                 device="cpu", device_bytes=device_pages * 16 * token, host_bytes=0,
                 disk_dir=str(disk_dir), disk_bytes=64 << 20, disk_free_floor_bytes=0)
+
+
+EMBED_WIDTH = 24
+
+
+def with_embeddings(fields: dict) -> dict:
+    """``fields`` plus a ``vision_embed`` modality (encoder outputs, the EC connector's)."""
+    mods = {name: {**spec, "share": 0.4} for name, spec in fields["modalities"].items()}
+    mods["vision_embed"] = {"kind": "embedding", "width": EMBED_WIDTH, "page_size": 16, "share": 0.2}
+    return {**fields, "modalities": mods}

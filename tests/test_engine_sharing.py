@@ -4,6 +4,7 @@ and an image; instance B (a process on node B, its own cache) gets every full bl
 registry lookup and one fetch per group, and loads the same bytes into its own paged tensors;
 another ``cache_salt`` gets nothing; the registry shows the groups at A's node store; once A's
 process is killed B's copies still load, and a fresh cache in B pulls them again from the store.
+Encoder outputs (the EC connector) go the same way.
 
 Each instance is a Ray actor that builds its connectors with vLLM's own factory and objects
 (``tests/vllm_instance.py``); needs vLLM importable (``./run engines``)."""
@@ -35,7 +36,7 @@ import mmtier.actors as mma  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
 from mmtier.actors.launch import store_name  # noqa: E402
 from mmtier.config import CacheConfig  # noqa: E402
-from tests.engine_shapes import cache_fields  # noqa: E402
+from tests.engine_shapes import EMBED_WIDTH, cache_fields, with_embeddings  # noqa: E402
 from tests.vllm_instance import VllmInstance  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -55,7 +56,7 @@ def cluster(tmp_path_factory):
     c.add_node(num_cpus=2, resources={"node_b": 1}, object_store_memory=80 << 20)
     c.wait_for_nodes()
     ray.init(address=c.address, namespace=SETTINGS.namespace, include_dashboard=False)
-    mma.start(CacheConfig(**cache_fields(base / "cluster")), SETTINGS)
+    mma.start(CacheConfig(**with_embeddings(cache_fields(base / "cluster"))), SETTINGS)
     nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
     yield base, nodes, c.address
     mma.shutdown(SETTINGS)
@@ -101,6 +102,16 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
 
     # another tenant (cache_salt) gets nothing, from B's cache or the cluster's
     assert ray.get(b.hit.remote("r3", seed, "other"), timeout=60) == 0
+
+    # the encoder-cache connector: an encoder output A saved is found and loaded by B
+    ray.get([a.encoder_cache.remote(str(base / "a-ec")), b.encoder_cache.remote(str(base / "b-ec"))], timeout=60)
+    x = torch.randn(16, EMBED_WIDTH)
+    item = f"img-{seed}"
+    assert ray.get(b.ec_load.remote("e0", item), timeout=60)["has"] is False
+    ray.get(a.ec_save.remote(item, x), timeout=60)
+    ec = ray.get(b.ec_load.remote("e1", item), timeout=60)
+    assert ec["has"] is True and torch.equal(ec["x"], x)
+    assert ec["calls"]["lookup"] == 2 and ec["calls"]["fetch"] == 1
 
     # A's process dies: B's own copies load (no cluster call), and a fresh cache in B pulls
     # the groups again from the node store, which outlives A

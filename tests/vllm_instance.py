@@ -56,6 +56,45 @@ class VllmInstance:
         finally:
             self.sched.request_finished(req, [])
 
+    def encoder_cache(self, disk_dir: str) -> None:
+        """vLLM's encoder-cache connectors (both roles) over a second cache of this process."""
+        from vllm.config import DeviceConfig, ECTransferConfig, VllmConfig
+        from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+        from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+        from tests.engine_shapes import with_embeddings
+
+        ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
+                              ec_connector_module_path="mmtier.integrations.vllm_ec",
+                              ec_connector_extra_config={"mmtier_cache": with_embeddings(self.h.cache_fields(disk_dir)),
+                                                         "mmtier_tenant": "acme", "mmtier_cluster": self.cluster})
+        cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+        self.ec = {role: ECConnectorFactory.create_connector(cfg, role)
+                   for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER)}
+        self.ec_sched, self.ec_worker = self.ec[ECConnectorRole.SCHEDULER], self.ec[ECConnectorRole.WORKER]
+
+    def ec_save(self, identifier: str, x: torch.Tensor) -> None:
+        self.ec_worker.save_caches({identifier: x}, identifier)
+        self.ec_worker.link.wait()
+
+    def ec_load(self, rid: str, identifier: str) -> dict:
+        """Whether the scheduler has the item, and what the worker loads into vLLM's encoder cache."""
+        from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        has = self.ec_sched.has_cache_item(identifier)
+        if has:                             # vLLM's scheduler allocates only what the connector has
+            mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                        mm_position=PlaceholderRange(offset=0, length=16))]
+            self.ec_sched.update_state_after_alloc(Request(rid, [1] * 20, SamplingParams(max_tokens=1), None,
+                                                           mm_features=mm), 0)
+        self.ec_worker.bind_connector_metadata(self.ec_sched.build_connector_meta(None))
+        encoder_cache: dict[str, torch.Tensor] = {}
+        self.ec_worker.start_load_caches(encoder_cache)
+        self.ec_worker.clear_connector_metadata()
+        return {"has": has, "x": encoder_cache.get(identifier), "calls": dict(self.ec_sched.link.calls)}
+
     def digests(self, rid: str, seed: int) -> list[str]:
         """The content keys of the request's groups, as the registry names them."""
         req = self.h.request(rid, seed=seed)
