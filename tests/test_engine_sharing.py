@@ -149,6 +149,7 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
         store.link.wait()                                       # written through and published
         assert store.link.counters["shared"] == 3
         want = torch.stack([pool.tokens(p * sh.P) for p in (4, 1, 3)])
+        holder, lost = store.link.store, store.key(keys[1]).to_wire()
     finally:
         close_shared()
     env = dict(os.environ, RAY_ADDRESS=address, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -160,3 +161,17 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
     assert got["found"] == 3 and got["loaded"] == [True] * 3 and got["other_tenant"] == 0
     assert got["calls"]["lookup"] == 1 and got["calls"]["fetch"] == 3 and got["pulled"] == 3
     assert torch.equal(torch.tensor(got["values"]).reshape(want.shape), want)
+
+    # a holder that lost a group the registry still lists: the pull of it fails, a miss from
+    # there on (the pages before it still load), never wrong bytes
+    ray.get(ray.get_actor(holder, namespace=SETTINGS.namespace).drop.remote([lost]), timeout=30)
+    fresh = sh.backend_for(cache_fields(base / "sgl-c"), mmtier_cluster=CLUSTER)
+    try:
+        pool = sh.HostPool("page_first")
+        fresh.register_mem_pool_host(pool)
+        assert fresh.batch_exists(keys) == 1
+        assert fresh.link.counters["pulled"] == 1 and fresh.link.counters["pull_failed"] == 1
+        assert fresh.batch_get_v1(keys, sh.page_indices([0, 5, 2])) == [True, False, False]
+        assert torch.equal(pool.tokens(0), want[0]) and torch.isnan(pool.tokens(5 * sh.P)).all()
+    finally:
+        close_shared()
