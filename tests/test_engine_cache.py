@@ -16,8 +16,8 @@ from mmtier.integrations.engine_cache import (
     close_shared,
     cluster_from_extra,
     config_from_extra,
+    open_shared,
     shared_cache,
-    shared_link,
     tenant_from_extra,
 )
 
@@ -46,9 +46,9 @@ def test_the_cache_must_be_named_exactly_once(extra):
 def test_the_cluster_is_joined_only_when_asked_and_its_fields_are_checked(monkeypatch):
     monkeypatch.delenv(CLUSTER_ENV, raising=False)
     assert cluster_from_extra({"mmtier_cache": FIELDS}) is None
-    cache = shared_cache(config_from_extra({"mmtier_cache": FIELDS}))
     try:
-        assert shared_link(cache, {"mmtier_cache": FIELDS}) is None
+        cache, link = open_shared({"mmtier_cache": FIELDS})
+        assert link is None and cache is shared_cache(config_from_extra({"mmtier_cache": FIELDS}))
     finally:
         close_shared()
     settings, address = cluster_from_extra({"mmtier_cluster": {"namespace": "ns", "address": "10.0.0.1:6379",

@@ -46,6 +46,7 @@ SETTINGS = ClusterSettings(namespace="mmtier-share-test", device_resource="no_su
                            sweep_interval_s=0.5, ping_timeout_s=2.0, call_timeout_s=20.0)
 CLUSTER = {"namespace": SETTINGS.namespace, "call_timeout_s": 20.0}
 NUM_BLOCKS, PROMPT_BLOCKS = 24, 6
+SECRET = os.urandom(32).hex()       # the cluster's; the engines' configs leave theirs unset and take it
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def cluster(tmp_path_factory):
     c.add_node(num_cpus=2, resources={"node_b": 1}, object_store_memory=80 << 20)
     c.wait_for_nodes()
     ray.init(address=c.address, namespace=SETTINGS.namespace, include_dashboard=False)
-    mma.start(CacheConfig(**with_embeddings(cache_fields(base / "cluster"))), SETTINGS)
+    mma.start(CacheConfig(**with_embeddings(cache_fields(base / "cluster")), key_secret=SECRET), SETTINGS)
     nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
     yield base, nodes, c.address
     mma.shutdown(SETTINGS)
@@ -175,3 +176,21 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
         assert torch.equal(pool.tokens(0), want[0]) and torch.isnan(pool.tokens(5 * sh.P)).all()
     finally:
         close_shared()
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"model": "another"}, "model"), ({"key_secret": "f" * 64}, "key_secret"),
+    ({"modalities": {"text": {"page_size": 16}}}, "modalities.text"),
+    ({"cluster": {"namespace": "no-mmtier-here"}}, "mmtier_cluster.namespace")])
+def test_an_engine_that_cannot_share_is_refused_at_construction(cluster, tmp_path, change, field):
+    pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
+    from mmtier.errors import ConfigError
+    from mmtier.integrations.engine_cache import close_shared
+    from tests import sglang_harness as sh
+
+    change = dict(change)
+    where = {**CLUSTER, **change.pop("cluster", {})}
+    with pytest.raises(ConfigError) as err:
+        sh.backend_for({**cache_fields(tmp_path), **change}, mmtier_cluster=where)
+    assert err.value.fields == (field,)
+    close_shared()

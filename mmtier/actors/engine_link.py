@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import ray
 
 from ..cache import TieredKVCache
-from ..config import CacheConfig
+from ..config import DEFAULT_KEY_SECRET, CacheConfig
 from ..content import ContentKey
 from ..errors import ConfigError, HolderLostError, MMTierError, UnknownModalityError
 from . import placement
@@ -51,13 +51,14 @@ LEASE_S = 60.0            # bound of one export's read of the local pages (the s
 
 def check_compatible(local: CacheConfig, cluster: CacheConfig) -> None:
     """An engine's cache shares keys and pages with the cluster only under the same model, key
-    secret and payload layout of each of its modalities; ``ConfigError`` names what differs."""
+    secret and payload layout of each of its modalities; ``ConfigError`` names what differs
+    (the sizes, device and tiers are the engine's own)."""
     if local.model != cluster.model:
         raise ConfigError(f"the engine's model {local.model!r} is not the cluster's {cluster.model!r}",
                           ("model",))
     if local.key_secret != cluster.key_secret:
-        raise ConfigError("the engine's key secret is not the cluster's (set the same "
-                          "MMTIER_KEY_SECRET for both)", ("key_secret",))
+        raise ConfigError("the engine's key secret is not the cluster's (leave key_secret unset in "
+                          "the engine's config: it takes the cluster's)", ("key_secret",))
     for name in local.modalities:
         try:
             theirs = cluster.spec(name).layout_fields()
@@ -67,6 +68,28 @@ def check_compatible(local: CacheConfig, cluster: CacheConfig) -> None:
         if local.spec(name).layout_fields() != theirs:
             raise ConfigError(f"modality {name!r}: the engine's payload layout is not the cluster's",
                               (f"modalities.{name}",))
+
+
+def join(cfg: CacheConfig, settings: ClusterSettings, address: str | None = None
+         ) -> tuple[CacheConfig, RayTransport]:
+    """Join the running mmtier cluster: ``(cfg with the cluster's key secret, transport)``.
+
+    The key secret is the cluster's (its registry's config, set server side by ``mmtier
+    start``), as for every pool: an engine config that leaves the default takes it; one that
+    sets another refuses to start. The model and each modality's layout must be the cluster's
+    (``check_compatible``)."""
+    connect_ray(settings, address)
+    try:
+        transport = RayTransport(settings)
+    except ValueError:
+        raise ConfigError(f"no mmtier registry {settings.registry_name!r} in namespace "
+                          f"{settings.namespace!r}: run `mmtier start` first",
+                          ("mmtier_cluster.namespace",)) from None
+    cluster = CacheConfig(**transport.config())
+    if cfg.key_secret == DEFAULT_KEY_SECRET:
+        cfg = CacheConfig(**{**cfg.model_dump(), "key_secret": cluster.key_secret})
+    check_compatible(cfg, cluster)
+    return cfg, transport
 
 
 def connect_ray(settings: ClusterSettings, address: str | None) -> None:
@@ -85,19 +108,11 @@ class EngineLink:
     """See the module docstring. ``counters``: ``shared``, ``share_failed``, ``pulled``,
     ``pull_failed``, ``lookups``, ``lookup_misses`` (keys nobody held)."""
 
-    def __init__(self, cache: TieredKVCache, settings: ClusterSettings | None = None, *,
-                 address: str | None = None):
-        settings = settings or ClusterSettings()
-        connect_ray(settings, address)
-        try:
-            self.transport = RayTransport(settings)
-        except ValueError:
-            raise ConfigError(f"no mmtier registry {settings.registry_name!r} in namespace "
-                              f"{settings.namespace!r}: run `mmtier start` first",
-                              ("mmtier_cluster.namespace",)) from None
-        check_compatible(cache.cfg, CacheConfig(**self.transport.config()))
+    def __init__(self, cache: TieredKVCache, transport: RayTransport):
+        """``cache``: opened with the config ``join`` returned, over its ``transport``."""
         self.cache = cache
-        self.settings = settings
+        self.transport = transport
+        self.settings = transport.settings
         self.node = ray.get_runtime_context().get_node_id()
         self.store = store_name(self.node)
         try:

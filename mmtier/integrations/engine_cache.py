@@ -12,10 +12,10 @@ scheduler finds. Engines pass their connector's extra config here:
 ``mmtier_cluster`` (or the environment variable ``MMTIER_CLUSTER``, the same mapping as JSON;
 the extra config wins) makes the process's cache join the cluster that ``mmtier start`` runs:
 its fields are ``ClusterSettings``'s plus ``address`` (the Ray address when the process is not
-connected yet; default ``RAY_ADDRESS``, else ``"auto"``). The process then has one
-``EngineLink`` per cache (``shared_link``): saved groups are written through to the node's store
-and published, misses are looked up in the registry and pulled. Without it nothing here imports
-Ray.
+connected yet; default ``RAY_ADDRESS``, else ``"auto"``). ``open_shared`` then joins it
+(``engine_link.join``: the cluster's key secret, the same model and layouts) and gives the
+cache one ``EngineLink``: saved groups are written through to the node's store and published,
+misses are looked up in the registry and pulled. Without it nothing here imports Ray.
 """
 
 from __future__ import annotations
@@ -92,19 +92,23 @@ def cluster_from_extra(extra: Mapping[str, Any] | None) -> tuple[ClusterSettings
         raise ConfigError(f"mmtier_cluster: {exc.errors()[0]['msg']}", names) from None
 
 
-def shared_link(cache: TieredKVCache, extra: Mapping[str, Any] | None) -> EngineLink | None:
-    """The cluster link of ``cache`` when the extra config asks for one (opened once per cache
-    and process: vLLM's two connector roles and SGLang's backends share it), else ``None``."""
+def open_shared(extra: Mapping[str, Any] | None) -> tuple[TieredKVCache, EngineLink | None]:
+    """This process's cache for an engine's extra config and, when it names a cluster, the
+    cache's link to it (one per cache and process: vLLM's connector roles and SGLang's
+    backends share both); ``None`` for the link otherwise."""
+    cfg = config_from_extra(extra)
     cluster = cluster_from_extra(extra)
     if cluster is None:
-        return None
-    from ..actors.engine_link import EngineLink  # Ray, only on this path
+        return shared_cache(cfg), None
+    from ..actors.engine_link import EngineLink, join  # Ray, only on this path
 
+    cfg, transport = join(cfg, *cluster)
+    cache = shared_cache(cfg)
     with _LOCK:
         link = _LINKS.get(id(cache))
         if link is None or link.cache is not cache:
-            link = _LINKS[id(cache)] = EngineLink(cache, cluster[0], address=cluster[1])
-        return link
+            link = _LINKS[id(cache)] = EngineLink(cache, transport)
+        return cache, link
 
 
 def shared_cache(cfg: CacheConfig) -> TieredKVCache:

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
-from .engine_cache import config_from_extra, shared_cache, shared_link, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -43,8 +43,7 @@ class MMTierHiCacheStorage(HiCacheStorage):
         extra = storage_config.extra_config or {}
         if storage_config.is_mla_model:
             raise ConfigError("mmtier's HiCache backend stores MHA pages; MLA is not supported", ("is_mla_model",))
-        self.cache = shared_cache(config_from_extra(extra))
-        self.link = shared_link(self.cache, extra)       # None: this process's cache alone
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_text_modality", "text")
         if self.cache.cfg.spec(self.modality).kind != "kv":

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
-from .engine_cache import config_from_extra, shared_cache, shared_link, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
 if TYPE_CHECKING:
@@ -105,8 +105,7 @@ class MMTierConnector(KVConnectorBase_V1):
                               "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
                               ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
-        self.cache = shared_cache(config_from_extra(extra))
-        self.link = shared_link(self.cache, extra)       # None: this process's cache alone
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))

@@ -36,7 +36,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from .engine_cache import config_from_extra, shared_cache, shared_link, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -62,8 +62,7 @@ class MMTierECConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
-        self.cache = shared_cache(config_from_extra(extra))
-        self.link = shared_link(self.cache, extra)       # None: this process's cache alone
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
         if self.cache.cfg.spec(self.modality).kind != "embedding":
