@@ -18,8 +18,8 @@ and what only it held would die with it. It shares through its node's store inst
   holder gone, a timeout, a corrupt copy, no room) ends the run there: a miss, counted, never
   wrong KV.
 
-Both run on the link's own threads (one each; a pull queued behind another sees what it
-landed and fetches only the rest). Every Ray call goes through a ``RayTransport`` (counted by
+Both run on the link's own threads, one each: pulls one at a time (a pull queued behind another
+sees what that one landed and fetches only the rest), shares one batch at a time. Every Ray call goes through a ``RayTransport`` (counted by
 kind in ``calls``), every wait is bounded by ``settings.call_timeout_s``.
 """
 
@@ -106,7 +106,7 @@ def connect_ray(settings: ClusterSettings, address: str | None) -> None:
 
 class EngineLink:
     """See the module docstring. ``counters``: ``shared``, ``share_failed``, ``pulled``,
-    ``pull_failed``, ``lookups``, ``lookup_misses`` (keys nobody held)."""
+    ``pull_failed``, ``pull_timeouts``, ``lookups``, ``lookup_misses`` (keys nobody held)."""
 
     def __init__(self, cache: TieredKVCache, transport: RayTransport):
         """``cache``: opened with the config ``join`` returned, over its ``transport``."""
@@ -132,13 +132,22 @@ class EngineLink:
 
     # ------------------------------------------------------------------ the miss path
     def pull_async(self, keys: Sequence[ContentKey]) -> Future:
-        """Start ``pull(keys)`` on the link's thread; the future's result is its count."""
-        return self._submit(self._pulls, self.pull, list(keys))
+        """Start making the leading run of ``keys`` local, on the link's pull thread: one
+        registry lookup for those not held here, one fetch per group held elsewhere. The
+        future's result: how many leading keys are held here now."""
+        return self._submit(self._pulls, self._pull, list(keys))
 
     def pull(self, keys: Sequence[ContentKey]) -> int:
-        """Make the leading run of ``keys`` local: one registry lookup for those not held here,
-        one fetch per group held elsewhere; returns how many leading keys are held here now."""
-        keys = list(keys)
+        """``pull_async`` and wait for it (a caller on its own background thread: SGLang's
+        prefetch); a pull that outlasts the wait lands later and counts as a miss now."""
+        fut = self.pull_async(keys)
+        try:
+            return fut.result(timeout=self.settings.call_timeout_s * 2)
+        except TimeoutError:
+            self.counters["pull_timeouts"] += 1
+            return 0
+
+    def _pull(self, keys: list[ContentKey]) -> int:
         held = self.cache.holds(keys)
         lead = next((i for i, h in enumerate(held) if not h), len(keys))
         missing = [k for k, h in zip(keys[lead:], held[lead:]) if not h]
@@ -232,9 +241,13 @@ class EngineLink:
             raise TimeoutError(f"{len(not_done)} cluster transfers still running")
 
     def close(self) -> None:
-        self.wait()
-        self._pulls.shutdown(wait=True)
-        self._shares.shutdown(wait=True)
+        """Finish what is in flight (bounded), then stop the threads."""
+        try:
+            self.wait()
+        except TimeoutError as exc:
+            log.warning("mmtier: closing the cluster link with transfers still running (%s)", exc)
+        self._pulls.shutdown(wait=False, cancel_futures=True)
+        self._shares.shutdown(wait=False, cancel_futures=True)
 
     def _submit(self, pool: ThreadPoolExecutor, fn, *args) -> Future:
         fut = pool.submit(fn, *args)
