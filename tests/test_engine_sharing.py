@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,7 +81,7 @@ def _blocks(seed: int) -> list[int]:
 def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     base, nodes, _address = cluster
     a, b = _instance(nodes["node_a"], base / "a"), _instance(nodes["node_b"], base / "b")
-    ray.get([a.ready.remote(), b.ready.remote()], timeout=180)
+    pid_a, _ = ray.get([a.ready.remote(), b.ready.remote()], timeout=180)
     seed = int.from_bytes(os.urandom(4), "little")              # a fresh prompt every run
 
     src = ray.get(a.save.remote("r1", seed, _blocks(1), seed), timeout=60)
@@ -116,7 +117,7 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
 
     # A's process dies: B's own copies load (no cluster call), and a fresh cache in B pulls
     # the groups again from the node store, which outlives A
-    ray.kill(a, no_restart=True)
+    os.kill(pid_a, signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(a.ready.remote(), timeout=60)
     again = ray.get(b.load.remote("r4", seed, _blocks(3)), timeout=60)

@@ -17,8 +17,11 @@ class VllmInstance:
         self.sched, self.worker = self.h.connectors(fields, mmtier_cluster=cluster)
         self.kv = self.h.paged()          # the worker's paged KV tensors, registered at its first step
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> int:
+        """This engine process's pid (the test kills it)."""
+        import os
+
+        return os.getpid()
 
     def reopen(self) -> None:
         """A fresh, empty cache in this process (what a restarted engine starts with)."""

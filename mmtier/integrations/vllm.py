@@ -20,7 +20,8 @@ request whose groups are not all held here makes **one** batched registry lookup
 lacks, on the cache's ``EngineLink`` thread; the leading run held elsewhere is pulled whole into
 the local cache (one call per group) and then counts as a hit. Meanwhile
 ``get_num_new_matched_tokens`` answers ``None`` (vLLM's "ask again at a later step"), so the
-scheduler never waits on the cluster; a pull that fails is a miss. What the writer thread
+scheduler never waits on the cluster (a request that lacks groups here is admitted a step or
+more later, once its lookup and pulls are done); a pull that fails is a miss. What the writer thread
 stores is written through to the node's store and published, one publish per batch
 (``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
 store's copies outlive it.
@@ -29,7 +30,7 @@ store's copies outlive it.
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
-ADMISSION_WAIT_S = 0.005      # how long a scheduler step waits for a cluster pull before "ask again"
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class MMTierConnector(KVConnectorBase_V1):
         if self.link is not None and not all(held):
             if state.pull is None:                     # one lookup (and its pulls) per request
                 state.pull = self.link.pull_async(keys[held.index(False):])
-            if not wait([state.pull], timeout=ADMISSION_WAIT_S).done:
+            if not state.pull.done():
                 return None, False                     # vLLM asks again at a later step
             held = self._lookup(keys)                  # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
