@@ -4,7 +4,8 @@ and an image; instance B (a process on node B, its own cache) gets every full bl
 registry lookup and one fetch per group, and loads the same bytes into its own paged tensors;
 another ``cache_salt`` gets nothing; the registry shows the groups at A's node store; once A's
 process is killed B's copies still load, and a fresh cache in B pulls them again from the store.
-Encoder outputs (the EC connector) go the same way.
+Encoder outputs (the EC connector) go the same way; so do a scheduler and a worker in processes
+of their own (vLLM's Ray executor, as under Ray Serve LLM), joined only by the cluster.
 
 Each instance is a Ray actor that builds its connectors with vLLM's own factory and objects
 (``tests/vllm_instance.py``); needs vLLM importable (``./run engines``)."""
@@ -127,6 +128,15 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     fresh = ray.get(b.load.remote("r5", seed, _blocks(4)), timeout=60)
     assert fresh["hit"] == 40 and fresh["failed"] == [] and torch.equal(fresh["kv"], src)
     assert fresh["counters"]["pulled"] == 3
+
+    # vLLM's Ray executor (Serve LLM): scheduler and worker with caches of their own; the
+    # scheduler only locates the groups, the worker pulls them at load
+    ray.get(b.split.remote(str(base / "b-split")), timeout=60)
+    split = ray.get(b.load.remote("r6", seed, _blocks(5)), timeout=60)
+    assert split["hit"] == 40 and split["failed"] == [] and torch.equal(split["kv"], src)
+    assert split["scheduler_groups"] == 0 and split["counters"].get("pulled", 0) == 0
+    assert split["calls"]["lookup"] == 1 and split["worker_counters"]["pulled"] == 3
+    assert split["worker_calls"]["lookup"] == 1 and split["worker_calls"]["fetch"] == 3
     ray.kill(b, no_restart=True)
 
 

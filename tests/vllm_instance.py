@@ -32,6 +32,28 @@ class VllmInstance:
         self.sched, self.worker = self.h.connectors(self.fields, mmtier_cluster=self.cluster)
         self.kv = self.h.paged()
 
+    def split(self, disk_dir: str) -> None:
+        """vLLM's Ray executor (Ray Serve LLM on GPUs): the scheduler and the worker each in a
+        process of its own, each with its own cache; here two caches of this process that share
+        nothing but the cluster."""
+        from vllm.config import ParallelConfig
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from mmtier.integrations.engine_cache import close_shared
+
+        self.worker.shutdown()
+        close_shared()
+        roles = []
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            cfg = self.h.vllm_config(self.h.cache_fields(f"{disk_dir}/{role.name.lower()}"),
+                                     mmtier_cluster=self.cluster)
+            cfg.parallel_config = ParallelConfig(distributed_executor_backend="ray")
+            roles.append(KVConnectorFactory.create_connector(cfg, role, None))
+        self.sched, self.worker = roles
+        assert self.sched.cache is not self.worker.cache
+        self.kv = self.h.paged()
+
     def save(self, rid: str, seed: int, blocks: list[int], kv_seed: int) -> torch.Tensor:
         """Prefill ``rid`` from random paged KV (nothing held anywhere yet); waits until its
         groups are stored here, in the node store and in the registry. Returns the KV of the
@@ -50,7 +72,9 @@ class VllmInstance:
         hit = self.h.step(self.sched, self.worker, self.h.request(rid, seed=seed), blocks, self.kv)
         return {"hit": hit, "failed": sorted(self.worker.get_block_ids_with_load_errors()),
                 "kv": self.h.tokens_kv(self.kv, blocks, hit), "calls": dict(self.sched.link.calls),
-                "counters": dict(self.sched.link.counters)}
+                "counters": dict(self.sched.link.counters), "worker_counters": dict(self.worker.link.counters),
+                "worker_calls": dict(self.worker.link.calls),
+                "scheduler_groups": len(self.sched.cache.inventory())}
 
     def hit(self, rid: str, seed: int, salt: str | None = None) -> int:
         req = self.h.request(rid, seed=seed, salt=salt)

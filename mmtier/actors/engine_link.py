@@ -42,6 +42,7 @@ from . import placement
 from .launch import store_name
 from .pool_actor import export_pages, import_pages
 from .pool_host import RayTransport
+from .registry import Location
 from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,11 @@ class EngineLink:
         future's result: how many leading keys are held here now."""
         return self._submit(self._pulls, self._pull, list(keys))
 
+    def locate_async(self, keys: Sequence[ContentKey]) -> Future:
+        """How many leading ``keys`` are held here or anywhere in the cluster (one registry
+        lookup for those not held here; nothing is fetched), on the link's pull thread."""
+        return self._submit(self._pulls, self._locate, list(keys))
+
     def pull(self, keys: Sequence[ContentKey]) -> int:
         """``pull_async`` and wait for it (a caller on its own background thread: SGLang's
         prefetch); a pull that outlasts the wait lands later and counts as a miss now."""
@@ -147,26 +153,39 @@ class EngineLink:
             self.counters["pull_timeouts"] += 1
             return 0
 
-    def _pull(self, keys: list[ContentKey]) -> int:
+    def _lookup(self, keys: list[ContentKey]) -> tuple[list[bool], dict[ContentKey, Location]]:
+        """``(held here, where the others after the first local miss live)``: one registry
+        lookup; the located run stops at the first key nobody holds."""
         held = self.cache.holds(keys)
         lead = next((i for i, h in enumerate(held) if not h), len(keys))
         missing = [k for k, h in zip(keys[lead:], held[lead:]) if not h]
+        where: dict[ContentKey, Location] = {}
         if not missing:
-            return len(keys)
+            return held, where
         self.counters["lookups"] += 1
-        locs = self.transport.wait(self.transport.lookup_async([k.hex for k in missing]), len(missing))
-        fetches = {}
-        for key, loc in zip(missing, locs):
+        for key, loc in zip(missing, self.transport.wait(self.transport.lookup_async([k.hex for k in missing]),
+                                                         len(missing))):
             if loc is None or not loc.holders:
                 self.counters["lookup_misses"] += 1
                 break
+            where[key] = loc
+        return held, where
+
+    def _locate(self, keys: list[ContentKey]) -> int:
+        held, where = self._lookup(keys)
+        return next((i for i, k in enumerate(keys) if not held[i] and k not in where), len(keys))
+
+    def _pull(self, keys: list[ContentKey]) -> int:
+        held, where = self._lookup(keys)
+        fetches = {}
+        for key, loc in where.items():
             holder = placement.nearest_by_name([h for h, _tier in loc.holders], self.node)
             try:
                 fetches[key] = self.transport.fetch(holder, key.to_wire())
             except HolderLostError:
                 self.counters["pull_failed"] += 1
                 break
-        for i, key in enumerate(keys[lead:], start=lead):
+        for i, key in enumerate(keys):
             if held[i]:
                 continue
             refs = fetches.get(key)

@@ -25,6 +25,13 @@ more later, once its lookup and pulls are done); a pull that fails is a miss. Wh
 stores is written through to the node's store and published, one publish per batch
 (``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
 store's copies outlive it.
+
+Where vLLM runs the worker in another process than the scheduler (``distributed_executor_backend``
+``"ray"``, as Ray Serve LLM does on GPUs, or ``"mp"``), the two roles hold different caches: only
+the cluster joins them. The scheduler then only *locates* a request's groups (one lookup, nothing
+fetched into its own cache); the worker, at load, pulls what its cache lacks (one lookup, one
+call per group; that step's first layer waits for it). Without ``mmtier_cluster`` such a scheduler never sees
+the worker's saves (no hits; a warning says so).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
+SPLIT_BACKENDS = ("ray", "mp")       # executors whose workers run in processes of their own
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,10 @@ class MMTierConnector(KVConnectorBase_V1):
                               ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
         self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        self.split = par.distributed_executor_backend in SPLIT_BACKENDS
+        if self.split and self.link is None:
+            log.warning("mmtier: vLLM's worker runs in another process (%s executor): without "
+                        "mmtier_cluster the scheduler never sees its saves", par.distributed_executor_backend)
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
@@ -149,10 +161,15 @@ class MMTierConnector(KVConnectorBase_V1):
         held = self._lookup(keys)
         if self.link is not None and not all(held):
             if state.pull is None:                     # one lookup (and its pulls) per request
-                state.pull = self.link.pull_async(keys[held.index(False):])
+                ask = self.link.locate_async if self.split else self.link.pull_async
+                state.pull = ask(keys[held.index(False):])
             if not state.pull.done():
                 return None, False                     # vLLM asks again at a later step
-            held = self._lookup(keys)                  # what was pulled is local now
+            if self.split:                             # held by the cluster: the worker pulls them
+                n = held.index(False) + (state.pull.result() if state.pull.exception() is None else 0)
+                held = [i < n for i in range(len(keys))]
+            else:
+                held = self._lookup(keys)              # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         return max(0, state.hit - num_computed_tokens), False
@@ -237,6 +254,10 @@ class MMTierConnector(KVConnectorBase_V1):
             self.register_kv_caches({name: layer.kv_cache for name, layer in
                                      forward_context.no_compile_layers.items()
                                      if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)})
+        if self.link is not None and meta.loads:
+            # first on the reader thread: what this cache lacks (a scheduler in another process
+            # located it, or it was evicted since) pulled in one lookup; none when all is here
+            self._reader.submit(self.link.pull, [op.key for op in meta.loads])
         self._loading = [(op, self._reader.submit(self.cache.read_group, op.key)) for op in meta.loads]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
