@@ -137,6 +137,10 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     assert split["scheduler_groups"] == 0 and split["counters"].get("pulled", 0) == 0
     assert split["calls"]["lookup"] == 1 and split["worker_counters"]["pulled"] == 3
     assert split["worker_calls"]["lookup"] == 1 and split["worker_calls"]["fetch"] == 3
+    ray.get(b.encoder_cache.remote(str(base / "b-ec-split"), True), timeout=60)
+    ec = ray.get(b.ec_load.remote("e2", item), timeout=60)
+    assert ec["has"] is True and torch.equal(ec["x"], x)
+    assert ec["scheduler_groups"] == 0 and ec["worker_pulled"] == 1
     ray.kill(b, no_restart=True)
 
 

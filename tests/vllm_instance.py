@@ -83,22 +83,27 @@ class VllmInstance:
         finally:
             self.sched.request_finished(req, [])
 
-    def encoder_cache(self, disk_dir: str) -> None:
-        """vLLM's encoder-cache connectors (both roles) over a second cache of this process."""
-        from vllm.config import DeviceConfig, ECTransferConfig, VllmConfig
+    def encoder_cache(self, disk_dir: str, split: bool = False) -> None:
+        """vLLM's encoder-cache connectors (both roles) over another cache of this process;
+        ``split``: a cache per role, as with vLLM's Ray executor (see ``split``)."""
+        from vllm.config import DeviceConfig, ECTransferConfig, ParallelConfig, VllmConfig
         from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
         from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
 
         from tests.engine_shapes import with_embeddings
 
-        ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
-                              ec_connector_module_path="mmtier.integrations.vllm_ec",
-                              ec_connector_extra_config={"mmtier_cache": with_embeddings(self.h.cache_fields(disk_dir)),
-                                                         "mmtier_tenant": "acme", "mmtier_cluster": self.cluster})
-        cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
-        self.ec = {role: ECConnectorFactory.create_connector(cfg, role)
-                   for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER)}
-        self.ec_sched, self.ec_worker = self.ec[ECConnectorRole.SCHEDULER], self.ec[ECConnectorRole.WORKER]
+        roles = []
+        for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
+            fields = with_embeddings(self.h.cache_fields(f"{disk_dir}/{role.name.lower()}" if split else disk_dir))
+            ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
+                                  ec_connector_module_path="mmtier.integrations.vllm_ec",
+                                  ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
+                                                             "mmtier_cluster": self.cluster})
+            cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+            if split:
+                cfg.parallel_config = ParallelConfig(distributed_executor_backend="ray")
+            roles.append(ECConnectorFactory.create_connector(cfg, role))
+        self.ec_sched, self.ec_worker = roles
 
     def ec_save(self, identifier: str, x: torch.Tensor) -> None:
         self.ec_worker.save_caches({identifier: x}, identifier)
@@ -120,7 +125,9 @@ class VllmInstance:
         encoder_cache: dict[str, torch.Tensor] = {}
         self.ec_worker.start_load_caches(encoder_cache)
         self.ec_worker.clear_connector_metadata()
-        return {"has": has, "x": encoder_cache.get(identifier), "calls": dict(self.ec_sched.link.calls)}
+        return {"has": has, "x": encoder_cache.get(identifier), "calls": dict(self.ec_sched.link.calls),
+                "scheduler_groups": len(self.ec_sched.cache.inventory()),
+                "worker_pulled": self.ec_worker.link.counters["pulled"]}
 
     def digests(self, rid: str, seed: int) -> list[str]:
         """The content keys of the request's groups, as the registry names them."""

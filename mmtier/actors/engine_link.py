@@ -107,7 +107,7 @@ def connect_ray(settings: ClusterSettings, address: str | None) -> None:
 
 class EngineLink:
     """See the module docstring. ``counters``: ``shared``, ``share_failed``, ``pulled``,
-    ``pull_failed``, ``pull_timeouts``, ``lookups``, ``lookup_misses`` (keys nobody held)."""
+    ``pull_failed``, ``timeouts``, ``lookups``, ``lookup_misses`` (keys nobody held)."""
 
     def __init__(self, cache: TieredKVCache, transport: RayTransport):
         """``cache``: opened with the config ``join`` returned, over its ``transport``."""
@@ -132,30 +132,39 @@ class EngineLink:
         return self.transport.calls
 
     # ------------------------------------------------------------------ the miss path
-    def pull_async(self, keys: Sequence[ContentKey]) -> Future:
-        """Start making the leading run of ``keys`` local, on the link's pull thread: one
-        registry lookup for those not held here, one fetch per group held elsewhere. The
-        future's result: how many leading keys are held here now."""
-        return self._submit(self._pulls, self._pull, list(keys))
+    def pull_async(self, keys: Sequence[ContentKey], *, leading: bool = True) -> Future:
+        """Start making the leading run of ``keys`` local (a prefix chain: a key is of use only
+        after all before it), on the link's pull thread: one registry lookup for those not held
+        here, one fetch per group held elsewhere. The future's result: how many leading keys are
+        held here now. ``leading=False``: keys independent of each other (encoder outputs),
+        each pulled if held anywhere; the result is how many are held here now."""
+        return self._submit(self._pulls, self._pull, list(keys), leading)
 
     def locate_async(self, keys: Sequence[ContentKey]) -> Future:
         """How many leading ``keys`` are held here or anywhere in the cluster (one registry
         lookup for those not held here; nothing is fetched), on the link's pull thread."""
         return self._submit(self._pulls, self._locate, list(keys))
 
-    def pull(self, keys: Sequence[ContentKey]) -> int:
-        """``pull_async`` and wait for it (a caller on its own background thread: SGLang's
-        prefetch); a pull that outlasts the wait lands later and counts as a miss now."""
-        fut = self.pull_async(keys)
+    def pull(self, keys: Sequence[ContentKey], *, leading: bool = True) -> int:
+        """``pull_async`` and wait for it (a caller on a background thread: SGLang's prefetch,
+        vLLM's loads); a pull that outlasts the wait lands later and is a miss now."""
+        return self._result(self.pull_async(keys, leading=leading))
+
+    def locate(self, keys: Sequence[ContentKey]) -> int:
+        """``locate_async`` and wait for it."""
+        return self._result(self.locate_async(keys))
+
+    def _result(self, fut: Future) -> int:
         try:
             return fut.result(timeout=self.settings.call_timeout_s * 2)
         except TimeoutError:
-            self.counters["pull_timeouts"] += 1
+            self.counters["timeouts"] += 1
             return 0
 
-    def _lookup(self, keys: list[ContentKey]) -> tuple[list[bool], dict[ContentKey, Location]]:
+    def _lookup(self, keys: list[ContentKey], leading: bool = True
+                ) -> tuple[list[bool], dict[ContentKey, Location]]:
         """``(held here, where the others after the first local miss live)``: one registry
-        lookup; the located run stops at the first key nobody holds."""
+        lookup; with ``leading`` the located run stops at the first key nobody holds."""
         held = self.cache.holds(keys)
         lead = next((i for i, h in enumerate(held) if not h), len(keys))
         missing = [k for k, h in zip(keys[lead:], held[lead:]) if not h]
@@ -167,7 +176,9 @@ class EngineLink:
                                                          len(missing))):
             if loc is None or not loc.holders:
                 self.counters["lookup_misses"] += 1
-                break
+                if leading:
+                    break
+                continue
             where[key] = loc
         return held, where
 
@@ -175,8 +186,8 @@ class EngineLink:
         held, where = self._lookup(keys)
         return next((i for i, k in enumerate(keys) if not held[i] and k not in where), len(keys))
 
-    def _pull(self, keys: list[ContentKey]) -> int:
-        held, where = self._lookup(keys)
+    def _pull(self, keys: list[ContentKey], leading: bool) -> int:
+        held, where = self._lookup(keys, leading)
         fetches = {}
         for key, loc in where.items():
             holder = placement.nearest_by_name([h for h, _tier in loc.holders], self.node)
@@ -184,14 +195,16 @@ class EngineLink:
                 fetches[key] = self.transport.fetch(holder, key.to_wire())
             except HolderLostError:
                 self.counters["pull_failed"] += 1
-                break
+                if leading:
+                    break
         for i, key in enumerate(keys):
             if held[i]:
                 continue
             refs = fetches.get(key)
-            if refs is None or not self._land(key, refs):
+            held[i] = refs is not None and self._land(key, refs)
+            if leading and not held[i]:
                 return i
-        return len(keys)
+        return sum(held)
 
     def _land(self, key: ContentKey, refs) -> bool:
         try:

@@ -26,12 +26,13 @@ stores is written through to the node's store and published, one publish per bat
 (``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
 store's copies outlive it.
 
-Where vLLM runs the worker in another process than the scheduler (``distributed_executor_backend``
-``"ray"``, as Ray Serve LLM does on GPUs, or ``"mp"``), the two roles hold different caches: only
-the cluster joins them. The scheduler then only *locates* a request's groups (one lookup, nothing
-fetched into its own cache); the worker, at load, pulls what its cache lacks (one lookup, one
-call per group; that step's first layer waits for it). Without ``mmtier_cluster`` such a scheduler never sees
-the worker's saves (no hits; a warning says so).
+Where vLLM runs the worker in another process than the scheduler
+(``distributed_executor_backend`` ``"ray"``, as Ray Serve LLM does on GPUs, or ``"mp"``), the two
+roles hold different caches: only the cluster joins them. The scheduler then only *locates* a
+request's groups (one lookup, nothing fetched into its own cache); the worker, at load, pulls
+what its cache lacks (one lookup, one call per group; that step's first layer waits for it).
+Without ``mmtier_cluster`` such a scheduler never sees the worker's saves (no hits; a warning
+says so).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
-SPLIT_BACKENDS = ("ray", "mp")       # executors whose workers run in processes of their own
+SPLIT_BACKENDS = ("ray", "mp")       # vLLM executors whose workers run in processes of their own
 
 
 @dataclass(frozen=True)

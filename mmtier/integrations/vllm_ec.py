@@ -17,7 +17,8 @@ Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): ``has_cach
 registry for an item not held here (one lookup) and, held elsewhere, pulls it whole (one call)
 before answering, so the scheduler's wait is bounded by one round trip and one transfer (a
 failure is a miss: the encoder runs); a saved item is written through to the node's store and
-published on the link's thread.
+published on the link's thread. With the worker in a process of its own (vLLM's ``ray`` or
+``mp`` executor) the scheduler only locates the item and the worker pulls it before loading.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from .engine_cache import open_shared, tenant_from_extra
+from .vllm import SPLIT_BACKENDS
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -63,6 +65,7 @@ class MMTierECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
         self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        self.split = vllm_config.parallel_config.distributed_executor_backend in SPLIT_BACKENDS
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
         if self.cache.cfg.spec(self.modality).kind != "embedding":
@@ -79,7 +82,9 @@ class MMTierECConnector(ECConnectorBase):
         key = self.key(identifier)
         if self.cache.contains(key):
             return True
-        return self.link is not None and self.link.pull([key]) == 1
+        if self.link is None:
+            return False
+        return (self.link.locate if self.split else self.link.pull)([key]) == 1
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
@@ -103,6 +108,8 @@ class MMTierECConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         device = kwargs.get("device")
+        if self.link is not None and meta.loads:     # what a scheduler elsewhere located, first
+            self.link.pull([self.key(i) for i in meta.loads if i not in encoder_cache], leading=False)
         for identifier, req_ids in meta.loads.items():
             if identifier in encoder_cache:
                 continue
