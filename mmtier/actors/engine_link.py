@@ -16,11 +16,14 @@ and what only it held would die with it. It shares through its node's store inst
   group, all sent at once (a holder on this node first, a pool before a store), and imported
   into the local cache, where they are ordinary local groups: hits. Any failure (registry or
   holder gone, a timeout, a corrupt copy, no room) ends the run there: a miss, counted, never
-  wrong KV.
+  wrong KV;
+- **locate**: the same lookup without the fetches, for a scheduler whose worker holds another
+  cache (vLLM's Ray executor): the worker pulls at load.
 
-Both run on the link's own threads, one each: pulls one at a time (a pull queued behind another
-sees what that one landed and fetches only the rest), shares one batch at a time. Every Ray call goes through a ``RayTransport`` (counted by
-kind in ``calls``), every wait is bounded by ``settings.call_timeout_s``.
+Pulls and shares run on the link's own threads, one each: pulls one at a time (a pull queued
+behind another sees what that one landed and fetches only the rest), shares one batch at a
+time. Every Ray call goes through a ``RayTransport`` (counted by kind in ``calls``), every wait
+is bounded by ``settings.call_timeout_s``.
 """
 
 from __future__ import annotations
