@@ -207,6 +207,34 @@ def test_dtypes_and_head_dims(calls, pool_dtype, q_dtype, head_dim):
     assert calls["flash"] > 0
 
 
+@pytest.mark.parametrize("q_dtype,size,strided", [
+    (torch.bfloat16, 16, False), (torch.bfloat16, 64, True), (torch.float32, 64, False), (torch.float32, 16, True),
+])
+def test_bf16_pages_widened_in_blocks(calls, monkeypatch, q_dtype, size, strided):
+    """The blocked path over bfloat16 pages at Qwen2.5-VL's head dim (128) and GQA group (7):
+    chunks that are runs of consecutive pages are widened to float32 by one strided copy each
+    (``_copy_run``, into a buffer poisoned with NaN first), scattered chunks are gathered and
+    widened, and every partial state merges to float32 accuracy against the float64 oracle.
+    Fresh random inputs each run (the seed is in the message)."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    widened, copy_run = [], unmasked._copy_run
+
+    def poisoned(op, first, n, out):
+        out.fill_(math.nan)
+        widened.append(n)
+        return copy_run(op, first, n, out)
+
+    monkeypatch.setattr(unmasked, "_copy_run", poisoned)
+    monkeypatch.setattr(unmasked, "GATHER_BYTES", 1 << 20)     # several chunks per run
+    case = make_case(mixed_items(), size=size, hkv=2, group=7, head_dim=128, pool_dtype=torch.bfloat16,
+                     q_dtype=q_dtype, seed=seed, strided_pool=strided)
+    try:
+        run_and_check(case)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from e
+    assert len(widened) > 1 and calls["flash"] > len(widened) and calls["masked"] == 0
+
+
 def test_several_queries_causal_boundary_inside_a_chunk(calls, monkeypatch):
     """Queries at scattered positions: pages below the first query need no mask, pages
     between the first and the last query are masked per query, pages past the last are
