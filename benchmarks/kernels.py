@@ -38,7 +38,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks._common import add_out_arg, best_time, print_table, write_results
+from benchmarks._common import (
+    add_out_arg,
+    best_time,
+    paired_rounds,
+    print_table,
+    ratio_figures,
+    spread,
+    write_results,
+)
 from mmtier.kernels import paged_attention
 from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
 
@@ -170,7 +178,58 @@ def bench_cpu(quick: bool) -> dict:
     figures["cpu_paged_over_contiguous"] = max(ratios)
     figures["cpu_bandwidth_fraction"] = min(fractions)
     figures["cpu_dtype"] = "float32"
+    figures.update(bench_cpu_16bit(quick))
     figures["cpu_load_avg_1min"] = os.getloadavg()[0]  # other work on the machine skews figures
+    return figures
+
+
+def bench_cpu_16bit(quick: bool, repeats: int = 7) -> dict:
+    """The torch path over bfloat16 pages against the same K/V in float32 pages, per call, side
+    by side: Qwen2.5-VL-7B's per-layer shape (4 KV heads x 128, 28 query heads: GQA 7), one
+    layer of a 28-layer pool (a page's layers are apart, as in the cache's arena), text pages
+    of 16 and vision pages of 64 tokens, shuffled ids, decode with a query of the pool's dtype.
+    Medians of ``repeats`` paired rounds (each round: 5 calls of each side, rotated);
+    ``cpu_bf16_over_fp32_time`` < 1 is 16-bit pages decoded faster than float32 ones (they
+    hold half the bytes, and are widened to float32 on the way to the kernel)."""
+    hkv, dim, hq, layers = 4, 128, 28, 28
+    ctx = 8192 if quick else 32768
+    sides: dict = {}
+    outs = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        operands = []
+        table_gen = torch.Generator().manual_seed(2)      # the same tables and values for both
+        for size, tokens in ((16, ctx // 4), (64, ctx - ctx // 4)):
+            pages = tokens // size
+            kv = torch.randn((pages + 1, layers, 2, size, hkv, dim), generator=table_gen).to(torch.bfloat16)
+            ids = torch.randperm(pages + 1, generator=table_gen)[:pages].tolist()
+            segs = [(ids[i:i + 9], i * size, len(ids[i:i + 9]) * size) for i in range(0, pages, 9)]
+            operands.append(build_paged_kv(kv.to(dtype), layers - 1, [segs]))
+        q = torch.randn((1, hq, dim), generator=table_gen).to(torch.bfloat16).to(dtype)
+        qi = torch.tensor([0, 1], dtype=INDEX_DTYPE)
+        qp = torch.tensor([ctx - 1], dtype=INDEX_DTYPE)
+
+        def call(q=q, qi=qi, qp=qp, operands=operands):
+            return paged_attention(q, qi, qp, operands, backend="torch", out_dtype=torch.float32)[0]
+
+        def timed(call=call) -> float:
+            t0 = time.perf_counter()
+            for _ in range(5):
+                call()
+            return (time.perf_counter() - t0) / 5
+
+        outs[dtype] = call()
+        sides[str(dtype).removeprefix("torch.")] = timed
+    err = float((outs[torch.bfloat16] - outs[torch.float32]).abs().max() / outs[torch.float32].abs().max())
+    assert err < 1e-5, f"bf16 and fp32 pages of the same values disagree: {err}"
+    times = paired_rounds(sides, repeats)
+    nbytes = {"bfloat16": 2 * ctx * hkv * dim * 2, "float32": 2 * ctx * hkv * dim * 4}
+    figures: dict = {"cpu16_ctx": ctx, "cpu16_shape": f"{hkv} KV heads x {dim}, {hq} query heads, 1 of {layers} layers"}
+    for name, ts in times.items():
+        med = spread(ts).median
+        figures[f"cpu16_{name}_ms"] = med * 1e3
+        figures[f"cpu16_{name}_gbs"] = nbytes[name] / med / 1e9
+        figures[f"cpu16_{name}_mtok_s"] = ctx / med / 1e6
+    figures.update(ratio_figures("cpu_bf16_over_fp32_time", times["bfloat16"], times["float32"], False))
     return figures
 
 
