@@ -10,8 +10,11 @@ Without ``--preset`` two rows run, each writing its own JSON:
   quarter of the bytes each (at most 1 GiB), the rest on disk. ``--tokens max`` takes the
   largest count the disk holds (its free bytes less ``--reserve-gib``, which also stays the
   cache's own disk free floor): the default on a GPU. On the CPU the default is 32,768 tokens
-  (1.9 GB per step): the CPU path decodes a 16-bit context at tens to hundreds of MB/s, so a
-  step over what the disk holds would take hours;
+  (1.9 GB per step, a run of about a minute); the committed CPU figures are ``--tokens max
+  --reserve-gib 20`` (760,964 tokens, 43.6 GB per step, on a disk with 63 GB free, leaving
+  about 20 GB to the machine's other users): ingestion (7 minutes, bound by the fsync'd
+  spills) and six decode steps (1.6-2.1 minutes each, bound by the cold disk reads of 41.6 GB)
+  take 19 minutes of wall time on the shared 2-core machine;
 - ``long_context_1layer.json``: 2,000,000 tokens of one layer, one KV head, head dim 64, fp32
   (512 B per token), 30 % device, 30 % host, 40 % disk.
 
@@ -37,9 +40,9 @@ layer's attention over every token, computed where the pages live and merged by 
 - ingestion: tokens/s written through the tiers, against the disk's measured write bandwidth.
 
 ``--cluster``: the same context over a local multi-node Ray cluster on loopback (one layer);
-``extrapolated_decode_s_all_layers`` multiplies its decode by the preset's layers, since every
-layer reads the same bytes per token as the one measured (the per-layer footprint is the
-preset's own).
+``extrapolated_decode_s_all_layers`` multiplies its decode by the model's layers and by the
+model's bytes per token and layer over the measured shape's (``tiny`` stands for Llama-3-8B):
+an extrapolation that assumes decode stays bandwidth-bound, not a measurement.
 """
 
 from __future__ import annotations
@@ -56,7 +59,10 @@ from pathlib import Path
 # machine shared with other jobs a spinning thread burns the core another job's thread (or this
 # process's own disk reader) needs, and a parallel region waits on a descheduled thread: decode
 # steps measured 5-20x slower in wall time (and CPU time) under a load average of 10 with the
-# default policy. A serving process on shared cores wants the same setting.
+# default policy. The cost on an idle machine: waking sleeping threads slows a path made of many
+# short parallel regions (the kernels benchmark, which keeps the default, measured its worst
+# paged/contiguous ratio 2.5 instead of 1.4 idle with this setting). A serving process on
+# shared cores wants it; one with cores to itself does not.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -157,11 +163,13 @@ def feed(cache, seq, plan, gen, shape, keep=(0, 0), put_opts=lambda i: {}, attac
     drawing tens of GB of normals would take most of the ingestion time of a run at what the
     disk holds, and the cache's work (copies, checksums, files) does not depend on the values."""
     layers, hkv, dim, tdtype = shape
-    bank = torch.randn(BANK_ELEMS, generator=gen, dtype=torch.float32).to(tdtype)
+    row = layers * hkv * dim                         # elements per token
+    elems = min(BANK_ELEMS, max(2 * row * sum(n for _, n in plan), 4 * row * max(n for _, n in plan)))
+    bank = torch.randn(elems, generator=gen, dtype=torch.float32).to(tdtype)
     ks, vs = [], []
     for i, (kind, n) in enumerate(plan):
-        size = layers * n * hkv * dim
-        at = torch.randint(0, BANK_ELEMS - size + 1, (2,), generator=gen).tolist()
+        size = row * n
+        at = torch.randint(0, elems - size + 1, (2,), generator=gen).tolist()
         k = bank[at[0]:at[0] + size].view(layers, n, hkv, dim)
         v = bank[at[1]:at[1] + size].view(layers, n, hkv, dim)
         if kind == "text":
