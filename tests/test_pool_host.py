@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 import mmtier.actors as mma  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.actors.pool_host import host_name  # noqa: E402
+from mmtier.actors.pool_host import PoolHost, host_name  # noqa: E402
 from mmtier.models import Audio, Image, ReferenceModel, Text  # noqa: E402
 from mmtier.models.engine import ReferenceEngine  # noqa: E402
 
@@ -175,3 +175,94 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
         export_to_object_store(src, key.to_wire())
     assert len(src.cache.leases) == 0
     assert dst.leak_report()["leases"] == 0
+
+
+class _Probe(PoolHost):
+    """An engine reduced to the cache calls its model makes, driven by the test."""
+
+    def capacity(self, modality: str) -> int:
+        pool = self.cache.pools[modality]
+        return pool.num_pages * pool.spec.page_bytes
+
+    def turn(self, wire, before, after, queries):
+        """A turn over ``before`` text, the group, ``after`` text; ``queries``: ``(layer, q,
+        positions or None, causal, groups or None)``. Answers the states, the sequence's length,
+        the plan and the Ray calls per kind made by the attention calls alone."""
+        from mmtier.content import ContentKey
+
+        key, local = ContentKey.from_wire(wire), self.local
+        local.begin_turn([key], calls_left=len(queries))
+        assert local.contains(key)
+        seq = local.create_sequence("acme")
+        local.append(seq, "text", *before)
+        local.attach(seq, key)
+        local.append(seq, "text", *after)
+        calls = dict(self.transport.calls)
+        states = [local.attention_state(seq, layer, q, q_positions=pos, causal=causal,
+                                        groups=None if groups is None else [ContentKey.from_wire(g) for g in groups])
+                  for layer, q, pos, causal, groups in queries]
+        during = {k: n - calls.get(k, 0) for k, n in self.transport.calls.items() if n != calls.get(k, 0)}
+        length = local.sequence(seq).length
+        local.release(seq)
+        local.end_turn()
+        return states, length, dict(local.plan), during, local.turn_stats()
+
+
+def _kv(spec, n):
+    k = torch.randn(spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    return k, torch.randn_like(k)
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_group_too_large_for_the_pool_is_attended_at_its_holder(cluster, fits):
+    """A group held on node B and larger than the engine's pool on node A is attended where it
+    lives (one ``attend`` per attention call, merged exactly with the local text before and
+    after it); one that fits is fetched instead. Both equal the float64 oracle."""
+    from tests.oracle import oracle_attention, rel_err
+
+    cc = mma.connect(SETTINGS)
+    small = ray.remote(_Probe).options(
+        name=host_name(cluster["node_a"], 7), namespace=SETTINGS.namespace, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster["node_a"], soft=False),
+    ).remote(SETTINGS, device_bytes=1 << 20)
+    spec, text = cc.cfg.spec("vision"), cc.cfg.spec("text")
+    cap = ray.get(small.capacity.remote("vision"), timeout=60)
+    n_group = 40 if fits else cap // spec.token_bytes + 3 * spec.page_size     # over the arena
+    key = cc.content_key("vision", _blob("huge", 256), tenant="acme")
+    gk, gv = _kv(spec, n_group)
+    assert cc.put(key, gk, gv, node=cluster["node_b"])
+    before, after = _kv(text, 21), _kv(text, 11)
+    total = 21 + n_group + 11
+    layers = [0, spec.num_layers - 1]
+    hq = 2 * spec.num_kv_heads
+    queries = [(layer, torch.randn(n_q, hq, spec.head_dim), pos, causal, groups)
+               for layer in layers
+               for n_q, pos, causal, groups in [
+                   (3, None, True, None),                                        # the last positions
+                   (5, torch.tensor([4, 20, 21 + n_group // 2, 21 + n_group, total - 1]), True, None),
+                   (2, None, False, [key.to_wire()])]]                           # the group alone
+    states, length, plan, during, stats = ray.get(small.turn.remote(key.to_wire(), before, after, queries),
+                                                  timeout=120)
+    assert length == total
+    for (layer, q, pos, causal, groups), (out, lse) in zip(queries, states):
+        ks = torch.cat([before[0][layer], gk[layer], after[0][layer]])
+        vs = torch.cat([before[1][layer], gv[layer], after[1][layer]])
+        kpos = torch.arange(total)
+        if groups is not None:
+            ks, vs, kpos = ks[21:21 + n_group], vs[21:21 + n_group], kpos[21:21 + n_group]
+        qpos = torch.arange(total - q.shape[0], total) if pos is None else pos
+        want_out, want_lse = oracle_attention(q, qpos, ks, vs, kpos, causal=causal)
+        assert rel_err(out, want_out) < 1e-4 and rel_err(lse, want_lse) < 1e-4
+    if fits:
+        assert plan == {key.hex: "fetch"} and stats["fetched"] == 1 and stats.get("plan_remote", 0) == 0
+        assert during == {}                                   # attended here: no Ray call
+    else:
+        assert plan == {key.hex: "remote"} and stats.get("fetched", 0) == 0
+        assert stats["plan_remote"] == 1 and stats["remote_attaches"] == 1
+        assert during == {"attend": len(queries)}             # one call per attention call
+        assert stats["calls_release"] == 1                    # the proxy let go at release
+    b_pool = cc.pools(cluster["node_b"])[0]
+    leaks = ray.get(ray.get_actor(b_pool, namespace=SETTINGS.namespace).leak_report.remote(), timeout=60)
+    assert leaks["leases"] == 0
+    ray.kill(small)
+    cc.close()
