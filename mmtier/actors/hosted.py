@@ -41,6 +41,7 @@ from ..table import SequenceHandle
 from . import placement
 from .hosted_remote import RemoteParts
 from .launch import STORE_PREFIX, store_name
+from .pool_actor import PoolService
 
 LINK_BYTES_PER_S = 1e9        # the cost model's node-to-node rate (object store transfer)
 CALL_S = 1e-3                 # and its cost of one remote partial-attention call
@@ -165,7 +166,7 @@ class HostedCache:
             self._land(key, pending)
         self._removed += self.host._evicted()
         if self._publish or self._removed:
-            self.transport.publish(self.host.name, self._publish, self._removed, self.host.ping())
+            self.transport.publish_later(self.host.name, self._publish, self._removed, self._identity())
             self._publish, self._removed = [], []
 
     def _resolve(self) -> None:
@@ -202,29 +203,38 @@ class HostedCache:
 
     def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
         """Hand unreferenced groups to this node's store and free them here (turn-boundary
-        traffic: one call per group, then the registry told in one call per holder)."""
+        traffic: one call per group, all sent at once and awaited together, then the registry
+        told in one call per holder). A group the store refused stays here
+        (``offload_failed``)."""
         store = store_name(self.host.node)
-        moved = nbytes = 0
-        taken: list[dict] = []
-        for key in keys:
+        chosen: list[tuple[ContentKey, int]] = []
+        for key in dict.fromkeys(keys):
             with self.cache._lock:
                 group = self.cache._groups.get(key)
                 size = 0 if group is None or not group.evictable else group.nbytes
-            if not size:
+            if size:
+                chosen.append((key, size))
+        # the exports' buffers (leased views of the arena) live only for the call below, so the
+        # leases are gone before the drops
+        sent = [self.transport.offload_async(store, k.to_wire(), *self.host.export(k.to_wire())) for k, _ in chosen]
+        moved = nbytes = 0
+        taken: list[dict] = []
+        for (key, size), ref in zip(chosen, sent):
+            try:
+                answer, _evicted = self.transport.result(ref, store)
+            except MMTierError:
+                self.counters["offload_failed"] += 1
                 continue
-            # the export's buffer (a leased view of the arena) lives only for this call, so the
-            # lease is gone before the drop below
-            item, _evicted = self.transport.offload(store, key.to_wire(), *self.host.export(key.to_wire()))
-            if item is not None:
-                taken.append(item)
+            if answer is not None:
+                taken.append(answer)
             dropped = self.host.drop([key.to_wire()])
             self._removed += dropped
             moved += len(dropped)
             nbytes += size if dropped else 0
         if taken:
-            self.transport.publish(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
+            self.transport.publish_later(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
         if self._removed:
-            self.transport.publish(self.host.name, [], self._removed, self.host.ping())
+            self.transport.publish_later(self.host.name, [], self._removed, self._identity())
             self._removed = []
         return Offloaded(moved, nbytes)
 
@@ -245,6 +255,11 @@ class HostedCache:
         self.counters["fetched"] += 1
         self._note(item, evicted)
         return True
+
+    def _identity(self) -> dict[str, str]:
+        """This holder's name, node and kind (what a publish carries; not the actor's ``ping``,
+        which also publishes metrics when due: the registry's sweep does that)."""
+        return PoolService.ping(self.host)
 
     def _note(self, item: dict | None, evicted: list[str]) -> None:
         if item is not None:

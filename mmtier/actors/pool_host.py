@@ -24,7 +24,8 @@ A ``PagePoolActor`` remains for memory with no model in front of it.
 from __future__ import annotations
 
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -59,6 +60,10 @@ class RayTransport:
         # one thread that waits for fetched buffers to be local: Ray pulls an object to a node
         # only once someone there waits for it, so this starts the transfer at the fetch
         self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmtier-pull")
+        # one thread that submits, in order, the calls nobody waits for (publishes, releases):
+        # a submission serializes its arguments, about a millisecond the turn no longer spends
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmtier-send")
+        self._last_sent: Future | None = None
 
     def config(self) -> dict:
         self.calls["config"] += 1
@@ -70,8 +75,10 @@ class RayTransport:
         self.registry.sync_holder.remote(info, inventory)
 
     def lookup_async(self, digests: list[str]):
-        """One batched registry lookup, sent now; ``wait`` reads its answer."""
+        """One batched registry lookup, sent now (after what the sender thread still has to
+        send, so it never overtakes a publish); ``wait`` reads its answer."""
         self.calls["lookup"] += 1
+        self._sent()
         return self.registry.lookup.remote(digests)
 
     def wait(self, ref, n: int) -> list[Location | None]:
@@ -124,7 +131,15 @@ class RayTransport:
         """One call, nothing waits: groups this holder now holds and those it gave up. Returns
         the call's ref for a caller that wants the registry's acknowledgement (``result``)."""
         self.calls["publish"] += 1
+        self._sent()
         return self.registry.publish.remote(holder, items, removed, info)
+
+    def publish_later(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
+        """``publish``, submitted on the sender thread after every call handed to it before
+        (a turn's publish, off the turn's path; the caller hands the lists over and does not
+        change them)."""
+        self.calls["publish"] += 1
+        self._last_sent = self._sender.submit(self.registry.publish.remote, holder, items, removed, info)
 
     def offload(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
         """Hand a group to the node store and wait for its answer (``offload_async``)."""
@@ -152,9 +167,20 @@ class RayTransport:
         return self.result(ref, holder)
 
     def release(self, holder: str, proxies: list) -> None:
-        """Fire and forget: drop this pool's proxy sequences at ``holder``."""
+        """Fire and forget: drop this pool's proxy sequences at ``holder`` (sender thread)."""
         self.calls["release"] += 1
-        self.handle(holder).release.remote(proxies)
+        self._last_sent = self._sender.submit(self.handle(holder).release.remote, proxies)
+
+    def _sent(self) -> None:
+        """Wait (bounded) until the sender thread has submitted everything handed to it (done
+        long before in a quiet actor: it runs between turns), so no registry call sent now
+        overtakes one handed to it."""
+        last, self._last_sent = self._last_sent, None
+        if last is not None:
+            try:
+                last.result(timeout=self.settings.call_timeout_s)
+            except FutureTimeout:
+                self.calls["send_late"] += 1
 
     def handle(self, name: str):
         h = self._handles.get(name)
