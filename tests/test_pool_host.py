@@ -184,6 +184,28 @@ class _Probe(PoolHost):
         pool = self.cache.pools[modality]
         return pool.num_pages * pool.spec.page_bytes
 
+    def store(self, blob: bytes, n: int) -> dict:
+        """Put a fresh vision group of ``n`` tokens here and publish it; its key's wire form."""
+        spec = self.cache.cfg.spec("vision")
+        key = self.local.content_key("vision", blob, tenant="acme")
+        self.local.put(key, *_kv(spec, n))
+        self.local.end_turn()
+        return key.to_wire()
+
+    def pull(self, wire, holder: str | None) -> tuple[bool, bool, dict]:
+        """``fetch`` from ``holder`` (None: through the turn's lookup, then ``contains``);
+        ``(fetched, held now, turn stats)``."""
+        from mmtier.content import ContentKey
+
+        key = ContentKey.from_wire(wire)
+        if holder is None:
+            self.local.begin_turn([key])
+            got = self.local.contains(key)
+            self.local.end_turn()
+        else:
+            got = self.local.fetch(key, holder)
+        return got, self.holds([wire])[0], self.local.turn_stats()
+
     def turn(self, wire, before, after, queries):
         """A turn over ``before`` text, the group, ``after`` text; ``queries``: ``(layer, q,
         positions or None, causal, groups or None)``. Answers the states, the sequence's length,
@@ -266,3 +288,68 @@ def test_group_too_large_for_the_pool_is_attended_at_its_holder(cluster, fits):
     assert leaks["leases"] == 0
     ray.kill(small)
     cc.close()
+
+
+def test_a_failed_fetch_is_a_miss_and_leaks_nothing(cluster):
+    """A holder that died before the fetch (named, or still listed by the registry): the fetch
+    is a miss counted by kind, never an exception; the receiver's pages and leases are as
+    before, and a live holder's export leaves no lease behind."""
+    opts = dict(namespace=SETTINGS.namespace, num_cpus=0)
+    a = ray.remote(_Probe).options(name=host_name(cluster["node_a"], 8), scheduling_strategy=NodeAffinitySchedulingStrategy(
+        cluster["node_a"], soft=False), **opts).remote(SETTINGS)
+    b = ray.remote(_Probe).options(name=host_name(cluster["node_b"], 8), scheduling_strategy=NodeAffinitySchedulingStrategy(
+        cluster["node_b"], soft=False), **opts).remote(SETTINGS)
+    wire = ray.get(b.store.remote(_blob("lost", 64), 70), timeout=60)
+    ok = ray.get(b.store.remote(_blob("kept", 64), 70), timeout=60)
+    before = ray.get(a.leak_report.remote(), timeout=60)
+    got, held, _ = ray.get(a.pull.remote(ok, host_name(cluster["node_b"], 8)), timeout=60)
+    assert got and held                                                   # a live holder: fetched
+    assert ray.get(b.leak_report.remote(), timeout=60)["leases"] == 0    # its export's lease back
+    ray.kill(b)
+    got, held, stats = ray.get(a.pull.remote(wire, host_name(cluster["node_b"], 8)), timeout=60)
+    assert not got and not held and stats["fetch_failed_HolderLostError"] == 1
+    got, held, stats = ray.get(a.pull.remote(wire, None), timeout=60)   # the registry may still list b
+    assert not got and not held
+    after = ray.get(a.leak_report.remote(), timeout=60)
+    assert after["leases"] == 0 and after["used_pages"] == after["cached_pages"]
+    assert after["cached_pages"] == before["cached_pages"] + 2            # the one fetched group only
+    ray.kill(a)
+
+
+def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_keep_them():
+    """No Ray: an import fills its pages outside the cache's lock; a bad buffer takes nothing,
+    and a key imported by another thread meanwhile gives the pages back (no leak either way)."""
+    from mmtier.actors.pool_actor import PoolService, import_pages
+    from mmtier.errors import ShapeError
+
+    cfg = MODEL.cache_config(device_bytes=6 << 20)
+    src, dst = PoolService(cfg, name="src", node="n"), PoolService(cfg, name="dst", node="n")
+    spec = cfg.spec("vision")
+    key = src.cache.content_key("vision", _blob("race", 64), tenant="acme")
+    k, v = _kv(spec, 2 * spec.page_size + 9)
+    src.put(key.to_wire(), k, v)
+    meta, buf = src.export(key.to_wire())
+    pool = dst.cache.pools["vision"]
+    free = pool.num_free
+    with pytest.raises(ShapeError):
+        import_pages(dst.cache, key, meta, buf[:-1])
+    assert pool.num_free == free
+    # another thread imports the same key while this one copies: its pages go back
+    real_copy = torch.Tensor.copy_
+    raced = []
+
+    def copy_then_race(self, other, *a, **kw):
+        out = real_copy(self, other, *a, **kw)
+        if not raced:
+            raced.append(True)
+            assert import_pages(dst.cache, key, meta, buf)                # the other import wins
+        return out
+
+    torch.Tensor.copy_ = copy_then_race
+    try:
+        assert not import_pages(dst.cache, key, meta, buf)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert pool.num_free == free - 3 and dst.leak_report()["used_pages"] == dst.leak_report()["cached_pages"]
+    got_k, got_v = dst.cache.read_group(key)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)

@@ -36,7 +36,7 @@ import torch
 
 from ..cache import TieredKVCache
 from ..content import ContentKey
-from ..errors import MMTierError
+from ..errors import HolderLostError, MMTierError
 from ..table import SequenceHandle
 from . import placement
 from .hosted_remote import RemoteParts
@@ -132,7 +132,10 @@ class HostedCache:
 
     def fetch(self, key: ContentKey, holder: str) -> bool:
         """Pull ``key`` from ``holder`` into this pool now (one call; ``False``: a miss)."""
-        return self.cache.contains(key) or self._land(key, (holder, self.transport.fetch(holder, key.to_wire())))
+        if self.cache.contains(key):
+            return True
+        pending = self._start_fetch(key, holder)
+        return pending is not None and self._land(key, pending)
 
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
         item, evicted = self.host.put(key.to_wire(), k, v)
@@ -189,8 +192,9 @@ class HostedCache:
             self.plan[k.hex] = choice
             self.counters[f"plan_{choice}"] += 1
             if choice == "fetch":
-                holder = placement.nearest_by_name(holders, self.host.node)
-                self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
+                pending = self._start_fetch(k, placement.nearest_by_name(holders, self.host.node))
+                if pending is not None:
+                    self._incoming[k] = pending
             elif choice == "remote":
                 self._elsewhere[k] = placement.nearest_by_name(pools, self.host.node)
 
@@ -243,6 +247,15 @@ class HostedCache:
         return {**self.counters, **{f"calls_{k}": n for k, n in self.transport.calls.items()}}
 
     # ------------------------------------------------------------------ helpers
+    def _start_fetch(self, key: ContentKey, holder: str) -> tuple[str, object] | None:
+        """Ask ``holder`` for the group (``None``: the holder is gone, a miss)."""
+        try:
+            return holder, self.transport.fetch(holder, key.to_wire())
+        except HolderLostError:
+            self.counters["fetch_failed"] += 1
+            self.counters["fetch_failed_HolderLostError"] += 1
+            return None
+
     def _land(self, key: ContentKey, pending: tuple[str, object]) -> bool:
         holder, refs = pending
         try:
