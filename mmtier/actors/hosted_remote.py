@@ -98,8 +98,10 @@ class RemoteParts:
 
     def attention_state(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *, groups=None,
                         causal: bool = True, scale: float | None = None,
-                        q_positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` over the local segments and the remote groups, merged exactly."""
+                        q_positions: torch.Tensor | None = None, modalities=None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over the local segments and the remote groups, merged exactly
+        (``groups`` / ``modalities`` restrict both, as in ``TieredKVCache.attention_state``)."""
         self.cache._check_q(q)
         split = self._seqs[seq.id]
         table = self.cache.sequence(seq)
@@ -109,6 +111,9 @@ class RemoteParts:
             missing = wanted - held
             if missing:
                 raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
+        mods = None if modalities is None else set(modalities)
+        for m in mods or ():
+            self.cache.cfg.spec(m)                     # UnknownModalityError for a bad name
         n_q = q.shape[0]
         if q_positions is None:
             length = table.length + self._remote_tokens(split)
@@ -119,10 +124,10 @@ class RemoteParts:
         q_pos = q_positions.to(torch.int64).cpu()
         q_cpu = q.detach().cpu()
         sent = []                                      # the holders work while this pool does
-        for holder, parts in self._remote_parts(split, wanted).items():
+        for holder, parts in self._remote_parts(split, wanted, mods).items():
             sent.append((holder, self.transport.attend(holder, parts, layer, q_cpu, q_pos, causal, scale)))
         states = []
-        local = self._local_parts(seq, table, split, wanted)
+        local = self._local_parts(seq, table, split, wanted, mods)
         if local:
             states.append(self.cache.attention_state_parts(local, layer, q, q_pos, causal=causal, scale=scale))
         for holder, ref in sent:
@@ -151,22 +156,24 @@ class RemoteParts:
         return sum(g.num_tokens for g in split.groups)
 
     @staticmethod
-    def _remote_parts(split: _Split, wanted: set[ContentKey] | None) -> dict[str, list[Part]]:
+    def _remote_parts(split: _Split, wanted: set[ContentKey] | None, mods: set[str] | None
+                      ) -> dict[str, list[Part]]:
         out: dict[str, list[Part]] = {}
         for g in split.groups:
-            if wanted is None or g.key in wanted:
+            if (wanted is None or g.key in wanted) and (mods is None or g.key.modality in mods):
                 out.setdefault(g.holder, []).append(
                     Part(split.proxies[g.holder], g.start - g.proxy_start, (g.key.to_wire(),), g.proxy_start))
         return out
 
     @staticmethod
-    def _local_parts(seq: SequenceHandle, table, split: _Split, wanted: set[ContentKey] | None) -> list:
+    def _local_parts(seq: SequenceHandle, table, split: _Split, wanted: set[ContentKey] | None,
+                     mods: set[str] | None) -> list:
         """One part per local segment, at its absolute position: its local start shifted by the
         tokens of the remote groups attached before it."""
         parts = []
         for s in table.segments:
             key = s.group.key
-            if wanted is not None and key not in wanted:
+            if (wanted is not None and key not in wanted) or (mods is not None and s.group.modality not in mods):
                 continue
             shift = sum(g.num_tokens for g in split.groups if g.local_at <= s.start)
             parts.append((seq, None if wanted is None else [key], shift, s.start))
