@@ -4,15 +4,17 @@
   (one key per call), from the driver to the registry actor;
 - ``remote_attention_ms`` vs ``local_attention_ms``: the same attention through the client, the
   group in the home pool against the group on the other node (partial attention there, merged);
-- ``copy_gb_per_s`` (a group's pages exported by a pool on node B, imported by a pool on node A:
-  what an embedded pool's fetch does; the export returns the pages themselves, a leased view of
-  the arena that Ray writes into the object store, and the import copies them from the object
-  store buffer straight into its pages: one round trip, one copy on each side) against
-  ``object_store_gb_per_s`` (the same bytes returned by an actor on B and taken by one on A,
-  which does not even read them), interleaved in the same run, medians of the rounds:
-  ``remote_fetch_over_object_store`` = copy throughput / raw throughput; and
-  ``remote_fetch_over_object_store_and_copy``: against the same get followed by one copy of the
-  bytes into the receiver's memory (the floor of any fetch into a pool).
+- ``copy_gb_per_s``: an embedded pool's fetch (``HostedCache.fetch``), an engine actor on node A
+  (a ``PoolHost``) pulling a group whole from the pool on node B into its own pool: one call to
+  the holder, whose export returns the pages themselves (a leased view of the arena that Ray
+  writes into the object store), the bytes pulled to A and copied from the object-store buffer
+  straight into the pages: one copy on each side; against ``object_store_gb_per_s``: the same
+  bytes returned by an actor on B to an actor on A that asked for them and does not even read
+  them. Both are timed inside the receiving actor, from its call to the bytes in place, once
+  per round, the order rotated each round: ``remote_fetch_over_object_store`` = fetch
+  throughput / raw throughput, the median of the rounds' ratios (best, worst and every pair
+  beside it); and ``remote_fetch_over_object_store_and_copy``: against the same get followed by
+  one copy of the bytes into the receiver's memory (the floor of any fetch into a pool).
 """
 
 from __future__ import annotations
@@ -34,10 +36,17 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import mmtier.actors as mma  # noqa: E402
-from benchmarks._common import add_out_arg, best_time, print_table, write_results  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    add_out_arg,
+    best_time,
+    paired_rounds,
+    print_table,
+    ratio_figures,
+    write_results,
+)
 from mmtier import CacheConfig, ModalitySpec  # noqa: E402
-from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.content import KeyMaker, media_digest, tenant_salt  # noqa: E402
+from mmtier.actors import ClusterSettings, PoolHost, host_name  # noqa: E402
+from mmtier.content import ContentKey, KeyMaker, media_digest, tenant_salt  # noqa: E402
 
 
 @ray.remote(num_cpus=0)
@@ -54,16 +63,36 @@ class _Sink:
     def __init__(self, nbytes: int):
         self.dst = torch.ones(nbytes, dtype=torch.uint8)   # touched: resident, like a pool's arena
 
-    def take(self, buf: np.ndarray) -> int:  # a get on this node (transfer from the other)
-        return int(buf.nbytes)
+    def take(self, source) -> float:
+        """Seconds to get the source's bytes here (a transfer from the other node), unread."""
+        t0 = time.perf_counter()
+        buf = ray.get(source.make.remote(), timeout=120)
+        seconds = time.perf_counter() - t0
+        assert buf.nbytes == self.dst.numel()
+        return seconds
 
-    def take_into(self, buf: np.ndarray) -> int:
+    def take_into(self, source) -> float:
         """The same get, then one copy into memory of this process (as an import makes it: a
         byte copy from the read-only object-store buffer): a fetch's floor."""
+        t0 = time.perf_counter()
+        buf = ray.get(source.make.remote(), timeout=120)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             self.dst.copy_(torch.from_numpy(buf))
-        return int(buf.nbytes)
+        return time.perf_counter() - t0
+
+
+class _Engine(PoolHost):
+    """An engine holding its pool, reduced to the fetch: pull a group, time it, let it go."""
+
+    def fetch_once(self, holder: str, wire: dict[str, str]) -> float:
+        key = ContentKey.from_wire(wire)
+        t0 = time.perf_counter()
+        assert self.local.fetch(key, holder)
+        seconds = time.perf_counter() - t0
+        assert self.local.drop([key]) == [key.hex]        # room for the next round, not timed
+        self.local.end_turn()
+        return seconds
 
 
 def _pin(node: str):
@@ -169,44 +198,37 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     cc.put(big, kb, kb, node=b)
     nbytes = spec.pages_for(n_big) * spec.page_bytes
     wire = big.to_wire()
-    src, dst = ray.get_actor(pool_b, namespace="mmtier"), ray.get_actor(pool_a, namespace="mmtier")
-
-    def copy_once() -> float:
-        """One fetch (export on B, transfer, import into A's pool), timed; the drop that makes
-        room for the next round is not part of it."""
-        t0 = time.perf_counter()
-        meta, buf = src.export.options(num_returns=2).remote(wire)
-        item, _ = ray.get(dst.import_group.remote(wire, meta, buf), timeout=120)
-        seconds = time.perf_counter() - t0
-        assert item is not None
-        assert ray.get(dst.drop.remote([wire]), timeout=60) == [big.hex]
-        return seconds
-
+    engine = ray.remote(_Engine).options(
+        name=host_name(a), namespace=settings.namespace, num_cpus=0, scheduling_strategy=_pin(a),
+    ).remote(settings, device_bytes=(group_mb * 2 + 16) << 20)
     source = _Source.options(scheduling_strategy=_pin(b)).remote(nbytes)
     sink = _Sink.options(scheduling_strategy=_pin(a)).remote(nbytes)
 
-    def raw_once() -> None:
-        assert ray.get(sink.take.remote(source.make.remote()), timeout=120) == nbytes
+    def copy_once() -> float:
+        return ray.get(engine.fetch_once.remote(pool_b, wire), timeout=120)
 
-    def floor_once() -> None:
-        assert ray.get(sink.take_into.remote(source.make.remote()), timeout=120) == nbytes
+    def raw_once() -> float:
+        return ray.get(sink.take.remote(source), timeout=120)
 
-    reps = 5 if quick else 11             # a loaded 2-core machine: more rounds, steadier medians
-    t_copy, t_raw, t_floor = [], [], []
+    def floor_once() -> float:
+        return ray.get(sink.take_into.remote(source), timeout=120)
+
+    reps = 5 if quick else 15             # a loaded 2-core machine: more rounds, steadier medians
     copy_once()                            # one untimed round each: actors and buffers warm
     raw_once()
     floor_once()
-    for _ in range(reps):                  # interleaved, so all see the same machine state
-        t_raw.append(best_time(raw_once, repeat=1, min_time=0))
-        t_copy.append(copy_once())
-        t_floor.append(best_time(floor_once, repeat=1, min_time=0))
+    # every side once per round, the order rotated: each fetch is paired with the raw get and
+    # the floor measured next to it
+    t = paired_rounds({"raw": raw_once, "fetch": copy_once, "floor": floor_once}, reps)
     gb = nbytes / 1e9
-    raw, copy, floor = statistics.median(t_raw), statistics.median(t_copy), statistics.median(t_floor)
-    figures.update(group_bytes=nbytes, copy_gb_per_s=gb / copy, object_store_gb_per_s=gb / raw,
-                   remote_fetch_over_object_store=raw / copy,
-                   # the same get plus one copy into the receiver's memory: what any fetch into
-                   # a pool must at least do; 1.0 means the fetch adds nothing else
-                   remote_fetch_over_object_store_and_copy=floor / copy, transfer_rounds=reps)
+    figures.update(group_bytes=nbytes, copy_gb_per_s=gb / statistics.median(t["fetch"]),
+                   object_store_gb_per_s=gb / statistics.median(t["raw"]), transfer_rounds=reps)
+    # fetch throughput over the raw get's, per pair (the raw get's seconds over the fetch's)
+    figures.update(ratio_figures("remote_fetch_over_object_store", t["raw"], t["fetch"], True))
+    # the same get plus one copy into the receiver's memory: what any fetch into a pool must at
+    # least do; 1.0 means the fetch adds nothing else
+    figures.update(ratio_figures("remote_fetch_over_object_store_and_copy", t["floor"], t["fetch"], True))
+    ray.kill(engine)
     cc.close()
     return figures
 

@@ -172,11 +172,13 @@ class TieredKVCache(EngineAPI):
             return self._table(seq)
 
     def append(self, seq: SequenceHandle, modality: str, k: torch.Tensor, v: torch.Tensor,
-               *, tokens: Sequence[int] | None = None) -> None:
+               *, tokens: Sequence[int] | None = None, new_run: bool = False) -> None:
         """Append tokens' K/V (``[num_layers, n, num_kv_heads, head_dim]``) to the sequence.
 
         ``tokens`` (their ids) name the content for the prefix chain; without them the chain
-        hashes the K/V bytes."""
+        hashes the K/V bytes. ``new_run``: the tokens start a segment of their own instead of
+        extending the tail run (a boundary the caller needs: an embedded pool places a group
+        attended elsewhere between the two)."""
         self._open()
         spec = self.cfg.spec(modality)
         if spec.kind != "kv":
@@ -187,7 +189,7 @@ class TieredKVCache(EngineAPI):
         identity = token_identity(modality, k, v, tokens)
         with self._lock:
             self.lower.apply_completions()
-            growth = self._grow(self._table(seq), modality, spec, n)
+            growth = self._grow(self._table(seq), modality, spec, n, new_run)
             try:
                 self._write(growth.pool, k, v, growth.page_ids, growth.offsets)
             except BaseException:

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 import mmtier.actors as mma  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.actors.pool_host import host_name  # noqa: E402
+from mmtier.actors.pool_host import PoolHost, host_name  # noqa: E402
 from mmtier.models import Audio, Image, ReferenceModel, Text  # noqa: E402
 from mmtier.models.engine import ReferenceEngine  # noqa: E402
 
@@ -175,3 +175,181 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
         export_to_object_store(src, key.to_wire())
     assert len(src.cache.leases) == 0
     assert dst.leak_report()["leases"] == 0
+
+
+class _Probe(PoolHost):
+    """An engine reduced to the cache calls its model makes, driven by the test."""
+
+    def capacity(self, modality: str) -> int:
+        pool = self.cache.pools[modality]
+        return pool.num_pages * pool.spec.page_bytes
+
+    def store(self, blob: bytes, n: int) -> dict:
+        """Put a fresh vision group of ``n`` tokens here and publish it; its key's wire form."""
+        spec = self.cache.cfg.spec("vision")
+        key = self.local.content_key("vision", blob, tenant="acme")
+        self.local.put(key, *_kv(spec, n))
+        self.local.end_turn()
+        return key.to_wire()
+
+    def pull(self, wire, holder: str | None) -> tuple[bool, bool, dict]:
+        """``fetch`` from ``holder`` (None: through the turn's lookup, then ``contains``);
+        ``(fetched, held now, turn stats)``."""
+        from mmtier.content import ContentKey
+
+        key = ContentKey.from_wire(wire)
+        if holder is None:
+            self.local.begin_turn([key])
+            got = self.local.contains(key)
+            self.local.end_turn()
+        else:
+            got = self.local.fetch(key, holder)
+        return got, self.holds([wire])[0], self.local.turn_stats()
+
+    def turn(self, wire, before, after, queries):
+        """A turn over ``before`` text, the group, ``after`` text; ``queries``: ``(layer, q,
+        positions or None, causal, groups or None)``. Answers the states, the sequence's length,
+        the plan and the Ray calls per kind made by the attention calls alone."""
+        from mmtier.content import ContentKey
+
+        key, local = ContentKey.from_wire(wire), self.local
+        local.begin_turn([key], calls_left=len(queries))
+        assert local.contains(key)
+        seq = local.create_sequence("acme")
+        local.append(seq, "text", *before)
+        local.attach(seq, key)
+        local.append(seq, "text", *after)
+        calls = dict(self.transport.calls)
+        states = [local.attention_state(seq, layer, q, q_positions=pos, causal=causal,
+                                        groups=None if groups is None else [ContentKey.from_wire(g) for g in groups])
+                  for layer, q, pos, causal, groups in queries]
+        during = {k: n - calls.get(k, 0) for k, n in self.transport.calls.items() if n != calls.get(k, 0)}
+        length = local.sequence(seq).length
+        local.release(seq)
+        local.end_turn()
+        return states, length, dict(local.plan), during, local.turn_stats()
+
+
+def _kv(spec, n):
+    k = torch.randn(spec.num_layers, n, spec.num_kv_heads, spec.head_dim)
+    return k, torch.randn_like(k)
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_group_too_large_for_the_pool_is_attended_at_its_holder(cluster, fits):
+    """A group held on node B and larger than the engine's pool on node A is attended where it
+    lives (one ``attend`` per attention call, merged exactly with the local text before and
+    after it); one that fits is fetched instead. Both equal the float64 oracle."""
+    from tests.oracle import oracle_attention, rel_err
+
+    cc = mma.connect(SETTINGS)
+    small = ray.remote(_Probe).options(
+        name=host_name(cluster["node_a"], 7), namespace=SETTINGS.namespace, num_cpus=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(cluster["node_a"], soft=False),
+    ).remote(SETTINGS, device_bytes=1 << 20)
+    spec, text = cc.cfg.spec("vision"), cc.cfg.spec("text")
+    cap = ray.get(small.capacity.remote("vision"), timeout=60)
+    n_group = 40 if fits else cap // spec.token_bytes + 3 * spec.page_size     # over the arena
+    key = cc.content_key("vision", _blob("huge", 256), tenant="acme")
+    gk, gv = _kv(spec, n_group)
+    assert cc.put(key, gk, gv, node=cluster["node_b"])
+    before, after = _kv(text, 21), _kv(text, 11)
+    total = 21 + n_group + 11
+    layers = [0, spec.num_layers - 1]
+    hq = 2 * spec.num_kv_heads
+    queries = [(layer, torch.randn(n_q, hq, spec.head_dim), pos, causal, groups)
+               for layer in layers
+               for n_q, pos, causal, groups in [
+                   (3, None, True, None),                                        # the last positions
+                   (5, torch.tensor([4, 20, 21 + n_group // 2, 21 + n_group, total - 1]), True, None),
+                   (2, None, False, [key.to_wire()])]]                           # the group alone
+    states, length, plan, during, stats = ray.get(small.turn.remote(key.to_wire(), before, after, queries),
+                                                  timeout=120)
+    assert length == total
+    for (layer, q, pos, causal, groups), (out, lse) in zip(queries, states):
+        ks = torch.cat([before[0][layer], gk[layer], after[0][layer]])
+        vs = torch.cat([before[1][layer], gv[layer], after[1][layer]])
+        kpos = torch.arange(total)
+        if groups is not None:
+            ks, vs, kpos = ks[21:21 + n_group], vs[21:21 + n_group], kpos[21:21 + n_group]
+        qpos = torch.arange(total - q.shape[0], total) if pos is None else pos
+        want_out, want_lse = oracle_attention(q, qpos, ks, vs, kpos, causal=causal)
+        assert rel_err(out, want_out) < 1e-4 and rel_err(lse, want_lse) < 1e-4
+    if fits:
+        assert plan == {key.hex: "fetch"} and stats["fetched"] == 1 and stats.get("plan_remote", 0) == 0
+        assert during == {}                                   # attended here: no Ray call
+    else:
+        assert plan == {key.hex: "remote"} and stats.get("fetched", 0) == 0
+        assert stats["plan_remote"] == 1 and stats["remote_attaches"] == 1
+        assert during == {"attend": len(queries)}             # one call per attention call
+        assert stats["calls_release"] == 1                    # the proxy let go at release
+    b_pool = cc.pools(cluster["node_b"])[0]
+    leaks = ray.get(ray.get_actor(b_pool, namespace=SETTINGS.namespace).leak_report.remote(), timeout=60)
+    assert leaks["leases"] == 0
+    ray.kill(small)
+    cc.close()
+
+
+def test_a_failed_fetch_is_a_miss_and_leaks_nothing(cluster):
+    """A holder that died before the fetch (named, or still listed by the registry): the fetch
+    is a miss counted by kind, never an exception; the receiver's pages and leases are as
+    before, and a live holder's export leaves no lease behind."""
+    opts = dict(namespace=SETTINGS.namespace, num_cpus=0)
+    a = ray.remote(_Probe).options(name=host_name(cluster["node_a"], 8), scheduling_strategy=NodeAffinitySchedulingStrategy(
+        cluster["node_a"], soft=False), **opts).remote(SETTINGS)
+    b = ray.remote(_Probe).options(name=host_name(cluster["node_b"], 8), scheduling_strategy=NodeAffinitySchedulingStrategy(
+        cluster["node_b"], soft=False), **opts).remote(SETTINGS)
+    wire = ray.get(b.store.remote(_blob("lost", 64), 70), timeout=60)
+    ok = ray.get(b.store.remote(_blob("kept", 64), 70), timeout=60)
+    before = ray.get(a.leak_report.remote(), timeout=60)
+    got, held, _ = ray.get(a.pull.remote(ok, host_name(cluster["node_b"], 8)), timeout=60)
+    assert got and held                                                   # a live holder: fetched
+    assert ray.get(b.leak_report.remote(), timeout=60)["leases"] == 0    # its export's lease back
+    ray.kill(b)
+    got, held, stats = ray.get(a.pull.remote(wire, host_name(cluster["node_b"], 8)), timeout=60)
+    assert not got and not held and stats["fetch_failed_HolderLostError"] == 1
+    got, held, stats = ray.get(a.pull.remote(wire, None), timeout=60)   # the registry may still list b
+    assert not got and not held
+    after = ray.get(a.leak_report.remote(), timeout=60)
+    assert after["leases"] == 0 and after["used_pages"] == after["cached_pages"]
+    assert after["cached_pages"] == before["cached_pages"] + 2            # the one fetched group only
+    ray.kill(a)
+
+
+def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_keep_them():
+    """No Ray: an import fills its pages outside the cache's lock; a bad buffer takes nothing,
+    and a key imported by another thread meanwhile gives the pages back (no leak either way)."""
+    from mmtier.actors.pool_actor import PoolService, import_pages
+    from mmtier.errors import ShapeError
+
+    cfg = MODEL.cache_config(device_bytes=6 << 20)
+    src, dst = PoolService(cfg, name="src", node="n"), PoolService(cfg, name="dst", node="n")
+    spec = cfg.spec("vision")
+    key = src.cache.content_key("vision", _blob("race", 64), tenant="acme")
+    k, v = _kv(spec, 2 * spec.page_size + 9)
+    src.put(key.to_wire(), k, v)
+    meta, buf = src.export(key.to_wire())
+    pool = dst.cache.pools["vision"]
+    free = pool.num_free
+    with pytest.raises(ShapeError):
+        import_pages(dst.cache, key, meta, buf[:-1])
+    assert pool.num_free == free
+    # another thread imports the same key while this one copies: its pages go back
+    real_copy = torch.Tensor.copy_
+    raced = []
+
+    def copy_then_race(self, other, *a, **kw):
+        out = real_copy(self, other, *a, **kw)
+        if not raced:
+            raced.append(True)
+            assert import_pages(dst.cache, key, meta, buf)                # the other import wins
+        return out
+
+    torch.Tensor.copy_ = copy_then_race
+    try:
+        assert not import_pages(dst.cache, key, meta, buf)
+    finally:
+        torch.Tensor.copy_ = real_copy
+    assert pool.num_free == free - 3 and dst.leak_report()["used_pages"] == dst.leak_report()["cached_pages"]
+    got_k, got_v = dst.cache.read_group(key)
+    assert torch.equal(got_k, k) and torch.equal(got_v, v)

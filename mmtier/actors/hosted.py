@@ -19,7 +19,11 @@ boundaries only:
 
 A group planned ``"remote"`` (larger than this pool's arena for its modality, or very large and
 cheaper to attend where it lives than to move for the calls left in the turn) is not fetched:
-it counts as ``plan_remote`` in ``turn_stats()`` and the turn treats it as a miss here.
+``contains`` answers ``True``, ``attach`` references it at its holder, and attention over a
+sequence holding it runs there (``RemoteParts``: one call per holder per layer and step, merged
+exactly with the local part); ``turn_stats()`` counts ``plan_remote``, ``remote_attaches`` and
+the ``attend`` calls. Only a pool holds a group for remote attention (a node store's copy of
+such a group is a miss here), and only K/V groups (an embedding that does not fit is a miss).
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ import torch
 
 from ..cache import TieredKVCache
 from ..content import ContentKey
-from ..errors import CapacityError, UnknownKeyError
+from ..errors import HolderLostError, MMTierError
 from ..table import SequenceHandle
 from . import placement
-from .launch import store_name
+from .hosted_remote import RemoteParts
+from .launch import STORE_PREFIX, store_name
+from .pool_actor import PoolService
 
 LINK_BYTES_PER_S = 1e9        # the cost model's node-to-node rate (object store transfer)
 CALL_S = 1e-3                 # and its cost of one remote partial-attention call
@@ -60,31 +66,48 @@ class HostedCache:
         self._removed: list[str] = []
         self._asked: tuple[list[ContentKey], object, int] | None = None   # the turn's lookup, in flight
         self.plan: dict[str, str] = {}        # this turn: digest -> "local" | "fetch" | "remote" | "miss"
+        self._elsewhere: dict[ContentKey, str] = {}   # this turn's groups planned "remote": holder
+        self.remote = RemoteParts(self.cache, self.transport)
 
     # ------------------------------------------------------------------ local, no Ray call
     def content_key(self, *args, **kw) -> ContentKey:
         return self.cache.content_key(*args, **kw)
 
     def prefix_key(self, seq: SequenceHandle) -> ContentKey:
-        return self.cache.prefix_key(seq)
+        tail = self.remote.tail_modality(seq)
+        if tail is None:
+            return self.cache.prefix_key(seq)
+        return self.cache.keys.chain(modality=tail, chain_digest=self.cache.sequence(seq).chain,
+                                     tenant_salt=self.cache._salt(seq.tenant))
 
     def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
         return self.host.create(tenant)
 
     def sequence(self, seq: SequenceHandle):
-        return self.cache.sequence(seq)
+        """The local table; a ``ClusterSequence`` (its full length) when groups of it are
+        attended where they live."""
+        return self.remote.sequence(seq) if self.remote.has(seq) else self.cache.sequence(seq)
 
     def append(self, seq: SequenceHandle, modality: str, k: torch.Tensor, v: torch.Tensor, *,
                tokens=None) -> None:
-        self.cache.append(seq, modality, k, v, tokens=tokens)
+        self.cache.append(seq, modality, k, v, tokens=tokens, new_run=self.remote.boundary(seq))
 
     def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
+        holder = self._elsewhere.get(key)
+        if holder is not None and not self.host.holds([key.to_wire()])[0]:
+            self.remote.attach(seq, key, holder)
+            self.counters["remote_attaches"] += 1
+            return
         self.cache.attach(seq, key)
 
     def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, **kw) -> torch.Tensor:
+        if self.remote.has(seq):
+            return self.remote.attention_state(seq, layer, q, **kw)[0]
         return self.cache.attention(seq, layer, q, **kw)
 
     def attention_state(self, seq: SequenceHandle, layer: int, q: torch.Tensor, **kw):
+        if self.remote.has(seq):
+            return self.remote.attention_state(seq, layer, q, **kw)
         return self.cache.attention_state(seq, layer, q, **kw)
 
     def get_embedding(self, key: ContentKey) -> torch.Tensor:
@@ -92,16 +115,26 @@ class HostedCache:
 
     def release(self, seq: SequenceHandle) -> None:
         self.host.release([seq])
+        self.remote.release(seq)
 
     def stats(self):
         return self.cache.stats()
 
     def contains(self, key: ContentKey) -> bool:
-        """Held here, or fetched for this turn (then it lands now)."""
+        """Held here, fetched for this turn (then it lands now), or attended where it lives."""
         if self.cache.contains(key):
             return True
         self._resolve()
+        if key in self._elsewhere:
+            return True
         pending = self._incoming.pop(key, None)
+        return pending is not None and self._land(key, pending)
+
+    def fetch(self, key: ContentKey, holder: str) -> bool:
+        """Pull ``key`` from ``holder`` into this pool now (one call; ``False``: a miss)."""
+        if self.cache.contains(key):
+            return True
+        pending = self._start_fetch(key, holder)
         return pending is not None and self._land(key, pending)
 
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -124,6 +157,7 @@ class HostedCache:
         held = self.host.holds([k.to_wire() for k in keys]) if keys else []
         missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
         self.plan = {k.hex: "local" for k, h in zip(keys, held) if h}
+        self._elsewhere = {}
         if missing:
             self._asked = (missing, self.transport.lookup_async([k.hex for k in missing]), calls_left)
 
@@ -135,7 +169,7 @@ class HostedCache:
             self._land(key, pending)
         self._removed += self.host._evicted()
         if self._publish or self._removed:
-            self.transport.publish(self.host.name, self._publish, self._removed, self.host.ping())
+            self.transport.publish_later(self.host.name, self._publish, self._removed, self._identity())
             self._publish, self._removed = [], []
 
     def _resolve(self) -> None:
@@ -152,37 +186,59 @@ class HostedCache:
             pool = self.cache.pools[k.modality]
             choice = placement.transfer_plan(loc.nbytes, pool.num_pages * pool.spec.page_bytes, calls_left,
                                              link_bytes_per_s=LINK_BYTES_PER_S, call_s=CALL_S)
+            pools = [h for h in holders if not h.startswith(STORE_PREFIX)]
+            if choice == "remote" and (not pools or pool.spec.kind != "kv"):
+                choice = "fetch" if loc.nbytes <= pool.num_pages * pool.spec.page_bytes else "miss"
             self.plan[k.hex] = choice
             self.counters[f"plan_{choice}"] += 1
             if choice == "fetch":
-                holder = placement.nearest_by_name(holders, self.host.node)
-                self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
+                pending = self._start_fetch(k, placement.nearest_by_name(holders, self.host.node))
+                if pending is not None:
+                    self._incoming[k] = pending
+            elif choice == "remote":
+                self._elsewhere[k] = placement.nearest_by_name(pools, self.host.node)
+
+    def drop(self, keys: Iterable[ContentKey]) -> list[str]:
+        """Let go of unreferenced groups here (the registry learns it with the next publish);
+        returns the digests dropped."""
+        dropped = self.host.drop([k.to_wire() for k in keys])
+        self._removed += dropped
+        return dropped
 
     def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
         """Hand unreferenced groups to this node's store and free them here (turn-boundary
-        traffic: one call per group, then the registry told in one call per holder)."""
+        traffic: one call per group, all sent at once and awaited together, then the registry
+        told in one call per holder). A group the store refused stays here
+        (``offload_failed``)."""
         store = store_name(self.host.node)
-        moved = nbytes = 0
-        taken: list[dict] = []
-        for key in keys:
+        chosen: list[tuple[ContentKey, int]] = []
+        for key in dict.fromkeys(keys):
             with self.cache._lock:
                 group = self.cache._groups.get(key)
                 size = 0 if group is None or not group.evictable else group.nbytes
-            if not size:
+            if size:
+                chosen.append((key, size))
+        # the exports' buffers (leased views of the arena) live only for the call below, so the
+        # leases are gone before the drops
+        sent = [self.transport.offload_async(store, k.to_wire(), *self.host.export(k.to_wire())) for k, _ in chosen]
+        moved = nbytes = 0
+        taken: list[dict] = []
+        for (key, size), ref in zip(chosen, sent):
+            try:
+                answer, _evicted = self.transport.result(ref, store)
+            except MMTierError:
+                self.counters["offload_failed"] += 1
                 continue
-            # the export's buffer (a leased view of the arena) lives only for this call, so the
-            # lease is gone before the drop below
-            item, _evicted = self.transport.offload(store, key.to_wire(), *self.host.export(key.to_wire()))
-            if item is not None:
-                taken.append(item)
+            if answer is not None:
+                taken.append(answer)
             dropped = self.host.drop([key.to_wire()])
             self._removed += dropped
             moved += len(dropped)
             nbytes += size if dropped else 0
         if taken:
-            self.transport.publish(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
+            self.transport.publish_later(store, taken, [], {"name": store, "node": self.host.node, "kind": "store"})
         if self._removed:
-            self.transport.publish(self.host.name, [], self._removed, self.host.ping())
+            self.transport.publish_later(self.host.name, [], self._removed, self._identity())
             self._removed = []
         return Offloaded(moved, nbytes)
 
@@ -191,17 +247,32 @@ class HostedCache:
         return {**self.counters, **{f"calls_{k}": n for k, n in self.transport.calls.items()}}
 
     # ------------------------------------------------------------------ helpers
+    def _start_fetch(self, key: ContentKey, holder: str) -> tuple[str, object] | None:
+        """Ask ``holder`` for the group (``None``: the holder is gone, a miss)."""
+        try:
+            return holder, self.transport.fetch(holder, key.to_wire())
+        except HolderLostError:
+            self.counters["fetch_failed"] += 1
+            self.counters["fetch_failed_HolderLostError"] += 1
+            return None
+
     def _land(self, key: ContentKey, pending: tuple[str, object]) -> bool:
         holder, refs = pending
         try:
             meta, buf = self.transport.land(refs)
             item, evicted = self.host.import_group(key.to_wire(), meta, buf)
-        except (UnknownKeyError, CapacityError):      # gone meanwhile, or no room: a miss
+        except MMTierError as exc:       # gone meanwhile, holder lost, no room, bad data: a miss
             self.counters["fetch_failed"] += 1
+            self.counters[f"fetch_failed_{type(exc).__name__}"] += 1
             return False
         self.counters["fetched"] += 1
         self._note(item, evicted)
         return True
+
+    def _identity(self) -> dict[str, str]:
+        """This holder's name, node and kind (what a publish carries; not the actor's ``ping``,
+        which also publishes metrics when due: the registry's sweep does that)."""
+        return PoolService.ping(self.host)
 
     def _note(self, item: dict | None, evicted: list[str]) -> None:
         if item is not None:

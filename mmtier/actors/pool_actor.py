@@ -290,7 +290,11 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
 
 def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndarray) -> bool:
     """Store a group from an ``export`` buffer (a read-only object-store buffer, read in
-    place): one copy, run by run, into freshly allocated pages."""
+    place): one copy, run by run, into freshly allocated pages. The pages are taken under the
+    cache's lock and filled outside it (they belong to no group yet, so nothing else reads or
+    reuses them), so attention in other threads goes on during the copy; the group is indexed
+    under the lock again, or the pages given back when the copy failed or another thread
+    imported the same key meanwhile."""
     spec = cache._check_key(key)
     n = int(meta["num_tokens"])
     n_pages = spec.pages_for(n)
@@ -301,18 +305,24 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
     pb = spec.page_bytes
+    pool = cache.pools[key.modality]
     with cache._lock:
         if key in cache._groups:
             return False
-        pool = cache.pools[key.modality]
         pages = cache._allocate(pool, n_pages, [])
-        if key in cache._groups:           # imported by another thread while room was made
-            pool.free(pages)
-            return False
+    stored = False
+    try:
         for page, at, count in page_runs(pages):   # from the buffer into the pages: the one copy
             pool.view[page:page + count].view(-1).view(torch.uint8).copy_(src[at * pb:(at + count) * pb])
-        cache._insert_group(key, spec, n, pages)
-        return True
+        with cache._lock:
+            if key not in cache._groups:
+                cache._insert_group(key, spec, n, pages)
+                stored = True
+    finally:
+        if not stored:
+            with cache._lock:
+                pool.free(pages)
+    return stored
 
 
 class Run(NamedTuple):

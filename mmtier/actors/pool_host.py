@@ -24,6 +24,8 @@ A ``PagePoolActor`` remains for memory with no model in front of it.
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import numpy as np
@@ -47,13 +49,21 @@ def host_name(node: str, index: int = 0) -> str:
 
 class RayTransport:
     """The embedded pool's Ray calls, counted by kind: ``config``, ``lookup``, ``fetch``,
-    ``publish``, ``offload``, ``announce``. Waits are bounded by ``call_timeout_s``."""
+    ``publish``, ``offload``, ``announce``, and for groups attended where they live
+    ``attach``, ``attend``, ``release``. Waits are bounded by ``call_timeout_s``."""
 
     def __init__(self, settings: ClusterSettings):
         self.settings = settings
         self.calls: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
         self.registry = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+        # one thread that waits for fetched buffers to be local: Ray pulls an object to a node
+        # only once someone there waits for it, so this starts the transfer at the fetch
+        self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmtier-pull")
+        # one thread that submits, in order, the calls nobody waits for (publishes, releases):
+        # a submission serializes its arguments, about a millisecond the turn no longer spends
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmtier-send")
+        self._last_sent: Future | None = None
 
     def config(self) -> dict:
         self.calls["config"] += 1
@@ -65,8 +75,10 @@ class RayTransport:
         self.registry.sync_holder.remote(info, inventory)
 
     def lookup_async(self, digests: list[str]):
-        """One batched registry lookup, sent now; ``wait`` reads its answer."""
+        """One batched registry lookup, sent now (after what the sender thread still has to
+        send, so it never overtakes a publish); ``wait`` reads its answer."""
         self.calls["lookup"] += 1
+        self._sent()
         return self.registry.lookup.remote(digests)
 
     def wait(self, ref, n: int) -> list[Location | None]:
@@ -80,19 +92,31 @@ class RayTransport:
             return [None] * n
 
     def fetch(self, holder: str, wire: dict[str, str]):
-        """Start pulling a whole group from ``holder``: ``(meta ref, buffer ref)``; nothing waits."""
+        """Start pulling a whole group from ``holder``: ``(meta ref, buffer ref)``; nothing waits.
+        The bytes start moving to this node as soon as the export is in ``holder``'s object
+        store (``pull``), so they travel while the turn computes."""
         self.calls["fetch"] += 1
-        return self.handle(holder).export.options(num_returns=2).remote(wire)
+        refs = self.handle(holder).export.options(num_returns=2).remote(wire)
+        self.pull(refs[1:])
+        return refs
+
+    def pull(self, refs: list) -> None:
+        """Have Ray bring these objects to this node now, in the background (a wait for them
+        to be local, bounded by the call timeout, on the pull thread). Its outcome is not read
+        here: ``land`` reads the objects and sees any failure itself."""
+        self._puller.submit(ray.wait, list(refs), num_returns=len(refs), fetch_local=True,
+                            timeout=self.settings.call_timeout_s)
 
     def land(self, refs) -> tuple[dict, np.ndarray]:
         """Wait for a fetch: ``(meta, page buffer)``, one ``ray.get`` of both returns (the
         buffer pulled to this node's object store and read there zero-copy)."""
-        meta, buf = self.result(list(refs))
+        meta, buf = self.result(list(refs), "a fetch's holder")
         return meta, buf
 
-    def result(self, ref):
+    def result(self, ref, holder: str | None = None):
         """Wait for a call's answer within ``call_timeout_s``: an ``MMTierError`` raised remotely
-        comes back as itself, a dead or silent actor as ``HolderLostError``."""
+        comes back as itself, a dead or silent actor (``holder``, when named) as
+        ``HolderLostError``."""
         try:
             return ray.get(ref, timeout=self.settings.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:
@@ -101,13 +125,21 @@ class RayTransport:
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError) as exc:
-            raise HolderLostError(f"a call failed ({type(exc).__name__})") from None
+            raise HolderLostError(f"{holder or 'a call'} failed ({type(exc).__name__})") from None
 
     def publish(self, holder: str, items: list[dict], removed: list[str], info: dict):
         """One call, nothing waits: groups this holder now holds and those it gave up. Returns
         the call's ref for a caller that wants the registry's acknowledgement (``result``)."""
         self.calls["publish"] += 1
+        self._sent()
         return self.registry.publish.remote(holder, items, removed, info)
+
+    def publish_later(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
+        """``publish``, submitted on the sender thread after every call handed to it before
+        (a turn's publish, off the turn's path; the caller hands the lists over and does not
+        change them)."""
+        self.calls["publish"] += 1
+        self._last_sent = self._sender.submit(self.registry.publish.remote, holder, items, removed, info)
 
     def offload(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
         """Hand a group to the node store and wait for its answer (``offload_async``)."""
@@ -118,6 +150,37 @@ class RayTransport:
         the object store, so the caller may let go of it (and of its lease) on return."""
         self.calls["offload"] += 1
         return self.handle(store).import_group.remote(wire, meta, buf)
+
+    # ---- groups attended where they live (the "remote" plan)
+    def attach(self, holder: str, proxy, tenant: str, wire: dict[str, str]):
+        """Reference a group at ``holder`` from this pool's proxy sequence there (created when
+        ``proxy`` is None): ``(proxy handle, start in it, tokens, evicted)``; waits."""
+        self.calls["attach"] += 1
+        return self.result(self.handle(holder).attach.remote(proxy, tenant, wire), holder)
+
+    def attend(self, holder: str, parts: list, layer: int, q, q_pos, causal: bool, scale):
+        """Partial attention at ``holder`` over its parts, sent now; ``attended`` reads it."""
+        self.calls["attend"] += 1
+        return self.handle(holder).attend.remote(parts, layer, q, q_pos, causal, scale)
+
+    def attended(self, ref, holder: str):
+        return self.result(ref, holder)
+
+    def release(self, holder: str, proxies: list) -> None:
+        """Fire and forget: drop this pool's proxy sequences at ``holder`` (sender thread)."""
+        self.calls["release"] += 1
+        self._last_sent = self._sender.submit(self.handle(holder).release.remote, proxies)
+
+    def _sent(self) -> None:
+        """Wait (bounded) until the sender thread has submitted everything handed to it (done
+        long before in a quiet actor: it runs between turns), so no registry call sent now
+        overtakes one handed to it."""
+        last, self._last_sent = self._last_sent, None
+        if last is not None:
+            try:
+                last.result(timeout=self.settings.call_timeout_s)
+            except FutureTimeout:
+                self.calls["send_late"] += 1
 
     def handle(self, name: str):
         h = self._handles.get(name)
@@ -132,11 +195,13 @@ class RayTransport:
 class PoolHost(PoolService):
     """Base class of an engine actor that holds its device's pool (see the module doc).
 
-    ``device``: ``"cuda"`` (the actor's GPU) or ``"cpu"``. ``transport``: for tests that count
-    calls some other way; the default is a ``RayTransport``."""
+    ``device``: ``"cuda"`` (the actor's GPU) or ``"cpu"``. ``device_bytes``: this engine's
+    arena, when it is not the cluster config's (an engine sizes it from what its model leaves
+    free). ``transport``: for tests that count calls some other way; the default is a
+    ``RayTransport``."""
 
     def __init__(self, settings: ClusterSettings | None = None, *, device: str = "cpu",
-                 transport: RayTransport | None = None):
+                 device_bytes: int | None = None, transport: RayTransport | None = None):
         settings = settings or ClusterSettings()
         ctx = ray.get_runtime_context()
         name = ctx.get_actor_name()
@@ -145,8 +210,10 @@ class PoolHost(PoolService):
                               f"in namespace {settings.namespace!r}, not {name!r}")
         self.settings = settings
         self.transport = transport or RayTransport(settings)
-        base = CacheConfig(**self.transport.config())
-        super().__init__(pool_config(base, name, device, settings), name=name, node=ctx.get_node_id())
+        cfg = pool_config(CacheConfig(**self.transport.config()), name, device, settings)
+        if device_bytes is not None:
+            cfg = CacheConfig(**{**cfg.model_dump(), "device_bytes": device_bytes})
+        super().__init__(cfg, name=name, node=ctx.get_node_id())
         self.metrics = ActorMetrics(name)
         self.on_lost = lambda digests: _report_lost(settings, name, digests)
         self.transport.announce(PoolService.ping(self), self.inventory())

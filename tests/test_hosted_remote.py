@@ -1,0 +1,133 @@
+"""Groups an embedded pool attends where they live (``RemoteParts``), without Ray: a real
+``HostedCache`` over a real ``PoolService``, its holders real ``PoolService``s in this process,
+reached through an in-process transport (the Ray edge replaced by direct calls, nothing else).
+
+Checked against the float64 oracle over the logical sequence, and against a cache that holds
+every group itself: the same prefix keys, the same states."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from mmtier.actors.hosted import HostedCache
+from mmtier.actors.pool_actor import PoolService
+from mmtier.errors import UnknownKeyError
+from mmtier.models import ReferenceModel
+from tests.oracle import oracle_attention, rel_err
+
+MODEL = ReferenceModel(seed=0)
+
+
+class InProcess:
+    """``RayTransport``'s calls for remote groups, made directly on the holders; counted."""
+
+    def __init__(self, holders: dict[str, PoolService]):
+        self.holders = holders
+        self.calls: Counter[str] = Counter()
+
+    def attach(self, holder, proxy, tenant, wire):
+        self.calls["attach"] += 1
+        return self.holders[holder].attach(proxy, tenant, wire)
+
+    def attend(self, holder, parts, layer, q, q_pos, causal, scale):
+        self.calls["attend"] += 1
+        return self.holders[holder].attend(parts, layer, q, q_pos, causal, scale)
+
+    def attended(self, state, holder):
+        return state
+
+    def release(self, holder, proxies):
+        self.calls["release"] += 1
+        self.holders[holder].release(proxies)
+
+
+def _kv(spec, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(spec.num_layers, n, spec.num_kv_heads, spec.head_dim, generator=g)
+    return k, torch.randn(k.shape, generator=g)
+
+
+@pytest.fixture
+def world():
+    cfg = MODEL.cache_config(device_bytes=6 << 20)
+    holders = {"b1": PoolService(cfg, name="b1", node="n"), "b2": PoolService(cfg, name="b2", node="n")}
+    host = PoolService(cfg, name="a", node="n")
+    host.transport = InProcess(holders)
+    whole = PoolService(cfg, name="whole", node="n")          # holds every group itself
+    yield HostedCache(host), holders, whole
+    for s in (*holders.values(), host, whole):
+        s.close()
+
+
+def test_remote_groups_between_local_runs_equal_the_oracle_and_a_local_sequence(world):
+    hosted, holders, whole = world
+    cache = hosted.cache
+    vis, text = cache.cfg.spec("vision"), cache.cfg.spec("text")
+    g1 = cache.content_key("vision", b"remote-one", tenant="acme")
+    g2 = cache.content_key("vision", b"remote-two", tenant="acme")
+    gl = cache.content_key("vision", b"local-one", tenant="acme")
+    kv = {g1: _kv(vis, 70, 1), g2: _kv(vis, 33, 2), gl: _kv(vis, 40, 3)}
+    holders["b1"].put(g1.to_wire(), *kv[g1])
+    holders["b2"].put(g2.to_wire(), *kv[g2])
+    hosted.put(gl, *kv[gl])
+    for key, (k, v) in kv.items():
+        whole.put(key.to_wire(), k, v)
+    hosted._elsewhere = {g1: "b1", g2: "b2"}                   # the turn's plan: attended there
+    assert hosted.contains(g1) and hosted.contains(g2)
+
+    seq, ref = hosted.create_sequence("acme"), whole.cache.create_sequence("acme")
+    parts = [("text", _kv(text, 21, 4)), g1, ("text", _kv(text, 11, 5)), gl, g2, ("text", _kv(text, 5, 6))]
+    logical = []                                              # (k, v, key or None) in order
+    for p in parts:
+        if isinstance(p, tuple):
+            hosted.append(seq, "text", *p[1])
+            whole.cache.append(ref, "text", *p[1])
+            logical.append((*p[1], None))
+        else:
+            hosted.attach(seq, p)
+            whole.cache.attach(ref, p)
+            logical.append((*kv[p], p))
+        assert hosted.prefix_key(seq) == whole.cache.prefix_key(ref)     # same chain, same tail
+    total = sum(k.shape[1] for k, _, _ in logical)
+    assert hosted.sequence(seq).length == total == whole.cache.sequence(ref).length
+    assert hosted.counters["remote_attaches"] == 2 and hosted.transport.calls["attach"] == 2
+
+    starts, at = [], 0
+    for k, _, _ in logical:
+        starts.append(at)
+        at += k.shape[1]
+    hq = 2 * vis.num_kv_heads
+    cases = [dict(), dict(q_positions=torch.tensor([3, 21, 95, 101, 140, total - 1])),
+             dict(groups=[g1, gl], causal=False), dict(modalities=["vision"], causal=False),
+             dict(groups=[g2])]
+    calls = hosted.transport.calls["attend"]
+    for layer in (0, vis.num_layers - 1):
+        for case in cases:
+            n_q = len(case.get("q_positions", [0, 0, 0]))
+            q = torch.randn(n_q, hq, vis.head_dim)
+            out, lse = hosted.attention_state(seq, layer, q, **case)
+            keep = [i for i, (_, _, key) in enumerate(logical)
+                    if ("groups" not in case or key in case["groups"])
+                    and ("modalities" not in case or key is not None)]
+            ks = torch.cat([logical[i][0][layer] for i in keep])
+            vs = torch.cat([logical[i][1][layer] for i in keep])
+            kpos = torch.cat([torch.arange(starts[i], starts[i] + logical[i][0].shape[1]) for i in keep])
+            qpos = case.get("q_positions", torch.arange(total - n_q, total))
+            want_out, want_lse = oracle_attention(q, qpos, ks, vs, kpos, causal=case.get("causal", True))
+            assert rel_err(out, want_out) < 1e-4 and rel_err(lse, want_lse) < 1e-4, case
+            got = whole.cache.attention_state(ref, layer, q, **case)          # all local: the same
+            assert rel_err(out, got[0]) < 1e-4
+    # one call per holder per attention call that reaches it: g1 and g2 live on two holders
+    per_case = {0: 2, 1: 2, 2: 1, 3: 2, 4: 1}
+    assert hosted.transport.calls["attend"] - calls == 2 * sum(per_case.values())
+
+    with pytest.raises(UnknownKeyError):
+        hosted.attention_state(seq, 0, torch.randn(1, hq, vis.head_dim),
+                               groups=[cache.content_key("vision", b"never", tenant="acme")])
+    hosted.release(seq)
+    assert hosted.transport.calls["release"] == 2                          # one per holder
+    for h in holders.values():                                             # proxies gone: unpinned
+        assert h.leak_report()["sequences"] == 0
