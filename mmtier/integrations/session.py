@@ -64,12 +64,13 @@ class SessionResult:
 class Session:
     """Requests of one tenant to one model over one cache."""
 
-    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None):
+    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None, text_modality: str = "text"):
         layout = layout_of(model)
         if layout.model_type not in SESSION_TYPES:
             raise UnsupportedError(f"Session supports {SESSION_TYPES}; {layout.model_type!r} is not "
                                    "supported yet (use cache_for for one request)")
         self.model, self.cache, self.tenant, self.layout = model, cache, tenant, layout
+        self.text_modality = text_modality          # the pool of the decoder's self-attention K/V
         self.image_token = getattr(model.config, "image_token_id", None)
 
     def spans(self, input_ids: torch.Tensor, media: Sequence[Media]) -> list[Span]:
@@ -98,7 +99,7 @@ class Session:
         for s in spans:
             if s.media is None:
                 data = input_ids[0, s.start:s.end].to(torch.int64).numpy().tobytes()
-                key = self.cache.content_key("text", data, tenant=self.tenant, parent=parent,
+                key = self.cache.content_key(self.text_modality, data, tenant=self.tenant, parent=parent,
                                              params={"span": "token-ids"})
             else:
                 key = self.cache.content_key("vision", s.media.data, tenant=self.tenant, parent=parent,
@@ -115,7 +116,7 @@ class Session:
             return self._generate_cross(input_ids, media, max_new_tokens, generate_kwargs)
         spans = self.spans(input_ids, media)
         cache = self.cache
-        with cache_for(self.model, cache, tenant=self.tenant) as past:
+        with cache_for(self.model, cache, tenant=self.tenant, text_modality=self.text_modality) as past:
             rows = past.rows
             rows.ensure(1)
             seq = rows.seqs[0]
@@ -159,7 +160,8 @@ class Session:
     def _prefill(self, past, input_ids: torch.Tensor, span: Span, positions: torch.Tensor) -> None:
         """Run the model over one span as a run of its own (``vision`` pool for an image)."""
         rows = past.rows
-        rows.next_modality, rows.next_new_run = span.modality, True
+        rows.next_modality = self.text_modality if span.modality == "text" else span.modality
+        rows.next_new_run = True
         if span.media is None:
             rows.next_tokens = [input_ids[0, span.start:span.end].tolist()]
         extra = dict(span.media.inputs) if span.media is not None else {}
@@ -180,7 +182,7 @@ class Session:
         cache, layout = self.cache, self.layout
         key = cache.content_key(layout.media, item.data, tenant=self.tenant, params=dict(item.params))
         whisper = layout.kind == "encoder"
-        with cache_for(self.model, cache, tenant=self.tenant) as past:
+        with cache_for(self.model, cache, tenant=self.tenant, text_modality=self.text_modality) as past:
             cross_cache = past.cross_attention_cache if whisper else past
             rows = cross_cache.rows
             rows.ensure_cross(1)

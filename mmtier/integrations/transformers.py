@@ -46,13 +46,14 @@ def enable(model):
     return model
 
 
-def config_for(model, **overrides: Any) -> CacheConfig:
+def config_for(model, *, text_modality: str = "text", **overrides: Any) -> CacheConfig:
     """The ``CacheConfig`` that fits ``model``: layers, KV heads, head dim and dtype of its
     decoder, a ``text`` pool for self-attention and a pool for its media (``vision`` K/V of
     decoder-only VLMs and of Mllama's cross-attention layers, ``audio`` for Whisper's
-    encoder states). ``overrides`` set any other field (budgets, ``attention_backend``, ...)."""
+    encoder states). ``text_modality`` names the self-attention pool (two models sharing one
+    cache need two). ``overrides`` set any other field (budgets, ``attention_backend``, ...)."""
     layout = layout_of(model)
-    modalities = {"text": ModalitySpec(page_size=16, num_layers=len(layout.self_layers))}
+    modalities = {text_modality: ModalitySpec(page_size=16, num_layers=len(layout.self_layers))}
     if layout.kind == "prefix":
         modalities["vision"] = ModalitySpec(page_size=64, num_layers=len(layout.self_layers),
                                             recompute_cost=4.0)
@@ -70,15 +71,16 @@ def config_for(model, **overrides: Any) -> CacheConfig:
     return CacheConfig(**fields)
 
 
-def cache_for(model, cache: TieredKVCache, *, tenant: str | None = None):
+def cache_for(model, cache: TieredKVCache, *, tenant: str | None = None, text_modality: str = "text"):
     """The ``past_key_values`` that runs ``model`` over ``cache``: an ``MMTierCache`` (one mmtier
     sequence per batch row), or for an encoder-decoder model the ``EncoderDecoderCache`` of two
-    (self-attention, cross-attention). ``release()`` (or ``with``) drops its sequences."""
+    (self-attention, cross-attention). ``release()`` (or ``with``) drops its sequences.
+    ``text_modality``: the pool of the decoder's self-attention K/V (as given to ``config_for``)."""
     layout = layout_of(model)
-    _check_fits(layout, cache.cfg)
+    _check_fits(layout, cache.cfg, text_modality)
     if model.config.get_text_config(decoder=True)._attn_implementation != NAME:
         raise UnsupportedError("call enable(model) first: its decoder attention is not 'mmtier'")
-    rows = Rows(cache, layout, tenant)
+    rows = Rows(cache, layout, tenant, text_modality)
     if layout.kind == "encoder":
         return _PairedCache(MMTierCache(rows), MMTierCache(rows, cross=True))
     return MMTierCache(rows)
@@ -101,12 +103,13 @@ class _PairedCache(EncoderDecoderCache):
         self.release()
 
 
-def _check_fits(layout: ModelLayout, cfg: CacheConfig) -> None:
-    text = cfg.modalities.get("text")
+def _check_fits(layout: ModelLayout, cfg: CacheConfig, text_modality: str) -> None:
+    text = cfg.modalities.get(text_modality)
     want = (len(layout.self_layers), layout.num_kv_heads, layout.head_dim, layout.dtype)
     if text is None or (text.num_layers, text.num_kv_heads, text.head_dim, text.dtype) != want:
-        raise ConfigError(f"the cache's text pool does not fit the model (layers, KV heads, head dim, "
-                          f"dtype) = {want}; build its config with config_for(model)", ("modalities.text",))
+        raise ConfigError(f"the cache's {text_modality} pool does not fit the model (layers, KV heads, head "
+                          f"dim, dtype) = {want}; build its config with config_for(model)",
+                          (f"modalities.{text_modality}",))
     if layout.media is not None:
         media = cfg.modalities.get(layout.media)
         want = (len(layout.cross_layers), layout.cross_kv_heads, layout.head_dim, layout.dtype)

@@ -7,7 +7,7 @@ writes the row's real tokens (the padding mask says which) into pages and attend
 of every row in one ``attention_batch`` call. A layer's ``keys`` / ``values`` are placeholders
 (the K/V live in the cache's pages, never in dense tensors here).
 
-Self-attention tokens go to the ``text`` pool; cross-attention K/V (Mllama's projected vision
+Self-attention tokens go to the ``text`` pool (or the one ``cache_for(text_modality=...)`` names); cross-attention K/V (Mllama's projected vision
 states, Whisper's encoder states) to a second sequence per row in the media pool, attended
 without causality.
 """
@@ -46,13 +46,14 @@ class Rows:
     cache: TieredKVCache
     layout: ModelLayout
     tenant: str | None
+    text: str = "text"                             # the pool of the decoder's self-attention K/V
     seqs: list[SequenceHandle] = field(default_factory=list)
     cross_seqs: list[SequenceHandle] = field(default_factory=list)
     cross_keys: list[list[ContentKey] | None] = field(default_factory=list)
     self_res: list[Reservation | None] = field(default_factory=list)
     cross_res: list[Reservation | None] = field(default_factory=list)
     next_tokens: list[list[int]] | None = None     # token ids of the next step's real tokens
-    next_modality: str = "text"                    # the pool of the next step's tokens
+    next_modality: str | None = None               # the pool of the next step's tokens (None: text)
     next_new_run: bool = False                     # the next step's tokens start a run of their own
     next_cross_new_run: bool = False               # the next cross K/V starts a run of its own
 
@@ -71,8 +72,8 @@ class Rows:
 
     def begin_self(self, counts: list[int]) -> None:
         """Reserve each row's real new tokens (called at the first self-attention layer)."""
-        tokens, modality, new_run = self.next_tokens, self.next_modality, self.next_new_run
-        self.next_tokens, self.next_modality, self.next_new_run = None, "text", False
+        tokens, modality, new_run = self.next_tokens, self.next_modality or self.text, self.next_new_run
+        self.next_tokens, self.next_modality, self.next_new_run = None, None, False
         if tokens is not None and [len(t) for t in tokens] != counts:
             tokens = None                           # not the step the ids were given for
         self.self_res = [

@@ -1,0 +1,169 @@
+"""A multimodal chat model on mmtier: a Qwen2-VL decoder with its vision tower, and Whisper for
+audio, both through the transformers adapter over ONE cache (one process holds one pool).
+
+Interface (names kept stable; the Serve app builds on them)::
+
+    from mmtier import TieredKVCache
+    from mmtier.integrations.chat import ChatModel, dense_chat
+
+    chat = ChatModel.tiny(seed=0)                # random weights from configs/demo-*.json
+    chat = ChatModel.from_pretrained("qwen2-vl-dir", "whisper-dir")   # local_files_only=True
+    cache = TieredKVCache(chat.cache_config(device_bytes=64 << 20))   # or a PoolHost's
+                                                 # HostedCache (chat_engine.ChatEngine)
+    conv = chat.conversation(cache, tenant="acme")        # the tenant comes from the server
+    r = conv.send(["Describe this. ", png_bytes, "and this: ", wav_bytes], max_new_tokens=8)
+    r.tokens          # the answer's token ids (greedy); r.text: their text
+    r.counters        # TurnCounters: cached_tokens / prefilled_tokens (decoder prompt tokens
+                      # attached vs run), span_hits, media_hits and encoder_runs per modality
+                      # ("vision": images, "audio": clips), transcript_tokens
+    conv.close()      # nothing is held between turns; close forgets the history
+    dense_chat(chat, [turn0_items, turn1_items], max_new_tokens=8)   # the reference: each
+                      # turn recomputed from scratch with DynamicCache + sdpa -> [tokens, ...]
+
+A turn's items are text (``str``), images (PNG / JPEG ``bytes``) and audio clips (WAV PCM16
+``bytes``); ``chat_media`` says how each is read. An audio clip is transcribed by Whisper (its
+encoder's cross-attention K/V is a content-only ``audio`` group: a clip the tenant sent before
+runs no encoder) and the transcript's token ids join the conversation as text between
+``AUDIO_START`` and ``AUDIO_END``. The text vocabulary is byte-level, built locally (no
+tokenizer download). Pools: ``text`` and ``vision`` (the VLM's self-attention K/V, prefix
+chained), ``transcript`` (Whisper's decoder self-attention) and ``audio`` (Whisper's cross K/V).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from . import transformers as mt
+from .chat_conversation import Conversation, TurnCounters, TurnResult
+from .chat_dense import dense_chat, dense_turn
+from .hf_layout import model_identity
+
+__all__ = ["ChatModel", "Conversation", "TurnCounters", "TurnResult", "dense_chat", "dense_turn",
+           "CONFIG_DIR"]
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+VLM_CONFIG = "demo-qwen2-vl.json"
+WHISPER_CONFIG = "demo-whisper.json"
+TRANSCRIPT = "transcript"                   # the pool of Whisper's decoder self-attention K/V
+IMAGE_PIXELS = (56 * 56, 224 * 224)        # the image processor's min / max pixels: 4-64 tokens
+
+
+class ChatModel:
+    """The two models (each twice: enabled for mmtier, and as loaded for the dense reference),
+    their processors, and counters of encoder runs (forward hooks)."""
+
+    def __init__(self, vlm, whisper, image_processor, feature_extractor, *, transcript_tokens: int = 8):
+        if vlm.config.model_type not in ("qwen2_vl", "qwen2_5_vl") or whisper.config.model_type != "whisper":
+            raise ConfigError("ChatModel takes a Qwen2-VL (or Qwen2.5-VL) and a Whisper model", ("model",))
+        self.dense_vlm, self.dense_whisper = vlm.eval(), whisper.eval()
+        self.vlm = mt.enable(copy.deepcopy(vlm))
+        self.whisper = mt.enable(copy.deepcopy(whisper))
+        self.image_processor, self.feature_extractor = image_processor, feature_extractor
+        self.transcript_tokens = transcript_tokens
+        self.encoder_runs: Counter[str] = Counter()          # with the cache
+        self.dense_encoder_runs: Counter[str] = Counter()    # the dense reference
+        for model, runs in ((self.vlm, self.encoder_runs), (self.dense_vlm, self.dense_encoder_runs)):
+            model.model.visual.register_forward_hook(lambda *_a, runs=runs: runs.update(("vision",)))
+        for model, runs in ((self.whisper, self.encoder_runs), (self.dense_whisper, self.dense_encoder_runs)):
+            model.model.encoder.register_forward_hook(lambda *_a, runs=runs: runs.update(("audio",)))
+
+    @classmethod
+    def tiny(cls, seed: int = 0, config_dir: Path | str = CONFIG_DIR) -> ChatModel:
+        """The demo's models: random weights (seeded) from ``configs/demo-qwen2-vl.json`` and
+        ``configs/demo-whisper.json``; no download."""
+        from transformers import (
+            Qwen2VLConfig,
+            Qwen2VLForConditionalGeneration,
+            WhisperConfig,
+            WhisperForConditionalGeneration,
+        )
+
+        vcfg = _read(Path(config_dir) / VLM_CONFIG)
+        wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
+        chunk = wcfg.pop("chunk_length_s")
+        torch.manual_seed(seed)
+        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg))
+        whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg))
+        return cls(vlm, whisper, _image_processor(vlm.config), _feature_extractor(whisper.config, chunk))
+
+    @classmethod
+    def from_pretrained(cls, vlm_path: str | Path, whisper_path: str | Path, *, dtype=torch.float32,
+                        device: str = "cpu", **kw: Any) -> ChatModel:
+        """Real weights from local directories (``local_files_only=True``: nothing is
+        downloaded); processors from the same directories."""
+        from transformers import (
+            AutoModelForImageTextToText,
+            Qwen2VLImageProcessorPil,
+            WhisperFeatureExtractor,
+            WhisperForConditionalGeneration,
+        )
+
+        vlm = AutoModelForImageTextToText.from_pretrained(vlm_path, local_files_only=True, dtype=dtype).to(device)
+        whisper = WhisperForConditionalGeneration.from_pretrained(whisper_path, local_files_only=True,
+                                                                  dtype=dtype).to(device)
+        return cls(vlm, whisper, Qwen2VLImageProcessorPil.from_pretrained(vlm_path, local_files_only=True),
+                   WhisperFeatureExtractor.from_pretrained(whisper_path, local_files_only=True), **kw)
+
+    def cache_config(self, *, shares: dict[str, float] | None = None, **overrides: Any) -> CacheConfig:
+        """ONE ``CacheConfig`` for both models: ``text`` and ``vision`` (the VLM), ``transcript``
+        and ``audio`` (Whisper). ``shares``: a modality's share of the page arena;
+        ``overrides``: budgets, ``disk_dir``, ``attention_backend``..."""
+        vlm = mt.config_for(self.vlm)
+        whisper = mt.config_for(self.whisper, text_modality=TRANSCRIPT)
+        specs = {**vlm.modalities, **whisper.modalities}
+        for name, share in (shares or {}).items():
+            if name not in specs:
+                raise ConfigError(f"a share for unknown modality {name!r}; this model has {sorted(specs)}",
+                                  ("shares",))
+            specs[name] = specs[name].model_copy(update={"share": share})
+        fields: dict[str, Any] = dict(
+            model=f"chat:{model_identity(self.vlm)}+{model_identity(self.whisper)}",
+            num_layers=vlm.num_layers, num_kv_heads=vlm.num_kv_heads, head_dim=vlm.head_dim,
+            dtype=vlm.dtype, modalities=specs, device=vlm.device, device_bytes=vlm.device_bytes)
+        fields.update(overrides)
+        return CacheConfig(**fields)
+
+    def conversation(self, cache, tenant: str | None = None) -> Conversation:
+        """A new conversation of ``tenant`` over ``cache`` (a ``TieredKVCache`` built from
+        ``cache_config``, or an engine's ``HostedCache``)."""
+        mt._check_fits(mt.layout_of(self.vlm), cache.cfg, "text")
+        mt._check_fits(mt.layout_of(self.whisper), cache.cfg, TRANSCRIPT)
+        return Conversation(self, cache, tenant)
+
+
+def _read(path: Path) -> dict:
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"model config {path}: {exc}", ("path",)) from None
+    cfg.pop("_comment", None)
+    cfg.pop("model_type", None)
+    return cfg
+
+
+def _image_processor(cfg):
+    from transformers import Qwen2VLImageProcessorPil
+
+    v = cfg.vision_config
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": IMAGE_PIXELS[0], "longest_edge": IMAGE_PIXELS[1]},
+                                    patch_size=v.patch_size, merge_size=v.spatial_merge_size,
+                                    temporal_patch_size=v.temporal_patch_size)
+
+
+def _feature_extractor(cfg, chunk_length_s: int):
+    from transformers import WhisperFeatureExtractor
+
+    fe = WhisperFeatureExtractor(feature_size=cfg.num_mel_bins, chunk_length=chunk_length_s)
+    if fe.nb_max_frames != 2 * cfg.max_source_positions:
+        raise ConfigError(f"Whisper's {cfg.max_source_positions} encoder positions need "
+                          f"{2 * cfg.max_source_positions} frames; a {chunk_length_s} s window gives "
+                          f"{fe.nb_max_frames}", ("chunk_length_s",))
+    return fe

@@ -1,0 +1,237 @@
+"""One conversation of a ``ChatModel`` over an mmtier cache: turns that prefill only their new
+tokens.
+
+The conversation holds no pages between turns. Its history is cut into spans (runs of text
+tokens, and each image's run of image tokens), each sealed after it is written as a group under
+a key chained to the span before (``content_key(..., parent=...)``: prefix-dependent, with the
+tenant's salt). Spans break at turn boundaries, and a turn's last span is sealed together with
+the answer generated from it (all but the answer's last token, whose K/V the next turn writes).
+So a turn attaches every span of the history the cache still holds (wherever its tier), runs the
+model over the spans it lacks (the vision tower only for those that are images) and over the
+turn's new tokens, and decodes through mmtier attention. Under pressure the history's groups are
+evictable like any other; a turn that finds one gone recomputes from there on.
+
+Qwen2-VL's M-RoPE positions are computed over the whole conversation each turn (its image
+grids are known from the images' headers) and the model's rope deltas set from them, so cached
+and prefilled spans sit where the dense model puts them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..content import ContentKey
+from ..errors import ShapeError
+from .chat_media import (
+    AUDIO_END,
+    AUDIO_START,
+    IMAGE_PAD,
+    SPECIAL,
+    VISION_END,
+    VISION_START,
+    AudioFeatures,
+    ImageItem,
+    ids_text,
+    kind_of,
+    text_ids,
+)
+from .session import Media, Session
+from .transformers import cache_for
+
+
+@dataclass(frozen=True)
+class TurnCounters:
+    cached_tokens: int                  # decoder prompt tokens attached from the cache
+    prefilled_tokens: int               # decoder prompt tokens run through the model this turn
+    span_hits: int                      # history and new spans attached
+    span_misses: int                    # spans prefilled (the turn's last span included)
+    media_hits: dict[str, int]          # "vision": image spans attached; "audio": clips attached
+    encoder_runs: dict[str, int]        # "vision": vision tower runs; "audio": Whisper encoder runs
+    transcript_tokens: int              # Whisper decoder tokens generated for the turn's clips
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    tokens: list[int]                   # the answer (greedy)
+    text: str                           # its text (byte-level vocabulary)
+    counters: TurnCounters
+    keys: list[ContentKey] = field(default_factory=list)   # the groups the turn used or made
+
+
+@dataclass(frozen=True)
+class _Span:
+    modality: str                       # "text" | "vision"
+    start: int
+    end: int
+    image: ImageItem | None = None
+    key: ContentKey | None = None
+
+
+class Conversation:
+    """Turns of one tenant's conversation (``ChatModel.conversation`` builds it)."""
+
+    def __init__(self, chat, cache, tenant: str | None):
+        self.chat, self.cache, self.tenant = chat, cache, tenant
+        self.ids: list[int] = []          # the conversation so far: prompts and answers
+        self.spans: list[_Span] = []      # sealed spans of the history, in order
+        self.images: list[ImageItem] = []
+        self.closed = False
+        self._whisper = Session(chat.whisper, cache, tenant=tenant, text_modality="transcript")
+
+    # ------------------------------------------------------------------ a turn
+    def send(self, items, max_new_tokens: int = 8) -> TurnResult:
+        """One user turn (text, image and audio items, in order) and its greedy answer."""
+        if self.closed:
+            raise ShapeError("the conversation is closed")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ShapeError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        items = list(items) if not isinstance(items, str | bytes) else [items]
+        if not items:
+            raise ShapeError("a turn needs at least one item")
+        read = [self._read(x) for x in items]             # bad input fails before anything runs
+        runs_before = Counter(self.chat.encoder_runs)
+        audio_keys, audio_hits, transcript = [], 0, 0
+        new: list[int] = []
+        images: list[ImageItem] = []
+        for kind, x in read:
+            if kind == "text":
+                new += text_ids(x)
+            elif kind == "image":
+                images.append(x)
+                new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
+            else:
+                said, key, hit = self._transcribe(*x)
+                audio_keys.append(key)
+                audio_hits += hit
+                transcript += len(said)
+                new += [AUDIO_START, *said, AUDIO_END]
+        answer, keys, hits, cached, image_hits = self._decode(new, images, max_new_tokens)
+        runs = Counter(self.chat.encoder_runs)
+        runs.subtract(runs_before)
+        counters = TurnCounters(
+            cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
+            span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
+            encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript)
+        return TurnResult(answer, ids_text(answer), counters, keys + audio_keys)
+
+    def close(self) -> None:
+        """Forget the history (its groups stay cached for whoever asks)."""
+        self.closed = True
+        self.ids, self.spans, self.images = [], [], []
+
+    # ------------------------------------------------------------------ steps
+    def _read(self, item):
+        kind = kind_of(item)
+        if kind == "image":
+            return kind, ImageItem.read(bytes(item), self.chat.image_processor)
+        if kind == "audio":
+            data = bytes(item)
+            return kind, (data, AudioFeatures(data, self.chat.feature_extractor))
+        return kind, item
+
+    def _transcribe(self, data: bytes, features: AudioFeatures) -> tuple[list[int], ContentKey, bool]:
+        """Whisper over the clip; its encoder's cross K/V is the tenant's ``audio`` group."""
+        start = self.chat.whisper.config.decoder_start_token_id
+        r = self._whisper.generate(torch.tensor([[start]]), [Media(data, features)],
+                                   max_new_tokens=self.chat.transcript_tokens, suppress_tokens=list(SPECIAL))
+        key = self.cache.content_key("audio", data, tenant=self.tenant)
+        return r.sequences[0, 1:].tolist(), key, bool(r.media_hits)
+
+    def _decode(self, new: list[int], images: list[ImageItem], max_new_tokens: int):
+        """Attach the history, prefill what is missing, generate; seal the new spans."""
+        cache, vlm = self.cache, self.chat.vlm
+        ids = self.ids + new
+        new_spans = _cut(ids, self.spans[-1].end if self.spans else 0, images)
+        all_images = self.images + images
+        positions, deltas = self._positions(ids, all_images)
+        prompt = torch.tensor([ids])
+        with cache_for(vlm, cache, tenant=self.tenant) as past:
+            rows = past.rows
+            rows.ensure(1)
+            seq = rows.seqs[0]
+            parent = self.spans[-1].key if self.spans else cache.prefix_key(seq)
+            spans = list(self.spans)
+            for s in new_spans[:-1]:
+                parent = self._key(ids, s, parent)
+                spans.append(_Span(s.modality, s.start, s.end, s.image, parent))
+            hits = 0
+            while hits < len(spans) and cache.contains(spans[hits].key):
+                cache.attach(seq, spans[hits].key)
+                hits += 1
+            last = new_spans[-1]
+            cached = spans[hits].start if hits < len(spans) else last.start
+            for layer in past.layers:
+                layer.seen = cached
+            for s in spans[hits:]:
+                self._prefill(past, prompt, s, positions)
+                cache.seal(seq, s.key)
+            rows.next_tokens, rows.next_new_run = [ids[last.start:]], True
+            vlm.model.rope_deltas = deltas
+            out = vlm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=past,
+                               max_new_tokens=max_new_tokens, do_sample=False, suppress_tokens=list(SPECIAL))
+            answer = out[0, len(ids):].tolist()
+            tail = _Span("text", last.start, len(ids) + len(answer) - 1)
+            tail = _Span("text", tail.start, tail.end, None, self._key(ids + answer, tail, parent))
+            cache.seal(seq, tail.key)
+        image_hits = sum(1 for s in spans[len(self.spans):hits] if s.modality == "vision")
+        self.ids = ids + answer
+        self.spans = spans + [tail]
+        self.images = all_images
+        return answer, [s.key for s in self.spans], hits, cached, image_hits
+
+    def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
+        if span.image is not None:
+            return self.cache.content_key("vision", span.image.data, tenant=self.tenant, parent=parent)
+        data = torch.tensor(ids[span.start:span.end], dtype=torch.int64).numpy().tobytes()
+        return self.cache.content_key("text", data, tenant=self.tenant, parent=parent,
+                                      params={"span": "token-ids"})
+
+    def _positions(self, ids: list[int], images: list[ImageItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[4, 1, n]`` positions (text + M-RoPE) of the whole conversation, and its deltas."""
+        n = len(ids)
+        text = torch.arange(n).view(1, 1, n)
+        if not images:
+            return text.expand(4, 1, n), torch.zeros(1, 1, dtype=torch.long)
+        prompt = torch.tensor([ids])
+        grid = torch.tensor([im.grid for im in images])
+        vision, deltas = self.chat.vlm.model.get_rope_index(
+            prompt, mm_token_type_ids=(prompt == IMAGE_PAD).int(), image_grid_thw=grid,
+            attention_mask=torch.ones_like(prompt))
+        return torch.cat([text, vision.to(text.dtype)], 0), deltas
+
+    def _prefill(self, past, prompt: torch.Tensor, span: _Span, positions: torch.Tensor) -> None:
+        """Run the VLM over one span as a run of its own (``vision`` pool for an image)."""
+        rows = past.rows
+        rows.next_modality, rows.next_new_run = span.modality, True
+        extra = dict(span.image.inputs) if span.image is not None else {}
+        if span.image is None:
+            rows.next_tokens = [prompt[0, span.start:span.end].tolist()]
+        with torch.no_grad():
+            self.chat.vlm(input_ids=prompt[:, span.start:span.end],
+                          attention_mask=torch.ones(1, span.end, dtype=torch.long),
+                          position_ids=positions[..., span.start:span.end], past_key_values=past,
+                          use_cache=True, logits_to_keep=1, **extra)
+
+
+def _cut(ids: list[int], start: int, images: list[ImageItem]) -> list[_Span]:
+    """``ids[start:]`` as spans: text runs and one run per image (``IMAGE_PAD`` tokens)."""
+    out: list[_Span] = []
+    it = iter(images)
+    i = start
+    while i < len(ids):
+        j = i
+        pad = ids[i] == IMAGE_PAD
+        while j < len(ids) and (ids[j] == IMAGE_PAD) == pad:
+            j += 1
+        if pad:
+            image = next(it)
+            if j - i != image.tokens:
+                raise ShapeError(f"an image run of {j - i} tokens for an image of {image.tokens}")
+            out.append(_Span("vision", i, j, image))
+        else:
+            out.append(_Span("text", i, j))
+        i = j
+    return out

@@ -1,0 +1,153 @@
+"""What a chat turn's items become before the models see them: text as byte-level token ids,
+images (PNG / JPEG bytes) as Qwen2-VL image inputs, audio (WAV PCM16 bytes) as Whisper features.
+
+Text. No tokenizer can be downloaded, so the vocabulary is built here: a byte ``b`` is token
+``b + BYTE0``; a few ids below and above are special (``VOCAB``). Both demo models use it; a
+model loaded from a directory with its own tokenizer would map text through that instead.
+
+Images are decoded by Pillow and prepared by the model's own image processor
+(``Qwen2VLImageProcessorPil``). The number of image tokens (the processor's resize rule over the
+image's header size) is known without touching the pixels, so a cached image is never decoded:
+``ImageItem.inputs()`` runs the processor only when the vision tower has to run.
+
+Audio is read with the stdlib ``wave`` (mono or stereo PCM16, any rate, resampled linearly to the
+feature extractor's rate) and turned into log-mel features by ``WhisperFeatureExtractor`` on
+demand (a lazy mapping: a cached clip is never featurised).
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ..errors import ShapeError
+
+# -------------------------------------------------------------------------- text
+PAD, BOS, EOS, UNK = 0, 1, 2, 3
+BYTE0 = 4                                   # token of byte 0
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 260, 261, 262, 263
+AUDIO_START, AUDIO_END = 264, 265
+VOCAB = 272
+SPECIAL = (PAD, BOS, EOS, UNK, *range(BYTE0 + 256, VOCAB))    # never generated in an answer
+
+
+def text_ids(text: str) -> list[int]:
+    """Byte-level token ids of ``text`` (UTF-8)."""
+    return [b + BYTE0 for b in text.encode()]
+
+
+def ids_text(ids: list[int]) -> str:
+    """The text of byte-level ids (special ids dropped, bad UTF-8 replaced)."""
+    return bytes(i - BYTE0 for i in ids if BYTE0 <= i < BYTE0 + 256).decode(errors="replace")
+
+
+# -------------------------------------------------------------------------- items
+PNG = b"\x89PNG\r\n\x1a\n"
+JPEG = b"\xff\xd8\xff"
+
+
+def kind_of(item) -> str:
+    """``"text"``, ``"image"`` or ``"audio"`` for a turn's item; ``ShapeError`` otherwise."""
+    if isinstance(item, str):
+        return "text"
+    if isinstance(item, bytes | bytearray | memoryview):
+        head = bytes(item[:12])
+        if head.startswith(PNG) or head.startswith(JPEG):
+            return "image"
+        if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+            return "audio"
+        raise ShapeError("a media item must be PNG, JPEG or WAV bytes (its first bytes say which)")
+    raise ShapeError(f"a turn's items are text (str) or media bytes, not {type(item).__name__}")
+
+
+@dataclass
+class ImageItem:
+    """An image of a turn: its bytes, its grid of patches, its pixels on demand."""
+
+    data: bytes
+    processor: object
+    grid: tuple[int, int, int]               # (t, h, w) patches, as the processor makes them
+
+    @classmethod
+    def read(cls, data: bytes, processor) -> ImageItem:
+        from PIL import Image, UnidentifiedImageError
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        try:
+            with Image.open(io.BytesIO(data)) as im:       # the header only
+                width, height = im.size
+        except (UnidentifiedImageError, OSError) as exc:
+            raise ShapeError(f"image bytes could not be read: {exc}") from None
+        patch, merge = processor.patch_size, processor.merge_size
+        size = processor.size
+        h, w = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
+        return cls(bytes(data), processor, (1, h // patch, w // patch))
+
+    @property
+    def tokens(self) -> int:
+        """Decoder tokens of this image (after the processor's 2x2 merge)."""
+        t, h, w = self.grid
+        return t * h * w // (self.processor.merge_size ** 2)
+
+    @cached_property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """``pixel_values`` and ``image_grid_thw`` from the model's image processor."""
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.data)) as im:
+            out = self.processor(images=[im.convert("RGB")], return_tensors="pt")
+        if tuple(out["image_grid_thw"][0].tolist()) != self.grid:
+            raise ShapeError(f"the image processor made grid {out['image_grid_thw'][0].tolist()}, "
+                             f"expected {list(self.grid)}")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def read_wav(data: bytes, rate: int) -> np.ndarray:
+    """Mono float32 samples at ``rate`` Hz from WAV PCM16 bytes."""
+    try:
+        with wave.open(io.BytesIO(data)) as w:
+            if w.getsampwidth() != 2:
+                raise ShapeError(f"WAV sample width {w.getsampwidth()} bytes: only PCM16 is read")
+            channels, src = w.getnchannels(), w.getframerate()
+            raw = w.readframes(w.getnframes())
+    except (wave.Error, EOFError) as exc:
+        raise ShapeError(f"WAV bytes could not be read: {exc}") from None
+    x = np.frombuffer(raw, dtype="<i2").astype(np.float32) / 32768.0
+    if channels > 1:
+        x = x[: len(x) // channels * channels].reshape(-1, channels).mean(1)
+    if x.size == 0:
+        raise ShapeError("the WAV clip has no samples")
+    if src != rate:
+        n = max(1, round(x.size * rate / src))
+        x = np.interp(np.linspace(0, x.size - 1, n), np.arange(x.size), x).astype(np.float32)
+    return x
+
+
+class AudioFeatures(Mapping):
+    """``{"input_features": ...}`` of a clip (read from WAV bytes at once, so bad bytes fail
+    before anything changes), featurised when first read: a cached clip never is."""
+
+    def __init__(self, data: bytes, extractor):
+        self.samples = read_wav(data, extractor.sampling_rate)
+        self.extractor = extractor
+
+    @cached_property
+    def _features(self) -> dict[str, torch.Tensor]:
+        fe = self.extractor
+        out = fe(self.samples, sampling_rate=fe.sampling_rate, return_tensors="pt")
+        return {"input_features": out["input_features"]}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._features[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("input_features",))
+
+    def __len__(self) -> int:
+        return 1
