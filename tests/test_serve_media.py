@@ -124,6 +124,7 @@ def _weights_dir(tmp_path: Path, config: bool = True, weights: bool = True) -> P
     ("no_config", "no config.json"),
     ("no_weights", "need a download"),
     ("reference_with_path", "need kind 'hf'"),
+    ("path_alone", "go together"),
 ])
 def test_model_path_must_be_a_local_weights_directory(tmp_path, case, message):
     model = {
@@ -131,6 +132,7 @@ def test_model_path_must_be_a_local_weights_directory(tmp_path, case, message):
         "hub_id": {"path": "Qwen/Qwen2-VL-2B-Instruct"},
         "no_config": {"path": str(_weights_dir(tmp_path, config=False))},
         "no_weights": {"audio_path": str(_weights_dir(tmp_path, weights=False))},
+        "path_alone": {"path": str(_weights_dir(tmp_path))},
         "reference_with_path": {"kind": "reference", "path": str(_weights_dir(tmp_path))},
     }[case]
     with pytest.raises(ConfigError) as err:
@@ -141,7 +143,7 @@ def test_model_path_must_be_a_local_weights_directory(tmp_path, case, message):
 def test_model_path_resolves_to_an_absolute_directory(tmp_path, monkeypatch):
     d = _weights_dir(tmp_path)
     monkeypatch.chdir(tmp_path)
-    cfg = ServeAppConfig.parse({"model": {"path": d.name, "seed": 3}})
+    cfg = ServeAppConfig.parse({"model": {"path": d.name, "audio_path": str(d), "seed": 3}})
     assert cfg.model.path == str(d.resolve()) and cfg.model.kind == "hf"
     assert ServeAppConfig.parse(cfg.model_dump(mode="json")).model == cfg.model     # workers re-parse
     with pytest.raises(ConfigError) as err:

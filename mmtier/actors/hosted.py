@@ -1,8 +1,9 @@
 """``HostedCache``: an engine's embedded pool as its model sees it.
 
 ``TieredKVCache``'s surface over the ``PoolHost``'s own cache: ``create_sequence``, ``append``,
-``attach``, ``attention``, ``attention_state``, ``put``, ``get_embedding``, ``release``... run
-in this process, on this device, with no Ray call. What is shared with the cluster moves at turn
+``attach``, ``attention``, ``attention_state``, ``put``, ``get_embedding``, ``release``, and the
+engine surface (``reserve`` / ``write_layer`` / ``seal``, ``attention_batch``) the transformers
+adapter uses, run in this process, on this device, with no Ray call. What is shared with the cluster moves at turn
 boundaries only:
 
 - ``begin_turn(keys)`` (at admission, with the content-only keys of every media item of the
@@ -103,6 +104,26 @@ class HostedCache:
         self._resolve()
         pending = self._incoming.pop(key, None)
         return pending is not None and self._land(key, pending)
+
+    # the engine surface (``engine_api``): per-layer writes, sealed runs, batched attention
+    def reserve(self, seq: SequenceHandle, modality: str, n: int, **kw):
+        return self.cache.reserve(seq, modality, n, **kw)
+
+    def write_layer(self, res, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write_layer(res, layer, k, v)
+
+    def attention_batch(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw) -> torch.Tensor:
+        return self.cache.attention_batch(seqs, layer, q, q_indptr, **kw)
+
+    def attention_batch_state(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw):
+        return self.cache.attention_batch_state(seqs, layer, q, q_indptr, **kw)
+
+    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
+        """``TieredKVCache.seal``; a sealed group is published with the turn's others."""
+        sealed = self.cache.seal(seq, key)
+        if sealed:
+            self._publish.append(self.host._item(key))
+        return sealed
 
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
         item, evicted = self.host.put(key.to_wire(), k, v)

@@ -40,8 +40,8 @@ class ModelArgs(_Strict):
                           "as save_pretrained writes them); loaded with local_files_only=True, never "
                           "downloaded. Must exist on every worker node. None: random weights.")
     audio_path: str | None = Field(
-        None, description="Local directory of a Whisper model for audio items (None: random weights "
-                          "of the small Whisper config).")
+        None, description="Local directory of the Whisper model that transcribes audio items; set "
+                          "with path (both real, or both random).")
 
     @field_validator("path", "audio_path")
     @classmethod
@@ -52,6 +52,9 @@ class ModelArgs(_Strict):
     def _kind_fits(self) -> ModelArgs:
         if self.kind == "reference" and (self.path or self.audio_path):
             raise ValueError("the reference model has no weights to load: path / audio_path need kind 'hf'")
+        if (self.path is None) != (self.audio_path is None):
+            raise ValueError("path and audio_path go together (the VLM's and Whisper's weights), or "
+                             "neither (random weights)")
         return self
 
 
