@@ -1,40 +1,45 @@
-"""``mmtier demo``: a multi-turn multimodal workload through mmtier on an embedded local Ray.
+"""``mmtier demo``: a multi-turn multimodal chat workload through mmtier on an embedded local Ray,
+on a real architecture through the transformers adapter.
 
 What it does, in order:
 
 1. starts a local Ray bound to 127.0.0.1 and mmtier on it (``mmtier.actors.start``: the
-   ContentRegistry and a node store), and an engine actor (``mmtier.models.engine``) that runs
-   the model and holds its own pool (``PoolHost``): attention reads local pages, the cluster
-   is asked only at turn boundaries;
-2. runs a seeded workload through the reference model (``mmtier.models``: real attention
-   through the cache): several tenants, each with a few conversations of several turns; turns
-   carry text, images (a small per-tenant catalogue plus images every tenant sends, so repeats
-   are frequent) and audio clips; a few conversations are open at once;
-3. keeps the pool under pressure so content moves between tiers: the pool is small, so it
-   evicts; and when a modality's device pages pass a watermark, the cross-attention K/V of
-   finished conversations (content-only groups, the ones other conversations reuse) is spilled
-   to the node store (``HostedCache.offload``: the node's host tier, outside the engine's
-   process). A later request for spilled content finds it there through the turn's registry
-   lookup and pulls it back whole into the engine's pool;
-4. checks correctness: every turn's tokens must equal the dense model's (``chat_dense``: no
-   cache, attention over concatenated K/V), and times the same turns without the cache (the
-   conversation so far recomputed densely, as a server with no KV reuse must), in the same
-   run; ``later_turns_cached_over_dense`` is the median later turn with the cache over the
-   median without;
-5. prints a table, and writes a flat JSON report and a PNG chart.
-
-The pool-side spill is driven here because the Ray layer's pools keep no lower tier of their
-own (pressure inside a pool evicts; the node store is filled by ``offload``).
+   ContentRegistry and a node store), and a ``ChatEngine`` actor
+   (``mmtier.integrations.chat_engine``) that runs the chat model and holds its own pool
+   (``PoolHost``): attention reads local pages, the cluster is asked only at turn boundaries;
+2. the chat model (``mmtier.integrations.chat.ChatModel.tiny``): a small random-weight Qwen2-VL
+   (``configs/demo-qwen2-vl.json``) whose images are real PNG / JPEG bytes decoded by its own
+   image processor, and a small random-weight Whisper (``configs/demo-whisper.json``) that
+   transcribes audio clips (real WAV bytes, through ``WhisperFeatureExtractor``) into the
+   conversation; text is byte-level;
+3. runs a seeded workload: several tenants, each with a few conversations of several turns;
+   turns carry text, images (a small per-tenant catalogue plus images every tenant sends, so
+   repeats are frequent) and audio clips; a few conversations are open at once. A later turn
+   attaches the history's groups, prefills only its new tokens and runs no encoder for cached
+   media;
+4. keeps the pool under pressure so content moves between tiers: the arena is small (groups
+   demote to the pool's disk tier and are dropped at the bottom), and when a modality's device
+   pages pass a watermark the groups of finished conversations are handed to the node store
+   (``HostedCache.offload``, the node's host tier);
+5. checks correctness and times the dense path side by side: right after each turn, the same
+   engine recomputes the conversation so far with ``DynamicCache`` + sdpa and no reuse
+   (``dense_turn``: every image and clip encoded again, every position prefilled), and the
+   tokens must be equal; ``later_turns_cached_over_dense`` is the median later turn with the
+   cache over the median later turn without;
+6. prints a table, and writes a flat JSON report and a PNG chart.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import io
 import json
 import os
 import random
 import statistics
+import tempfile
 import time
+import wave
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +52,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 MEDIA_NAMES = {"vision": "image", "audio": "audio"}
 PROMPTS = ("Describe this. ", "What changed? ", "Summarise it. ", "Any text in it? ",
            "Compare with before. ", "What is the mood? ", "Count the objects. ", "Transcribe. ")
+IMAGE_SIZES = ((224, 224), (252, 196), (196, 252))     # 64 and 63 decoder tokens each
 
 
 @dataclass(frozen=True)
@@ -57,25 +63,24 @@ class DemoSpec:
     conversations: int = 3            # per tenant
     turns: int = 3                    # per conversation
     active: int = 2                   # conversations open at once
-    new_tokens: int = 6               # greedy tokens per answer
+    new_tokens: int = 8               # greedy tokens per answer
     images_per_tenant: int = 2        # private images of a tenant
     shared_images: int = 2            # images every tenant sends (tenant-salted: never shared across)
     clips_per_tenant: int = 2
-    device_bytes: int = 5 << 20       # the pool's page arena: small, so content moves
-    spill_watermark: float = 0.5      # of a cross-attention modality's device pages
+    device_bytes: int = 8 << 20       # the pool's page arena: small, so content moves
+    spill_watermark: float = 0.5      # of a modality's device pages
     copy_after_remote_uses: int = 1   # a spilled group's next use restores it to the pool
     seed: int = 0
 
     @classmethod
     def quick(cls, **kw) -> DemoSpec:
         return cls(**{"tenants": 2, "conversations": 2, "turns": 2, "new_tokens": 4,
-                      "images_per_tenant": 1, "device_bytes": 3 << 20, **kw})
+                      "images_per_tenant": 1, "device_bytes": 6 << 20, **kw})
 
     @property
     def shares(self) -> dict[str, float]:
-        """Arena shares: text large enough for the open conversations' private K/V."""
-        return {"text": 0.22, "vision": 0.30, "audio": 0.16, "vision_xattn": 0.12,
-                "audio_xattn": 0.06, "vision_embed": 0.08, "audio_embed": 0.06}
+        """Arena shares per pool of the chat model."""
+        return {"text": 0.4, "vision": 0.3, "transcript": 0.05, "audio": 0.25}
 
 
 @dataclass
@@ -84,37 +89,78 @@ class Conversation:
     turns: list[list]                  # prompt items per turn
     answers: list[list[int]] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
-    dense_answers: list[list[int]] = field(default_factory=list)   # the dense model's, all turns so far
+    dense_answers: list[list[int]] = field(default_factory=list)
     dense_seconds: list[float] = field(default_factory=list)       # each turn recomputed without a cache
+    counters: list[dict] = field(default_factory=list)
+
+
+def image_bytes(tag: str, size: tuple[int, int], fmt: str) -> bytes:
+    """A seeded picture (gradient, rectangles, noise) as PNG or JPEG bytes."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(_seed(tag))
+    w, h = size
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * rng.random(3)[None, None, :]
+    arr = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+    im = Image.fromarray(arr)
+    draw = ImageDraw.Draw(im)
+    for _ in range(4):
+        x0, y0 = int(rng.integers(0, w - 20)), int(rng.integers(0, h - 20))
+        draw.rectangle((x0, y0, x0 + int(rng.integers(10, w // 2)), y0 + int(rng.integers(10, h // 2))),
+                       fill=tuple(int(c) for c in rng.integers(0, 256, 3)))
+    buf = io.BytesIO()
+    im.save(buf, fmt)
+    return buf.getvalue()
+
+
+def audio_bytes(tag: str, seconds: float, rate: int = 16000) -> bytes:
+    """A seeded clip (two tones and noise) as WAV PCM16 mono bytes."""
+    import numpy as np
+
+    rng = np.random.default_rng(_seed(tag))
+    t = np.arange(int(seconds * rate)) / rate
+    f1, f2 = rng.uniform(150, 900, 2)
+    x = 0.3 * np.sin(2 * np.pi * f1 * t) + 0.2 * np.sin(2 * np.pi * f2 * t) + 0.05 * rng.standard_normal(t.size)
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def _seed(tag: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(tag.encode()).digest()[:4], "little")
 
 
 def workload(spec: DemoSpec) -> list[Conversation]:
     """Seeded conversations, in the order they start."""
-    from .models import Audio, Image, Text
-
     rng = random.Random(spec.seed)
 
-    def blob(tag: str, n: int) -> bytes:
-        r = random.Random(f"{spec.seed}:{tag}")
-        return bytes(r.getrandbits(8) for _ in range(n))
+    def picture(tag: str, i: int) -> bytes:
+        return image_bytes(f"{spec.seed}:{tag}", IMAGE_SIZES[i % len(IMAGE_SIZES)], "PNG" if i % 2 == 0 else "JPEG")
 
-    shared = [blob(f"shared-image-{i}", 3072) for i in range(spec.shared_images)]
+    shared = [picture(f"shared-image-{i}", i) for i in range(spec.shared_images)]
     convs = []
     for _ in range(spec.conversations):
         for t in range(spec.tenants):
             tenant = f"tenant-{t}"
-            images = [blob(f"{tenant}-image-{i}", 3072) for i in range(spec.images_per_tenant)] + shared
-            clips = [blob(f"{tenant}-clip-{i}", 1600 + 800 * i) for i in range(spec.clips_per_tenant)]
-            system = Text(f"You are {tenant}'s assistant. ")
+            images = [picture(f"{tenant}-image-{i}", i + 1) for i in range(spec.images_per_tenant)] + shared
+            clips = [audio_bytes(f"{spec.seed}:{tenant}-clip-{i}", 1.5 + i) for i in range(spec.clips_per_tenant)]
+            system = f"You are {tenant}'s assistant. "
             turns = []
             for i in range(spec.turns):
                 # a conversation opens with the tenant's system prompt and an image: the same
                 # prefix, so a popular opening image's decoder K/V is reused (prefix-dependent)
-                items = [system, Text("Look at this. ")] if i == 0 else [Text(rng.choice(PROMPTS))]
+                items: list = [system, "Look at this. "] if i == 0 else [rng.choice(PROMPTS)]
                 if i == 0 or rng.random() < 0.75:        # images repeat (low indices are popular)
-                    items.append(Image(images[min(int(rng.expovariate(0.9)), len(images) - 1)]))
+                    items.append(images[min(int(rng.expovariate(0.9)), len(images) - 1)])
                 if rng.random() < 0.4:
-                    items += [Text("Listen: "), Audio(rng.choice(clips))]
+                    items += ["Listen: ", rng.choice(clips)]
                 turns.append(items)
             convs.append(Conversation(tenant, turns))
     return convs
@@ -141,57 +187,55 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
 
     from . import actors
     from .actors.pool_host import host_name
-    from .models import ReferenceModel
-    from .models.engine import ReferenceEngine
+    from .integrations.chat import ChatModel
+    from .integrations.chat_engine import ChatEngine
 
     torch.set_num_threads(1)
     convs = workload(spec)
-    model = ReferenceModel(seed=spec.seed)
-    cfg = model.cache_config(device_bytes=spec.device_bytes, shares=spec.shares)
-    settings = actors.ClusterSettings(namespace="mmtier-demo", copy_after_remote_uses=spec.copy_after_remote_uses,
-                                      store_bytes=64 << 20, sweep_interval_s=5.0)
     t_all = time.perf_counter()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
-             _node_ip_address="127.0.0.1", namespace=settings.namespace, log_to_driver=False,
-             configure_logging=False)
-    try:
-        started = actors.start(cfg, settings)
-        node = ray.get_runtime_context().get_node_id()
-        engine = ray.remote(ReferenceEngine).options(
-            name=host_name(node), namespace=settings.namespace, num_cpus=0, max_concurrency=4,
-        ).remote(settings.model_dump(mode="json"), spec.seed)
-        ray.get(engine.ping.remote(), timeout=settings.start_timeout_s)
-        ray_start_s = time.perf_counter() - t_all
-        moved, counters = _run_cached(spec, convs, engine, model, progress)
-        with actors.connect(settings) as cc:
-            stats = cc.stats()
-            client = dict(cc.counters)
-            per_actor = cc.actor_stats()
-        mismatches, nocache_s, work = _dense(spec, convs, model)
-    finally:
-        actors.shutdown(settings)
-        ray.shutdown()
+    with tempfile.TemporaryDirectory(prefix="mmtier-demo-") as disk:
+        cfg = ChatModel.tiny(spec.seed).cache_config(device_bytes=spec.device_bytes, shares=spec.shares,
+                                                     disk_dir=disk, disk_bytes=256 << 20)
+        settings = actors.ClusterSettings(namespace="mmtier-demo", copy_after_remote_uses=spec.copy_after_remote_uses,
+                                          store_bytes=64 << 20, sweep_interval_s=5.0)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
+                 _node_ip_address="127.0.0.1", namespace=settings.namespace, log_to_driver=False,
+                 configure_logging=False)
+        try:
+            started = actors.start(cfg, settings)
+            node = ray.get_runtime_context().get_node_id()
+            engine = ray.remote(ChatEngine).options(
+                name=host_name(node), namespace=settings.namespace, num_cpus=0, max_concurrency=2,
+            ).remote(settings.model_dump(mode="json"), spec.seed)
+            ray.get(engine.ping.remote(), timeout=settings.start_timeout_s)
+            ray_start_s = time.perf_counter() - t_all
+            moved = _run(spec, convs, engine, progress)
+            pool = ray.get(engine.stats.remote(), timeout=60)
+            runs = ray.get(engine.encoder_runs.remote(), timeout=60)
+            with actors.connect(settings) as cc:
+                per_actor = cc.actor_stats()
+        finally:
+            actors.shutdown(settings)
+            ray.shutdown()
     elapsed = time.perf_counter() - t_all
-    figures = _figures(spec, convs, counters, stats, client, moved, work, nocache_s, mismatches, started,
-                       per_actor, ray_start_s, elapsed)
-    return DemoReport(spec, figures, [s for c in convs for s in c.seconds], nocache_s,
+    mismatches = _check(convs)
+    figures = _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray_start_s, elapsed)
+    return DemoReport(spec, figures, [s for c in convs for s in c.seconds],
+                      [s for c in convs for s in c.dense_seconds],
                       [i for c in convs for i in range(len(c.seconds))], mismatches)
 
 
-def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, model, progress: bool
-                ) -> tuple[Counter, dict]:
-    """Every turn through the engine (the model and its pool in one actor), ``active``
-    conversations interleaved turn by turn; right after each, the same turn without a cache
-    (the conversation so far recomputed densely, here), so both see the same machine state.
-    Returns what moved and the model's counters."""
+def _run(spec: DemoSpec, convs: list[Conversation], engine, progress: bool) -> Counter:
+    """Every turn through the engine, ``active`` conversations interleaved turn by turn; right
+    after each, the same turn recomputed densely by the same engine (same process, same
+    machine state). Returns what moved to the node store."""
     import ray
     from tqdm import tqdm
 
     moved: Counter = Counter()
-    counters: dict[str, Counter] = {}
     pending = list(convs)
-    open_: list[tuple[Conversation, int, list]] = []          # conversation, session, its cross keys
-    finished: list[list] = []                       # cross keys of closed conversations, oldest first
+    open_: list[tuple[Conversation, int, list]] = []          # conversation, its id, its keys
+    finished: list[list] = []                       # keys of closed conversations, oldest first
     bar = tqdm(total=sum(len(c.turns) for c in convs), desc="turns (with cache, then dense)", unit="turn",
                disable=not progress, leave=False)
     while pending or open_:
@@ -199,36 +243,36 @@ def _run_cached(spec: DemoSpec, convs: list[Conversation], engine, model, progre
             c = pending.pop(0)
             open_.append((c, ray.get(engine.open.remote(c.tenant), timeout=60), []))
         for entry in list(open_):
-            c, sid, xkeys = entry
-            r = ray.get(engine.turn.remote(sid, c.turns[len(c.answers)], spec.new_tokens), timeout=300)
+            c, sid, keys = entry
+            i = len(c.answers)
+            r = ray.get(engine.turn.remote(sid, c.turns[i], spec.new_tokens), timeout=300)
             c.answers.append(r["tokens"])
-            c.seconds.append(r["seconds"])                   # the turn's time inside the engine
-            t0 = time.perf_counter()
-            c.dense_answers = model.chat_dense(c.turns[:len(c.answers)], spec.new_tokens)
-            c.dense_seconds.append(time.perf_counter() - t0)
-            xkeys[:] = r["xkeys"]
-            for name, per in r["counters"].items():
-                counters.setdefault(name, Counter()).update(per if isinstance(per, dict) else {"": per})
+            c.seconds.append(r["seconds"])
+            c.counters.append(r["counters"])
+            keys[:] = r["keys"]
+            history = list(zip(c.turns[:i], c.dense_answers))
+            d = ray.get(engine.dense_turn.remote(history, c.turns[i], spec.new_tokens), timeout=300)
+            c.dense_answers.append(d["tokens"])
+            c.dense_seconds.append(d["seconds"])
             bar.update(1)
             if len(c.answers) == len(c.turns):
-                finished.append(list({w["digest"]: w for w in xkeys}.values()))
+                finished.append(list({w["digest"]: w for w in keys}.values()))
                 ray.get(engine.close_session.remote(sid), timeout=60)
                 open_.remove(entry)
                 in_use = {w["digest"] for _, _, o in open_ for w in o}
                 _spill(spec, engine, finished, in_use, moved)
     bar.close()
-    return moved, counters
+    return moved
 
 
 def _spill(spec: DemoSpec, engine, finished: list[list], in_use: set, moved: Counter) -> None:
-    """Spill the oldest finished conversations' cross-attention K/V to the node store while a
-    cross-attention modality's device pages are above the watermark (the engine's pool)."""
+    """Hand the oldest finished conversations' groups to the node store while a modality's
+    device pages are above the watermark (the engine's pool)."""
     import ray
 
     def over() -> set[str]:
         dev = ray.get(engine.stats.remote(), timeout=60)["tiers"].get("device", {})
-        return {m for m, u in dev.items() if m.endswith("_xattn") and u["capacity_bytes"]
-                and u["bytes"] > spec.spill_watermark * u["capacity_bytes"]}
+        return {m for m, u in dev.items() if u["capacity_bytes"] and u["bytes"] > spec.spill_watermark * u["capacity_bytes"]}
 
     hot = over()
     while hot and finished:
@@ -240,117 +284,99 @@ def _spill(spec: DemoSpec, engine, finished: list[list], in_use: set, moved: Cou
         hot = over()
 
 
-def _dense(spec: DemoSpec, convs: list[Conversation], model):
-    """The check (every turn's tokens against the dense model's), the per-turn times without
-    the cache measured beside the cached turns, and the work a cache-less server does
-    (decoder positions, encoder runs)."""
-    from .models import Media, Text
-
-    mismatches: list[str] = []
-    seconds = [s for c in convs for s in c.dense_seconds]
-    work: Counter = Counter()
+def _check(convs: list[Conversation]) -> list[str]:
+    """Every turn's tokens against the dense path's."""
+    out = []
     for n, c in enumerate(convs):
-        answers = c.dense_answers
-        for i in range(len(c.turns)):
-            for j, items in enumerate(c.turns[: i + 1]):
-                work["encoder_runs"] += sum(isinstance(x, Media) for x in items)
-                work["decoder_tokens"] += sum(len(x.ids) if isinstance(x, Text)
-                                              else model.encoders[x.modality].tokens_for(x.data) for x in items)
-                work["decoder_tokens"] += max(spec.new_tokens - 1, 0) + (1 if j and spec.new_tokens else 0)
-        if len(answers) != len(c.answers):
-            mismatches.append(f"conversation {n} ({c.tenant}): {len(c.answers)} turns, {len(answers)} dense")
-        for i, (got, want) in enumerate(zip(c.answers, answers)):
+        for i, (got, want) in enumerate(zip(c.answers, c.dense_answers)):
             if got != want:
-                mismatches.append(f"conversation {n} ({c.tenant}) turn {i}: cache {got} != dense {want}")
-    return mismatches, seconds, work
+                out.append(f"conversation {n} ({c.tenant}) turn {i}: cache {got} != dense {want}")
+        if len(c.answers) != len(c.dense_answers):
+            out.append(f"conversation {n} ({c.tenant}): {len(c.answers)} turns, {len(c.dense_answers)} dense")
+    return out
 
 
-def _figures(spec, convs, model_counters, stats, client, moved, work, nocache_s, mismatches, started,
-             per_actor, ray_start_s, elapsed) -> dict:
-    counters = {name: dict(per) for name, per in model_counters.items()}
-    counters["decoder_tokens"] = model_counters.get("decoder_tokens", {}).get("", 0)
-    for name in ("encoder_runs", "embedding_hits", "cross_hits", "cross_misses", "self_hits", "self_misses"):
-        counters.setdefault(name, {})
+def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray_start_s, elapsed) -> dict:
     cache_s = [s for c in convs for s in c.seconds]
-    first = [c.seconds[0] for c in convs]
+    nocache_s = [s for c in convs for s in c.dense_seconds]
     later = [s for c in convs for s in c.seconds[1:]]
-    first_nc, later_nc, k = [], [], 0
-    for c in convs:
-        first_nc.append(nocache_s[k])
-        later_nc += nocache_s[k + 1: k + len(c.turns)]
-        k += len(c.turns)
+    later_nc = [s for c in convs for s in c.dense_seconds[1:]]
+    ctr = [x for c in convs for x in c.counters]
     fig: dict[str, object] = {
+        "model": "qwen2_vl + whisper (random weights, configs/demo-*.json) through the transformers adapter",
         "tenants": spec.tenants, "conversations": len(convs), "turns": len(cache_s),
         "new_tokens": spec.new_tokens, "device_bytes_per_pool": spec.device_bytes,
         "ray_nodes": len(started.nodes),
         "pools": sum(n.startswith("mmtier-pool:") for n in per_actor),
         "stores": sum(n.startswith("mmtier-store:") for n in per_actor),
     }
+    kinds = {"vision": lambda x: isinstance(x, bytes) and not x.startswith(b"RIFF"),
+             "audio": lambda x: isinstance(x, bytes) and x.startswith(b"RIFF")}
     for m, name in MEDIA_NAMES.items():
-        fig[f"{name}_placements"] = sum(isinstance(x, _media_type()) and x.modality == m
-                                        for c in convs for t in c.turns for x in t)
-        for ctr in ("encoder_runs", "embedding_hits", "cross_hits", "cross_misses", "self_hits", "self_misses"):
-            fig[f"{name}_{ctr}"] = counters[ctr].get(m, 0)
-    fig["text_tokens_appended"] = stats.counters.get("appended_tokens", 0)
-    for tier in ("device", "host"):
-        per = stats.tiers.get(tier, {})
-        fig[f"{tier}_bytes"] = sum(u.bytes for u in per.values())
-        fig[f"{tier}_capacity_bytes"] = sum(u.capacity_bytes for u in per.values()) if tier == "device" \
-            else max((u.capacity_bytes for u in per.values()), default=0)
+        fig[f"{name}_placements"] = sum(kinds[m](x) for c in convs for t in c.turns for x in t)
+        fig[f"{name}_hits"] = sum(x["media_hits"][m] for x in ctr)
+        fig[f"{name}_encoder_runs"] = runs["cache"].get(m, 0)
+        fig[f"{name}_encoder_runs_dense"] = runs["dense"].get(m, 0)
+    fig["span_hits"] = sum(x["span_hits"] for x in ctr)
+    fig["span_misses"] = sum(x["span_misses"] for x in ctr)
+    fig["prompt_tokens_cached"] = sum(x["cached_tokens"] for x in ctr)
+    fig["prompt_tokens_prefilled"] = sum(x["prefilled_tokens"] for x in ctr)
+    fig["transcript_tokens"] = sum(x["transcript_tokens"] for x in ctr)
+    stats = pool["tiers"]
+    for tier in ("device", "disk"):
+        per = stats.get(tier, {})
+        fig[f"{tier}_bytes"] = sum(u["bytes"] for u in per.values())
+        fig[f"{tier}_capacity_bytes"] = sum(u["capacity_bytes"] for u in per.values()) if tier == "device" \
+            else max((u["capacity_bytes"] for u in per.values()), default=0)
         for group in ("text", "image", "audio"):
-            mods = _group_modalities(group)
-            fig[f"{tier}_bytes_{group}"] = sum(u.bytes for mm, u in per.items() if mm in mods)
+            fig[f"{tier}_bytes_{group}"] = sum(u["bytes"] for mm, u in per.items() if mm in _group_modalities(group))
     store = Counter()
+    host = Counter()
     for name, st in per_actor.items():
         if name.startswith("mmtier-store:"):
             store.update(st.get("counters", {}))
+            for mm, u in st.get("tiers", {}).get("host", {}).items():
+                host[mm] += u["bytes"]
+    fig["host_bytes"] = sum(host.values())
+    for group in ("text", "image", "audio"):
+        fig[f"host_bytes_{group}"] = sum(b for mm, b in host.items() if mm in _group_modalities(group))
     fig["spills"] = store["puts"]                      # groups the node store took from the pool
     fig["spill_bytes"] = moved["spill_bytes"]
     fig["spilled_groups_freed"] = moved["spills"]      # ... whose device pages were freed at once
     fig["restores"] = store["exports"]                 # groups copied back from the store to a pool
-    fig["store_attentions"] = store["attentions"]      # partial attentions served in place by the store
-    fig["store_evictions"] = store["evictions"]
-    fig["client_copies"] = client.get("copies", 0)
-    fig["evictions"] = stats.counters.get("evictions", 0)
+    counters = pool.get("counters", {})
+    fig["demotions_to_disk"] = counters.get("spills_to_disk", 0)     # device -> the pool's disk tier
+    fig["disk_restores"] = counters.get("restores", 0)                # ... and back
+    fig["evictions"] = counters.get("evictions", 0)
     fig["turn_s_cache_mean"] = statistics.mean(cache_s)
     fig["turn_s_cache_median"] = statistics.median(cache_s)
     fig["turn_s_nocache_mean"] = statistics.mean(nocache_s)
     fig["turn_s_nocache_median"] = statistics.median(nocache_s)
-    fig["turn_s_cache_first_turns"] = statistics.mean(first)
-    fig["turn_s_nocache_first_turns"] = statistics.mean(first_nc)
+    fig["turn_s_cache_first_turns"] = statistics.mean(c.seconds[0] for c in convs)
+    fig["turn_s_nocache_first_turns"] = statistics.mean(c.dense_seconds[0] for c in convs)
     if later:
-        fig["turn_s_cache_later_turns"] = statistics.mean(later)
-        fig["turn_s_nocache_later_turns"] = statistics.mean(later_nc)
-        # the headline: later turns' median time with the cache over without it (same run)
+        fig["turn_s_cache_later_turns"] = statistics.median(later)
+        fig["turn_s_nocache_later_turns"] = statistics.median(later_nc)
+        # the headline: later turns' median time with the cache over without it (same run, same process)
         fig["later_turns_cached_over_dense"] = statistics.median(later) / statistics.median(later_nc)
     fig["nocache_over_cache_time"] = statistics.mean(nocache_s) / statistics.mean(cache_s)
-    fig["decoder_tokens_cache"] = counters["decoder_tokens"]
-    fig["decoder_tokens_nocache"] = work["decoder_tokens"]
-    fig["encoder_runs_cache"] = sum(counters["encoder_runs"].values())
-    fig["encoder_runs_nocache"] = work["encoder_runs"]
+    fig["encoder_runs_cache"] = sum(runs["cache"].values())
+    fig["encoder_runs_nocache"] = sum(runs["dense"].values())
     fig["dense_check_turns"] = len(cache_s)
     fig["dense_check_mismatches"] = len(mismatches)
     fig["dense_check_passed"] = not mismatches
     fig["ray_start_s"] = ray_start_s
     fig["elapsed_s"] = elapsed
-    fig["baseline"] = ("without cache = the conversation so far recomputed by the dense model "
-                       "(generate_dense/chat_dense: every encoder, every position) per turn")
+    fig["baseline"] = ("without cache = the conversation so far recomputed by the same models with DynamicCache "
+                       "+ sdpa (dense_turn: every image and clip encoded again, every position prefilled), "
+                       "in the engine's process right after the cached turn")
     fig["machine"] = machine()
     fig["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return fig
 
 
-def _media_type():
-    from .models import Media
-
-    return Media
-
-
 def _group_modalities(group: str) -> set[str]:
-    if group == "text":
-        return {"text"}
-    m = {"image": "vision", "audio": "audio"}[group]
-    return {m, f"{m}_xattn", f"{m}_embed"}
+    return {"text": {"text"}, "image": {"vision"}, "audio": {"audio", "transcript"}}[group]
 
 
 # ---------------------------------------------------------------------- output
@@ -361,44 +387,44 @@ def format_report(r: DemoReport, json_path: Path | None = None, png_path: Path |
         f"mmtier demo: {f['tenants']} tenants, {f['conversations']} conversations, {f['turns']} turns "
         f"({f['new_tokens']} tokens per answer); local Ray on 127.0.0.1: {f['ray_nodes']} node, "
         f"{f['pools']} pool ({mib(f['device_bytes_per_pool'])} MiB), {f['stores']} node store",
+        f"model: {f['model']}",
         "",
-        "hits and misses by modality (per media placement; cross = cross-attention K/V, content-only;",
-        "self = decoder K/V, reused under the same prefix only; embed = encoder outputs)",
-        f"{'modality':<9}{'placed':>7}{'encoder':>9}{'embed hit':>10}{'cross hit':>10}{'cross miss':>11}"
-        f"{'self hit':>9}{'self miss':>10}",
+        "media by modality (hits: attached from the cache, no encoder run; encoder runs with the cache",
+        "vs the dense path, which encodes every item of the conversation again each turn)",
+        f"{'modality':<9}{'placed':>7}{'hits':>6}{'encoder':>9}{'dense enc':>10}",
     ]
     for name in MEDIA_NAMES.values():
-        lines.append(f"{name:<9}{f[f'{name}_placements']:>7}{f[f'{name}_encoder_runs']:>9}"
-                     f"{f[f'{name}_embedding_hits']:>10}{f[f'{name}_cross_hits']:>10}"
-                     f"{f[f'{name}_cross_misses']:>11}{f[f'{name}_self_hits']:>9}{f[f'{name}_self_misses']:>10}")
-    lines.append(f"{'text':<9}{f['text_tokens_appended']:>7} tokens appended (private to each conversation)")
+        lines.append(f"{name:<9}{f[f'{name}_placements']:>7}{f[f'{name}_hits']:>6}{f[f'{name}_encoder_runs']:>9}"
+                     f"{f[f'{name}_encoder_runs_dense']:>10}")
+    lines.append(f"text     spans attached {f['span_hits']}, prefilled {f['span_misses']}; prompt tokens "
+                 f"attached {f['prompt_tokens_cached']}, prefilled {f['prompt_tokens_prefilled']}; "
+                 f"transcript tokens {f['transcript_tokens']}")
     lines += [
         "",
         "bytes per tier at the end (MiB)",
         f"{'tier':<20}{'text':>8}{'image':>8}{'audio':>8}{'total':>8}{'capacity':>10}",
     ]
-    for tier, label in (("device", "device (pool)"), ("host", "host (node store)")):
+    for tier, label in (("device", "device (pool)"), ("disk", "disk (pool's)"), ("host", "host (node store)")):
+        cap = f"{mib(f[f'{tier}_capacity_bytes']):>10}" if f"{tier}_capacity_bytes" in f else ""
         lines.append(f"{label:<20}{mib(f[f'{tier}_bytes_text']):>8}{mib(f[f'{tier}_bytes_image']):>8}"
-                     f"{mib(f[f'{tier}_bytes_audio']):>8}{mib(f[f'{tier}_bytes']):>8}"
-                     f"{mib(f[f'{tier}_capacity_bytes']):>10}")
+                     f"{mib(f[f'{tier}_bytes_audio']):>8}{mib(f[f'{tier}_bytes']):>8}{cap}")
     lines += [
         f"spills (pool -> node store): {f['spilled_groups_freed']} groups moved off the device "
         f"({mib(f['spill_bytes'])} MiB; {f['spills']} new to the store); "
-        f"restores (node store -> pool): {f['restores']}; partial attentions served by the store: "
-        f"{f['store_attentions']}; evictions (dropped, recomputed on next use): {f['evictions']}",
+        f"restores (node store -> pool): {f['restores']}; pool device -> its disk: "
+        f"{f['demotions_to_disk']}, disk -> device: {f['disk_restores']}; evictions (dropped, recomputed on next use): {f['evictions']}",
         "",
-        "time per turn (s)          mean  median  first turns  later turns",
+        "time per turn (s)          mean  median  first turns  later turns (median)",
         f"with cache             {f['turn_s_cache_mean']:>8.3f}{f['turn_s_cache_median']:>8.3f}"
         f"{f['turn_s_cache_first_turns']:>13.3f}{f.get('turn_s_cache_later_turns', float('nan')):>13.3f}",
         f"without cache (dense)  {f['turn_s_nocache_mean']:>8.3f}{f['turn_s_nocache_median']:>8.3f}"
         f"{f['turn_s_nocache_first_turns']:>13.3f}{f.get('turn_s_nocache_later_turns', float('nan')):>13.3f}",
-        f"work: decoder positions {f['decoder_tokens_cache']} with cache vs {f['decoder_tokens_nocache']} "
-        f"without; encoder runs {f['encoder_runs_cache']} vs {f['encoder_runs_nocache']}",
+        f"encoder runs {f['encoder_runs_cache']} with cache vs {f['encoder_runs_nocache']} without",
         f"later turns, median time with the cache over without: {f.get('later_turns_cached_over_dense', float('nan')):.2f} "
         "(the model and its pool in one process: no Ray call per layer or step)",
         "",
         f"correctness: {f['dense_check_turns'] - f['dense_check_mismatches']}/{f['dense_check_turns']} turns' "
-        f"tokens equal generate_dense: {'PASSED' if r.passed else 'FAILED'}",
+        f"tokens equal the dense path (DynamicCache + sdpa): {'PASSED' if r.passed else 'FAILED'}",
     ]
     lines += [f"  {m}" for m in r.mismatches[:5]]
     lines.append(f"Ray + mmtier start {f['ray_start_s']:.1f} s; whole run {f['elapsed_s']:.1f} s")
@@ -424,33 +450,36 @@ def plot(r: DemoReport, path: Path) -> Path:
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.4))
     xs = range(1, len(r.turn_cache_s) + 1)
     a1.plot(xs, r.turn_cache_s, "o-", ms=3, label="with cache (the engine's own pool)")
-    a1.plot(xs, r.turn_nocache_s, "s-", ms=3, color="C3", label="without cache (dense recompute)")
+    a1.plot(xs, r.turn_nocache_s, "s-", ms=3, color="C3", label="without cache (DynamicCache, recompute)")
+    later = [x for x, i in zip(xs, r.turn_index) if i > 0]
+    a1.scatter(later, [s for s, i in zip(r.turn_cache_s, r.turn_index) if i > 0], s=30, facecolors="none",
+               edgecolors="k", label="later turns")
     ratio = f.get("later_turns_cached_over_dense")
     a1.set(xlabel="turn (conversations in start order, their turns in order)", ylabel="seconds",
-           title="time per turn" + (f" (later turns, cache / dense: {ratio:.2f})" if ratio is not None else ""))
+           title="time per turn" + (f" (later turns, median cache / dense: {ratio:.2f})" if ratio is not None else ""))
     a1.legend(fontsize=8)
 
     names = list(MEDIA_NAMES.values())
-    bars = {"cross hit": "cross_hits", "cross miss": "cross_misses", "self hit": "self_hits",
-            "self miss": "self_misses", "encoder run": "encoder_runs"}
+    bars = {"placed": "placements", "hit": "hits", "encoder (cache)": "encoder_runs",
+            "encoder (dense)": "encoder_runs_dense"}
     width = 0.8 / len(bars)
     for i, (label, key) in enumerate(bars.items()):
         a2.bar([j + i * width for j in range(len(names))], [f[f"{n}_{key}"] for n in names], width, label=label)
     a2.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
-    a2.set(title="hits and misses by modality", ylabel="groups")
+    a2.set(title="media: hits and encoder runs", ylabel="items")
     a2.legend(fontsize=8)
 
-    tiers = ("device", "host")
-    bottom = [0.0, 0.0]
+    tiers = ("device", "disk", "host")
+    bottom = [0.0] * len(tiers)
     for group in ("text", "image", "audio"):
         vals = [f[f"{t}_bytes_{group}"] / 2**20 for t in tiers]
-        a3.bar(["device (pool)", "host (node store)"], vals, bottom=bottom, label=group)
+        a3.bar(["device (pool)", "disk (pool's)", "host (node store)"], vals, bottom=bottom, label=group)
         bottom = [b + v for b, v in zip(bottom, vals)]
     a3.set(title=f"bytes per tier (spills {f['spills']}, restores {f['restores']}, evictions {f['evictions']})",
            ylabel="MiB")
     a3.legend(fontsize=8)
-    fig.suptitle(f"mmtier demo: {f['turns']} turns, {f['tenants']} tenants; dense check "
-                 f"{'passed' if r.passed else 'FAILED'} ({f['machine']})", fontsize=9)
+    fig.suptitle(f"mmtier demo (Qwen2-VL + Whisper, random weights): {f['turns']} turns, {f['tenants']} tenants; "
+                 f"dense check {'passed' if r.passed else 'FAILED'} ({f['machine']})", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)

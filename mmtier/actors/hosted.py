@@ -91,6 +91,24 @@ class HostedCache:
     def get_embedding(self, key: ContentKey) -> torch.Tensor:
         return self.cache.get_embedding(key)
 
+    # the engine surface (per-layer writes, batched attention): what the transformers adapter
+    # calls once per layer; local, no Ray call
+    def reserve(self, seq: SequenceHandle, modality: str, n: int, **kw):
+        return self.cache.reserve(seq, modality, n, **kw)
+
+    def write_layer(self, res, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write_layer(res, layer, k, v)
+
+    def attention_batch(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw) -> torch.Tensor:
+        return self.cache.attention_batch(seqs, layer, q, q_indptr, **kw)
+
+    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
+        """Seal the sequence's last run as group ``key``; published with the turn's changes."""
+        sealed = self.cache.seal(seq, key)
+        if sealed:
+            self._publish.append(self.host._item(key))
+        return sealed
+
     def release(self, seq: SequenceHandle) -> None:
         self.host.release([seq])
 
