@@ -123,26 +123,6 @@ class HostedCache:
         pending = self._incoming.pop(key, None)
         return pending is not None and self._land(key, pending)
 
-    # the engine surface (``engine_api``): per-layer writes, sealed runs, batched attention
-    def reserve(self, seq: SequenceHandle, modality: str, n: int, **kw):
-        return self.cache.reserve(seq, modality, n, **kw)
-
-    def write_layer(self, res, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.write_layer(res, layer, k, v)
-
-    def attention_batch(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw) -> torch.Tensor:
-        return self.cache.attention_batch(seqs, layer, q, q_indptr, **kw)
-
-    def attention_batch_state(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw):
-        return self.cache.attention_batch_state(seqs, layer, q, q_indptr, **kw)
-
-    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
-        """``TieredKVCache.seal``; a sealed group is published with the turn's others."""
-        sealed = self.cache.seal(seq, key)
-        if sealed:
-            self._publish.append(self.host._item(key))
-        return sealed
-
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
         item, evicted = self.host.put(key.to_wire(), k, v)
         self._note(item, evicted)
