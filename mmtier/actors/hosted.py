@@ -1,9 +1,8 @@
 """``HostedCache``: an engine's embedded pool as its model sees it.
 
 ``TieredKVCache``'s surface over the ``PoolHost``'s own cache: ``create_sequence``, ``append``,
-``attach``, ``attention``, ``attention_state``, ``put``, ``get_embedding``, ``release``, and the
-engine surface (``reserve`` / ``write_layer`` / ``seal``, ``attention_batch``) the transformers
-adapter uses, run in this process, on this device, with no Ray call. What is shared with the cluster moves at turn
+``attach``, ``attention``, ``attention_state``, ``put``, ``get_embedding``, ``release``... run
+in this process, on this device, with no Ray call. What is shared with the cluster moves at turn
 boundaries only:
 
 - ``begin_turn(keys)`` (at admission, with the content-only keys of every media item of the
