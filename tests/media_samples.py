@@ -10,11 +10,14 @@ import wave
 import numpy as np
 
 
-def image(seed: int, size: tuple[int, int] = (32, 32), fmt: str = "PNG") -> bytes:
+def image(seed: int, size: tuple[int, int] = (32, 32), fmt: str = "PNG", flat: bool = False) -> bytes:
+    """Seeded random pixels, or (``flat``) one seeded colour: a large image in few bytes."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    shape = (size[1], size[0], 3)
+    pixels = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), shape) if flat else \
+        rng.integers(0, 256, shape, dtype=np.uint8)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, fmt)
     return out.getvalue()

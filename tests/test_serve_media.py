@@ -149,3 +149,13 @@ def test_model_path_resolves_to_an_absolute_directory(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as err:
         ServeAppConfig.parse({"model": {"kind": "llama"}})
     assert err.value.fields == ("model.kind",)
+
+
+def test_router_fails_a_new_conversation_over_to_another_node():
+    from mmtier.serve.routing import Router
+
+    router = Router(["a", "b", "c"])
+    router.inflight.update({"a": 0, "b": 2, "c": 1})
+    route = router.failover("a", {"a": 10})
+    assert (route.node, route.rule, route.scores) == ("c", "failover", {"a": 10})
+    assert Router(["a"]).failover("a", {}) is None

@@ -122,8 +122,16 @@ class TurnIngress:
         scores = self.router.scores((loc for pair in locs for loc in pair), self._holder)
         route = self.router.choose(scores, conv_node)
         items = [(i.type, i.data) if isinstance(i, MediaItem) else ("text", i.text) for i in turn.content]
-        status, body = await self._call(route.node, "turn", tenant, turn.conversation_id, items,
-                                        turn.max_new_tokens)
+        try:
+            status, body = await self._call(route.node, "turn", tenant, turn.conversation_id, items,
+                                            turn.max_new_tokens)
+        except HTTPError as exc:
+            other = self.router.failover(route.node, scores) if exc.kind == "worker_lost" and \
+                turn.conversation_id is None else None
+            if other is None:
+                raise
+            route = other                                  # a new conversation: nothing lost
+            status, body = await self._call(route.node, "turn", tenant, None, items, turn.max_new_tokens)
         if status == 200:
             body["routing"] = {"rule": route.rule, "node": route.node,
                                "content_bytes_by_node": route.scores}

@@ -57,6 +57,10 @@ class ChatEngine(Frontend, Protocol):
         """Raises an ``MMTierError`` (``BadMediaError`` for media) when the turn is bad input:
         the worker answers 400 and opens nothing."""
 
+    def check_cache(self, cache) -> None:
+        """``ConfigError`` unless ``cache`` is configured for this model (identity, layouts): a
+        cluster started for another model would key this model's K/V as that one's."""
+
     def open(self, cache, tenant: str) -> Conversation: ...
 
 
@@ -112,10 +116,12 @@ class ReferenceEngine:
     def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
         self.model.validate(_prompt(items), max_new_tokens)
 
+    def check_cache(self, cache) -> None:
+        self.model.check_cache(cache)
+
     def open(self, cache, tenant: str) -> _ReferenceConversation:
         from ..models import ModelCounters
 
-        self.model.check_cache(cache)
         model = copy.copy(self.model)              # shares weights; counters of its own
         model.counters = ModelCounters()
         return _ReferenceConversation(model, model.session(cache, tenant))

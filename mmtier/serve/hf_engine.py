@@ -114,6 +114,12 @@ class HFEngine(HFFrontend):
             elif kind == "audio":
                 _media(lambda d=data: read_wav(d, rate))
 
+    def check_cache(self, cache) -> None:
+        want = self.chat.cache_config().model
+        if cache.cfg.model != want:
+            raise ConfigError(f"the cluster's cache is configured for {cache.cfg.model!r}, not this "
+                              f"model {want!r} (start the cluster's cache with this app's config)", ("model",))
+
     def open(self, cache, tenant: str) -> HFConversation:
         return HFConversation(self, self.chat.conversation(cache, tenant), cache, tenant)
 

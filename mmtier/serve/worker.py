@@ -58,6 +58,7 @@ class TurnWorker(PoolHost):
             log.warning("worker %d expected on node %s runs on %s", index, expected_node,
                         ray.get_runtime_context().get_node_id())
         self.engine = load_engine(self.app_cfg.model)
+        self.engine.check_cache(self.local)
         self._convs: OrderedDict[str, _Conversation] = OrderedDict()
         self._convs_lock = threading.Lock()
 
