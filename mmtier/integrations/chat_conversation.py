@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
 from ..errors import ShapeError
@@ -49,6 +50,7 @@ class TurnCounters:
     span_hits: int                      # history and new spans attached
     span_misses: int                    # spans prefilled (the turn's last span included)
     media_hits: dict[str, int]          # "vision": image spans attached; "audio": clips attached
+    embedding_hits: int                 # images prefilled from the vision tower's cached output
     encoder_runs: dict[str, int]        # "vision": vision tower runs; "audio": Whisper encoder runs
     transcript_tokens: int              # Whisper decoder tokens generated for the turn's clips
 
@@ -93,6 +95,7 @@ class Conversation:
             raise ShapeError("a turn needs at least one item")
         read = [self._read(x) for x in items]             # bad input fails before anything runs
         runs_before = Counter(self.chat.encoder_runs)
+        self._embedding_hits = 0
         audio_keys, audio_hits, transcript = [], 0, 0
         new: list[int] = []
         images: list[ImageItem] = []
@@ -114,6 +117,7 @@ class Conversation:
         counters = TurnCounters(
             cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
             span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
+            embedding_hits=self._embedding_hits,
             encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript)
         return TurnResult(answer, ids_text(answer), counters, keys + audio_keys)
 
@@ -182,6 +186,19 @@ class Conversation:
         self.images = all_images
         return answer, [s.key for s in self.spans], hits, cached, image_hits
 
+    def _image(self, image: ImageItem) -> torch.Tensor:
+        """The vision tower's output for ``image`` (``[tokens, hidden]``): a content-only
+        ``vision_embed`` group of the tenant, computed only when the cache does not hold it."""
+        key = _image_features_key(self.cache, self.tenant, image)
+        if self.cache.contains(key):
+            self._embedding_hits += 1
+            return self.cache.get_embedding(key)
+        inputs = image.inputs
+        with torch.no_grad():
+            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+        self.cache.put_embedding(key, x)
+        return x
+
     def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
         if span.image is not None:
             return self.cache.content_key("vision", span.image.data, tenant=self.tenant, parent=parent)
@@ -203,17 +220,25 @@ class Conversation:
         return torch.cat([text, vision.to(text.dtype)], 0), deltas
 
     def _prefill(self, past, prompt: torch.Tensor, span: _Span, positions: torch.Tensor) -> None:
-        """Run the VLM over one span as a run of its own (``vision`` pool for an image)."""
+        """Run the VLM over one span as a run of its own (``vision`` pool for an image, its
+        vision tower output taken from the cache when held, else computed and stored)."""
         rows = past.rows
         rows.next_modality, rows.next_new_run = span.modality, True
-        extra = dict(span.image.inputs) if span.image is not None else {}
+        extra = {}
         if span.image is None:
             rows.next_tokens = [prompt[0, span.start:span.end].tolist()]
+        else:
+            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(self._image(span.image),))}
         with torch.no_grad():
             self.chat.vlm(input_ids=prompt[:, span.start:span.end],
                           attention_mask=torch.ones(1, span.end, dtype=torch.long),
                           position_ids=positions[..., span.start:span.end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
+
+
+def _image_features_key(cache, tenant, image: ImageItem) -> ContentKey:
+    return cache.content_key("vision_embed", image.data, tenant=tenant,
+                             params={"grid": "x".join(map(str, image.grid))})
 
 
 def _cut(ids: list[int], start: int, images: list[ImageItem]) -> list[_Span]:
