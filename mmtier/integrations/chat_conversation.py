@@ -25,7 +25,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
-from ..errors import ShapeError
+from ..errors import CapacityError, ShapeError
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
@@ -81,7 +81,43 @@ class Conversation:
         self.spans: list[_Span] = []      # sealed spans of the history, in order
         self.images: list[ImageItem] = []
         self.closed = False
+        self._embedding_hits = self._embeddings_not_stored = 0
         self._whisper = Session(chat.whisper, cache, tenant=tenant, text_modality="transcript")
+        seq = cache.create_sequence(tenant)
+        try:
+            self._root = cache.prefix_key(seq)    # the parent of the first span: the empty prefix
+        finally:
+            cache.release(seq)
+
+    def turn_keys(self, items) -> list[ContentKey]:
+        """The groups a turn of ``items`` would read, as far as they are known before it runs:
+        the history's spans, the turn's spans up to its first clip (a clip's transcript is not
+        known yet), its images' ``vision_embed`` groups and its clips' ``audio`` groups. What an
+        engine looks up for the turn at admission (``HostedCache.begin_turn``)."""
+        items = list(items) if not isinstance(items, str | bytes) else [items]
+        read = [self._read(x) for x in items]
+        keys = [s.key for s in self.spans]
+        new: list[int] = []
+        images: list[ImageItem] = []
+        for kind, x in read:
+            if kind == "audio":
+                break
+            if kind == "text":
+                new += text_ids(x)
+            else:
+                images.append(x)
+                new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
+        ids = self.ids + new
+        parent = self.spans[-1].key if self.spans else self._root
+        for s in _cut(ids, self.spans[-1].end if self.spans else 0, images)[:-1]:
+            parent = self._key(ids, s, parent)
+            keys.append(parent)
+        for kind, x in read:
+            if kind == "image":
+                keys.append(_image_features_key(self.cache, self.tenant, x))
+            elif kind == "audio":
+                keys.append(self.cache.content_key("audio", x[0], tenant=self.tenant))
+        return keys
 
     # ------------------------------------------------------------------ a turn
     def send(self, items, max_new_tokens: int = 8) -> TurnResult:
@@ -119,7 +155,8 @@ class Conversation:
             span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
             embedding_hits=self._embedding_hits,
             encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript)
-        return TurnResult(answer, ids_text(answer), counters, keys + audio_keys)
+        embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
+        return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio_keys)
 
     def close(self) -> None:
         """Forget the history (its groups stay cached for whoever asks)."""
@@ -156,7 +193,7 @@ class Conversation:
             rows = past.rows
             rows.ensure(1)
             seq = rows.seqs[0]
-            parent = self.spans[-1].key if self.spans else cache.prefix_key(seq)
+            parent = self.spans[-1].key if self.spans else self._root
             spans = list(self.spans)
             for s in new_spans[:-1]:
                 parent = self._key(ids, s, parent)
@@ -196,7 +233,10 @@ class Conversation:
         inputs = image.inputs
         with torch.no_grad():
             x = self.chat.vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
-        self.cache.put_embedding(key, x)
+        try:
+            self.cache.put_embedding(key, x)
+        except CapacityError:           # no room for it now: used this once, computed again later
+            self._embeddings_not_stored += 1
         return x
 
     def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
