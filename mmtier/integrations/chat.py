@@ -15,7 +15,8 @@ Interface (names kept stable; the Serve app builds on them)::
     r.tokens          # the answer's token ids (greedy); r.text: their text
     r.counters        # TurnCounters: cached_tokens / prefilled_tokens (decoder prompt tokens
                       # attached vs run), span_hits, media_hits and encoder_runs per modality
-                      # ("vision": images, "audio": clips), transcript_tokens
+                      # ("vision": images, "audio": clips), embedding_hits (vision tower
+                      # outputs reused), transcript_tokens
     conv.close()      # nothing is held between turns; close forgets the history
     dense_chat(chat, [turn0_items, turn1_items], max_new_tokens=8)   # the reference: each
                       # turn recomputed from scratch with DynamicCache + sdpa -> [tokens, ...]
@@ -26,7 +27,9 @@ encoder's cross-attention K/V is a content-only ``audio`` group: a clip the tena
 runs no encoder) and the transcript's token ids join the conversation as text between
 ``AUDIO_START`` and ``AUDIO_END``. The text vocabulary is byte-level, built locally (no
 tokenizer download). Pools: ``text`` and ``vision`` (the VLM's self-attention K/V, prefix
-chained), ``transcript`` (Whisper's decoder self-attention) and ``audio`` (Whisper's cross K/V).
+chained), ``vision_embed`` (the vision tower's output per image, content-only: an image seen
+before at another place of any of the tenant's conversations runs no vision tower),
+``transcript`` (Whisper's decoder self-attention) and ``audio`` (Whisper's cross K/V).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..config import CacheConfig
+from ..config import CacheConfig, ModalitySpec
 from ..errors import ConfigError
 from . import transformers as mt
 from .chat_conversation import Conversation, TurnCounters, TurnResult
@@ -53,6 +56,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 VLM_CONFIG = "demo-qwen2-vl.json"
 WHISPER_CONFIG = "demo-whisper.json"
 TRANSCRIPT = "transcript"                   # the pool of Whisper's decoder self-attention K/V
+VISION_EMBED = "vision_embed"               # the vision tower's output per image (content-only)
 IMAGE_PIXELS = (56 * 56, 224 * 224)        # the image processor's min / max pixels: 4-64 tokens
 
 
@@ -118,7 +122,9 @@ class ChatModel:
         ``overrides``: budgets, ``disk_dir``, ``attention_backend``..."""
         vlm = mt.config_for(self.vlm)
         whisper = mt.config_for(self.whisper, text_modality=TRANSCRIPT)
-        specs = {**vlm.modalities, **whisper.modalities}
+        width = self.vlm.config.get_text_config().hidden_size
+        specs = {**vlm.modalities, **whisper.modalities,
+                 VISION_EMBED: ModalitySpec(kind="embedding", width=width, page_size=64, recompute_cost=4.0)}
         for name, share in (shares or {}).items():
             if name not in specs:
                 raise ConfigError(f"a share for unknown modality {name!r}; this model has {sorted(specs)}",

@@ -22,9 +22,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
-from ..errors import ShapeError
+from ..errors import CapacityError, ShapeError
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
@@ -49,6 +50,7 @@ class TurnCounters:
     span_hits: int                      # history and new spans attached
     span_misses: int                    # spans prefilled (the turn's last span included)
     media_hits: dict[str, int]          # "vision": image spans attached; "audio": clips attached
+    embedding_hits: int                 # images prefilled from the vision tower's cached output
     encoder_runs: dict[str, int]        # "vision": vision tower runs; "audio": Whisper encoder runs
     transcript_tokens: int              # Whisper decoder tokens generated for the turn's clips
 
@@ -79,7 +81,43 @@ class Conversation:
         self.spans: list[_Span] = []      # sealed spans of the history, in order
         self.images: list[ImageItem] = []
         self.closed = False
+        self._embedding_hits = self._embeddings_not_stored = 0
         self._whisper = Session(chat.whisper, cache, tenant=tenant, text_modality="transcript")
+        seq = cache.create_sequence(tenant)
+        try:
+            self._root = cache.prefix_key(seq)    # the parent of the first span: the empty prefix
+        finally:
+            cache.release(seq)
+
+    def turn_keys(self, items) -> list[ContentKey]:
+        """The groups a turn of ``items`` would read, as far as they are known before it runs:
+        the history's spans, the turn's spans up to its first clip (a clip's transcript is not
+        known yet), its images' ``vision_embed`` groups and its clips' ``audio`` groups. What an
+        engine looks up for the turn at admission (``HostedCache.begin_turn``)."""
+        items = list(items) if not isinstance(items, str | bytes) else [items]
+        read = [self._read(x) for x in items]
+        keys = [s.key for s in self.spans]
+        new: list[int] = []
+        images: list[ImageItem] = []
+        for kind, x in read:
+            if kind == "audio":
+                break
+            if kind == "text":
+                new += text_ids(x)
+            else:
+                images.append(x)
+                new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
+        ids = self.ids + new
+        parent = self.spans[-1].key if self.spans else self._root
+        for s in _cut(ids, self.spans[-1].end if self.spans else 0, images)[:-1]:
+            parent = self._key(ids, s, parent)
+            keys.append(parent)
+        for kind, x in read:
+            if kind == "image":
+                keys.append(_image_features_key(self.cache, self.tenant, x))
+            elif kind == "audio":
+                keys.append(self.cache.content_key("audio", x[0], tenant=self.tenant))
+        return keys
 
     # ------------------------------------------------------------------ a turn
     def send(self, items, max_new_tokens: int = 8) -> TurnResult:
@@ -93,6 +131,7 @@ class Conversation:
             raise ShapeError("a turn needs at least one item")
         read = [self._read(x) for x in items]             # bad input fails before anything runs
         runs_before = Counter(self.chat.encoder_runs)
+        self._embedding_hits = 0
         audio_keys, audio_hits, transcript = [], 0, 0
         new: list[int] = []
         images: list[ImageItem] = []
@@ -114,8 +153,10 @@ class Conversation:
         counters = TurnCounters(
             cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
             span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
+            embedding_hits=self._embedding_hits,
             encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript)
-        return TurnResult(answer, ids_text(answer), counters, keys + audio_keys)
+        embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
+        return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio_keys)
 
     def close(self) -> None:
         """Forget the history (its groups stay cached for whoever asks)."""
@@ -152,7 +193,7 @@ class Conversation:
             rows = past.rows
             rows.ensure(1)
             seq = rows.seqs[0]
-            parent = self.spans[-1].key if self.spans else cache.prefix_key(seq)
+            parent = self.spans[-1].key if self.spans else self._root
             spans = list(self.spans)
             for s in new_spans[:-1]:
                 parent = self._key(ids, s, parent)
@@ -182,6 +223,22 @@ class Conversation:
         self.images = all_images
         return answer, [s.key for s in self.spans], hits, cached, image_hits
 
+    def _image(self, image: ImageItem) -> torch.Tensor:
+        """The vision tower's output for ``image`` (``[tokens, hidden]``): a content-only
+        ``vision_embed`` group of the tenant, computed only when the cache does not hold it."""
+        key = _image_features_key(self.cache, self.tenant, image)
+        if self.cache.contains(key):
+            self._embedding_hits += 1
+            return self.cache.get_embedding(key)
+        inputs = image.inputs
+        with torch.no_grad():
+            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+        try:
+            self.cache.put_embedding(key, x)
+        except CapacityError:           # no room for it now: used this once, computed again later
+            self._embeddings_not_stored += 1
+        return x
+
     def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
         if span.image is not None:
             return self.cache.content_key("vision", span.image.data, tenant=self.tenant, parent=parent)
@@ -203,17 +260,25 @@ class Conversation:
         return torch.cat([text, vision.to(text.dtype)], 0), deltas
 
     def _prefill(self, past, prompt: torch.Tensor, span: _Span, positions: torch.Tensor) -> None:
-        """Run the VLM over one span as a run of its own (``vision`` pool for an image)."""
+        """Run the VLM over one span as a run of its own (``vision`` pool for an image, its
+        vision tower output taken from the cache when held, else computed and stored)."""
         rows = past.rows
         rows.next_modality, rows.next_new_run = span.modality, True
-        extra = dict(span.image.inputs) if span.image is not None else {}
+        extra = {}
         if span.image is None:
             rows.next_tokens = [prompt[0, span.start:span.end].tolist()]
+        else:
+            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(self._image(span.image),))}
         with torch.no_grad():
             self.chat.vlm(input_ids=prompt[:, span.start:span.end],
                           attention_mask=torch.ones(1, span.end, dtype=torch.long),
                           position_ids=positions[..., span.start:span.end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
+
+
+def _image_features_key(cache, tenant, image: ImageItem) -> ContentKey:
+    return cache.content_key("vision_embed", image.data, tenant=tenant,
+                             params={"grid": "x".join(map(str, image.grid))})
 
 
 def _cut(ids: list[int], start: int, images: list[ImageItem]) -> list[_Span]:

@@ -2,8 +2,10 @@
 
 The model and its device's cache live in one process: a turn's attention reads local pages
 through ``HostedCache`` (no Ray call per layer or step). Cluster traffic is the turn's
-boundaries only: ``begin_turn`` with the content-only keys of the turn's clips (one batched
-registry lookup; a clip another holder has is fetched whole instead of re-encoded) and
+boundaries only: ``begin_turn`` with the keys the turn will read (``Conversation.turn_keys``: the
+history's spans, the turn's opening spans, its images' encoder outputs and its clips; one
+batched registry lookup for those not held here, and each one another holder has, the node
+store included, is fetched whole instead of recomputed) and
 ``end_turn`` (one publish of the groups the turn made). ``dense_turn`` answers the same turn with
 the dense reference in this same process, so the demo times both under the same conditions.
 A plain class: the caller wraps it with ``ray.remote`` and names it ``host_name(node)``.
@@ -25,7 +27,6 @@ from ..errors import ConfigError, UnknownKeyError
 from .chat import ChatModel
 from .chat_conversation import Conversation
 from .chat_dense import dense_turn
-from .chat_media import kind_of
 
 
 class ChatEngine(PoolHost):
@@ -56,17 +57,17 @@ class ChatEngine(PoolHost):
         with self._turn_lock:
             before = dict(self.transport.calls)
             t0 = time.perf_counter()
-            clips = [self.local.content_key("audio", bytes(x), tenant=conv.tenant)
-                     for x in items if not isinstance(x, str) and kind_of(x) == "audio"]
-            self.local.begin_turn(clips)
+            self.local.begin_turn(conv.turn_keys(items))
+            t1 = time.perf_counter()
             try:
                 r = conv.send(items, max_new_tokens)
             finally:
+                t2 = time.perf_counter()
                 self.local.end_turn()
-            seconds = time.perf_counter() - t0
+            t3 = time.perf_counter()
         calls = {k: n - before.get(k, 0) for k, n in self.transport.calls.items() if n != before.get(k, 0)}
-        return {"tokens": r.tokens, "seconds": seconds, "calls": calls, "counters": asdict(r.counters),
-                "keys": [k.to_wire() for k in r.keys]}
+        return {"tokens": r.tokens, "seconds": t3 - t0, "boundary_seconds": (t1 - t0) + (t3 - t2),
+                "calls": calls, "counters": asdict(r.counters), "keys": [k.to_wire() for k in r.keys]}
 
     def dense_turn(self, history: list, items: list, max_new_tokens: int) -> dict:
         """The same turn recomputed densely (no cache) in this process: ``tokens``, ``seconds``."""
