@@ -308,27 +308,34 @@ def _other_node_conversation(url: str, home: str, key: str = "key-acme") -> dict
     raise AssertionError("the rotation never used the other node")
 
 
-def test_other_node_fetches_the_clip_once_and_skips_the_encoder(url, chat):
-    """A clip's Whisper cross-attention K/V (a content-only group) held on one node: a
-    conversation on the other node pulls it whole (one lookup, one fetch, one publish) and
-    runs no audio encoder; its answer equals the dense one."""
-    clip = wav(21, 0.6)
-    status, first = call(url, turn("Listen: ", ("audio", clip)))
-    assert status == 200 and first["cache"]["counts"]["encoder_runs"] == {"audio": 1}, first
+def test_other_node_fetches_the_groups_once_and_skips_the_encoders(url, chat):
+    """An image's vision-tower output and a clip's Whisper cross-attention K/V (content-only
+    groups) held on one node: a conversation on the other node with the same image and clip,
+    after another opening, pulls each group whole (one lookup, one fetch per group, one
+    publish) and runs no vision tower and no audio encoder; its answers equal the dense ones."""
+    png, clip = image(20, (72, 56)), wav(21, 0.6)
+    status, first = call(url, turn("Look: ", ("image", png), " and listen: ", ("audio", clip)))
+    assert status == 200, first
+    assert first["cache"]["counts"]["encoder_runs"] == {"image": 1, "audio": 1}, first
     opening = _other_node_conversation(url, first["node"])
     conv = opening["conversation_id"]
-    status, second = call(url, turn("Listen: ", ("audio", clip), conv=conv))
+    status, second = call(url, turn("Look: ", ("image", png), " and listen: ", ("audio", clip), conv=conv))
     assert status == 200, second
     assert second["node"] == opening["node"] != first["node"]
-    assert second["cache"]["media"][0]["cached"] is True
-    assert second["cache"]["media"][0]["nodes"] == [first["node"]]
+    assert [m["cached"] for m in second["cache"]["media"]] == [True, True]
+    assert [m["nodes"] for m in second["cache"]["media"]] == [[first["node"]]] * 2
     counts = second["cache"]["counts"]
-    assert counts["encoder_runs"] == {} and counts["media_hits"] == {"audio": 1}
-    assert second["cache"]["traffic"] == {"lookup": 1, "fetch": 1, "publish": 1}, second["cache"]
+    assert counts["encoder_runs"] == {}
+    assert counts["embedding_hits"] == {"image": 1} and counts["media_hits"] == {"audio": 1}
+    assert second["cache"]["traffic"] == {"lookup": 1, "fetch": 2, "publish": 1}, second["cache"]
     status, third = call(url, turn("And now?", conv=conv))
     assert status == 200 and not {"lookup", "fetch"} & set(third["cache"]["traffic"])
     assert [opening["tokens"], second["tokens"], third["tokens"]] == dense(
-        chat, ["Hi."], ["Listen: ", ("audio", clip)], ["And now?"])
+        chat, ["Hi."], ["Look: ", ("image", png), " and listen: ", ("audio", clip)], ["And now?"])
+    # a new conversation with the image goes where it is held (now both nodes) and reuses it
+    status, fourth = call(url, turn("New: ", ("image", png)))
+    assert status == 200 and fourth["routing"]["rule"] == "content", fourth
+    assert fourth["cache"]["counts"]["encoder_runs"] == {} and fourth["cache"]["traffic"].get("fetch", 0) == 0
 
 
 def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):

@@ -39,15 +39,17 @@ def test_turns_match_the_dense_chat_and_count_what_ran(engine):
         assert outs[1].counts["encoder_runs"] == {"audio": 1}
         assert outs[1].counts["transcript_tokens"] > 0
         assert outs[2].counts["encoder_runs"] == {} and outs[2].counts["cached_tokens"] > 0
-        # the ingress's audio key is the group the turn left in the cache
+        # the ingress's keys are the content-only groups the turns left in the cache
         frontend = load_frontend(ModelArgs(seed=0))
-        (key,) = frontend.routing_keys(cache, "acme", "audio", clip)
-        assert cache.contains(key)
-        assert not cache.contains(frontend.routing_keys(cache, "globex", "audio", clip)[0])
-        # a second conversation with the same clip runs no Whisper encoder
+        for kind, data in (("image", png), ("audio", clip)):
+            (key,) = frontend.routing_keys(cache, "acme", kind, data)
+            assert cache.contains(key) and key.modality == {"image": "vision_embed", "audio": "audio"}[kind]
+            assert not cache.contains(frontend.routing_keys(cache, "globex", kind, data)[0])
+        # a second conversation (another prefix) with the same image and clip runs no encoder
         other = engine.open(cache, "acme")
-        again = other.send([("text", "hear "), ("audio", clip)], NEW)
+        again = other.send([("text", "hear "), ("audio", clip), ("text", "see "), ("image", png)], NEW)
         assert again.counts["encoder_runs"] == {} and again.counts["media_hits"] == {"audio": 1}
+        assert again.counts["embedding_hits"] == {"image": 1}
         conv.close()
         other.close()
 

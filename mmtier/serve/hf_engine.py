@@ -8,14 +8,16 @@ byte-level one (no tokenizer is downloaded).
 
 - ``HFFrontend`` (the ingress; processors only, no weights): an image costs its image tokens
   as the model's image processor resizes it (read from the header) plus its two vision markers;
-  an audio clip its transcript tokens plus two markers. Its content-only group is Whisper's
-  cross-attention K/V (``audio``, keyed as the chat layer keys it); an image's K/V is chained to
-  the conversation's prefix, so it names no content-only group to route by.
+  an audio clip its transcript tokens plus two markers. A media item's content-only group, keyed
+  as the chat layer keys it: an image's vision-tower output (``vision_embed``), a clip's
+  Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
+  conversation's prefix: it is found through the conversation, not routed by.)
 - ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
   One turn at a time per worker (the models keep per-turn state: Qwen2-VL's rope deltas, the
   encoder-run counters), so each turn's counts are exactly that turn's; the pool's own actor
-  methods (exports to other nodes) still run alongside. The turn's audio keys go to
-  ``begin_turn`` (one batched lookup; held elsewhere: fetched whole), ``end_turn`` publishes.
+  methods (exports to other nodes) still run alongside. ``Conversation.turn_keys`` (history
+  spans, the turn's spans, its images' and clips' groups) go to ``begin_turn``: one batched
+  lookup, groups held elsewhere fetched whole; ``end_turn`` publishes what the turn made.
 """
 
 from __future__ import annotations
@@ -85,9 +87,12 @@ class HFFrontend:
         return self.transcript_tokens + MARKERS
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
+        from ..integrations.chat_conversation import _image_features_key
+        from ..integrations.chat_media import ImageItem
+
         if kind == "audio":
             return [cache.content_key("audio", data, tenant=tenant)]
-        return []
+        return [_image_features_key(cache, tenant, _media(lambda: ImageItem.read(data, self.image_processor)))]
 
 
 class HFEngine(HFFrontend):
@@ -129,19 +134,20 @@ class HFConversation:
         self.engine, self.conv, self.cache, self.tenant = engine, conv, cache, tenant
 
     def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput:
-        keys = [c for kind, data in items for c in self.engine.routing_keys(self.cache, self.tenant, kind, data)]
+        data = [d for _kind, d in items]
         layers = self.engine.chat.vlm.config.get_text_config().num_hidden_layers
         begin = getattr(self.cache, "begin_turn", None)         # an embedded pool: turn boundaries
         with self.engine.turn_lock:
             if begin is not None:
-                begin(keys, calls_left=(max_new_tokens + len(items)) * layers)
+                begin(self.conv.turn_keys(data), calls_left=(max_new_tokens + len(items)) * layers)
             try:
-                r = self.conv.send([data for _kind, data in items], max_new_tokens)
+                r = self.conv.send(data, max_new_tokens)
             finally:
                 if begin is not None:
                     self.cache.end_turn()
         c = r.counters
         counts = {"encoder_runs": _named(c.encoder_runs), "media_hits": _named(c.media_hits),
+                  "embedding_hits": _named({"vision": c.embedding_hits}),
                   "cached_tokens": c.cached_tokens, "prefilled_tokens": c.prefilled_tokens,
                   "span_hits": c.span_hits, "span_misses": c.span_misses,
                   "transcript_tokens": c.transcript_tokens}
