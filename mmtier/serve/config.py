@@ -30,8 +30,9 @@ class _Strict(BaseModel):
 class ModelArgs(_Strict):
     """Which model the workers run. ``hf`` (the default): the transformers chat model of
     ``mmtier.integrations.chat`` (a Qwen2-VL-architecture VLM, and Whisper for audio): small
-    random-weight models built from ``configs/models/`` unless ``path`` names a local directory
-    of real weights. ``reference``: mmtier's own seeded reference model (no transformers)."""
+    random-weight models built from ``configs/demo-qwen2-vl.json`` and
+    ``configs/demo-whisper.json`` unless ``path`` / ``audio_path`` name local directories of
+    real weights. ``reference``: mmtier's own seeded reference model (no transformers)."""
 
     kind: Literal["hf", "reference"] = Field("hf", description="'hf' (transformers chat model) or 'reference'.")
     seed: int = Field(0, description="Seed of the random weights (when no path is given).")
