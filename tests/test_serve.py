@@ -338,18 +338,23 @@ def test_other_node_fetches_the_groups_once_and_skips_the_encoders(url, chat):
     assert fourth["cache"]["counts"]["encoder_runs"] == {} and fourth["cache"]["traffic"].get("fetch", 0) == 0
 
 
-def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):
-    """New conversations land by rotation on both nodes; each repeat of a clip goes to the node
-    that holds it; another tenant's same clip is a miss there."""
+def _clip_on_each_node(url: str, seed: int) -> dict[str, bytes]:
+    """globex's new clips, sent until the least-loaded rotation put one on each node."""
     placed: dict[str, bytes] = {}
-    for i in range(4):
-        clip = wav(30 + i, 0.3)
+    for i in range(6):
+        clip = wav(seed + i, 0.3)
         status, body = call(url, turn("Hear: ", ("audio", clip)), key="key-globex")
         assert status == 200, body
         placed.setdefault(body["node"], clip)
         if len(placed) == 2:
-            break
-    assert len(placed) == 2, "least-loaded rotation should use both nodes"
+            return placed
+    raise AssertionError("the least-loaded rotation should use both nodes")
+
+
+def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):
+    """New conversations land by rotation on both nodes; each repeat of a clip goes to the node
+    that holds it; another tenant's same clip is a miss there."""
+    placed = _clip_on_each_node(url, 30)
     for node, clip in placed.items():
         status, body = call(url, turn("Again: ", ("audio", clip)), key="key-globex")
         assert status == 200, body
@@ -385,15 +390,7 @@ def test_killing_a_worker_loses_only_its_pool(url, chat):
     from mmtier.actors.pool_host import host_name
 
     settings = ServeAppConfig.parse(ARGS).settings()
-    clips: dict[str, bytes] = {}
-    for i in range(6):
-        clip = wav(40 + i, 0.3)
-        status, body = call(url, turn("Hear: ", ("audio", clip)), key="key-globex")
-        assert status == 200, body
-        clips.setdefault(body["node"], clip)
-        if len(clips) == 2:
-            break
-    assert len(clips) == 2
+    clips = _clip_on_each_node(url, 40)
     (dead, clip_dead), (alive, clip_alive) = sorted(clips.items())
     cc = mma.connect(settings)
     frontend = load_frontend(MODEL)
