@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 
 from mmtier import TieredKVCache  # noqa: E402
-from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
+from mmtier.errors import BadMediaError, MMTierError, ShapeError  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs  # noqa: E402
 from mmtier.serve.engines import load_engine, load_frontend  # noqa: E402
@@ -96,3 +96,27 @@ def test_real_weights_from_local_directories(tmp_path, engine):
         assert conv.send(turn, NEW).tokens == dense_chat(chat, [[p for _k, p in turn]], NEW)[0]
         conv.close()
     assert load_frontend(args).media_tokens("image", png) == load_frontend(ModelArgs()).media_tokens("image", png)
+
+
+def test_the_reference_model_behind_the_same_interface():
+    """``model: {kind: reference}``: mmtier's own model (no transformers in its path)."""
+    from mmtier.models import Image, ReferenceModel, Text
+    from mmtier.serve.config import ServeAppConfig
+
+    args = ServeAppConfig.parse({"model": {"kind": "reference", "seed": 1},
+                                 "cache": {"allow_default_key_secret": True, "device_bytes": 16 << 20}})
+    engine = load_engine(args.model)
+    png = image(15, (16, 16))
+    items = [("text", "see "), ("image", png)]
+    engine.check(items, NEW)
+    with pytest.raises(MMTierError):                     # the worker answers 400 bad_prompt
+        engine.check([("text", "")], NEW)
+    with TieredKVCache(args.cache_config()) as cache:
+        engine.check_cache(cache)
+        conv = engine.open(cache, "acme")
+        out = conv.send(items, NEW)
+        assert out.tokens == ReferenceModel(seed=1).generate_dense([Text("see "), Image(png)], NEW)
+        assert out.counts["encoder_runs"] == {"image": 1}
+        keys = load_frontend(args.model).routing_keys(cache, "acme", "image", png)
+        assert len(keys) == 2 and all(cache.contains(k) for k in keys)
+        conv.close()
