@@ -81,3 +81,7 @@ class BadMediaError(MMTierError, ValueError):
     def __init__(self, message: str, *, unsupported: bool = False):
         super().__init__(message)
         self.unsupported = unsupported
+
+
+class BusyError(MMTierError):
+    """A model or engine that did not become free within its wait; nothing ran (try again)."""

@@ -53,6 +53,9 @@ class Frontend(Protocol):
 
 
 class ChatEngine(Frontend, Protocol):
+    serial: bool     # True: turns of different conversations must not overlap (the worker
+                     # runs them one at a time: the model keeps per-turn state)
+
     def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
         """Raises an ``MMTierError`` (``BadMediaError`` for media) when the turn is bad input:
         the worker answers 400 and opens nothing."""
@@ -98,6 +101,7 @@ class ReferenceEngine:
     """``ReferenceModel`` conversations (``CachedSession``s) behind the engine interface."""
 
     COUNTERS = ("encoder_runs", "embedding_hits", "cross_hits", "cross_misses", "self_hits", "self_misses")
+    serial = False            # a conversation's counters are its own; the model is read-only
 
     def __init__(self, seed: int):
         from ..models import ReferenceModel, cross_modality, embed_modality

@@ -13,16 +13,15 @@ byte-level one (no tokenizer is downloaded).
   Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
   conversation's prefix: it is found through the conversation, not routed by.)
 - ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
-  One turn at a time per worker (the models keep per-turn state: Qwen2-VL's rope deltas, the
-  encoder-run counters), so each turn's counts are exactly that turn's; the pool's own actor
-  methods (exports to other nodes) still run alongside. ``Conversation.turn_keys`` (history
+  One turn at a time per worker (``serial``: the models keep per-turn state, Qwen2-VL's rope
+  deltas and the encoder-run counters), so each turn's counts are exactly that turn's; the
+  pool's own actor methods (exports to other nodes) still run alongside. ``Conversation.turn_keys`` (history
   spans, the turn's spans, its images' and clips' groups) go to ``begin_turn``: one batched
   lookup, groups held elsewhere fetched whole; ``end_turn`` publishes what the turn made.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -96,12 +95,13 @@ class HFFrontend:
 
 
 class HFEngine(HFFrontend):
-    """Conversations of the chat model; a turn at a time."""
+    """Conversations of the chat model; a turn at a time (``serial``)."""
+
+    serial = True
 
     def __init__(self, chat):
         super().__init__(chat.image_processor, chat.transcript_tokens)
         self.chat = chat
-        self.turn_lock = threading.Lock()
 
     @classmethod
     def load(cls, model: ModelArgs) -> HFEngine:
@@ -137,14 +137,13 @@ class HFConversation:
         data = [d for _kind, d in items]
         layers = self.engine.chat.vlm.config.get_text_config().num_hidden_layers
         begin = getattr(self.cache, "begin_turn", None)         # an embedded pool: turn boundaries
-        with self.engine.turn_lock:
+        if begin is not None:
+            begin(self.conv.turn_keys(data), calls_left=(max_new_tokens + len(items)) * layers)
+        try:
+            r = self.conv.send(data, max_new_tokens)
+        finally:
             if begin is not None:
-                begin(self.conv.turn_keys(data), calls_left=(max_new_tokens + len(items)) * layers)
-            try:
-                r = self.conv.send(data, max_new_tokens)
-            finally:
-                if begin is not None:
-                    self.cache.end_turn()
+                self.cache.end_turn()
         c = r.counters
         counts = {"encoder_runs": _named(c.encoder_runs), "media_hits": _named(c.media_hits),
                   "embedding_hits": _named({"vision": c.embedding_hits}),

@@ -22,8 +22,8 @@ JSON, bad base64, unknown content type, bad field, media bytes that do not decod
 ``bad_media``), 401 (missing or unknown API key), 404 (unknown conversation), 413 (body, text
 item, media item, an image's pixels, an audio clip's seconds or the turn's tokens over the
 configured limit), 415 (``unsupported_media_type``: a GIF, a float WAV, a ``media_type`` not
-accepted), 503 (the cache has no room: ``CapacityError``); 500 only for a server fault, never
-for bad input.
+accepted), 503 (the cache has no room: ``CapacityError``; the model stayed busy: ``busy``; the
+worker was lost); 500 only for a server fault, never for bad input.
 """
 
 from __future__ import annotations

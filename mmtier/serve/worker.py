@@ -9,7 +9,9 @@ elsewhere are found by one registry lookup per turn and pulled whole into the po
 ``traffic`` in the answer counts those calls); new groups are published after the turn.
 
 Turns of one conversation run one at a time (a lock per conversation); turns of different
-conversations run concurrently in threads. Each conversation counts its own turns' cache
+conversations run concurrently in threads, except on a ``serial`` engine (the transformers chat
+model keeps per-turn state), whose turns take the model one at a time (503 ``busy`` after
+``TURN_WAIT_S``, the conversation unchanged); the pool's own actor methods always run alongside. Each conversation counts its own turns' cache
 work, so the cache information of a turn is exactly what that turn did. A turn that fails
 half-way closes its conversation (its state is no longer a prefix the model can extend).
 """
@@ -21,14 +23,17 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..actors.pool_host import PoolHost
-from ..errors import BadMediaError, CapacityError, MMTierError, UnknownKeyError
+from ..errors import BadMediaError, BusyError, CapacityError, MMTierError, UnknownKeyError
 from .config import ServeAppConfig
 from .engines import Conversation, load_engine
 
 log = logging.getLogger(__name__)
+
+TURN_WAIT_S = 240.0       # longest a turn waits for a serial engine's model (other turns)
 
 
 @dataclass
@@ -61,6 +66,7 @@ class TurnWorker(PoolHost):
         self.engine.check_cache(self.local)
         self._convs: OrderedDict[str, _Conversation] = OrderedDict()
         self._convs_lock = threading.Lock()
+        self._serial = threading.Lock()          # a serial engine's one turn at a time
 
     # ------------------------------------------------------------------ remote interface
     def turn(self, tenant: str, conversation_id: str | None, items: list[tuple[str, object]],
@@ -98,14 +104,17 @@ class TurnWorker(PoolHost):
             with conv.lock:
                 if conv.id not in self._convs:       # closed while we waited
                     return 404, _error(404, "unknown_conversation", f"conversation {conv.id!r} was closed")
-                calls_before = dict(self.transport.calls)
-                t0 = time.perf_counter()
-                out = conv.chat.send(items, max_new_tokens)
-                seconds = time.perf_counter() - t0
-                traffic = {k: n - calls_before.get(k, 0) for k, n in self.transport.calls.items()
-                           if n != calls_before.get(k, 0)}
+                with self._model_turn():
+                    calls_before = dict(self.transport.calls)
+                    t0 = time.perf_counter()
+                    out = conv.chat.send(items, max_new_tokens)
+                    seconds = time.perf_counter() - t0
+                    traffic = {k: n - calls_before.get(k, 0) for k, n in self.transport.calls.items()
+                               if n != calls_before.get(k, 0)}
                 conv.turns += 1
                 conv.last_used = time.monotonic()
+        except BusyError as exc:                  # nothing ran: the conversation stays as it was
+            return 503, _error(503, "busy", str(exc))
         except CapacityError as exc:
             self._drop(conv)
             return 503, _error(503, "capacity", f"the cache has no room for this turn: {exc}")
@@ -121,6 +130,20 @@ class TurnWorker(PoolHost):
             "node": self.node, "worker": self.index, "seconds": round(seconds, 4),
             "cache": {"counts": out.counts, "traffic": traffic},
         }
+
+    @contextmanager
+    def _model_turn(self):
+        """The model for one turn: alone when the engine is ``serial`` (``BusyError`` when other
+        turns keep it past ``TURN_WAIT_S``), so the turn's traffic and counts are its own."""
+        if not self.engine.serial:
+            yield
+            return
+        if not self._serial.acquire(timeout=TURN_WAIT_S):
+            raise BusyError(f"the model stayed busy with other turns for {TURN_WAIT_S:.0f} s")
+        try:
+            yield
+        finally:
+            self._serial.release()
 
     def _open(self, tenant: str) -> _Conversation:
         chat = self.engine.open(self.local, tenant)
