@@ -1,7 +1,8 @@
 """The ``mmtier`` command.
 
 - ``mmtier demo [--quick] [--out DIR]``: the main job: an embedded local Ray, mmtier on it, a
-  multi-turn multimodal workload through the reference model, a table, a JSON report and a chart;
+  multi-turn multimodal chat workload on Qwen2-VL + Whisper (transformers, random weights), a table,
+  a JSON report and a chart;
 - ``mmtier start --config FILE [--address auto] [--allow-default-secret]``: start mmtier on a
   running cluster (the key secret from ``MMTIER_KEY_SECRET`` or the Serve config's
   ``cache.key_secret_env``; the public default only with the flag);
@@ -50,11 +51,14 @@ def demo(quick: bool, out: Path, tenants: int | None, conversations: int | None,
          seed: int, no_progress: bool) -> None:
     """Run a multi-turn multimodal workload through mmtier on an embedded local Ray.
 
-    Several tenants send text, repeated images and audio clips in multi-turn conversations
-    through the reference model; the small page pool forces evictions and spills to the node
-    store. Prints hits and misses by modality, bytes per tier, spills and restores, time per
-    turn with and without the cache, and checks every answer against the dense model."""
-    from .demo import DemoSpec, format_report, plot, run_demo, write_json
+    Several tenants send text, repeated images (PNG / JPEG) and audio clips (WAV) in multi-turn
+    conversations to a small random-weight Qwen2-VL and Whisper (transformers models through
+    mmtier's adapter, in an engine actor that holds its pool); the small pool moves content to
+    disk and to the node store. Prints hits and encoder runs by modality, bytes per tier, spills
+    and restores, time per turn with the cache and with DynamicCache recomputing the
+    conversation, and checks every answer against that dense path."""
+    from .demo import DemoSpec, run_demo
+    from .demo_report import format_report, plot, write_json
 
     kw = {k: v for k, v in {"tenants": tenants, "conversations": conversations, "turns": turns}.items()
           if v is not None}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
-import json
 import os
 import random
 import statistics
@@ -42,7 +41,6 @@ import time
 import wave
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .telemetry import machine
 
@@ -52,7 +50,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 MEDIA_NAMES = {"vision": "image", "audio": "audio"}
 PROMPTS = ("Describe this. ", "What changed? ", "Summarise it. ", "Any text in it? ",
            "Compare with before. ", "What is the mood? ", "Count the objects. ", "Transcribe. ")
-IMAGE_SIZES = ((224, 224), (252, 196), (196, 252))     # 64 and 63 decoder tokens each
+IMAGE_SIZES = ((336, 336), (392, 294), (280, 364))     # 144, 140 and 130 decoder tokens after resizing
 
 
 @dataclass(frozen=True)
@@ -67,7 +65,7 @@ class DemoSpec:
     images_per_tenant: int = 2        # private images of a tenant
     shared_images: int = 2            # images every tenant sends (tenant-salted: never shared across)
     clips_per_tenant: int = 2
-    device_bytes: int = 8 << 20       # the pool's page arena: small, so content moves
+    device_bytes: int = 40 << 20      # the pool's page arena: small, so content moves
     spill_watermark: float = 0.5      # of a modality's device pages
     copy_after_remote_uses: int = 1   # a spilled group's next use restores it to the pool
     seed: int = 0
@@ -75,12 +73,12 @@ class DemoSpec:
     @classmethod
     def quick(cls, **kw) -> DemoSpec:
         return cls(**{"tenants": 2, "conversations": 2, "turns": 2, "new_tokens": 4,
-                      "images_per_tenant": 1, "device_bytes": 6 << 20, **kw})
+                      "images_per_tenant": 1, "device_bytes": 32 << 20, **kw})
 
     @property
     def shares(self) -> dict[str, float]:
         """Arena shares per pool of the chat model."""
-        return {"text": 0.36, "vision": 0.24, "vision_embed": 0.12, "transcript": 0.05, "audio": 0.23}
+        return {"text": 0.35, "vision": 0.3, "vision_embed": 0.08, "transcript": 0.04, "audio": 0.23}
 
 
 @dataclass
@@ -93,6 +91,7 @@ class Conversation:
     dense_seconds: list[float] = field(default_factory=list)       # each turn recomputed without a cache
     counters: list[dict] = field(default_factory=list)
     boundary_seconds: list[float] = field(default_factory=list)    # begin_turn + end_turn, per turn
+    calls: list[dict] = field(default_factory=list)                # the engine's Ray calls, per turn
 
 
 def image_bytes(tag: str, size: tuple[int, int], fmt: str) -> bytes:
@@ -198,8 +197,8 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
         cfg = ChatModel.tiny(spec.seed).cache_config(device_bytes=spec.device_bytes, shares=spec.shares,
                                                      disk_dir=disk, disk_bytes=256 << 20)
         settings = actors.ClusterSettings(namespace="mmtier-demo", copy_after_remote_uses=spec.copy_after_remote_uses,
-                                          store_bytes=64 << 20, sweep_interval_s=5.0)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
+                                          store_bytes=128 << 20, sweep_interval_s=5.0)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
                  _node_ip_address="127.0.0.1", namespace=settings.namespace, log_to_driver=False,
                  configure_logging=False)
         try:
@@ -251,6 +250,7 @@ def _run(spec: DemoSpec, convs: list[Conversation], engine, progress: bool) -> C
             c.seconds.append(r["seconds"])
             c.counters.append(r["counters"])
             c.boundary_seconds.append(r["boundary_seconds"])
+            c.calls.append(r["calls"])
             keys[:] = r["keys"]
             history = list(zip(c.turns[:i], c.dense_answers))
             d = ray.get(engine.dense_turn.remote(history, c.turns[i], spec.new_tokens), timeout=300)
@@ -362,6 +362,10 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
         fig["turn_s_nocache_later_turns"] = statistics.median(later_nc)
         # the headline: later turns' median time with the cache over without it (same run, same process)
         fig["later_turns_cached_over_dense"] = statistics.median(later) / statistics.median(later_nc)
+    calls = [x for c in convs for x in c.calls]
+    for kind in ("lookup", "fetch", "publish"):      # per turn: at most 1 lookup and 1 publish
+        fig[f"max_{kind}_calls_per_turn"] = max((x.get(kind, 0) for x in calls), default=0)
+        fig[f"{kind}_calls"] = sum(x.get(kind, 0) for x in calls)
     fig["turn_boundary_s_median"] = statistics.median(s for c in convs for s in c.boundary_seconds)
     fig["nocache_over_cache_time"] = statistics.mean(nocache_s) / statistics.mean(cache_s)
     fig["encoder_runs_cache"] = sum(runs["cache"].values())
@@ -381,114 +385,3 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
 
 def _group_modalities(group: str) -> set[str]:
     return {"text": {"text"}, "image": {"vision", "vision_embed"}, "audio": {"audio", "transcript"}}[group]
-
-
-# ---------------------------------------------------------------------- output
-def format_report(r: DemoReport, json_path: Path | None = None, png_path: Path | None = None) -> str:
-    f = r.figures
-    mib = lambda b: f"{b / 2**20:.2f}"
-    lines = [
-        f"mmtier demo: {f['tenants']} tenants, {f['conversations']} conversations, {f['turns']} turns "
-        f"({f['new_tokens']} tokens per answer); local Ray on 127.0.0.1: {f['ray_nodes']} node, "
-        f"{f['pools']} pool ({mib(f['device_bytes_per_pool'])} MiB), {f['stores']} node store",
-        f"model: {f['model']}",
-        "",
-        "media by modality (hits: attached from the cache, no encoder run; encoder runs with the cache",
-        "vs the dense path, which encodes every item of the conversation again each turn)",
-        f"{'modality':<9}{'placed':>7}{'hits':>6}{'encoder':>9}{'dense enc':>10}",
-    ]
-    for name in MEDIA_NAMES.values():
-        lines.append(f"{name:<9}{f[f'{name}_placements']:>7}{f[f'{name}_hits']:>6}{f[f'{name}_encoder_runs']:>9}"
-                     f"{f[f'{name}_encoder_runs_dense']:>10}")
-    lines.append(f"         image encoder outputs reused at a new place (vision_embed hits): "
-                 f"{f['image_embedding_hits']}")
-    lines.append(f"text     spans attached {f['span_hits']}, prefilled {f['span_misses']}; prompt tokens "
-                 f"attached {f['prompt_tokens_cached']}, prefilled {f['prompt_tokens_prefilled']}; "
-                 f"transcript tokens {f['transcript_tokens']}")
-    lines += [
-        "",
-        "bytes per tier at the end (MiB)",
-        f"{'tier':<20}{'text':>8}{'image':>8}{'audio':>8}{'total':>8}{'capacity':>10}",
-    ]
-    for tier, label in (("device", "device (pool)"), ("disk", "disk (pool's)"), ("host", "host (node store)")):
-        cap = f"{mib(f[f'{tier}_capacity_bytes']):>10}" if f"{tier}_capacity_bytes" in f else ""
-        lines.append(f"{label:<20}{mib(f[f'{tier}_bytes_text']):>8}{mib(f[f'{tier}_bytes_image']):>8}"
-                     f"{mib(f[f'{tier}_bytes_audio']):>8}{mib(f[f'{tier}_bytes']):>8}{cap}")
-    lines += [
-        f"spills (pool -> node store): {f['spilled_groups_freed']} groups moved off the device "
-        f"({mib(f['spill_bytes'])} MiB; {f['spills']} new to the store); "
-        f"restores (node store -> pool): {f['restores']}; pool device -> its disk: "
-        f"{f['demotions_to_disk']}, disk -> device: {f['disk_restores']}; evictions (dropped, recomputed on next use): {f['evictions']}",
-        "",
-        "time per turn (s)          mean  median  first turns  later turns (median)",
-        f"with cache             {f['turn_s_cache_mean']:>8.3f}{f['turn_s_cache_median']:>8.3f}"
-        f"{f['turn_s_cache_first_turns']:>13.3f}{f.get('turn_s_cache_later_turns', float('nan')):>13.3f}",
-        f"without cache (dense)  {f['turn_s_nocache_mean']:>8.3f}{f['turn_s_nocache_median']:>8.3f}"
-        f"{f['turn_s_nocache_first_turns']:>13.3f}{f.get('turn_s_nocache_later_turns', float('nan')):>13.3f}",
-        f"encoder runs {f['encoder_runs_cache']} with cache vs {f['encoder_runs_nocache']} without; "
-        f"turn boundaries (lookup, fetches, publish): median {f['turn_boundary_s_median'] * 1e3:.1f} ms a turn",
-        f"later turns, median time with the cache over without: {f.get('later_turns_cached_over_dense', float('nan')):.2f} "
-        "(the model and its pool in one process: no Ray call per layer or step)",
-        "",
-        f"correctness: {f['dense_check_turns'] - f['dense_check_mismatches']}/{f['dense_check_turns']} turns' "
-        f"tokens equal the dense path (DynamicCache + sdpa): {'PASSED' if r.passed else 'FAILED'}",
-    ]
-    lines += [f"  {m}" for m in r.mismatches[:5]]
-    lines.append(f"Ray + mmtier start {f['ray_start_s']:.1f} s; whole run {f['elapsed_s']:.1f} s")
-    if json_path is not None:
-        lines.append(f"report: {json_path}" + (f", chart: {png_path}" if png_path else ""))
-    return "\n".join(lines)
-
-
-def write_json(r: DemoReport, path: Path) -> Path:
-    """The flat figures (the benchmark suite's convention: scalars only)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(r.figures, indent=2, sort_keys=True) + "\n")
-    return path
-
-
-def plot(r: DemoReport, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    f = r.figures
-    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4.4))
-    xs = range(1, len(r.turn_cache_s) + 1)
-    a1.plot(xs, r.turn_cache_s, "o-", ms=3, label="with cache (the engine's own pool)")
-    a1.plot(xs, r.turn_nocache_s, "s-", ms=3, color="C3", label="without cache (DynamicCache, recompute)")
-    later = [x for x, i in zip(xs, r.turn_index) if i > 0]
-    a1.scatter(later, [s for s, i in zip(r.turn_cache_s, r.turn_index) if i > 0], s=30, facecolors="none",
-               edgecolors="k", label="later turns")
-    ratio = f.get("later_turns_cached_over_dense")
-    a1.set(xlabel="turn (conversations in start order, their turns in order)", ylabel="seconds",
-           title="time per turn" + (f" (later turns, median cache / dense: {ratio:.2f})" if ratio is not None else ""))
-    a1.legend(fontsize=8)
-
-    names = list(MEDIA_NAMES.values())
-    bars = {"placed": "placements", "hit": "hits", "encoder (cache)": "encoder_runs",
-            "encoder (dense)": "encoder_runs_dense"}
-    width = 0.8 / len(bars)
-    for i, (label, key) in enumerate(bars.items()):
-        a2.bar([j + i * width for j in range(len(names))], [f[f"{n}_{key}"] for n in names], width, label=label)
-    a2.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
-    a2.set(title="media: hits and encoder runs", ylabel="items")
-    a2.legend(fontsize=8)
-
-    tiers = ("device", "disk", "host")
-    bottom = [0.0] * len(tiers)
-    for group in ("text", "image", "audio"):
-        vals = [f[f"{t}_bytes_{group}"] / 2**20 for t in tiers]
-        a3.bar(["device (pool)", "disk (pool's)", "host (node store)"], vals, bottom=bottom, label=group)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    a3.set(title=f"bytes per tier (spills {f['spills']}, restores {f['restores']}, evictions {f['evictions']})",
-           ylabel="MiB")
-    a3.legend(fontsize=8)
-    fig.suptitle(f"mmtier demo (Qwen2-VL + Whisper, random weights): {f['turns']} turns, {f['tenants']} tenants; "
-                 f"dense check {'passed' if r.passed else 'FAILED'} ({f['machine']})", fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path

@@ -130,6 +130,7 @@ def test_demo_quick_end_to_end(tmp_path):
     assert report["model"].startswith("qwen2_vl + whisper")
     assert report["span_hits"] > 0 and report["prompt_tokens_cached"] > 0          # later turns attach
     assert report["encoder_runs_cache"] < report["encoder_runs_nocache"]
+    assert report["max_lookup_calls_per_turn"] <= 1 and report["max_publish_calls_per_turn"] <= 1
     assert report["spilled_groups_freed"] > 0 and report["host_bytes"] > 0
     assert all(not isinstance(v, (dict, list)) for v in report.values())   # flat, like the benchmarks
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -96,3 +96,23 @@ def test_pools_of_one_arena_are_gathered_together(taken):
         assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
     assert taken["small"] == a.op.kv.shape[1]
     assert small._slots([ops[0], ops[1]], torch.device("cpu")).rows is not None
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_a_prefill_chunk_takes_the_causal_square_and_matches_the_oracle(taken, monkeypatch, group):
+    """Queries that are exactly the last keys, in order (a prefill chunk): the fused kernel over
+    the causal square and the unmasked past, merged by log-sum-exp; and a query set with a gap in
+    its keys keeps the masked softmax."""
+    squares = []
+    real = small._flash_square
+    monkeypatch.setattr(small, "_flash_square", lambda *a, **k: squares.append(real(*a, **k)) or squares[-1])
+    segs = [Seg(0, 300), Seg(300, 77, "scatter"), Seg(377, 40)]
+    case = make_case([Item(segs, list(range(377, 417)))], group=group, hkv=2, seed=7 + group)
+    run_and_check(case, causal=True)
+    whole = make_case([Item([Seg(0, 33, "scatter")], list(range(33)))], group=group, hkv=2, seed=9)   # no past
+    run_and_check(whole, causal=True)
+    n = len(squares)
+    assert n >= 2 and all(s is not None for s in squares)
+    gap = make_case([Item(segs, [380, 381, 390])], group=group, hkv=2, seed=11)
+    run_and_check(gap, causal=True)
+    assert len(squares) == n and taken["small"] > n

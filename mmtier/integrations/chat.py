@@ -57,7 +57,7 @@ VLM_CONFIG = "demo-qwen2-vl.json"
 WHISPER_CONFIG = "demo-whisper.json"
 TRANSCRIPT = "transcript"                   # the pool of Whisper's decoder self-attention K/V
 VISION_EMBED = "vision_embed"               # the vision tower's output per image (content-only)
-IMAGE_PIXELS = (56 * 56, 224 * 224)        # the image processor's min / max pixels: 4-64 tokens
+IMAGE_PIXELS = (56 * 56, 336 * 336)        # the image processor's min / max pixels: 4-144 tokens
 
 
 class ChatModel:

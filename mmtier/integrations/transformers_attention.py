@@ -46,18 +46,17 @@ def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dr
 def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torch.Tensor:
     rows = layer.rows
     batch, _, q_len, _ = query.shape
-    real = _padding(mask, batch, q_len, query.device)
+    real = None if mask is None else _padding(mask, batch, q_len, query.device)   # None: no padding
     rows.ensure(batch)
     if layer.pending is not None:
         k, v = layer.pending
         layer.pending = None
         if layer.first:
-            rows.begin_self(real.sum(1).tolist())
+            rows.begin_self([q_len] * batch if real is None else real.sum(1).tolist())
         for b, res in enumerate(rows.self_res):
             if res is not None:
-                keep = real[b]
-                rows.cache.write_layer(res, layer.pool_layer, k[b, :, keep].transpose(0, 1),
-                                       v[b, :, keep].transpose(0, 1))
+                kb, vb = (k[b], v[b]) if real is None else (k[b, :, real[b]], v[b, :, real[b]])
+                rows.cache.write_layer(res, layer.pool_layer, kb.transpose(0, 1), vb.transpose(0, 1))
     return _attend(rows.cache, rows.seqs, layer.pool_layer, query, real, True, scale)
 
 
@@ -77,14 +76,18 @@ def cross_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> tor
                                        v[b, :, cols[b]].transpose(0, 1))
     elif mask is not None:
         _visible_columns(mask, batch, mask.shape[-1], query.device)      # the same checks
-    every = torch.ones(batch, q_len, dtype=torch.bool, device=query.device)
-    return _attend(rows.cache, rows.cross_seqs, layer.pool_layer, query, every, False, scale)
+    return _attend(rows.cache, rows.cross_seqs, layer.pool_layer, query, None, False, scale)
 
 
 def _attend(cache, seqs, pool_layer, query, real, causal, scale) -> torch.Tensor:
-    """One ``attention_batch`` over the rows' real queries; padded query rows are zero."""
+    """One ``attention_batch`` over the rows' real queries (``real`` None: all of them);
+    padded query rows are zero."""
     batch, heads, q_len, dim = query.shape
     q = query.transpose(1, 2)                               # [B, S, Hq, D]
+    if real is None:
+        flat = cache.attention_batch(seqs, pool_layer, q.reshape(batch * q_len, heads, dim),
+                                     range(0, batch * q_len + 1, q_len), causal=causal, scale=scale)
+        return flat.view(batch, q_len, heads, dim)
     counts = real.sum(1)
     indptr = torch.zeros(batch + 1, dtype=torch.int32)
     indptr[1:] = counts.cumsum(0).cpu()

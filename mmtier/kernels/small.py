@@ -72,6 +72,11 @@ def small_attention(q: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[Pag
         k, v = k.float(), v.float()
     group = num_q_heads // hkv
     bias = _causal_bias(slots_of, q_pos, group) if causal else None
+    if bias is not None and n_q > 1 and q.device.type == "cpu":
+        split = _square_split(slots_of, q_pos)
+        state = None if split is None else _flash_square(q, k, v, split, hkv, scale)
+        if state is not None:
+            return state
     if n_q == 1:                                         # [1, Hq, D] -> [Hkv, G, D]: a view
         qh = q.float().view(hkv, group, head_dim)
     else:                                                # [n_q, Hq, D] -> [Hkv, G * n_q, D], h = kv_head * G + g
@@ -103,6 +108,54 @@ def _flash(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     except (RuntimeError, TypeError, NotImplementedError):
         return None
     return out[0], lse[0]
+
+
+def _square_split(slots: _Slots, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(past, block)`` key indices when the keys at or after the first query's position are
+    exactly the queries' own positions, in order: a prefill chunk, whose mask is a causal square
+    over ``block`` and nothing over ``past``. ``None`` otherwise. Remembered per query set."""
+    qkey = b"square:" + q_pos.numpy().tobytes()
+    if qkey in slots.bias:
+        return slots.bias[qkey]
+    qp = q_pos.long()
+    q0 = int(qp[0])
+    block = torch.nonzero(slots.pos >= q0).flatten()
+    split = None
+    if (block.numel() == qp.numel() and torch.equal(slots.pos[block], qp)
+            and bool((qp[1:] > qp[:-1]).all())):
+        split = (torch.nonzero(slots.pos < q0).flatten(), block)
+    slots.bias[qkey] = split
+    return split
+
+
+def _flash_square(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split, hkv: int, scale: float):
+    """A prefill chunk through torch's fused CPU kernel: the causal square over the chunk's own
+    keys (``is_causal``: query ``i`` sees block keys ``<= i``) and the unmasked past, merged
+    exactly by log-sum-exp. ``(out [n_q, Hq, D], lse [n_q, Hq])``, or ``None`` where the kernel is
+    missing or refuses the input."""
+    if FLASH_OP is None:
+        return None
+    past, block = split
+    n_q, num_q_heads, head_dim = q.shape
+    group = num_q_heads // hkv
+    q4 = q.float().view(n_q, hkv, group, head_dim).permute(1, 2, 0, 3)          # [Hkv, G, n_q, D]
+
+    def heads(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:             # [Hkv, G, n, D], no copy per G
+        return t.index_select(0, idx).permute(1, 0, 2)[:, None].expand(hkv, group, idx.numel(), head_dim)
+
+    try:
+        out, lse = FLASH_OP(q4, heads(k, block), heads(v, block), is_causal=True, scale=scale)[:2]
+        if past.numel():
+            o_p, l_p = FLASH_OP(q4, heads(k, past), heads(v, past), scale=scale)[:2]
+            m = torch.maximum(lse, l_p)
+            w, w_p = torch.exp(lse - m), torch.exp(l_p - m)
+            total = w + w_p
+            out = (out * w[..., None] + o_p * w_p[..., None]) / total[..., None]
+            lse = m + torch.log(total)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+    return (out.permute(2, 0, 1, 3).reshape(n_q, num_q_heads, head_dim),
+            lse.permute(2, 0, 1).reshape(n_q, num_q_heads))
 
 
 class _Slots:
