@@ -1,7 +1,7 @@
 """The chat engines a Serve worker runs: one small interface, one adapter per model kind.
 
 A worker (``worker.TurnWorker``) holds its node's pool and runs conversations of a
-``ChatEngine``; the ingress (``app.TurnIngress``) needs only the engine's ``Frontend`` (no
+``TurnEngine``; the ingress (``app.TurnIngress``) needs only the engine's ``Frontend`` (no
 weights): how many tokens a media item costs (the turn's token limit) and the content-only keys
 of a media item (cross-attention K/V, encoder outputs: what another conversation anywhere may
 hold), computed exactly as the engine's conversations compute them, for its one batched
@@ -52,7 +52,7 @@ class Frontend(Protocol):
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]: ...
 
 
-class ChatEngine(Frontend, Protocol):
+class TurnEngine(Frontend, Protocol):
     serial: bool     # True: turns of different conversations must not overlap (the worker
                      # runs them one at a time: the model keeps per-turn state)
 
@@ -67,7 +67,7 @@ class ChatEngine(Frontend, Protocol):
     def open(self, cache, tenant: str) -> Conversation: ...
 
 
-def load_engine(model: ModelArgs) -> ChatEngine:
+def load_engine(model: ModelArgs) -> TurnEngine:
     """The engine of ``model.kind`` with its weights (a worker)."""
     if model.kind == "reference":
         return ReferenceEngine(model.seed)
