@@ -120,3 +120,15 @@ def test_the_reference_model_behind_the_same_interface():
         keys = load_frontend(args.model).routing_keys(cache, "acme", "image", png)
         assert len(keys) == 2 and all(cache.contains(k) for k in keys)
         conv.close()
+
+
+def test_weights_that_do_not_load_are_a_config_error(tmp_path):
+    from mmtier.errors import ConfigError
+
+    for name in ("vlm", "whisper"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")                 # no model_type
+        (tmp_path / name / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ConfigError) as err:
+        load_engine(ModelArgs(path=str(tmp_path / "vlm"), audio_path=str(tmp_path / "whisper")))
+    assert err.value.fields == ("model.path",) and "without a download" in str(err.value)
