@@ -56,7 +56,8 @@ def hf_cache_config(model: ModelArgs, **overrides: Any) -> CacheConfig:
 
 
 class HFFrontend:
-    """What the ingress needs: the image processor's token count and the audio key."""
+    """What the ingress needs: a media item's tokens (the image processor's resize rule) and
+    its content-only group's key (``vision_embed`` for an image, ``audio`` for a clip)."""
 
     def __init__(self, image_processor, transcript_tokens: int):
         self.image_processor = image_processor
