@@ -236,5 +236,26 @@ def write_kv_torch(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ShapeError("one page id and one offset per token")
     pid = page_ids.long()
     off = offsets.long()
+    rows = _token_rows(kv)
+    if rows is not None:             # one index_copy_ each for K and V (no advanced indexing)
+        flat, (page_rows, layer_rows, v_rows, slot_rows) = rows
+        width = hkv * head_dim
+        idx = ((torch.arange(layers, device=kv.device) * layer_rows)[:, None] + (pid * page_rows + off * slot_rows)).reshape(-1)
+        flat.index_copy_(0, idx, k.reshape(-1, width).to(kv.dtype))
+        flat.index_copy_(0, idx + v_rows, v.reshape(-1, width).to(kv.dtype))
+        return
     kv[pid, :, 0, off] = k.transpose(0, 1).to(kv.dtype)
     kv[pid, :, 1, off] = v.transpose(0, 1).to(kv.dtype)
+
+
+def _token_rows(kv: torch.Tensor):
+    """``kv [P, L, 2, S, Hkv, D]`` (a pool's page-major view, or a slice of its layers) as token
+    rows of its storage: ``(rows [R, Hkv*D], (page, layer, V, slot) strides in rows)``, or
+    ``None`` when its last two dims are not one contiguous row."""
+    width = kv.shape[4] * kv.shape[5]
+    st = kv.stride()
+    if st[5] != 1 or st[4] != kv.shape[5] or any(x % width for x in st[:4]) or kv.storage_offset() % width:
+        return None
+    total = kv.untyped_storage().nbytes() // kv.element_size() - kv.storage_offset()
+    flat = torch.as_strided(kv, (total // width, width), (width, 1))
+    return flat, tuple(x // width for x in st[:4])
