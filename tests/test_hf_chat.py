@@ -62,7 +62,7 @@ def turns(tag: int):
 def test_three_turns_equal_dense_and_prefill_only_new_tokens(chat):
     convo = turns(1)
     want = dense_chat(chat, convo, NEW)
-    with TieredKVCache(chat.cache_config(device_bytes=16 << 20)) as cache:
+    with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
         conv = chat.conversation(cache, tenant="acme")
         got = [conv.send(items, NEW) for items in convo]
         assert [r.tokens for r in got] == want
@@ -82,7 +82,7 @@ def test_three_turns_equal_dense_and_prefill_only_new_tokens(chat):
 
 def test_cached_opening_and_clip_run_no_encoder_and_no_other_tenant_hits(chat):
     convo = turns(5)
-    with TieredKVCache(chat.cache_config(device_bytes=16 << 20)) as cache:
+    with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
         a = chat.conversation(cache, tenant="acme")
         ref = [a.send(items, NEW) for items in convo[:2]]
         runs = dict(chat.encoder_runs)
@@ -106,9 +106,9 @@ def test_small_budget_moves_groups_to_host_and_disk_and_stays_equal(chat, tmp_pa
     to host and disk between turns and come back; every turn equals the dense path."""
     convs = [turns(11), turns(21)]
     want = [dense_chat(chat, c, NEW) for c in convs]
-    cfg = chat.cache_config(device_bytes=4 << 20, host_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=64 << 20,
-                            shares={"text": 0.25, "vision": 0.15, "vision_embed": 0.1, "transcript": 0.05,
-                                    "audio": 0.3})
+    cfg = chat.cache_config(device_bytes=12 << 20, host_bytes=3 << 20, disk_dir=tmp_path, disk_bytes=256 << 20,
+                            shares={"text": 0.3, "vision": 0.2, "vision_embed": 0.05, "transcript": 0.05,
+                                    "audio": 0.35})
     with TieredKVCache(cfg) as cache:
         open_ = [chat.conversation(cache, tenant="acme") for _ in convs]
         got = [[], []]
@@ -122,7 +122,7 @@ def test_small_budget_moves_groups_to_host_and_disk_and_stays_equal(chat, tmp_pa
 
 
 def test_bad_items_raise_typed_errors_and_change_nothing(chat):
-    with TieredKVCache(chat.cache_config(device_bytes=16 << 20)) as cache:
+    with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
         conv = chat.conversation(cache, tenant="acme")
         conv.send(["Hello. "], 2)
         ids, spans = list(conv.ids), list(conv.spans)

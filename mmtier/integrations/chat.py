@@ -137,6 +137,31 @@ class ChatModel:
         fields.update(overrides)
         return CacheConfig(**fields)
 
+    def warm_up(self) -> None:
+        """One turn with a small image and clip through both paths, on a private cache, as a
+        server does at start (first calls initialise kernels and buffers); counters reset."""
+        import io
+        import wave
+
+        import numpy as np
+        from PIL import Image
+
+        from ..cache import TieredKVCache
+
+        png, wav = io.BytesIO(), io.BytesIO()
+        Image.new("RGB", (56, 56), (90, 120, 30)).save(png, "PNG")
+        with wave.open(wav, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            w.writeframes((np.sin(np.arange(8000) * 0.05) * 8000).astype("<i2").tobytes())
+        items = ["Hi. ", png.getvalue(), wav.getvalue()]
+        with TieredKVCache(self.cache_config(device_bytes=64 << 20)) as cache:
+            self.conversation(cache, "warm-up").send(items, 2)
+        dense_turn(self, [], items, 2)
+        self.encoder_runs.clear()
+        self.dense_encoder_runs.clear()
+
     def conversation(self, cache, tenant: str | None = None) -> Conversation:
         """A new conversation of ``tenant`` over ``cache`` (a ``TieredKVCache`` built from
         ``cache_config``, or an engine's ``HostedCache``)."""

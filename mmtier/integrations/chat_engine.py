@@ -40,6 +40,7 @@ class ChatEngine(PoolHost):
         if self.cache.cfg.model != want:
             raise ConfigError(f"the cluster's cache is configured for {self.cache.cfg.model!r}, not this "
                               f"engine's model {want!r}", ("model",))
+        self.chat.warm_up()
         self._convs: dict[int, Conversation] = {}
         self._ids = itertools.count(1)
         self._turn_lock = threading.Lock()        # one model, one turn at a time
