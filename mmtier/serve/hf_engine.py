@@ -106,7 +106,11 @@ class HFEngine(HFFrontend):
 
     @classmethod
     def load(cls, model: ModelArgs) -> HFEngine:
-        return cls(load_chat(model))
+        """The engine of a worker, warmed up (a first turn through a private cache) so that
+        the first client's turn is not the process's first call of every kernel."""
+        engine = cls(load_chat(model))
+        engine.chat.warm_up()
+        return engine
 
     def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
         from ..integrations.chat_media import ImageItem, read_wav
