@@ -395,6 +395,9 @@ def test_killing_a_worker_loses_only_its_pool(url, chat):
     cc = mma.connect(settings)
     frontend = load_frontend(MODEL)
     key = lambda clip: frontend.routing_keys(cc, "globex", "audio", clip)[0]  # noqa: E731
+    deadline = time.monotonic() + 10
+    while cc.locate(key(clip_dead)) is None and time.monotonic() < deadline:
+        time.sleep(0.2)                                   # the turn's publish is fire-and-forget
     assert cc.locate(key(clip_dead)) is not None
     ray.kill(ray.get_actor(host_name(dead), namespace=settings.namespace), no_restart=False)
     deadline = time.monotonic() + 90
