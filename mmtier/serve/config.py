@@ -39,7 +39,7 @@ class ModelArgs(_Strict):
     path: str | None = Field(
         None, description="Local directory of the VLM's weights (config.json and *.safetensors / *.bin, "
                           "as save_pretrained writes them); loaded with local_files_only=True, never "
-                          "downloaded. Must exist on every worker node. None: random weights.")
+                          "downloaded. Must exist on every node (workers, ingress). None: random weights.")
     audio_path: str | None = Field(
         None, description="Local directory of the Whisper model that transcribes audio items; set "
                           "with path (both real, or both random).")
