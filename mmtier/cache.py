@@ -593,6 +593,13 @@ class TieredKVCache(EngineAPI):
             self.lower.apply_completions()
             return [(g.key, g.tier.name.lower(), g.nbytes) for g in self._groups.values()]
 
+    def holds(self, keys: Iterable[ContentKey]) -> list[bool]:
+        """Whether each key is stored in some tier, counting no hit or miss (a transfer's check,
+        not a use)."""
+        with self._lock:
+            self.lower.apply_completions()
+            return [k in self._groups for k in keys]
+
     def _forget_corrupt(self, group: ModalityGroup) -> None:
         """A stored copy failed verification: the group is a miss from now on."""
         if group.key is not None and self._groups.get(group.key) is group:

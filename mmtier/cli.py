@@ -82,11 +82,14 @@ def _connect_ray(address: str, namespace: str) -> None:
 
 def load_start_config(path: Path, allow_default_secret: bool = False):
     """``(CacheConfig, ClusterSettings)`` from a cache preset (``configs/*.yaml``, optionally
-    with a ``cluster:`` section of ClusterSettings) or from a Serve config whose first
-    application is mmtier's (the cache its ``args`` describe: the reference model's).
+    with a ``cluster:`` section of ClusterSettings), from a Serve config whose first
+    application is mmtier's (the cache its ``args`` describe: the reference model's), or from a
+    Ray Serve LLM config (``ray.serve.llm``: the cache its vLLM engines embed, from the first
+    LLM config's ``kv_connector_extra_config``, and its ``mmtier_cluster`` settings), so the
+    cluster runs exactly the cache the engines join.
 
-    The key secret: a Serve config's ``cache.key_secret_env``; for a preset the environment
-    variable ``MMTIER_KEY_SECRET`` (a secret does not belong in a preset file). ``ConfigError``
+    The key secret: a Serve config's ``cache.key_secret_env``; otherwise the environment
+    variable ``MMTIER_KEY_SECRET`` (a secret does not belong in a config file). ``ConfigError``
     when that leaves the public default secret, unless ``allow_default_secret`` (local runs)."""
     import yaml
 
@@ -100,7 +103,10 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
         raise ConfigError(f"cannot read config {path}: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config {path} must be a mapping")
-    if "applications" in data:
+    llm = [a for a in data.get("applications") or [] if str(a.get("import_path", "")).startswith("ray.serve.llm")]
+    if llm:
+        cfg, settings = _serve_llm_start_config(llm[0], path)
+    elif "applications" in data:
         from .serve.config import ServeAppConfig
 
         apps = [a for a in data["applications"] or []
@@ -111,13 +117,28 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
         if allow_default_secret:
             args = args.model_copy(update={"cache": args.cache.model_copy(update={"allow_default_key_secret": True})})
         return args.cache_config(), args.settings()
-    settings = ClusterSettings(**(data.pop("cluster", None) or {}))
-    cache = dict(data.get("cache", data))
+    else:
+        settings = ClusterSettings(**(data.pop("cluster", None) or {}))
+        cfg = CacheConfig(**dict(data.get("cache", data)))
     if os.environ.get(KEY_SECRET_ENV):
-        cache["key_secret"] = os.environ[KEY_SECRET_ENV]
-    cfg = CacheConfig(**cache)
+        cfg = CacheConfig(**{**cfg.model_dump(), "key_secret": os.environ[KEY_SECRET_ENV]})
     require_key_secret(cfg, allow_default_secret, f"set {KEY_SECRET_ENV}")
     return cfg, settings
+
+
+def _serve_llm_start_config(app: dict, path: Path):
+    """The cache and cluster settings a Ray Serve LLM application's vLLM engines name."""
+    from .actors.settings import ClusterSettings
+    from .errors import ConfigError
+    from .integrations.engine_cache import cluster_from_extra, config_from_extra
+
+    try:
+        extra = app["args"]["llm_configs"][0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
+    except (KeyError, IndexError, TypeError):
+        raise ConfigError(f"{path}: the first LLM config has no engine_kwargs.kv_transfer_config."
+                          "kv_connector_extra_config naming mmtier's cache") from None
+    cluster = cluster_from_extra(extra)
+    return config_from_extra(extra), cluster[0] if cluster is not None else ClusterSettings()
 
 
 @main.command()

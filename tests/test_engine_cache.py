@@ -9,10 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from mmtier.config import CacheConfig
 from mmtier.errors import ConfigError
 from mmtier.integrations.engine_cache import (
+    CLUSTER_ENV,
     close_shared,
+    cluster_from_extra,
     config_from_extra,
+    open_shared,
     shared_cache,
     tenant_from_extra,
 )
@@ -37,6 +41,46 @@ def test_one_cache_per_configuration_per_process():
 def test_the_cache_must_be_named_exactly_once(extra):
     with pytest.raises(ConfigError):
         config_from_extra(extra)
+
+
+def test_the_cluster_is_joined_only_when_asked_and_its_fields_are_checked(monkeypatch):
+    monkeypatch.delenv(CLUSTER_ENV, raising=False)
+    assert cluster_from_extra({"mmtier_cache": FIELDS}) is None
+    try:
+        cache, link = open_shared({"mmtier_cache": FIELDS})
+        assert link is None and cache is shared_cache(config_from_extra({"mmtier_cache": FIELDS}))
+    finally:
+        close_shared()
+    settings, address = cluster_from_extra({"mmtier_cluster": {"namespace": "ns", "address": "10.0.0.1:6379",
+                                                               "call_timeout_s": 5}})
+    assert (settings.namespace, settings.call_timeout_s, address) == ("ns", 5.0, "10.0.0.1:6379")
+    monkeypatch.setenv(CLUSTER_ENV, '{"namespace": "from-env"}')
+    assert cluster_from_extra({})[0].namespace == "from-env"
+    assert cluster_from_extra({"mmtier_cluster": {}})[0].namespace == "mmtier"     # the config wins
+    for bad, field in (({"mmtier_cluster": {"namspace": "x"}}, "mmtier_cluster.namspace"),
+                       ({"mmtier_cluster": {"call_timeout_s": -1}}, "mmtier_cluster.call_timeout_s"),
+                       ({"mmtier_cluster": {"address": ""}}, "mmtier_cluster.address"),
+                       ({"mmtier_cluster": "mmtier"}, "mmtier_cluster")):
+        with pytest.raises(ConfigError) as err:
+            cluster_from_extra(bad)
+        assert err.value.fields == (field,)
+    monkeypatch.setenv(CLUSTER_ENV, "{not json")
+    with pytest.raises(ConfigError):
+        cluster_from_extra({})
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray (mmtier.actors)")
+def test_an_engine_cache_shares_only_with_the_clusters_model_secret_and_layouts():
+    from mmtier.actors.engine_link import check_compatible
+
+    base = CacheConfig(**FIELDS)
+    check_compatible(base, CacheConfig(**{**FIELDS, "device_bytes": 4 << 20, "host_bytes": 1 << 20}))
+    for other, field in ((dict(model="another"), "model"), (dict(key_secret="s" * 64), "key_secret"),
+                         (dict(head_dim=32), "modalities.text"),
+                         (dict(modalities={"vision": {"page_size": 16}}), "modalities.text")):
+        with pytest.raises(ConfigError) as err:
+            check_compatible(base, CacheConfig(**{**FIELDS, **other}))
+        assert err.value.fields == (field,)
 
 
 def test_a_bad_tenant_is_refused():

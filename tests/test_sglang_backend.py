@@ -2,10 +2,8 @@
 (``--hicache-storage-backend dynamic``): round trips of pages through the flat page API and
 the zero-copy API in each host layout, tenants and TP ranks apart, corrupt pages as misses.
 
-SGLang's real host pool (``MHATokenToKVPoolHost``) cannot be imported without torchvision,
-which the engines environment does not install (it would pull another torch); ``HostPool``
-below reproduces its page layouts and page methods (``get_data_page``,
-``get_dummy_flat_data_page``, ``set_from_flat_data_page``) line for line."""
+``HostPool`` (``tests/sglang_harness.py``) stands in for SGLang's host pool, which cannot be
+imported here; it reproduces its page layouts and page methods line for line."""
 
 from __future__ import annotations
 
@@ -15,59 +13,18 @@ import torch
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
                     reason="SGLang is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
 
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
-from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
-
 from mmtier.errors import ConfigError  # noqa: E402
 from mmtier.groups import Tier  # noqa: E402
 from mmtier.integrations.engine_cache import close_shared  # noqa: E402
-
-L, H, D, P = 2, 2, 16, 8
-PAGES = 6
-
-
-class HostPool:
-    """SGLang's MHA host pool page layouts (``pool_host/mha.py``), on CPU."""
-
-    def __init__(self, layout: str):
-        self.layout, self.layer_num, self.page_size, self.head_num, self.head_dim = layout, L, P, H, D
-        self.dtype, self.size = torch.float32, PAGES * P
-        dims = {"layer_first": (2, L, self.size, H, D), "page_first": (2, self.size, L, H, D),
-                "page_first_direct": (2, PAGES, L, P, H, D)}[layout]
-        self.kv_buffer = torch.full(dims, float("nan"))
-
-    def get_data_page(self, index, flat=True):
-        if self.layout == "layer_first":
-            page = self.kv_buffer[:, :, index: index + P]
-        elif self.layout == "page_first":
-            page = self.kv_buffer[:, index: index + P]
-        else:
-            page = self.kv_buffer[:, index // P: index // P + 1]
-        return page.flatten() if flat else page
-
-    def get_dummy_flat_data_page(self):
-        return torch.zeros((2, L, P, H, D), dtype=self.dtype).flatten()
-
-    def tokens(self, index):
-        """[2, L, P, H, D] of the page starting at ``index``, whatever the layout."""
-        page = self.get_data_page(index, flat=False)
-        if self.layout == "page_first":
-            return page.transpose(1, 2)
-        return page[:, 0] if self.layout == "page_first_direct" else page
+from tests.sglang_harness import PAGES, D, H, HostPool, L, P, backend_for  # noqa: E402
 
 
 def backend(tmp_path, *, tenant="acme", tp_rank=0, device_pages=64):
-    extra = {"backend_name": "mmtier", "module_path": "mmtier.integrations.sglang",
-             "class_name": "MMTierHiCacheStorage", "interface_v1": 1, "mmtier_tenant": tenant,
-             "mmtier_cache": dict(model="tiny-sgl", num_layers=L, num_kv_heads=H, head_dim=D,
-                                  dtype="float32", modalities={"text": {"page_size": P}},
-                                  device="cpu", device_bytes=device_pages * P * 2 * L * H * D * 4,
-                                  host_bytes=0, disk_dir=str(tmp_path / "spill"),
-                                  disk_bytes=64 << 20, disk_free_floor_bytes=0)}
-    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,
-                               attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
-                               is_page_first_layout=False, model_name="tiny", extra_config=extra)
-    return StorageBackendFactory.create_backend("dynamic", cfg, None)
+    return backend_for(dict(model="tiny-sgl", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+                            modalities={"text": {"page_size": P}}, device="cpu",
+                            device_bytes=device_pages * P * 2 * L * H * D * 4, host_bytes=0,
+                            disk_dir=str(tmp_path / "spill"), disk_bytes=64 << 20, disk_free_floor_bytes=0),
+                       tenant=tenant, tp_rank=tp_rank)
 
 
 @pytest.fixture(autouse=True)

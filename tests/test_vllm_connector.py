@@ -148,6 +148,7 @@ def restarted(tmp_path_factory):
 def test_load_after_groups_went_to_disk_in_a_new_process(restarted):
     got, expect = restarted["clean"]
     assert got["hit"] == 40 and got["failed"] == []
+    assert got["ray_imported"] is False            # without mmtier_cluster the path never imports Ray
     assert torch.equal(torch.tensor(got["values"]).reshape(expect.shape), expect)
 
 

@@ -19,19 +19,11 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
-BS, L, H, D = 8, 2, 2, 16
+from tests.engine_shapes import BS, D, H, L, cache_fields  # noqa: F401  (re-exported to the tests)
+
 NUM_BLOCKS = 24
 PROMPT = 41                      # 5 full blocks and one token
 IMAGE_AT, IMAGE_LEN = 10, 16     # the image's placeholder positions [10, 26)
-
-
-def cache_fields(disk_dir, device_pages=64) -> dict:
-    token = 2 * L * H * D * 4
-    return dict(model="tiny-vllm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
-                modalities={"text": {"page_size": BS, "share": 0.5},
-                            "vision": {"page_size": 16, "share": 0.5}},
-                device="cpu", device_bytes=device_pages * 16 * token, host_bytes=0,
-                disk_dir=str(disk_dir), disk_bytes=64 << 20, disk_free_floor_bytes=0)
 
 
 def vllm_config(fields: dict, **extra) -> VllmConfig:
@@ -77,8 +69,7 @@ def paged(seed=None) -> dict[str, torch.Tensor]:
 def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.Tensor]) -> int:
     """One prefill step of ``req``: ask for the hit, allocate, build and run the metadata.
     Returns the hit (tokens vLLM would not compute)."""
-    hit, is_async = sched.get_num_new_matched_tokens(req, 0)
-    assert is_async is False
+    hit, is_async = ask(sched, req)
     sched.update_state_after_alloc(req, None, hit)
     new = NewRequestData(req.request_id, req.prompt_token_ids, req.mm_features, req.sampling_params,
                          None, (list(block_ids),), hit, None)
@@ -98,6 +89,17 @@ def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.
     worker.clear_connector_metadata()
     worker.wait_for_saves()            # the writer thread's puts (vLLM itself does not wait)
     return hit
+
+
+def ask(sched, req: Request, computed: int = 0) -> tuple[int, bool]:
+    """``get_num_new_matched_tokens`` as vLLM's scheduler calls it: ``None`` (a cluster pull in
+    flight) means "ask again at a later step", which comes once the pull is done."""
+    hit, is_async = sched.get_num_new_matched_tokens(req, computed)
+    if hit is None:
+        sched.link.wait()
+        hit, is_async = sched.get_num_new_matched_tokens(req, computed)
+    assert hit is not None and is_async is False
+    return hit, is_async
 
 
 def slots_of(block_ids: list[int], n: int) -> torch.Tensor:
@@ -124,7 +126,7 @@ def main(argv: list[str]) -> int:
         failed = sorted(worker.get_block_ids_with_load_errors())
         got = tokens_kv(kv, LOADER_BLOCKS, hit)
         print(json.dumps({"dir": disk_dir, "hit": hit, "failed": failed,
-                          "values": got.flatten().tolist()}))
+                          "values": got.flatten().tolist(), "ray_imported": "ray" in sys.modules}))
         worker.shutdown()
         close_shared()
     return 0

@@ -35,7 +35,7 @@ from ..content import ContentKey
 from ..errors import CapacityError, UnknownKeyError
 from ..table import SequenceHandle
 from . import placement
-from .launch import STORE_PREFIX, store_name
+from .launch import store_name
 
 LINK_BYTES_PER_S = 1e9        # the cost model's node-to-node rate (object store transfer)
 CALL_S = 1e-3                 # and its cost of one remote partial-attention call
@@ -173,7 +173,7 @@ class HostedCache:
             self.plan[k.hex] = choice
             self.counters[f"plan_{choice}"] += 1
             if choice == "fetch":
-                holder = self._nearest(holders)
+                holder = placement.nearest_by_name(holders, self.host.node)
                 self._incoming[k] = (holder, self.transport.fetch(holder, k.to_wire()))
 
     def offload(self, keys: Iterable[ContentKey]) -> Offloaded:
@@ -225,8 +225,3 @@ class HostedCache:
         if item is not None:
             self._publish.append(item)
         self._removed += evicted
-
-    def _nearest(self, holders: list[str]) -> str:
-        """A holder on this node first, a pool before a store."""
-        node = self.host.node
-        return min(holders, key=lambda h: (h.split(":")[1] != node, h.startswith(STORE_PREFIX), h))

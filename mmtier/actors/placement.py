@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from ..content import ContentKey
 from ..errors import HolderLostError
 from .client_state import Transfer, _Seq
+from .launch import STORE_PREFIX
 from .pool_actor import Part
 from .registry import HolderInfo, Location
 
@@ -62,6 +63,13 @@ def nearest(holders: list[str], home: str, info: dict[str, HolderInfo]) -> str:
     if not known:
         raise HolderLostError(f"no live holder among {holders}")
     return min(known, key=lambda h: (info[h].node != node, info[h].kind != "pool", h))
+
+
+def nearest_by_name(holders: list[str], node: str) -> str:
+    """A holder on ``node`` first, a pool before a store (its export is a view, no gather), by
+    name alone (``mmtier-pool:<node>:...`` / ``mmtier-store:<node>``): for callers with no
+    ``HolderInfo`` map (an embedded pool, an engine process)."""
+    return min(holders, key=lambda h: (h.split(":")[1] != node, h.startswith(STORE_PREFIX), h))
 
 
 def should_copy(transfer: Transfer | None, uses: int, copy_after: int) -> bool:

@@ -87,28 +87,37 @@ class RayTransport:
     def land(self, refs) -> tuple[dict, np.ndarray]:
         """Wait for a fetch: ``(meta, page buffer)``, one ``ray.get`` of both returns (the
         buffer pulled to this node's object store and read there zero-copy)."""
+        meta, buf = self.result(list(refs))
+        return meta, buf
+
+    def result(self, ref):
+        """Wait for a call's answer within ``call_timeout_s``: an ``MMTierError`` raised remotely
+        comes back as itself, a dead or silent actor as ``HolderLostError``."""
         try:
-            meta, buf = ray.get(list(refs), timeout=self.settings.call_timeout_s)
+            return ray.get(ref, timeout=self.settings.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, MMTierError):
                 raise exc.cause from None
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError) as exc:
-            raise HolderLostError(f"a fetch failed ({type(exc).__name__})") from None
-        return meta, buf
+            raise HolderLostError(f"a call failed ({type(exc).__name__})") from None
 
-    def publish(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
-        """Fire and forget, one call: groups this holder now holds and those it gave up."""
+    def publish(self, holder: str, items: list[dict], removed: list[str], info: dict):
+        """One call, nothing waits: groups this holder now holds and those it gave up. Returns
+        the call's ref for a caller that wants the registry's acknowledgement (``result``)."""
         self.calls["publish"] += 1
-        self.registry.publish.remote(holder, items, removed, info)
+        return self.registry.publish.remote(holder, items, removed, info)
 
     def offload(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
-        """Hand a group to the node store (one call: the submission puts ``buf`` into the
-        object store); waits for its answer."""
+        """Hand a group to the node store and wait for its answer (``offload_async``)."""
+        return self.result(self.offload_async(store, wire, meta, buf))
+
+    def offload_async(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
+        """Send a group to the node store, one call: the submission itself copies ``buf`` into
+        the object store, so the caller may let go of it (and of its lease) on return."""
         self.calls["offload"] += 1
-        return ray.get(self.handle(store).import_group.remote(wire, meta, buf),
-                       timeout=self.settings.call_timeout_s)
+        return self.handle(store).import_group.remote(wire, meta, buf)
 
     def handle(self, name: str):
         h = self._handles.get(name)

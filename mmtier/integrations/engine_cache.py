@@ -7,21 +7,40 @@ scheduler finds. Engines pass their connector's extra config here:
     {"mmtier_config": "configs/llava-1.5-7b.yaml"}          # a CacheConfig YAML, or
     {"mmtier_cache": {...CacheConfig fields...}}            # the same fields inline
     "mmtier_tenant": "acme"                                 # optional, the server-side tenant
+    "mmtier_cluster": {"namespace": "mmtier", ...}          # optional: join the running cluster
+
+``mmtier_cluster`` (or the environment variable ``MMTIER_CLUSTER``, the same mapping as JSON;
+the extra config wins) makes the process's cache join the cluster that ``mmtier start`` runs:
+its fields are ``ClusterSettings``'s plus ``address`` (the Ray address when the process is not
+connected yet; default ``RAY_ADDRESS``, else ``"auto"``). ``open_shared`` then joins it
+(``engine_link.join``: the cluster's key secret, the same model and layouts) and gives the
+cache one ``EngineLink``: saved groups are written through to the node's store and published,
+misses are looked up in the registry and pulled. Without it nothing here imports Ray.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
 
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..errors import ConfigError
 
+if TYPE_CHECKING:
+    from ..actors.engine_link import EngineLink
+    from ..actors.settings import ClusterSettings
+
+CLUSTER_ENV = "MMTIER_CLUSTER"
+
 _LOCK = threading.Lock()
 _CACHES: dict[str, TieredKVCache] = {}
+_LINKS: dict[int, EngineLink] = {}          # id(cache) -> its link
 
 
 def config_from_extra(extra: Mapping[str, Any] | None) -> CacheConfig:
@@ -47,6 +66,51 @@ def tenant_from_extra(extra: Mapping[str, Any] | None) -> str | None:
     return tenant
 
 
+def cluster_from_extra(extra: Mapping[str, Any] | None) -> tuple[ClusterSettings, str | None] | None:
+    """``(settings, address)`` from ``mmtier_cluster`` (or ``$MMTIER_CLUSTER``); ``None`` when
+    neither is set (the cache stays the process's own)."""
+    raw = (extra or {}).get("mmtier_cluster")
+    if raw is None and os.environ.get(CLUSTER_ENV):
+        try:
+            raw = json.loads(os.environ[CLUSTER_ENV])
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{CLUSTER_ENV} is not JSON: {exc}", (CLUSTER_ENV,)) from None
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"mmtier_cluster must be a mapping, got {type(raw).__name__}", ("mmtier_cluster",))
+    fields = dict(raw)
+    address = fields.pop("address", None)
+    if address is not None and (not isinstance(address, str) or not address):
+        raise ConfigError("mmtier_cluster.address must be a non-empty string", ("mmtier_cluster.address",))
+    from ..actors.settings import ClusterSettings  # pydantic only: no Ray import
+
+    try:
+        return ClusterSettings(**fields), address
+    except ValidationError as exc:
+        names = tuple("mmtier_cluster." + ".".join(str(p) for p in e["loc"]) for e in exc.errors())
+        raise ConfigError(f"mmtier_cluster: {exc.errors()[0]['msg']}", names) from None
+
+
+def open_shared(extra: Mapping[str, Any] | None) -> tuple[TieredKVCache, EngineLink | None]:
+    """This process's cache for an engine's extra config and, when it names a cluster, the
+    cache's link to it (one per cache and process: vLLM's connector roles and SGLang's
+    backends share both); ``None`` for the link otherwise."""
+    cfg = config_from_extra(extra)
+    cluster = cluster_from_extra(extra)
+    if cluster is None:
+        return shared_cache(cfg), None
+    from ..actors.engine_link import EngineLink, join  # Ray, only on this path
+
+    cfg, transport = join(cfg, *cluster)
+    cache = shared_cache(cfg)
+    with _LOCK:
+        link = _LINKS.get(id(cache))
+        if link is None or link.cache is not cache:
+            link = _LINKS[id(cache)] = EngineLink(cache, transport)
+        return cache, link
+
+
 def shared_cache(cfg: CacheConfig) -> TieredKVCache:
     """This process's cache for ``cfg``, opened on first use (a warm restart over its disk_dir)."""
     name = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
@@ -61,6 +125,10 @@ def close_shared() -> None:
     """Close every cache this process opened through ``shared_cache`` (tests, shutdown)."""
     with _LOCK:
         caches = list(_CACHES.values())
+        links = list(_LINKS.values())
         _CACHES.clear()
+        _LINKS.clear()
+    for link in links:
+        link.close()
     for cache in caches:
         cache.close()

@@ -13,6 +13,13 @@ never share. Pages move through the flat page API (``get`` / ``set`` and batches
 the host pool's own layout) or zero-copy (``batch_get_v1`` / ``batch_set_v1``), which reads
 from and writes into the registered host pool's pages in place. A page that fails
 verification is a miss (``None`` / ``False``), never wrong KV.
+
+Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``):
+``exists`` / ``batch_exists`` (SGLang asks them from its prefetch thread) look the pages not
+held here up in **one** registry call and pull the leading run held elsewhere into the local
+cache (one call per page group), so the ``batch_get`` that follows finds them here; a failed
+pull is a miss. Pages a ``set`` / ``batch_set`` stored are written through to the node's store
+and published, one publish per batch, on the link's own thread.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
-from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
@@ -36,7 +43,7 @@ class MMTierHiCacheStorage(HiCacheStorage):
         extra = storage_config.extra_config or {}
         if storage_config.is_mla_model:
             raise ConfigError("mmtier's HiCache backend stores MHA pages; MLA is not supported", ("is_mla_model",))
-        self.cache = shared_cache(config_from_extra(extra))
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_text_modality", "text")
         if self.cache.cfg.spec(self.modality).kind != "kv":
@@ -86,14 +93,22 @@ class MMTierHiCacheStorage(HiCacheStorage):
                               ("mem_pool_host",))
         return self.mem_pool_host
 
-    def _store(self, sglang_key: str, page: torch.Tensor) -> bool:
-        try:
-            k, v = self._page_kv(page)
-            self.cache.put(self.key(sglang_key), k, v)
-            return True
-        except MMTierError as exc:
-            log.warning("mmtier: page %s not stored: %s", sglang_key, exc)
-            return False
+    def _store(self, sglang_keys: list[str], pages) -> list[bool]:
+        """Store each page; the ones new here go to the cluster in one batch (with a link)."""
+        done, new = [], []
+        for sglang_key, page in zip(sglang_keys, pages, strict=True):
+            try:
+                k, v = self._page_kv(page)
+                key = self.key(sglang_key)
+                if self.cache.put(key, k, v):
+                    new.append(key)
+                done.append(True)
+            except MMTierError as exc:
+                log.warning("mmtier: page %s not stored: %s", sglang_key, exc)
+                done.append(False)
+        if self.link is not None and new:
+            self.link.share(new)
+        return done
 
     def _load(self, sglang_key: str, page: torch.Tensor) -> bool:
         """Fill ``page`` (a flat buffer or a host-pool view) in place; ``False`` on a miss."""
@@ -119,20 +134,23 @@ class MMTierHiCacheStorage(HiCacheStorage):
         return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
-        return self._store(key, value)
+        return self._store([key], [value])[0]
 
     def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
                   target_sizes: Any = None) -> bool:
-        return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
+        return all(self._store(keys, values))
 
     def exists(self, key: str) -> bool:
-        return self.cache.contains(self.key(key))
+        return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many leading keys are held (one pass, stopping at the first miss)."""
+        """How many leading keys are held (one pass, stopping at the first miss); with a link,
+        the rest are looked up in one registry call and the leading run held elsewhere pulled."""
         for i, key in enumerate(keys):
-            if not self.exists(key):
-                return i
+            if not self.cache.contains(self.key(key)):
+                if self.link is None:
+                    return i
+                return i + self.link.pull([self.key(k) for k in keys[i:]])
         return len(keys)
 
     # ------------------------------------------------------------------ zero copy
@@ -148,7 +166,7 @@ class MMTierHiCacheStorage(HiCacheStorage):
         return [self._load(k, page) for k, page in zip(keys, self._host_pages(keys, host_indices), strict=True)]
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
-        return [self._store(k, page) for k, page in zip(keys, self._host_pages(keys, host_indices), strict=True)]
+        return self._store(keys, self._host_pages(keys, host_indices))
 
     def clear(self) -> None:
         """SGLang's "flush the L3": nothing to do, mmtier's groups are content-addressed."""

@@ -14,6 +14,25 @@ completes). Worker side: ``start_load_kv`` reads the groups in a background thre
 ``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that fails to load (corrupt file,
 evicted meanwhile) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
 those blocks: wrong KV is never written.
+
+Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``): a
+request whose groups are not all held here makes **one** batched registry lookup for those it
+lacks, on the cache's ``EngineLink`` thread; the leading run held elsewhere is pulled whole into
+the local cache (one call per group) and then counts as a hit. Meanwhile
+``get_num_new_matched_tokens`` answers ``None`` (vLLM's "ask again at a later step"), so the
+scheduler never waits on the cluster (a request that lacks groups here is admitted a step or
+more later, once its lookup and pulls are done); a pull that fails is a miss. What the writer thread
+stores is written through to the node's store and published, one publish per batch
+(``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
+store's copies outlive it.
+
+Where vLLM runs the worker in another process than the scheduler
+(``distributed_executor_backend`` ``"ray"``, as Ray Serve LLM does on GPUs, or ``"mp"``), the two
+roles hold different caches: only the cluster joins them. The scheduler then only *locates* a
+request's groups (one lookup, nothing fetched into its own cache); the worker, at load, pulls
+what its cache lacks (one lookup, one call per group; that step's first layer waits for it).
+Without ``mmtier_cluster`` such a scheduler never sees the worker's saves (no hits; a warning
+says so).
 """
 
 from __future__ import annotations
@@ -33,7 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
-from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
 if TYPE_CHECKING:
@@ -41,6 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
+SPLIT_BACKENDS = ("ray", "mp")       # vLLM executors whose workers run in processes of their own
 
 
 @dataclass(frozen=True)
@@ -71,6 +91,7 @@ class _ReqState:
     load: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0                 # segments [0, saved) are held or queued for saving
+    pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
 
 
 def media_of(request: Any) -> list[MediaItem]:
@@ -93,7 +114,11 @@ class MMTierConnector(KVConnectorBase_V1):
                               "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
                               ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
-        self.cache = shared_cache(config_from_extra(extra))
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        self.split = par.distributed_executor_backend in SPLIT_BACKENDS
+        if self.split and self.link is None:
+            log.warning("mmtier: vLLM's worker runs in another process (%s executor): without "
+                        "mmtier_cluster the scheduler never sees its saves", par.distributed_executor_backend)
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
@@ -130,9 +155,22 @@ class MMTierConnector(KVConnectorBase_V1):
             state = self._reqs[request.request_id] = _ReqState(plan)
         return state
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
         state = self._plan(request)
-        held = self._lookup([s.key for s in state.plan.segments])
+        keys = [s.key for s in state.plan.segments]
+        held = self._lookup(keys)
+        if self.link is not None and not all(held):
+            if state.pull is None:                     # one lookup (and its pulls) per request
+                ask = self.link.locate_async if self.split else self.link.pull_async
+                state.pull = ask(keys[held.index(False):])
+            if not state.pull.done():
+                return None, False                     # vLLM asks again at a later step
+            if self.split:                             # held by the cluster: the worker pulls them
+                n = held.index(False) + (state.pull.result() if state.pull.exception() is None else 0)
+                held = [i < n for i in range(len(keys))]
+            else:
+                held = self._lookup(keys)              # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         return max(0, state.hit - num_computed_tokens), False
@@ -217,6 +255,10 @@ class MMTierConnector(KVConnectorBase_V1):
             self.register_kv_caches({name: layer.kv_cache for name, layer in
                                      forward_context.no_compile_layers.items()
                                      if isinstance(getattr(layer, "kv_cache", None), torch.Tensor)})
+        if self.link is not None and meta.loads:
+            # first on the reader thread: what this cache lacks (a scheduler in another process
+            # located it, or it was evicted since) pulled in one lookup; none when all is here
+            self._reader.submit(self.link.pull, [op.key for op in meta.loads])
         self._loading = [(op, self._reader.submit(self.cache.read_group, op.key)) for op in meta.loads]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -274,16 +316,22 @@ class MMTierConnector(KVConnectorBase_V1):
     def _store(self, done: list[tuple[GroupCopy, torch.Tensor, torch.Tensor]], event) -> None:
         if event is not None:
             event.synchronize()
+        stored = []
         for op, k, v in done:
             try:
-                self.cache.put(op.key, k, v)
+                if self.cache.put(op.key, k, v):
+                    stored.append(op.key)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
                 log.warning("mmtier: save of %r skipped: %s", op.key, exc)
+        if self.link is not None and stored:
+            self.link.share(stored)              # to the node store and the registry, off this thread
 
     def wait_for_saves(self, timeout: float = LOAD_TIMEOUT_S) -> None:
         """Block until every save handed to the writer so far is stored (tests, shutdown)."""
         for fut in list(self._saving):
             fut.result(timeout=timeout)
+        if self.link is not None:
+            self.link.wait(timeout)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

@@ -12,6 +12,13 @@ the cache reuses it. The scheduler asks ``has_cache_item`` and lists the items t
 worker reads them into vLLM's ``encoder_cache`` before the model gathers embeddings and saves
 what the encoder computed. An item that fails to load (corrupt, evicted meanwhile) fails its
 request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
+
+Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): ``has_cache_item`` asks the
+registry for an item not held here (one lookup) and, held elsewhere, pulls it whole (one call)
+before answering, so the scheduler's wait is bounded by one round trip and one transfer (a
+failure is a miss: the encoder runs); a saved item is written through to the node's store and
+published on the link's thread. With the worker in a process of its own (vLLM's ``ray`` or
+``mp`` executor) the scheduler only locates the item and the worker pulls it before loading.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from .engine_cache import config_from_extra, shared_cache, tenant_from_extra
+from .engine_cache import open_shared, tenant_from_extra
+from .vllm import SPLIT_BACKENDS
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -56,7 +64,8 @@ class MMTierECConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
-        self.cache = shared_cache(config_from_extra(extra))
+        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        self.split = vllm_config.parallel_config.distributed_executor_backend in SPLIT_BACKENDS
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
         if self.cache.cfg.spec(self.modality).kind != "embedding":
@@ -70,7 +79,12 @@ class MMTierECConnector(ECConnectorBase):
 
     # ------------------------------------------------------------------ scheduler side
     def has_cache_item(self, identifier: str) -> bool:
-        return self.cache.contains(self.key(identifier))
+        key = self.key(identifier)
+        if self.cache.contains(key):
+            return True
+        if self.link is None:
+            return False
+        return (self.link.locate if self.split else self.link.pull)([key]) == 1
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
@@ -94,6 +108,8 @@ class MMTierECConnector(ECConnectorBase):
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         device = kwargs.get("device")
+        if self.link is not None and meta.loads:     # what a scheduler elsewhere located, first
+            self.link.pull([self.key(i) for i in meta.loads if i not in encoder_cache], leading=False)
         for identifier, req_ids in meta.loads.items():
             if identifier in encoder_cache:
                 continue
@@ -109,10 +125,14 @@ class MMTierECConnector(ECConnectorBase):
         if not self.is_producer:
             return
         x = encoder_cache[mm_hash]
+        key = self.key(mm_hash)
         try:
-            self.cache.put_embedding(self.key(mm_hash), x.detach().reshape(-1, x.shape[-1]))
+            stored = self.cache.put_embedding(key, x.detach().reshape(-1, x.shape[-1]))
         except MMTierError as exc:                  # best effort: a dropped save is a later miss
             log.warning("mmtier: encoder output %s not saved: %s", mm_hash, exc)
+            return
+        if stored and self.link is not None:
+            self.link.share([key])
 
     def build_connector_worker_meta(self) -> MMTierECWorkerMetadata | None:
         if not self._failed:
