@@ -16,7 +16,8 @@ import torch
 
 from .errors import ShapeError
 from .groups import ModalityGroup
-from .kernels import write_kv
+from .kernels import uses_triton, write_kv
+from .kernels.reference import LayerRows, layer_rows, write_layer_rows
 from .payload import check_payload
 from .pool import PagePool
 
@@ -32,6 +33,7 @@ class Reservation:
     num_tokens: int
     written: set[int] = field(default_factory=set)
     open: bool = True
+    rows: LayerRows | None = None   # the torch path's row map, built at the first layer written
 
     @property
     def complete(self) -> bool:
@@ -54,6 +56,13 @@ def write_one_layer(res: Reservation, layer: int, k: torch.Tensor, v: torch.Tens
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
         check_payload(spec, t)
     dev = res.pool.device
+    if not uses_triton(backend, dev):
+        if res.rows is None:
+            res.rows = layer_rows(res.pool.view, res.page_ids, res.offsets)
+        if res.rows is not None:
+            write_layer_rows(res.rows, layer, k.to(dev), v.to(dev))
+            res.written.add(layer)
+            return
     write_kv(res.pool.view[:, layer:layer + 1], k.unsqueeze(0).to(dev), v.unsqueeze(0).to(dev),
              res.page_ids, res.offsets, backend=backend)
     res.written.add(layer)

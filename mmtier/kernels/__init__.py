@@ -80,6 +80,11 @@ def merge_attention_states(
     return merge_attention_states_torch(outs, lses, out_dtype=out_dtype)
 
 
+def uses_triton(backend: str, device: torch.device) -> bool:
+    """Whether ``backend`` runs the Triton kernels for tensors on ``device``."""
+    return _use_triton(backend, device)
+
+
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
              offsets: torch.Tensor, *, backend: str = "auto") -> None:
     """Scatter ``k, v [num_layers, n, Hkv, D]`` into the page-major pool view ``kv``: token

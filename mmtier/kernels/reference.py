@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -246,6 +247,36 @@ def write_kv_torch(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return
     kv[pid, :, 0, off] = k.transpose(0, 1).to(kv.dtype)
     kv[pid, :, 1, off] = v.transpose(0, 1).to(kv.dtype)
+
+
+@dataclass(frozen=True)
+class LayerRows:
+    """Where a reservation's tokens go in a contiguous pool's token rows, built once and used
+    for each layer: row of token ``i``'s K at layer ``l`` = ``base[i] + l * layer_rows``."""
+
+    flat: torch.Tensor              # the pool's storage as rows [R, Hkv * D]
+    base: torch.Tensor              # int64 [n]
+    layer_rows: int
+    v_rows: int
+
+
+def layer_rows(kv: torch.Tensor, page_ids: torch.Tensor, offsets: torch.Tensor) -> LayerRows | None:
+    """``LayerRows`` of tokens bound for pages ``page_ids`` / slots ``offsets`` of the page-major
+    view ``kv [P, L, 2, S, Hkv, D]``, or ``None`` when its rows are not contiguous."""
+    rows = _token_rows(kv)
+    if rows is None:
+        return None
+    flat, (page_rows, layer_stride, v_rows, slot_rows) = rows
+    base = page_ids.to(kv.device).long() * page_rows + offsets.to(kv.device).long() * slot_rows
+    return LayerRows(flat, base, layer_stride, v_rows)
+
+
+def write_layer_rows(rows: LayerRows, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """One layer's ``k, v [n, Hkv, D]`` into their rows: one ``index_copy_`` each."""
+    idx = rows.base + layer * rows.layer_rows if layer else rows.base
+    width = rows.flat.shape[1]
+    rows.flat.index_copy_(0, idx, k.reshape(-1, width).to(rows.flat.dtype))
+    rows.flat.index_copy_(0, idx + rows.v_rows, v.reshape(-1, width).to(rows.flat.dtype))
 
 
 def _token_rows(kv: torch.Tensor):
