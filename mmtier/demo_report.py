@@ -92,11 +92,13 @@ def plot(r: DemoReport, path: Path) -> Path:
     a1.legend(fontsize=8)
 
     names = list(MEDIA_NAMES.values())
-    bars = {"placed": "placements", "hit": "hits", "encoder (cache)": "encoder_runs",
+    bars = {"placed": "placements", "hit (K/V attached)": "hits",
+            "encoder output reused": "embedding_hits", "encoder (cache)": "encoder_runs",
             "encoder (dense)": "encoder_runs_dense"}
     width = 0.8 / len(bars)
     for i, (label, key) in enumerate(bars.items()):
-        a2.bar([j + i * width for j in range(len(names))], [f[f"{n}_{key}"] for n in names], width, label=label)
+        a2.bar([j + i * width for j in range(len(names))], [f.get(f"{n}_{key}", 0) for n in names], width,
+               label=label)
     a2.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     a2.set(title="media: hits and encoder runs", ylabel="items")
     a2.legend(fontsize=8)
