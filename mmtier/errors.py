@@ -72,3 +72,16 @@ class HolderLostError(UnknownKeyError):
 
 class UnsupportedError(MMTierError, NotImplementedError):
     """A model, mask or option an integration does not handle; the message says which."""
+
+
+class BadMediaError(MMTierError, ValueError):
+    """Media bytes that do not decode as an accepted type (a truncated PNG, not a WAV file);
+    ``unsupported``: well-formed bytes of a type that is not accepted (a GIF, a float WAV)."""
+
+    def __init__(self, message: str, *, unsupported: bool = False):
+        super().__init__(message)
+        self.unsupported = unsupported
+
+
+class BusyError(MMTierError):
+    """A model or engine that did not become free within its wait; nothing ran (try again)."""

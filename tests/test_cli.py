@@ -39,7 +39,8 @@ def test_bench_rejects_unknown_names():
 def test_start_config_from_serve_yaml_and_presets(monkeypatch):
     monkeypatch.setenv("MMTIER_KEY_SECRET", "s3cret-from-env")
     cfg, settings = load_start_config(ROOT / "configs" / "serve.yaml")
-    assert cfg.model.startswith("mmtier-reference-v1") and settings.namespace == "mmtier"
+    assert cfg.model.startswith("chat:hf:qwen2_vl") and settings.namespace == "mmtier"   # the HF chat model
+    assert {"text", "vision", "transcript", "audio"} <= set(cfg.modalities)
     assert cfg.key_secret == "s3cret-from-env"
     cfg, _ = load_start_config(ROOT / "configs" / "tiny-mm.yaml")
     assert cfg.model == "tiny-mm" and cfg.key_secret == "s3cret-from-env"

@@ -4,8 +4,11 @@
 - ``config.ServeAppConfig``: its ``args`` (API keys -> tenants, limits, affinity, workers);
 - ``protocol``: the HTTP JSON API and its status codes;
 - ``routing``: the cache-affinity rule (which node's worker takes a turn);
-- ``worker.TurnWorker``: the per-node worker, an actor that runs the reference model and holds
-  its node's pool (``mmtier.actors.PoolHost``);
+- ``worker.TurnWorker``: the per-node worker, an actor that runs the model and holds its node's
+  pool (``mmtier.actors.PoolHost``);
+- ``engines``: the model a worker runs behind one interface (``hf_engine``: the transformers
+  chat model, the default; or the reference model), and the part of it the ingress needs;
+- ``media``: the media bytes the app accepts (PNG, JPEG, PCM16 WAV), checked before routing;
 - ``node_cache.NodeCache``: a ``ClusterCache`` as a model sees it from one node (for a model
   that does not hold a pool of its own).
 

@@ -1,4 +1,4 @@
-"""The Ray Serve application: an HTTP JSON API over the reference model and the cluster cache.
+"""The Ray Serve application: an HTTP JSON API over a chat model and the cluster cache.
 
 ``serve run configs/serve.yaml`` (or ``mmtier serve --config configs/serve.yaml``) calls
 ``build_app(args)``, which
@@ -7,11 +7,13 @@
    GPU / CPU node, a store per node);
 2. creates one ``TurnWorker`` per node, pinned there by a per-node resource
    (``routing.pin_targets``: ``node:<ip>`` in production, custom resources in tests): a named
-   actor (``host_name(node)``) that runs the model and holds that node's pool itself;
+   actor (``host_name(node)``) that runs the model (``engines.py``; the transformers chat model
+   by default) and holds that node's pool itself;
 3. puts ``TurnIngress`` in front: it authenticates (API key -> tenant, server side), parses
-   and checks the request, decodes and hashes the media, asks the ContentRegistry where the
-   request's content lives (one batched lookup per request) and forwards the turn to the
-   worker on that node
+   and checks the request, decodes (PNG / JPEG / PCM16 WAV) and hashes the media, asks the
+   ContentRegistry where the request's content-only groups live (one batched lookup per
+   request, whatever the number of media items; keys from the engine's ``Frontend``, as its
+   conversations compute them) and forwards the turn to the worker on that node
    (``routing.Router``: conversation, then content, then least loaded).
 
 Routes: ``POST /v1/turn``, ``DELETE /v1/conversations/{id}``, ``GET /healthz``. The protocol
@@ -40,7 +42,7 @@ class TurnIngress:
 
     def __init__(self, cfg_json: dict, workers: dict):
         from ..actors import connect
-        from ..models import ReferenceModel, cross_modality, embed_modality
+        from .engines import load_frontend
 
         self.cfg = ServeAppConfig.parse(cfg_json)
         self.keys = self.cfg.key_table()
@@ -51,10 +53,7 @@ class TurnIngress:
         self.index = {i: node for i, node in enumerate(sorted(self.workers))}
         self.node_index = {node: i for i, node in self.index.items()}
         self.cluster = connect(self.cfg.settings())
-        model = ReferenceModel(seed=self.cfg.model.seed)
-        self.params = {m: enc.params for m, enc in model.encoders.items()}
-        self.encoders = dict(model.encoders)
-        self.group_modalities = {m: (cross_modality(m), embed_modality(m)) for m in model.encoders}
+        self.frontend = load_frontend(self.cfg.model)
         self.router = Router(sorted(self.workers))
         self._holders: dict[str, tuple[str, str] | None] = {}
 
@@ -79,7 +78,8 @@ class TurnIngress:
             if method != "POST":
                 raise HTTPError(405, "method_not_allowed", "use POST /v1/turn")
             tenant = self._tenant(request)
-            turn = parse_turn(await self._body(request), self.cfg.limits, self._media_tokens)
+            body = await self._body(request)          # media decoded off the event loop
+            turn = await asyncio.to_thread(parse_turn, body, self.cfg.limits, self._media_tokens)
             return await self._turn(tenant, turn)
         if path.startswith("/v1/conversations/"):
             if method != "DELETE":
@@ -91,7 +91,7 @@ class TurnIngress:
         raise HTTPError(404, "not_found", f"no route {method} {path}")
 
     def _media_tokens(self, item: MediaItem) -> int:
-        return self.encoders[item.modality].tokens_for(item.data)
+        return self.frontend.media_tokens(item.type, item.data)
 
     def _tenant(self, request) -> str:
         key = api_key(request.headers)
@@ -122,32 +122,39 @@ class TurnIngress:
         scores = self.router.scores((loc for pair in locs for loc in pair), self._holder)
         route = self.router.choose(scores, conv_node)
         items = [(i.type, i.data) if isinstance(i, MediaItem) else ("text", i.text) for i in turn.content]
-        status, body = await self._call(route.node, "turn", tenant, turn.conversation_id, items,
-                                        turn.max_new_tokens)
+        try:
+            status, body = await self._call(route.node, "turn", tenant, turn.conversation_id, items,
+                                            turn.max_new_tokens)
+        except HTTPError as exc:
+            other = self.router.failover(route.node, scores) if exc.kind == "worker_lost" and \
+                turn.conversation_id is None else None
+            if other is None:
+                raise
+            route = other                                  # a new conversation: nothing lost
+            status, body = await self._call(route.node, "turn", tenant, None, items, turn.max_new_tokens)
         if status == 200:
             body["routing"] = {"rule": route.rule, "node": route.node,
                                "content_bytes_by_node": route.scores}
             body["cache"]["media"] = [
-                {"type": m.type, "sha256": m.sha256, "bytes": len(m.data),
-                 "cached": cross is not None,
-                 "nodes": sorted({h[0] for h in map(self._holder, _names(cross, emb)) if h})}
-                for m, (cross, emb) in zip(media, locs)]
+                {"type": m.type, "media_type": m.info.media_type, "sha256": m.sha256, "bytes": len(m.data),
+                 "cached": any(loc is not None for loc in item_locs),
+                 "nodes": sorted({h[0] for h in map(self._holder, _names(*item_locs)) if h})}
+                for m, item_locs in zip(media, locs)]
             body["cache"]["hit"] = any(x["cached"] for x in body["cache"]["media"])
         return status, body
 
     async def _locate(self, tenant: str, media) -> list[tuple]:
-        """Per media item: the registry's Locations of its cross-attention K/V and encoder
-        outputs for this tenant (content-only groups; None where not held)."""
+        """Per media item: the registry's Locations of its content-only groups for this tenant
+        (cross-attention K/V, encoder outputs; None where not held)."""
         if not media:
             return []
-        keys = []
-        for m in media:
-            cross, emb = self.group_modalities[m.modality]
-            p = self.params[m.modality]
-            keys += [self.cluster.content_key(cross, m.data, tenant=tenant, params=p),
-                     self.cluster.content_key(emb, m.data, tenant=tenant, params=p)]
-        locs = await self.cluster.locate_many_async(keys)          # one registry call per request
-        return [(locs[i], locs[i + 1]) for i in range(0, len(locs), 2)]
+        per_item = [self.frontend.routing_keys(self.cluster, tenant, m.type, m.data) for m in media]
+        locs = await self.cluster.locate_many_async([k for keys in per_item for k in keys])  # one call
+        out, i = [], 0
+        for keys in per_item:
+            out.append(tuple(locs[i:i + len(keys)]))
+            i += len(keys)
+        return out
 
     def _holder(self, name: str) -> tuple[str, str] | None:
         if name not in self._holders:                     # a holder we have not seen: look again

@@ -13,9 +13,10 @@ import hashlib
 import hmac
 import json
 import os
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..actors.settings import ClusterSettings
 from ..config import CacheConfig, require_key_secret
@@ -27,11 +28,55 @@ class _Strict(BaseModel):
 
 
 class ModelArgs(_Strict):
-    seed: int = Field(0, description="Seed of the reference model (its weights and identity).")
+    """Which model the workers run. ``hf`` (the default): the transformers chat model of
+    ``mmtier.integrations.chat`` (a Qwen2-VL-architecture VLM, and Whisper for audio): small
+    random-weight models built from ``configs/demo-qwen2-vl.json`` and
+    ``configs/demo-whisper.json`` unless ``path`` / ``audio_path`` name local directories of
+    real weights. ``reference``: mmtier's own seeded reference model (no transformers)."""
+
+    kind: Literal["hf", "reference"] = Field("hf", description="'hf' (transformers chat model) or 'reference'.")
+    seed: int = Field(0, description="Seed of the random weights (when no path is given).")
+    path: str | None = Field(
+        None, description="Local directory of the VLM's weights (config.json and *.safetensors / *.bin, "
+                          "as save_pretrained writes them); loaded with local_files_only=True, never "
+                          "downloaded. Must exist on every node (workers, ingress). None: random weights.")
+    audio_path: str | None = Field(
+        None, description="Local directory of the Whisper model that transcribes audio items; set "
+                          "with path (both real, or both random).")
+
+    @field_validator("path", "audio_path")
+    @classmethod
+    def _local_dir(cls, value: str | None) -> str | None:
+        return None if value is None else local_weights_dir(value)
+
+    @model_validator(mode="after")
+    def _kind_fits(self) -> ModelArgs:
+        if self.kind == "reference" and (self.path or self.audio_path):
+            raise ValueError("the reference model has no weights to load: path / audio_path need kind 'hf'")
+        if (self.path is None) != (self.audio_path is None):
+            raise ValueError("path and audio_path go together (the VLM's and Whisper's weights), or "
+                             "neither (random weights)")
+        return self
+
+
+def local_weights_dir(value: str) -> str:
+    """``value`` as an absolute directory that holds a model (``config.json`` and weight files);
+    ``ValueError`` otherwise: the app never downloads, a hub id is not a directory."""
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        hint = " (it looks like a hub id: download it yourself, then name the directory)" \
+            if not path.is_absolute() and value.count("/") == 1 and not value.startswith(".") else ""
+        raise ValueError(f"{value!r} is not a local directory{hint}; the app loads weights with "
+                         "local_files_only=True and never downloads")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{value!r} has no config.json (not a save_pretrained directory)")
+    if not any(p.suffix in (".safetensors", ".bin") for p in path.iterdir()):
+        raise ValueError(f"{value!r} has no weight files (*.safetensors or *.bin); they would need a download")
+    return str(path.resolve())
 
 
 class CacheArgs(_Strict):
-    """What ``mmtier.models.reference_config`` takes: the cache of the reference model."""
+    """The budgets of the cluster's cache; its layout (layers, heads, modalities) is the model's."""
 
     device_bytes: int | None = Field(
         64 << 20, gt=0, description="Page arena of each pool, bytes; null on GPUs: a share of the free "
@@ -49,8 +94,9 @@ class CacheArgs(_Strict):
                            "could derive tenant salts).")
     shares: dict[str, float] | None = Field(None, description="Arena share per modality (default: the model's).")
 
-    def cache_config(self, seed: int) -> CacheConfig:
-        from ..models import reference_config
+    def cache_config(self, model: ModelArgs) -> CacheConfig:
+        """The cluster's cache for ``model`` (its layout from the model, budgets from here)."""
+        from .engines import engine_cache_config
 
         extra: dict[str, Any] = {"device": self.device, "eviction_policy": self.eviction_policy}
         secret = os.environ.get(self.key_secret_env) if self.key_secret_env else None
@@ -59,8 +105,8 @@ class CacheArgs(_Strict):
         elif self.key_secret_env and not self.allow_default_key_secret:
             raise ConfigError(f"cache.key_secret_env: environment variable {self.key_secret_env} "
                               "is not set (it holds the cache's key secret)", ("cache.key_secret_env",))
-        cfg = reference_config(device_bytes=self.device_bytes, host_bytes=self.host_bytes,
-                               seed=seed, shares=self.shares, **extra)
+        cfg = engine_cache_config(model, device_bytes=self.device_bytes, host_bytes=self.host_bytes,
+                                  shares=self.shares, **extra)
         require_key_secret(cfg, self.allow_default_key_secret,
                            "set cache.key_secret_env to an environment variable that holds one")
         return cfg
@@ -69,6 +115,10 @@ class CacheArgs(_Strict):
 class Limits(_Strict):
     max_request_bytes: int = Field(16 << 20, gt=0, description="Largest HTTP body accepted (413 above).")
     max_media_bytes: int = Field(1 << 20, gt=0, description="Largest decoded media item (413 above).")
+    max_image_pixels: int = Field(
+        4 << 20, gt=0, description="Largest image, width x height as its header declares, checked "
+                                   "before decoding (413 above; a decompression bomb never decodes).")
+    max_audio_seconds: float = Field(30.0, gt=0, description="Longest audio clip (413 above; Whisper hears 30 s).")
     max_text_bytes: int = Field(
         4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the byte-level reference "
                                 "model; a chunk's attention grows with its square; 413 above).")
@@ -146,7 +196,7 @@ class ServeAppConfig(_Strict):
             raise ConfigError(f"invalid cluster settings: {exc}", ("cluster",)) from None
 
     def cache_config(self) -> CacheConfig:
-        return self.cache.cache_config(self.model.seed)
+        return self.cache.cache_config(self.model)
 
     def key_table(self) -> KeyTable:
         digests = {k.lower(): t for k, t in self.api_key_sha256.items()}

@@ -4,19 +4,26 @@
 
     {"conversation_id": "...",              # optional: continue a conversation
      "content": [{"type": "text", "text": "Describe "},
-                 {"type": "image", "data": "<base64>"},
-                 {"type": "audio", "data": "<base64>"}],
+                 {"type": "image", "data": "<base64 PNG or JPEG>"},
+                 {"type": "audio", "data": "<base64 WAV, 16-bit PCM>", "media_type": "audio/wav"}],
      "max_new_tokens": 8}                   # optional
+
+Media types: ``image/png`` and ``image/jpeg`` for ``image`` items, ``audio/wav`` (16-bit PCM,
+mono or stereo) for ``audio`` items. A media item's ``media_type`` is optional; when given it must
+be an accepted type and match the bytes. Every media item is decoded here, before the turn is
+routed (``media.py``), so a bad one changes nothing anywhere.
 
 The tenant is never read from the body: it is the tenant the API key maps to in the server's
 config. A body that carries a ``tenant`` field is **rejected** (400), as is any other unknown
 field, so a client that believes it can pick its tenant learns at once that it cannot.
 
 Errors are ``{"error": {"status": N, "type": "...", "message": "..."}}`` with status 400 (malformed
-JSON, bad base64, unknown content type, bad field), 401 (missing or unknown API key), 404
-(unknown conversation), 413 (body, text item, media item or the turn's tokens over the configured
-limit), 503 (the cache has
-no room: ``CapacityError``); 500 only for a server fault, never for bad input.
+JSON, bad base64, unknown content type, bad field, media bytes that do not decode:
+``bad_media``), 401 (missing or unknown API key), 404 (unknown conversation), 413 (body, text
+item, media item, an image's pixels, an audio clip's seconds or the turn's tokens over the
+configured limit), 415 (``unsupported_media_type``: a GIF, a float WAV, a ``media_type`` not
+accepted), 503 (the cache has no room: ``CapacityError``; the model stayed busy: ``busy``; the
+worker was lost); 500 only for a server fault, never for bad input.
 """
 
 from __future__ import annotations
@@ -28,7 +35,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import BadMediaError
 from .config import Limits
+from .media import ACCEPTED, AudioInfo, ImageInfo, TooLargeMedia, check_image, check_wav
 
 MEDIA_TYPES = {"image": "vision", "audio": "audio"}      # request type -> model modality
 TYPE_OF = {v: k for k, v in MEDIA_TYPES.items()}
@@ -55,6 +64,7 @@ class MediaItem:
     type: str                 # "image" | "audio"
     data: bytes
     sha256: str               # computed here, on the server
+    info: ImageInfo | AudioInfo    # what the bytes decoded to (media type, size)
 
     @property
     def modality(self) -> str:
@@ -154,8 +164,13 @@ def _item(item: object, n: int, limits: Limits) -> TextItem | MediaItem:
     if kind not in MEDIA_TYPES:
         raise bad(f"{where}: unknown content type {kind!r}; use 'text', "
                   + ", ".join(repr(t) for t in MEDIA_TYPES), "unknown_media_kind")
-    if set(item) != {"type", "data"} or not isinstance(item["data"], str):
-        raise bad(f"{where}: a media item is {{'type': {kind!r}, 'data': <base64 string>}}")
+    if not {"type", "data"} <= set(item) <= {"type", "data", "media_type"} or not isinstance(item["data"], str):
+        raise bad(f"{where}: a media item is {{'type': {kind!r}, 'data': <base64 string>}} "
+                  "(and optionally 'media_type')")
+    declared = item.get("media_type")
+    if declared is not None and declared not in ACCEPTED[kind]:
+        raise HTTPError(415, "unsupported_media_type", f"{where}: media_type {declared!r} is not accepted for "
+                                                       f"{kind}; use one of {list(ACCEPTED[kind])}")
     encoded = item["data"]
     if len(encoded) // 4 * 3 > limits.max_media_bytes + 3:          # before decoding anything
         raise HTTPError(413, "too_large", f"{where}: {kind} is over the {limits.max_media_bytes}-byte limit")
@@ -168,4 +183,21 @@ def _item(item: object, n: int, limits: Limits) -> TextItem | MediaItem:
     if len(data) > limits.max_media_bytes:
         raise HTTPError(413, "too_large", f"{where}: {kind} of {len(data)} bytes is over the "
                                           f"{limits.max_media_bytes}-byte limit")
-    return MediaItem(kind, data, hashlib.sha256(data).hexdigest())
+    info = _decode(kind, data, limits, where)
+    if declared is not None and declared != info.media_type:
+        raise HTTPError(415, "unsupported_media_type", f"{where}: the bytes are {info.media_type}, "
+                                                       f"not the declared {declared}")
+    return MediaItem(kind, data, hashlib.sha256(data).hexdigest(), info)
+
+
+def _decode(kind: str, data: bytes, limits: Limits, where: str) -> ImageInfo | AudioInfo:
+    try:
+        if kind == "image":
+            return check_image(data, limits.max_image_pixels)
+        return check_wav(data, limits.max_audio_seconds)
+    except TooLargeMedia as exc:
+        raise HTTPError(413, "too_large", f"{where}: {exc}") from None
+    except BadMediaError as exc:
+        if exc.unsupported:
+            raise HTTPError(415, "unsupported_media_type", f"{where}: {exc}") from None
+        raise bad(f"{where}: {exc}", "bad_media") from None

@@ -13,6 +13,10 @@ an ingress that routes each turn by one rule, first match wins:
 3. **least_loaded**: otherwise (no media, or nothing of it cached for this tenant) the node
    whose worker has the fewest turns in flight from this ingress; ties rotate.
 
+A new conversation whose worker is lost (dead or restarting) is sent once more, to the least
+loaded of the other nodes (rule **failover**): it holds nothing on the lost node yet. A turn of
+an open conversation is not: its history lived on that worker.
+
 Which node a worker is pinned to (``pin_targets``): in production every Ray node carries the
 automatic resource ``node:<ip>``, and a worker claims a sliver of it; where nodes share an IP
 (a one-machine test cluster) each node carries its own custom resource with a common prefix.
@@ -102,6 +106,11 @@ class Router:
             tied = [n for n in self.nodes if scores.get(n) == best]
             return Route(self._least(tied), "content", scores)
         return Route(self._least(self.nodes), "least_loaded", scores)
+
+    def failover(self, lost: str, scores: dict[str, int]) -> Route | None:
+        """Another node for a new conversation whose worker on ``lost`` did not take it."""
+        others = [n for n in self.nodes if n != lost]
+        return Route(self._least(others), "failover", scores) if others else None
 
     def _least(self, nodes: list[str]) -> str:
         low = min(self.inflight[n] for n in nodes)

@@ -1,45 +1,46 @@
 """``TurnWorker``: the per-node worker of the Serve app (a plain class; ``app.py`` wraps it).
 
 One worker runs on each node (pinned by a per-node resource), as a named actor that holds its
-device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the reference model and its
-cache live in one process, so a turn's attention reads local pages with no Ray call. Its open
-conversations are ``CachedSession``s (``mmtier.models``) over that embedded cache; media groups
-held elsewhere are found by one registry lookup per turn and pulled whole into the pool (the
-turn's ``traffic`` in the answer counts those calls); new groups are published after the turn.
+device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the model and its cache
+live in one process, so a turn's attention reads local pages with no Ray call. The model is a
+pluggable chat engine (``engines.py``: the transformers chat model by default, or the
+reference model); its open conversations run over that embedded cache; media groups held
+elsewhere are found by one registry lookup per turn and pulled whole into the pool (the turn's
+``traffic`` in the answer counts those calls); new groups are published after the turn.
 
 Turns of one conversation run one at a time (a lock per conversation); turns of different
-conversations run concurrently in threads. Each conversation has its own copy of the model's
-counters, so the cache information of a turn is exactly what that turn did. A turn that fails
+conversations run concurrently in threads, except on a ``serial`` engine (the transformers chat
+model keeps per-turn state), whose turns take the model one at a time (503 ``busy`` after
+``TURN_WAIT_S``, the conversation unchanged); the pool's own actor methods always run alongside. Each conversation counts its own turns' cache
+work, so the cache information of a turn is exactly what that turn did. A turn that fails
 half-way closes its conversation (its state is no longer a prefix the model can extend).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..actors.pool_host import PoolHost
-from ..errors import CapacityError, MMTierError, UnknownKeyError
-from ..models import Media, MediaError, ModelCounters, ModelError, ReferenceModel, Text
+from ..errors import BadMediaError, BusyError, CapacityError, MMTierError, UnknownKeyError
 from .config import ServeAppConfig
-from .protocol import TYPE_OF
+from .engines import Conversation, load_engine
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("encoder_runs", "embedding_hits", "cross_hits", "cross_misses", "self_hits", "self_misses")
+TURN_WAIT_S = 240.0       # longest a turn waits for a serial engine's model (other turns)
 
 
 @dataclass
 class _Conversation:
     id: str
     tenant: str
-    session: object
-    model: ReferenceModel
+    chat: Conversation
     lock: threading.Lock = field(default_factory=threading.Lock)
     last_used: float = field(default_factory=time.monotonic)
     turns: int = 0
@@ -61,10 +62,11 @@ class TurnWorker(PoolHost):
         if expected_node is not None and expected_node != self.node:
             log.warning("worker %d expected on node %s runs on %s", index, expected_node,
                         ray.get_runtime_context().get_node_id())
-        self.model = ReferenceModel(seed=self.app_cfg.model.seed)
-        self.model.check_cache(self.local)
+        self.engine = load_engine(self.app_cfg.model)
+        self.engine.check_cache(self.local)
         self._convs: OrderedDict[str, _Conversation] = OrderedDict()
         self._convs_lock = threading.Lock()
+        self._serial = threading.Lock()          # a serial engine's one turn at a time
 
     # ------------------------------------------------------------------ remote interface
     def turn(self, tenant: str, conversation_id: str | None, items: list[tuple[str, object]],
@@ -83,10 +85,11 @@ class TurnWorker(PoolHost):
     # ------------------------------------------------------------------ turns
     def _turn(self, tenant, conversation_id, items, max_new_tokens) -> tuple[int, dict]:
         self._sweep()
-        prompt = [Text(p) if t == "text" else Media({"image": "vision"}.get(t, t), p) for t, p in items]
         try:
-            prompt = self.model.validate(prompt, max_new_tokens)    # nothing opened on bad input
-        except (MediaError, ModelError) as exc:
+            self.engine.check(items, max_new_tokens)           # nothing opened on bad input
+        except BadMediaError as exc:
+            return 400, _error(400, "bad_media", str(exc))
+        except MMTierError as exc:                              # check raises only on bad input
             return 400, _error(400, "bad_prompt", str(exc))
         conv = None
         try:
@@ -101,16 +104,17 @@ class TurnWorker(PoolHost):
             with conv.lock:
                 if conv.id not in self._convs:       # closed while we waited
                     return 404, _error(404, "unknown_conversation", f"conversation {conv.id!r} was closed")
-                before = conv.model.counters.snapshot()
-                calls_before = dict(self.transport.calls)
-                t0 = time.perf_counter()
-                tokens = conv.session.send(prompt, max_new_tokens)
-                seconds = time.perf_counter() - t0
-                after = conv.model.counters.snapshot()
-                traffic = {k: n - calls_before.get(k, 0) for k, n in self.transport.calls.items()
-                           if n != calls_before.get(k, 0)}
+                with self._model_turn():
+                    calls_before = dict(self.transport.calls)
+                    t0 = time.perf_counter()
+                    out = conv.chat.send(items, max_new_tokens)
+                    seconds = time.perf_counter() - t0
+                    traffic = {k: n - calls_before.get(k, 0) for k, n in self.transport.calls.items()
+                               if n != calls_before.get(k, 0)}
                 conv.turns += 1
                 conv.last_used = time.monotonic()
+        except BusyError as exc:                  # nothing ran: the conversation stays as it was
+            return 503, _error(503, "busy", str(exc))
         except CapacityError as exc:
             self._drop(conv)
             return 503, _error(503, "capacity", f"the cache has no room for this turn: {exc}")
@@ -122,17 +126,28 @@ class TurnWorker(PoolHost):
             log.exception("turn failed")
             return 500, _error(500, "internal", f"{type(exc).__name__}: {exc}")
         return 200, {
-            "conversation_id": conv.id, "turn": conv.turns, "tokens": tokens,
-            "text": bytes(tokens).decode("utf-8", errors="replace"),
+            "conversation_id": conv.id, "turn": conv.turns, "tokens": out.tokens, "text": out.text,
             "node": self.node, "worker": self.index, "seconds": round(seconds, 4),
-            "cache": {"counts": _delta(before, after), "traffic": traffic},
+            "cache": {"counts": out.counts, "traffic": traffic},
         }
 
+    @contextmanager
+    def _model_turn(self):
+        """The model for one turn: alone when the engine is ``serial`` (``BusyError`` when other
+        turns keep it past ``TURN_WAIT_S``), so the turn's traffic and counts are its own."""
+        if not self.engine.serial:
+            yield
+            return
+        if not self._serial.acquire(timeout=TURN_WAIT_S):
+            raise BusyError(f"the model stayed busy with other turns for {TURN_WAIT_S:.0f} s")
+        try:
+            yield
+        finally:
+            self._serial.release()
+
     def _open(self, tenant: str) -> _Conversation:
-        model = copy.copy(self.model)              # shares weights; counters of its own
-        model.counters = ModelCounters()
-        session = model.session(self.local, tenant)
-        conv = _Conversation(f"w{self.index}.{secrets.token_hex(12)}", tenant, session, model)
+        chat = self.engine.open(self.local, tenant)
+        conv = _Conversation(f"w{self.index}.{secrets.token_hex(12)}", tenant, chat)
         with self._convs_lock:
             self._convs[conv.id] = conv
         return conv
@@ -153,7 +168,7 @@ class TurnWorker(PoolHost):
         with self._convs_lock:
             self._convs.pop(conv.id, None)
         try:
-            conv.session.close()
+            conv.chat.close()
         except MMTierError as exc:                 # the cluster lost it already
             log.warning("closing conversation %s: %s", conv.id, exc)
 
@@ -180,16 +195,6 @@ class TurnWorker(PoolHost):
                     self._close(conv)
                 finally:
                     conv.lock.release()
-
-
-def _delta(before: dict, after: dict) -> dict:
-    """This turn's model counters, media named by request type ("image", "audio")."""
-    out: dict[str, object] = {}
-    for name in COUNTERS:
-        d = {TYPE_OF.get(m, m): n - before[name].get(m, 0) for m, n in after[name].items()}
-        out[name] = {m: n for m, n in d.items() if n}
-    out["decoder_tokens"] = after["decoder_tokens"] - before["decoder_tokens"]
-    return out
 
 
 def _error(status: int, kind: str, message: str) -> dict:

@@ -1,0 +1,174 @@
+"""The transformers chat model (``mmtier.integrations.chat``) as the Serve app's engine.
+
+``model: {kind: hf}`` (the default): a Qwen2-VL-architecture VLM and a Whisper for audio, small
+random-weight models built from ``configs/demo-qwen2-vl.json`` / ``configs/demo-whisper.json``
+with ``seed``, or real weights from local directories (``path``, ``audio_path``;
+``from_pretrained(..., local_files_only=True)``). The text vocabulary is the chat layer's
+byte-level one (no tokenizer is downloaded).
+
+- ``HFFrontend`` (the ingress; processors only, no weights): an image costs its image tokens
+  as the model's image processor resizes it (read from the header) plus its two vision markers;
+  an audio clip its transcript tokens plus two markers. A media item's content-only group, keyed
+  as the chat layer keys it: an image's vision-tower output (``vision_embed``), a clip's
+  Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
+  conversation's prefix: it is found through the conversation, not routed by.)
+- ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
+  One turn at a time per worker (``serial``: the models keep per-turn state, Qwen2-VL's rope
+  deltas and the encoder-run counters), so each turn's counts are exactly that turn's; the
+  pool's own actor methods (exports to other nodes) still run alongside. ``Conversation.turn_keys`` (history
+  spans, the turn's spans, its images' and clips' groups) go to ``begin_turn``: one batched
+  lookup, groups held elsewhere fetched whole; ``end_turn`` publishes what the turn made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from ..config import CacheConfig
+from ..content import ContentKey
+from ..errors import BadMediaError, ConfigError, ShapeError
+from .config import ModelArgs
+from .engines import Item, TurnOutput
+from .protocol import TYPE_OF
+
+MARKERS = 2               # vision start / end, audio start / end around a media item's tokens
+
+
+@lru_cache(maxsize=2)
+def load_chat(model: ModelArgs):
+    """The ``ChatModel`` of ``model`` (cached per process: the driver, a worker)."""
+    from ..integrations.chat import ChatModel
+
+    if model.path is None:
+        return ChatModel.tiny(model.seed)
+    try:
+        return ChatModel.from_pretrained(model.path, model.audio_path)
+    except (OSError, ValueError) as exc:        # transformers' "not found locally" and bad configs
+        raise ConfigError(f"model.path: cannot load {model.path} / {model.audio_path} without a "
+                          f"download: {exc}", ("model.path",)) from None
+
+
+def hf_cache_config(model: ModelArgs, **overrides: Any) -> CacheConfig:
+    """ONE ``CacheConfig`` for both models (``text`` / ``vision`` / ``transcript`` / ``audio``)."""
+    return load_chat(model).cache_config(**overrides)
+
+
+class HFFrontend:
+    """What the ingress needs: a media item's tokens (the image processor's resize rule) and
+    its content-only group's key (``vision_embed`` for an image, ``audio`` for a clip)."""
+
+    def __init__(self, image_processor, transcript_tokens: int):
+        self.image_processor = image_processor
+        self.transcript_tokens = transcript_tokens
+
+    @classmethod
+    def load(cls, model: ModelArgs) -> HFFrontend:
+        import inspect
+
+        from ..integrations import chat
+
+        transcript = inspect.signature(chat.ChatModel).parameters["transcript_tokens"].default
+        if model.path is not None:
+            from transformers import Qwen2VLImageProcessorPil
+
+            return cls(Qwen2VLImageProcessorPil.from_pretrained(model.path, local_files_only=True), transcript)
+        from transformers import Qwen2VLConfig
+
+        vcfg = Qwen2VLConfig(**chat._read(chat.CONFIG_DIR / chat.VLM_CONFIG))
+        return cls(chat._image_processor(vcfg), transcript)
+
+    def media_tokens(self, kind: str, data: bytes) -> int:
+        from ..integrations.chat_media import ImageItem
+
+        if kind == "image":
+            return _media(lambda: ImageItem.read(data, self.image_processor).tokens) + MARKERS
+        return self.transcript_tokens + MARKERS
+
+    def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
+        from ..integrations.chat_conversation import _image_features_key
+        from ..integrations.chat_media import ImageItem
+
+        if kind == "audio":
+            return [cache.content_key("audio", data, tenant=tenant)]
+        return [_image_features_key(cache, tenant, _media(lambda: ImageItem.read(data, self.image_processor)))]
+
+
+class HFEngine(HFFrontend):
+    """Conversations of the chat model; a turn at a time (``serial``)."""
+
+    serial = True
+
+    def __init__(self, chat):
+        super().__init__(chat.image_processor, chat.transcript_tokens)
+        self.chat = chat
+
+    @classmethod
+    def load(cls, model: ModelArgs) -> HFEngine:
+        """The engine of a worker, warmed up (a first turn through a private cache) so that
+        the first client's turn is not the process's first call of every kernel."""
+        engine = cls(load_chat(model))
+        engine.chat.warm_up()
+        return engine
+
+    def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
+        from ..integrations.chat_media import ImageItem, read_wav
+
+        if max_new_tokens < 1:
+            raise ShapeError("the chat model answers at least one token: max_new_tokens >= 1")
+        rate = self.chat.feature_extractor.sampling_rate
+        for kind, data in items:
+            if kind == "image":
+                _media(lambda d=data: ImageItem.read(d, self.image_processor))
+            elif kind == "audio":
+                _media(lambda d=data: read_wav(d, rate))
+
+    def check_cache(self, cache) -> None:
+        want = self.chat.cache_config().model
+        if cache.cfg.model != want:
+            raise ConfigError(f"the cluster's cache is configured for {cache.cfg.model!r}, not this "
+                              f"model {want!r} (start the cluster's cache with this app's config)", ("model",))
+
+    def open(self, cache, tenant: str) -> HFConversation:
+        return HFConversation(self, self.chat.conversation(cache, tenant), cache, tenant)
+
+
+class HFConversation:
+    def __init__(self, engine: HFEngine, conv, cache, tenant: str):
+        self.engine, self.conv, self.cache, self.tenant = engine, conv, cache, tenant
+
+    def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput:
+        data = [d for _kind, d in items]
+        layers = self.engine.chat.vlm.config.get_text_config().num_hidden_layers
+        begin = getattr(self.cache, "begin_turn", None)         # an embedded pool: turn boundaries
+        if begin is not None:
+            begin(self.conv.turn_keys(data), calls_left=(max_new_tokens + len(items)) * layers)
+        try:
+            r = self.conv.send(data, max_new_tokens)
+        finally:
+            if begin is not None:
+                self.cache.end_turn()
+        c = r.counters
+        counts = {"encoder_runs": _named(c.encoder_runs), "media_hits": _named(c.media_hits),
+                  "embedding_hits": _named({"vision": c.embedding_hits}),
+                  "cached_tokens": c.cached_tokens, "prefilled_tokens": c.prefilled_tokens,
+                  "span_hits": c.span_hits, "span_misses": c.span_misses,
+                  "transcript_tokens": c.transcript_tokens}
+        return TurnOutput(list(r.tokens), r.text, counts)
+
+    def close(self) -> None:
+        self.conv.close()
+
+
+def _named(per_modality: dict[str, int]) -> dict[str, int]:
+    """Counters by request media type ("image", "audio"), zeros left out."""
+    return {TYPE_OF.get(m, m): n for m, n in per_modality.items() if n}
+
+
+def _media(read):
+    """Run a chat-layer reader; its ``ShapeError`` on bad bytes becomes ``BadMediaError``."""
+    try:
+        return read()
+    except ShapeError as exc:
+        raise BadMediaError(str(exc)) from None

@@ -1,0 +1,99 @@
+"""Media bytes the Serve app accepts, checked before a turn is routed: ``image/png``,
+``image/jpeg`` (decoded in full by Pillow) and ``audio/wav`` (PCM16, read by the stdlib ``wave``).
+
+``check_image`` / ``check_wav`` return what the bytes hold (``ImageInfo`` / ``AudioInfo``) or
+raise ``BadMediaError``: ``unsupported`` when the bytes are another format (a GIF, a float WAV)
+or a media type the app does not take, else bytes that do not decode (truncated, not an image).
+Sizes are checked from the header before anything is decoded (a decompression bomb is refused
+by its declared size), so a check costs at most one decode of an item within the limits.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from dataclasses import dataclass
+
+from ..errors import BadMediaError
+
+IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg"}      # Pillow format -> media type
+AUDIO_TYPES = ("audio/wav",)
+ACCEPTED = {"image": tuple(IMAGE_TYPES.values()), "audio": AUDIO_TYPES}
+MIN_RATE, MAX_RATE = 1000, 192_000
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    media_type: str            # "image/png" | "image/jpeg"
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class AudioInfo:
+    media_type: str            # "audio/wav"
+    rate: int                  # samples per second
+    channels: int
+    frames: int
+
+    @property
+    def seconds(self) -> float:
+        return self.frames / self.rate
+
+
+class TooLargeMedia(BadMediaError):
+    """Well-formed media whose declared size is over a limit (the app answers 413)."""
+
+
+def check_image(data: bytes, max_pixels: int) -> ImageInfo:
+    """A PNG or JPEG that decodes in full, of at most ``max_pixels`` pixels."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise BadMediaError("not a PNG or JPEG image (Pillow cannot identify it)") from None
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise BadMediaError(f"the image does not decode ({exc})") from None
+    with img:
+        kind = IMAGE_TYPES.get(img.format or "")
+        if kind is None:
+            raise BadMediaError(f"{img.format} images are not accepted; send image/png or image/jpeg",
+                                unsupported=True)
+        width, height = img.size
+        if width < 1 or height < 1:
+            raise BadMediaError(f"an image of {width}x{height} pixels")
+        if width * height > max_pixels:
+            raise TooLargeMedia(f"an image of {width}x{height} pixels is over the {max_pixels}-pixel limit")
+        try:
+            img.load()                                  # the whole image: a truncated one fails here
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise BadMediaError(f"the image does not decode ({exc})") from None
+    return ImageInfo(kind, width, height)
+
+
+def check_wav(data: bytes, max_seconds: float) -> AudioInfo:
+    """A RIFF/WAVE file of 16-bit PCM, mono or stereo, whose frames are all there."""
+    if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        raise BadMediaError("not a WAV file (no RIFF/WAVE header)")
+    try:
+        with wave.open(io.BytesIO(data), "rb") as w:
+            channels, width, rate, frames = w.getnchannels(), w.getsampwidth(), w.getframerate(), w.getnframes()
+            if width != 2:
+                raise BadMediaError(f"{8 * width}-bit WAV is not accepted; send 16-bit PCM", unsupported=True)
+            if channels not in (1, 2):
+                raise BadMediaError(f"a WAV of {channels} channels; send mono or stereo", unsupported=True)
+            if not MIN_RATE <= rate <= MAX_RATE:
+                raise BadMediaError(f"a sample rate of {rate} Hz; send {MIN_RATE}-{MAX_RATE} Hz")
+            if frames < 1:
+                raise BadMediaError("a WAV with no samples")
+            if frames > max_seconds * rate:
+                raise TooLargeMedia(f"{frames / rate:.1f} s of audio is over the {max_seconds} s limit")
+            got = len(w.readframes(frames))
+    except wave.Error as exc:                           # e.g. "unknown format: 3" (float samples)
+        raise BadMediaError(f"not a PCM WAV file ({exc}); send 16-bit PCM", unsupported=True) from None
+    except (EOFError, OSError) as exc:
+        raise BadMediaError(f"the WAV file is cut short ({exc or 'end of data'})") from None
+    if got != frames * channels * width:
+        raise BadMediaError(f"the WAV file is cut short: {got} of {frames * channels * width} sample bytes")
+    return AudioInfo("audio/wav", rate, channels, frames)

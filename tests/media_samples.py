@@ -1,0 +1,47 @@
+"""Real media bytes for the Serve tests, made here (seeded): PNG / JPEG by Pillow, WAV (16-bit
+PCM) by the stdlib ``wave``, and the bad kinds the app must refuse."""
+
+from __future__ import annotations
+
+import io
+import struct
+import wave
+
+import numpy as np
+
+
+def image(seed: int, size: tuple[int, int] = (32, 32), fmt: str = "PNG", flat: bool = False) -> bytes:
+    """Seeded random pixels, or (``flat``) one seeded colour: a large image in few bytes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    shape = (size[1], size[0], 3)
+    pixels = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), shape) if flat else \
+        rng.integers(0, 256, shape, dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    return out.getvalue()
+
+
+def wav(seed: int, seconds: float = 0.5, rate: int = 16000, channels: int = 1) -> bytes:
+    """A seeded tone plus noise, 16-bit PCM."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    x = 0.4 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + 0.1 * rng.standard_normal(t.size)
+    pcm = (np.clip(x, -1, 1) * 32767).astype("<i2")
+    pcm = np.repeat(pcm[:, None], channels, 1).reshape(-1)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def float_wav(frames: int = 800, rate: int = 16000) -> bytes:
+    """A well-formed WAV of 32-bit float samples (format tag 3): not PCM16."""
+    data = np.linspace(-0.5, 0.5, frames, dtype="<f4").tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body

@@ -1,0 +1,134 @@
+"""The Serve app's chat engines without Ray: the transformers chat model behind the worker's
+engine interface, over a real ``TieredKVCache``; its ingress frontend; real weights loaded from
+local directories (``model: {path, audio_path}``)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
+
+from mmtier import TieredKVCache  # noqa: E402
+from mmtier.errors import BadMediaError, MMTierError, ShapeError  # noqa: E402
+from mmtier.integrations.chat import dense_chat  # noqa: E402
+from mmtier.serve.config import ModelArgs  # noqa: E402
+from mmtier.serve.engines import load_engine, load_frontend  # noqa: E402
+from mmtier.serve.hf_engine import load_chat  # noqa: E402
+
+from .media_samples import image, wav  # noqa: E402
+
+NEW = 3
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return load_engine(ModelArgs(seed=0))
+
+
+def test_turns_match_the_dense_chat_and_count_what_ran(engine):
+    png, clip = image(11, (64, 48)), wav(11, 0.5)
+    turns = [[("text", "Look: "), ("image", png), ("text", " what is it?")],
+             [("text", "and "), ("audio", clip)],
+             [("text", "ok?")]]
+    dense = dense_chat(engine.chat, [[p for _k, p in t] for t in turns], NEW)
+    with TieredKVCache(engine.chat.cache_config(device_bytes=32 << 20)) as cache:
+        conv = engine.open(cache, "acme")
+        outs = [conv.send(t, NEW) for t in turns]
+        assert [o.tokens for o in outs] == dense
+        assert outs[0].counts["encoder_runs"] == {"image": 1}
+        assert outs[1].counts["encoder_runs"] == {"audio": 1}
+        assert outs[1].counts["transcript_tokens"] > 0
+        assert outs[2].counts["encoder_runs"] == {} and outs[2].counts["cached_tokens"] > 0
+        # the ingress's keys are the content-only groups the turns left in the cache
+        frontend = load_frontend(ModelArgs(seed=0))
+        for kind, data in (("image", png), ("audio", clip)):
+            (key,) = frontend.routing_keys(cache, "acme", kind, data)
+            assert cache.contains(key) and key.modality == {"image": "vision_embed", "audio": "audio"}[kind]
+            assert not cache.contains(frontend.routing_keys(cache, "globex", kind, data)[0])
+        # a second conversation (another prefix) with the same image and clip runs no encoder
+        other = engine.open(cache, "acme")
+        again = other.send([("text", "hear "), ("audio", clip), ("text", "see "), ("image", png)], NEW)
+        assert again.counts["encoder_runs"] == {} and again.counts["media_hits"] == {"audio": 1}
+        assert again.counts["embedding_hits"] == {"image": 1}
+        conv.close()
+        other.close()
+
+
+def test_frontend_counts_image_tokens_as_the_conversation_adds_them(engine):
+    frontend = load_frontend(ModelArgs(seed=0))
+    png = image(12, (120, 90))
+    with TieredKVCache(engine.chat.cache_config(device_bytes=32 << 20)) as cache:
+        conv = engine.open(cache, "acme")
+        out = conv.send([("image", png), ("text", "x")], 1)
+        # the prompt: the image with its two markers, then one text token
+        assert out.counts["prefilled_tokens"] == frontend.media_tokens("image", png) + 1
+        conv.close()
+
+
+def test_check_refuses_bad_turns_before_anything_runs(engine):
+    png = image(13)
+    with pytest.raises(BadMediaError):
+        engine.check([("image", png[:40])], 2)
+    with pytest.raises(BadMediaError):
+        engine.check([("audio", png)], 2)
+    with pytest.raises(ShapeError):
+        engine.check([("text", "hi")], 0)
+    engine.check([("text", "hi"), ("image", png), ("audio", wav(13, 0.2))], 2)
+
+
+def test_real_weights_from_local_directories(tmp_path, engine):
+    """``model: {path, audio_path}`` loads saved weights and processors with no download: the
+    same model as the random-weight one it was saved from, token for token."""
+    chat = engine.chat
+    vlm_dir, whisper_dir = tmp_path / "vlm", tmp_path / "whisper"
+    chat.dense_vlm.save_pretrained(vlm_dir)
+    chat.image_processor.save_pretrained(vlm_dir)
+    chat.dense_whisper.save_pretrained(whisper_dir)
+    chat.feature_extractor.save_pretrained(whisper_dir)
+    args = ModelArgs(path=str(vlm_dir), audio_path=str(whisper_dir))
+    loaded = load_engine(args)
+    assert load_chat(args) is loaded.chat
+    png, clip = image(14, (56, 56)), wav(14, 0.3)
+    turn = [("text", "see "), ("image", png), ("text", "hear "), ("audio", clip)]
+    assert str(vlm_dir) in loaded.chat.cache_config().model     # its own identity (own keys)
+    with TieredKVCache(loaded.chat.cache_config(device_bytes=32 << 20)) as cache:
+        conv = loaded.open(cache, "acme")
+        assert conv.send(turn, NEW).tokens == dense_chat(chat, [[p for _k, p in turn]], NEW)[0]
+        conv.close()
+    assert load_frontend(args).media_tokens("image", png) == load_frontend(ModelArgs()).media_tokens("image", png)
+
+
+def test_the_reference_model_behind_the_same_interface():
+    """``model: {kind: reference}``: mmtier's own model (no transformers in its path)."""
+    from mmtier.models import Image, ReferenceModel, Text
+    from mmtier.serve.config import ServeAppConfig
+
+    args = ServeAppConfig.parse({"model": {"kind": "reference", "seed": 1},
+                                 "cache": {"allow_default_key_secret": True, "device_bytes": 16 << 20}})
+    engine = load_engine(args.model)
+    png = image(15, (16, 16))
+    items = [("text", "see "), ("image", png)]
+    engine.check(items, NEW)
+    with pytest.raises(MMTierError):                     # the worker answers 400 bad_prompt
+        engine.check([("text", "")], NEW)
+    with TieredKVCache(args.cache_config()) as cache:
+        engine.check_cache(cache)
+        conv = engine.open(cache, "acme")
+        out = conv.send(items, NEW)
+        assert out.tokens == ReferenceModel(seed=1).generate_dense([Text("see "), Image(png)], NEW)
+        assert out.counts["encoder_runs"] == {"image": 1}
+        keys = load_frontend(args.model).routing_keys(cache, "acme", "image", png)
+        assert len(keys) == 2 and all(cache.contains(k) for k in keys)
+        conv.close()
+
+
+def test_weights_that_do_not_load_are_a_config_error(tmp_path):
+    from mmtier.errors import ConfigError
+
+    for name in ("vlm", "whisper"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")                 # no model_type
+        (tmp_path / name / "model.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ConfigError) as err:
+        load_engine(ModelArgs(path=str(tmp_path / "vlm"), audio_path=str(tmp_path / "whisper")))
+    assert err.value.fields == ("model.path",) and "without a download" in str(err.value)
