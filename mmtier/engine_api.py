@@ -57,22 +57,32 @@ class EngineAPI:
                 res.open = False
                 res.group.pins -= 1
 
-    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
-        """Make the sequence's last run (fully written, started by ``reserve(new_run=True)``) the
-        shared group ``key``, in place (no copy): later sequences of the tenant ``attach`` it.
-        ``False`` (the run stays private) when ``key`` is already held or the run has left the
-        device."""
+    def seal(self, seq: SequenceHandle, key: ContentKey, run: Reservation | None = None) -> bool:
+        """Make a run of the sequence the shared group ``key``, in place (no copy): later
+        sequences of the tenant ``attach`` it. The run is the sequence's last one, or with
+        ``run`` the one that reservation started (``reserve(new_run=True)``): a step that
+        reserved several runs (a prefill over a text span and an image) seals each. The run must
+        be fully written. ``False`` (the run stays private) when ``key`` is already held or the
+        run has left the device."""
         self._check_key(key, "kv")
         with self._lock:
             table = self._table(seq)
             if key.scope != tenant_scope(self._salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
-            tail = table.tail
-            if tail is None or tail.group.key is not None or tail.group.modality != key.modality:
-                raise UnknownKeyError(f"sequence {seq.id} ends in no private {key.modality} run to seal")
-            group = tail.group
+            if run is None:
+                group = table.tail.group if table.tail is not None else None
+                which = "its last run"
+            else:
+                if not isinstance(run, Reservation):
+                    raise ShapeError(f"run must be a Reservation of sequence {seq.id}, got {type(run).__name__}")
+                group = run.group if any(s.group is run.group for s in table.segments) else None
+                which = "the reserved run"
+                if group is None:
+                    raise UnknownKeyError(f"the reservation is not a run of sequence {seq.id}")
+            if group is None or group.key is not None or group.modality != key.modality:
+                raise UnknownKeyError(f"sequence {seq.id}: {which} is no private {key.modality} run to seal")
             if group.pins:
-                raise ShapeError(f"sequence {seq.id}: its last run is still being written")
+                raise ShapeError(f"sequence {seq.id}: {which} is still being written")
             if key in self._groups or group.tier != Tier.DEVICE:
                 return False                      # held already, or moved down meanwhile
             group.key = key

@@ -137,3 +137,43 @@ def test_seal_turns_a_written_run_into_a_shared_group(backend):
         q = torch.randn(2, HQ, 64)
         want, _ = oracle_attention(q, torch.arange(7, 9), k[1], v[1], torch.arange(9))
         assert rel_err(cache.attention(other, 1, q), want) < 1e-5
+
+
+def test_seal_a_reserved_run_that_is_not_the_last(backend):
+    """One step reserves a text span and an image as runs of their own (one forward over both);
+    each is sealed from its reservation, and a sequence that attaches both attends them exactly."""
+    with TieredKVCache(make_cfg(backend)) as cache:
+        seq = cache.create_sequence("acme")
+        (kt, vt), (ki, vi) = kv(5), kv(70)
+        text = cache.reserve(seq, "text", 5, tokens=[1, 2, 3, 4, 5], new_run=True)
+        image = cache.reserve(seq, "vision", 70, new_run=True)
+        k_text = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))
+        k_img = cache.content_key("vision", b"img", tenant="acme", parent=k_text)
+        for layer in (0, 1):
+            cache.write_layer(text, layer, kt[layer], vt[layer])
+        with pytest.raises(ShapeError):
+            cache.seal(seq, k_img, image)                 # the image's layers are not written yet
+        for layer in (0, 1):
+            cache.write_layer(image, layer, ki[layer], vi[layer])
+        with pytest.raises(UnknownKeyError):
+            cache.seal(seq, k_img, text)                  # the text run is no vision run
+        stranger = cache.create_sequence("acme")
+        with pytest.raises(UnknownKeyError):
+            cache.seal(stranger, k_text, text)            # not a run of that sequence
+        with pytest.raises(ShapeError):
+            cache.seal(seq, k_text, "the first run")
+        assert cache.stats().counters.get("puts", 0) == 0            # nothing sealed by the refusals
+        assert cache.seal(seq, k_text, text)
+        assert cache.seal(seq, k_img, image)
+        with pytest.raises(UnknownKeyError):
+            cache.seal(seq, k_text, text)                 # shared now
+        cache.release(seq)
+        cache.release(stranger)
+        other = cache.create_sequence("acme")
+        cache.attach(other, k_text)
+        cache.attach(other, k_img)
+        q = torch.randn(3, HQ, 64)
+        k = torch.cat([kt[1], ki[1]])
+        v = torch.cat([vt[1], vi[1]])
+        want, _ = oracle_attention(q, torch.arange(72, 75), k, v, torch.arange(75))
+        assert rel_err(cache.attention(other, 1, q), want) < 1e-5

@@ -64,7 +64,18 @@ def test_three_turns_equal_dense_and_prefill_only_new_tokens(chat):
     want = dense_chat(chat, convo, NEW)
     with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
         conv = chat.conversation(cache, tenant="acme")
-        got = [conv.send(items, NEW) for items in convo]
+        forwards = []
+        hook = chat.vlm.model.language_model.register_forward_hook(lambda *_: forwards.append(1))
+        got = []
+        try:
+            for items in convo:
+                forwards.clear()
+                got.append(conv.send(items, NEW))
+                # the spans the cache lacks (a text run and an image) in ONE decoder forward,
+                # then generate: the turn's last span and NEW - 1 decode steps
+                assert len(forwards) == 1 + NEW
+        finally:
+            hook.remove()
         assert [r.tokens for r in got] == want
         first, second, third = (r.counters for r in got)
         assert first.cached_tokens == 0 and first.encoder_runs == {"vision": 1, "audio": 0}

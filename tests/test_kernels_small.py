@@ -116,3 +116,30 @@ def test_a_prefill_chunk_takes_the_causal_square_and_matches_the_oracle(taken, m
     gap = make_case([Item(segs, [380, 381, 390])], group=group, hkv=2, seed=11)
     run_and_check(gap, causal=True)
     assert len(squares) == n and taken["small"] > n
+
+
+def test_a_prefill_chunk_over_two_pools_takes_the_causal_square(taken, monkeypatch):
+    """A chunk over an image then a text span (one forward over the two runs a turn lacks): its
+    keys sit in two operands, out of position order; put in order, they are the causal square,
+    and the result equals the float64 oracle."""
+    squares = []
+    real = small._flash_square
+    monkeypatch.setattr(small, "_flash_square", lambda *a, **k: squares.append(real(*a, **k)) or squares[-1])
+    chunk = list(range(230, 290))
+    a = make_case([Item([Seg(0, 130), Seg(260, 30)], chunk)], size=16, hkv=2, group=2, seed=21)   # text
+    b = make_case([Item([Seg(130, 100, "scatter"), Seg(230, 30)], chunk)], size=8, hkv=2, group=2, seed=22)
+    out, lse = paged_attention(a.q, a.q_indptr, a.q_pos, [a.op, b.op], causal=True, backend="torch",
+                               out_dtype=torch.float32)
+    assert taken["small"] == 1 and len(squares) == 1 and squares[0] is not None
+    ks, vs, ps = [], [], []
+    for case in (a, b):
+        pages = case.op.page_ids.tolist()
+        ptr = case.op.seg_page_indptr.tolist()
+        for i, s in enumerate(case.items[0].segments):
+            kv = case.op.kv[pages[ptr[i]:ptr[i + 1]], case.op.layer]
+            ks.append(kv[:, 0].flatten(0, 1)[:s.length])
+            vs.append(kv[:, 1].flatten(0, 1)[:s.length])
+            ps.append(torch.arange(s.start, s.start + s.length))
+    ref_out, ref_lse = oracle_attention(a.q, a.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+    assert rel_err(out, ref_out) <= OUT_TOL
+    assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL

@@ -124,9 +124,10 @@ class HostedCache:
     def attention_batch(self, seqs, layer: int, q: torch.Tensor, q_indptr, **kw) -> torch.Tensor:
         return self.cache.attention_batch(seqs, layer, q, q_indptr, **kw)
 
-    def seal(self, seq: SequenceHandle, key: ContentKey) -> bool:
-        """Seal the sequence's last run as group ``key``; published with the turn's changes."""
-        sealed = self.cache.seal(seq, key)
+    def seal(self, seq: SequenceHandle, key: ContentKey, run=None) -> bool:
+        """Seal the sequence's last run (or the reserved ``run``) as group ``key``; published
+        with the turn's changes."""
+        sealed = self.cache.seal(seq, key, run)
         if sealed:
             self._publish.append(self.host._item(key))
         return sealed

@@ -41,6 +41,7 @@ from .chat_media import (
 )
 from .session import Media, Session
 from .transformers import cache_for
+from .transformers_cache import RunPlan
 
 
 @dataclass(frozen=True)
@@ -206,9 +207,11 @@ class Conversation:
             cached = spans[hits].start if hits < len(spans) else last.start
             for layer in past.layers:
                 layer.seen = cached
-            for s in spans[hits:]:
-                self._prefill(past, prompt, s, positions)
-                cache.seal(seq, s.key)
+            todo = spans[hits:]
+            if todo:                      # one forward over every span the cache lacks
+                self._prefill(past, prompt, todo, positions)
+                for s, run in zip(todo, rows.self_res[0]):
+                    cache.seal(seq, s.key, run)
             rows.next_tokens, rows.next_new_run = [ids[last.start:]], True
             vlm.model.rope_deltas = deltas
             out = vlm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=past,
@@ -259,20 +262,21 @@ class Conversation:
             attention_mask=torch.ones_like(prompt))
         return torch.cat([text, vision.to(text.dtype)], 0), deltas
 
-    def _prefill(self, past, prompt: torch.Tensor, span: _Span, positions: torch.Tensor) -> None:
-        """Run the VLM over one span as a run of its own (``vision`` pool for an image, its
-        vision tower output taken from the cache when held, else computed and stored)."""
-        rows = past.rows
-        rows.next_modality, rows.next_new_run = span.modality, True
+    def _prefill(self, past, prompt: torch.Tensor, spans: list[_Span], positions: torch.Tensor) -> None:
+        """Run the VLM once over consecutive spans, each a run of its own (``vision`` pool for an
+        image, whose vision tower output is taken from the cache when held, else computed and
+        stored), so each can be sealed as its group: one forward however many spans a turn lacks."""
+        start, end = spans[0].start, spans[-1].end
+        past.rows.next_runs = [RunPlan(s.modality, s.end - s.start,
+                                       None if s.image is not None else prompt[0, s.start:s.end].tolist())
+                               for s in spans]
         extra = {}
-        if span.image is None:
-            rows.next_tokens = [prompt[0, span.start:span.end].tolist()]
-        else:
-            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(self._image(span.image),))}
+        images = tuple(self._image(s.image) for s in spans if s.image is not None)
+        if images:
+            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=images)}
         with torch.no_grad():
-            self.chat.vlm(input_ids=prompt[:, span.start:span.end],
-                          attention_mask=torch.ones(1, span.end, dtype=torch.long),
-                          position_ids=positions[..., span.start:span.end], past_key_values=past,
+            self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
+                          position_ids=positions[..., start:end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
 
 

@@ -53,10 +53,15 @@ def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torc
         layer.pending = None
         if layer.first:
             rows.begin_self([q_len] * batch if real is None else real.sum(1).tolist())
-        for b, res in enumerate(rows.self_res):
-            if res is not None:
+        for b, runs in enumerate(rows.self_res):
+            if runs:
                 kb, vb = (k[b], v[b]) if real is None else (k[b, :, real[b]], v[b, :, real[b]])
-                rows.cache.write_layer(res, layer.pool_layer, kb.transpose(0, 1), vb.transpose(0, 1))
+                kb, vb = kb.transpose(0, 1), vb.transpose(0, 1)              # [n, H, D]
+                at = 0
+                for res in runs:                  # one run, or the step's planned runs in order
+                    n = res.num_tokens
+                    rows.cache.write_layer(res, layer.pool_layer, kb[at:at + n], vb[at:at + n])
+                    at += n
     return _attend(rows.cache, rows.seqs, layer.pool_layer, query, real, True, scale)
 
 

@@ -30,6 +30,16 @@ from .hf_layout import ModelLayout
 _ACTIVE = threading.local()
 
 
+@dataclass(frozen=True)
+class RunPlan:
+    """One run of a step's new tokens (``Rows.next_runs``): ``n`` tokens for pool ``modality``;
+    ``tokens``: their ids for the prefix chain (``None``: a unique run, as for image tokens)."""
+
+    modality: str
+    n: int
+    tokens: list[int] | None = None
+
+
 def take_active() -> MMTierLayer | None:
     """The cache layer that the attention call now running belongs to (set by ``update`` or by
     reading the layer's ``keys``), cleared as it is taken."""
@@ -50,12 +60,15 @@ class Rows:
     seqs: list[SequenceHandle] = field(default_factory=list)
     cross_seqs: list[SequenceHandle] = field(default_factory=list)
     cross_keys: list[list[ContentKey] | None] = field(default_factory=list)
-    self_res: list[Reservation | None] = field(default_factory=list)
+    self_res: list[list[Reservation]] = field(default_factory=list)   # per row, in token order
     cross_res: list[Reservation | None] = field(default_factory=list)
     next_tokens: list[list[int]] | None = None     # token ids of the next step's real tokens
     next_modality: str | None = None               # the pool of the next step's tokens (None: text)
     next_new_run: bool = False                     # the next step's tokens start a run of their own
     next_cross_new_run: bool = False               # the next cross K/V starts a run of its own
+    next_runs: list[RunPlan] | None = None         # batch of one: the next step's tokens as runs
+                                                   # of their own, in order (one forward over a
+                                                   # text span and an image, each sealed apart)
 
     def ensure(self, batch: int) -> None:
         if not self.seqs:
@@ -73,12 +86,20 @@ class Rows:
     def begin_self(self, counts: list[int]) -> None:
         """Reserve each row's real new tokens (called at the first self-attention layer)."""
         tokens, modality, new_run = self.next_tokens, self.next_modality or self.text, self.next_new_run
-        self.next_tokens, self.next_modality, self.next_new_run = None, None, False
+        runs = self.next_runs
+        self.next_tokens, self.next_modality, self.next_new_run, self.next_runs = None, None, False, None
+        if runs is not None:
+            if len(counts) != 1 or sum(r.n for r in runs) != counts[0]:
+                raise ShapeError(f"next_runs of {[r.n for r in runs]} tokens for a step of {counts} "
+                                 "(runs are planned for a batch of one)")
+            self.self_res = [[self.cache.reserve(self.seqs[0], r.modality, r.n, tokens=r.tokens, new_run=True)
+                              for r in runs]]
+            return
         if tokens is not None and [len(t) for t in tokens] != counts:
             tokens = None                           # not the step the ids were given for
         self.self_res = [
-            self.cache.reserve(seq, modality, n, tokens=None if tokens is None else tokens[b],
-                               new_run=new_run) if n else None
+            [self.cache.reserve(seq, modality, n, tokens=None if tokens is None else tokens[b],
+                                new_run=new_run)] if n else []
             for b, (seq, n) in enumerate(zip(self.seqs, counts))]
 
     def begin_cross(self, counts: list[int]) -> None:

@@ -112,14 +112,16 @@ def _flash(qh: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
 
 def _square_split(slots: _Slots, q_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(past, block)`` key indices when the keys at or after the first query's position are
-    exactly the queries' own positions, in order: a prefill chunk, whose mask is a causal square
-    over ``block`` and nothing over ``past``. ``None`` otherwise. Remembered per query set."""
+    exactly the queries' own positions: a prefill chunk, whose mask is a causal square over
+    ``block`` (put in position order: a chunk over a text span and an image has its keys in two
+    operands) and nothing over ``past``. ``None`` otherwise. Remembered per query set."""
     qkey = b"square:" + q_pos.numpy().tobytes()
     if qkey in slots.bias:
         return slots.bias[qkey]
     qp = q_pos.long()
     q0 = int(qp[0])
     block = torch.nonzero(slots.pos >= q0).flatten()
+    block = block[torch.argsort(slots.pos[block])]
     split = None
     if (block.numel() == qp.numel() and torch.equal(slots.pos[block], qp)
             and bool((qp[1:] > qp[:-1]).all())):
