@@ -213,7 +213,7 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     def floor_once() -> float:
         return ray.get(sink.take_into.remote(source), timeout=120)
 
-    reps = 5 if quick else 15             # a loaded 2-core machine: more rounds, steadier medians
+    reps = 5 if quick else 61             # rounds vary 0.7-1.9x on 2 cores: many, for a steady median
     copy_once()                            # one untimed round each: actors and buffers warm
     raw_once()
     floor_once()
