@@ -78,7 +78,8 @@ class DemoSpec:
     @property
     def shares(self) -> dict[str, float]:
         """Arena shares per pool of the chat model."""
-        return {"text": 0.35, "vision": 0.3, "vision_embed": 0.08, "transcript": 0.04, "audio": 0.23}
+        return {"text": 0.35, "vision": 0.3, "vision_embed": 0.08, "transcript": 0.035, "audio": 0.23,
+                "transcript_ids": 0.005}
 
 
 @dataclass

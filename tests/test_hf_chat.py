@@ -102,14 +102,45 @@ def test_cached_opening_and_clip_run_no_encoder_and_no_other_tenant_hits(chat):
         assert chat.encoder_runs == runs                     # no vision tower (hook count)
         assert again.counters.media_hits["vision"] == 1 and again.counters.prefilled_tokens < 10
         assert again.tokens == ref[0].tokens
-        listen = b.send(["Listen: ", convo[1][3]], NEW)
+        decoder = []
+        hook = chat.whisper.model.decoder.register_forward_hook(lambda *_: decoder.append(1))
+        try:
+            listen = b.send(["Listen: ", convo[1][3]], NEW)
+        finally:
+            hook.remove()
+        # the clip's transcript ids come from its transcript_ids group: no Whisper at all
         assert listen.counters.media_hits["audio"] == 1 and listen.counters.encoder_runs["audio"] == 0
-        assert chat.encoder_runs["audio"] == runs["audio"]
+        assert listen.counters.transcript_hits == 1 and listen.counters.transcript_tokens == 0
+        assert decoder == [] and chat.encoder_runs["audio"] == runs["audio"]
+        assert listen.tokens == dense_chat(chat, [convo[0], ["Listen: ", convo[1][3]]], NEW)[1]
 
         other = chat.conversation(cache, tenant="globex").send(convo[0], NEW)
         assert other.counters.cached_tokens == 0 and other.counters.media_hits["vision"] == 0
         assert other.counters.encoder_runs["vision"] == 1 and other.counters.embedding_hits == 0
         assert other.tokens == ref[0].tokens                 # same model, same answer
+
+
+def test_an_invalid_transcript_group_is_a_miss_and_whisper_runs(chat):
+    """A transcript_ids group whose values are not token ids (not whole numbers, or past
+    Whisper's vocabulary) is never read as a transcript: Whisper runs and the turn equals the
+    dense path. Another tenant's transcript of the same clip is never used."""
+    from mmtier.integrations.chat_conversation import transcript_key
+
+    sound = clip(7)
+    items = ["Listen: ", sound]
+    want = dense_chat(chat, [items], NEW)[0]
+    vocab = chat.whisper.config.vocab_size
+    for bad in (torch.tensor([[3.5], [7.0]]), torch.tensor([[float(vocab)]]), torch.tensor([[-1.0]])):
+        with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
+            cache.put_embedding(transcript_key(cache, "acme", sound, chat.transcript_tokens), bad)
+            r = chat.conversation(cache, tenant="acme").send(items, NEW)
+            assert r.counters.transcript_hits == 0 and r.counters.transcript_tokens > 0
+            assert r.tokens == want
+    with TieredKVCache(chat.cache_config(device_bytes=64 << 20)) as cache:
+        chat.conversation(cache, tenant="acme").send(items, NEW)
+        other = chat.conversation(cache, tenant="globex").send(items, NEW)
+        assert other.counters.transcript_hits == 0 and other.counters.encoder_runs["audio"] == 1
+        assert other.tokens == want
 
 
 def test_small_budget_moves_groups_to_host_and_disk_and_stays_equal(chat, tmp_path):

@@ -29,7 +29,9 @@ runs no encoder) and the transcript's token ids join the conversation as text be
 tokenizer download). Pools: ``text`` and ``vision`` (the VLM's self-attention K/V, prefix
 chained), ``vision_embed`` (the vision tower's output per image, content-only: an image seen
 before at another place of any of the tenant's conversations runs no vision tower),
-``transcript`` (Whisper's decoder self-attention) and ``audio`` (Whisper's cross K/V).
+``transcript`` (Whisper's decoder self-attention), ``audio`` (Whisper's cross K/V) and
+``transcript_ids`` (a clip's transcript token ids, content-only: a clip the tenant sent before runs
+no Whisper at all).
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 VLM_CONFIG = "demo-qwen2-vl.json"
 WHISPER_CONFIG = "demo-whisper.json"
 TRANSCRIPT = "transcript"                   # the pool of Whisper's decoder self-attention K/V
+TRANSCRIPT_IDS = "transcript_ids"           # a clip's transcript token ids (content-only, float32)
+TRANSCRIPT_IDS_SHARE = 0.005                # of the arena: 4 bytes a token
 VISION_EMBED = "vision_embed"               # the vision tower's output per image (content-only)
 IMAGE_PIXELS = (56 * 56, 336 * 336)        # the image processor's min / max pixels: 4-144 tokens
 
@@ -117,14 +121,19 @@ class ChatModel:
                    WhisperFeatureExtractor.from_pretrained(whisper_path, local_files_only=True), **kw)
 
     def cache_config(self, *, shares: dict[str, float] | None = None, **overrides: Any) -> CacheConfig:
-        """ONE ``CacheConfig`` for both models: ``text`` and ``vision`` (the VLM), ``transcript``
-        and ``audio`` (Whisper). ``shares``: a modality's share of the page arena;
+        """ONE ``CacheConfig`` for both models: ``text``, ``vision`` and ``vision_embed`` (the
+        VLM), ``transcript``, ``audio`` and ``transcript_ids`` (Whisper). ``shares``: a
+        modality's share of the page arena;
         ``overrides``: budgets, ``disk_dir``, ``attention_backend``..."""
         vlm = mt.config_for(self.vlm)
         whisper = mt.config_for(self.whisper, text_modality=TRANSCRIPT)
         width = self.vlm.config.get_text_config().hidden_size
+        # a clip's transcript ids: one float32 a token (exact below 2**24), so a clip the tenant
+        # sent before runs no Whisper at all (its encoder nor its decoder)
         specs = {**vlm.modalities, **whisper.modalities,
-                 VISION_EMBED: ModalitySpec(kind="embedding", width=width, page_size=64, recompute_cost=4.0)}
+                 VISION_EMBED: ModalitySpec(kind="embedding", width=width, page_size=64, recompute_cost=4.0),
+                 TRANSCRIPT_IDS: ModalitySpec(kind="embedding", width=1, page_size=16, dtype="float32",
+                                              share=TRANSCRIPT_IDS_SHARE, recompute_cost=50.0)}
         for name, share in (shares or {}).items():
             if name not in specs:
                 raise ConfigError(f"a share for unknown modality {name!r}; this model has {sorted(specs)}",

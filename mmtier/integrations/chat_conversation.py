@@ -11,6 +11,10 @@ model over the spans it lacks (the vision tower only for those that are images) 
 turn's new tokens, and decodes through mmtier attention. Under pressure the history's groups are
 evictable like any other; a turn that finds one gone recomputes from there on.
 
+A clip's transcript ids are a content-only ``transcript_ids`` group of the tenant: a clip sent
+before (in any of the tenant's conversations) runs no Whisper at all; else Whisper runs, its
+encoder skipped when the clip's ``audio`` group (cross K/V) is held.
+
 Qwen2-VL's M-RoPE positions are computed over the whole conversation each turn (its image
 grids are known from the images' headers) and the model's rope deltas set from them, so cached
 and prefilled spans sit where the dense model puts them.
@@ -25,7 +29,7 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
-from ..errors import CapacityError, ShapeError
+from ..errors import CapacityError, MMTierError, ShapeError
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
@@ -54,6 +58,7 @@ class TurnCounters:
     embedding_hits: int                 # images prefilled from the vision tower's cached output
     encoder_runs: dict[str, int]        # "vision": vision tower runs; "audio": Whisper encoder runs
     transcript_tokens: int              # Whisper decoder tokens generated for the turn's clips
+    transcript_hits: int = 0            # clips whose transcript came from the cache (no Whisper run)
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ class Conversation:
     def turn_keys(self, items) -> list[ContentKey]:
         """The groups a turn of ``items`` would read, as far as they are known before it runs:
         the history's spans, the turn's spans up to its first clip (a clip's transcript is not
-        known yet), its images' ``vision_embed`` groups and its clips' ``audio`` groups. What an
+        known yet), its images' ``vision_embed`` groups and its clips' ``transcript_ids`` groups. What an
         engine looks up for the turn at admission (``HostedCache.begin_turn``)."""
         items = list(items) if not isinstance(items, str | bytes) else [items]
         read = [self._read(x) for x in items]
@@ -117,7 +122,7 @@ class Conversation:
             if kind == "image":
                 keys.append(_image_features_key(self.cache, self.tenant, x))
             elif kind == "audio":
-                keys.append(self.cache.content_key("audio", x[0], tenant=self.tenant))
+                keys.append(self._transcript_key(x[0]))
         return keys
 
     # ------------------------------------------------------------------ a turn
@@ -133,7 +138,7 @@ class Conversation:
         read = [self._read(x) for x in items]             # bad input fails before anything runs
         runs_before = Counter(self.chat.encoder_runs)
         self._embedding_hits = 0
-        audio_keys, audio_hits, transcript = [], 0, 0
+        audio_keys, audio_hits, transcript, transcript_hits = [], 0, 0, 0
         new: list[int] = []
         images: list[ImageItem] = []
         for kind, x in read:
@@ -143,10 +148,11 @@ class Conversation:
                 images.append(x)
                 new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
             else:
-                said, key, hit = self._transcribe(*x)
-                audio_keys.append(key)
+                said, keys, hit, generated = self._transcribe(*x)
+                audio_keys += keys
                 audio_hits += hit
-                transcript += len(said)
+                transcript += generated
+                transcript_hits += hit and not generated
                 new += [AUDIO_START, *said, AUDIO_END]
         answer, keys, hits, cached, image_hits = self._decode(new, images, max_new_tokens)
         runs = Counter(self.chat.encoder_runs)
@@ -155,7 +161,8 @@ class Conversation:
             cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
             span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
             embedding_hits=self._embedding_hits,
-            encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript)
+            encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript,
+            transcript_hits=transcript_hits)
         embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
         return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio_keys)
 
@@ -174,13 +181,43 @@ class Conversation:
             return kind, (data, AudioFeatures(data, self.chat.feature_extractor))
         return kind, item
 
-    def _transcribe(self, data: bytes, features: AudioFeatures) -> tuple[list[int], ContentKey, bool]:
-        """Whisper over the clip; its encoder's cross K/V is the tenant's ``audio`` group."""
+    def _transcribe(self, data: bytes, features: AudioFeatures) -> tuple[list[int], list[ContentKey], bool, int]:
+        """The clip's transcript ids, the groups read or made, whether the clip was a hit, and
+        how many tokens Whisper generated. A ``transcript_ids`` group the tenant holds answers
+        with no Whisper run at all; else Whisper runs (its encoder's cross K/V is the tenant's
+        ``audio`` group: a hit there skips the encoder) and its transcript is stored."""
+        ids_key = self._transcript_key(data)
+        said = self._cached_transcript(ids_key)
+        if said is not None:
+            return said, [ids_key], True, 0
         start = self.chat.whisper.config.decoder_start_token_id
         r = self._whisper.generate(torch.tensor([[start]]), [Media(data, features)],
                                    max_new_tokens=self.chat.transcript_tokens, suppress_tokens=list(SPECIAL))
-        key = self.cache.content_key("audio", data, tenant=self.tenant)
-        return r.sequences[0, 1:].tolist(), key, bool(r.media_hits)
+        said = r.sequences[0, 1:].tolist()
+        if said:
+            try:
+                self.cache.put_embedding(ids_key, torch.tensor(said, dtype=torch.float32)[:, None])
+            except CapacityError:      # no room now: Whisper runs again next time
+                pass
+        audio_key = self.cache.content_key("audio", data, tenant=self.tenant)
+        return said, [ids_key, audio_key], bool(r.media_hits), len(said)
+
+    def _transcript_key(self, data: bytes) -> ContentKey:
+        return transcript_key(self.cache, self.tenant, data, self.chat.transcript_tokens)
+
+    def _cached_transcript(self, key: ContentKey) -> list[int] | None:
+        """The ids in ``key``'s group, or ``None`` when it is not held (or holds no valid ids:
+        whole numbers within Whisper's vocabulary; then Whisper runs as on a miss)."""
+        if not self.cache.contains(key):
+            return None
+        try:
+            x = self.cache.get_embedding(key).view(-1)
+        except MMTierError:            # dropped or unreadable meanwhile: a miss
+            return None
+        vocab = self.chat.whisper.config.vocab_size
+        if x.numel() == 0 or not bool(((x == x.round()) & (x >= 0) & (x < vocab)).all()):
+            return None
+        return x.long().tolist()
 
     def _decode(self, new: list[int], images: list[ImageItem], max_new_tokens: int):
         """Attach the history, prefill what is missing, generate; seal the new spans."""
@@ -278,6 +315,11 @@ class Conversation:
             self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
                           position_ids=positions[..., start:end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
+
+
+def transcript_key(cache, tenant, data: bytes, tokens: int) -> ContentKey:
+    """A clip's ``transcript_ids`` group: the tenant's, for ``tokens`` greedy tokens."""
+    return cache.content_key("transcript_ids", data, tenant=tenant, params={"tokens": str(tokens)})
 
 
 def _image_features_key(cache, tenant, image: ImageItem) -> ContentKey:

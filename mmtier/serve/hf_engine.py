@@ -10,7 +10,7 @@ byte-level one (no tokenizer is downloaded).
   as the model's image processor resizes it (read from the header) plus its two vision markers;
   an audio clip its transcript tokens plus two markers. A media item's content-only group, keyed
   as the chat layer keys it: an image's vision-tower output (``vision_embed``), a clip's
-  Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
+  transcript ids (``transcript_ids``) and Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
   conversation's prefix: it is found through the conversation, not routed by.)
 - ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
   One turn at a time per worker (``serial``: the models keep per-turn state, Qwen2-VL's rope
@@ -57,7 +57,8 @@ def hf_cache_config(model: ModelArgs, **overrides: Any) -> CacheConfig:
 
 class HFFrontend:
     """What the ingress needs: a media item's tokens (the image processor's resize rule) and
-    its content-only group's key (``vision_embed`` for an image, ``audio`` for a clip)."""
+    its content-only groups' keys (``vision_embed`` for an image; ``transcript_ids`` and
+    ``audio`` for a clip)."""
 
     def __init__(self, image_processor, transcript_tokens: int):
         self.image_processor = image_processor
@@ -87,11 +88,12 @@ class HFFrontend:
         return self.transcript_tokens + MARKERS
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
-        from ..integrations.chat_conversation import _image_features_key
+        from ..integrations.chat_conversation import _image_features_key, transcript_key
         from ..integrations.chat_media import ImageItem
 
         if kind == "audio":
-            return [cache.content_key("audio", data, tenant=tenant)]
+            return [transcript_key(cache, tenant, data, self.transcript_tokens),
+                    cache.content_key("audio", data, tenant=tenant)]
         return [_image_features_key(cache, tenant, _media(lambda: ImageItem.read(data, self.image_processor)))]
 
 
@@ -154,7 +156,7 @@ class HFConversation:
                   "embedding_hits": _named({"vision": c.embedding_hits}),
                   "cached_tokens": c.cached_tokens, "prefilled_tokens": c.prefilled_tokens,
                   "span_hits": c.span_hits, "span_misses": c.span_misses,
-                  "transcript_tokens": c.transcript_tokens}
+                  "transcript_tokens": c.transcript_tokens, "transcript_hits": c.transcript_hits}
         return TurnOutput(list(r.tokens), r.text, counts)
 
     def close(self) -> None:
