@@ -41,15 +41,18 @@ def test_turns_match_the_dense_chat_and_count_what_ran(engine):
         assert outs[2].counts["encoder_runs"] == {} and outs[2].counts["cached_tokens"] > 0
         # the ingress's keys are the content-only groups the turns left in the cache
         frontend = load_frontend(ModelArgs(seed=0))
+        want = {"image": ["vision_embed"], "audio": ["transcript_ids", "audio"]}
         for kind, data in (("image", png), ("audio", clip)):
-            (key,) = frontend.routing_keys(cache, "acme", kind, data)
-            assert cache.contains(key) and key.modality == {"image": "vision_embed", "audio": "audio"}[kind]
-            assert not cache.contains(frontend.routing_keys(cache, "globex", kind, data)[0])
-        # a second conversation (another prefix) with the same image and clip runs no encoder
+            keys = frontend.routing_keys(cache, "acme", kind, data)
+            assert [k.modality for k in keys] == want[kind] and all(cache.contains(k) for k in keys)
+            assert not any(cache.contains(k) for k in frontend.routing_keys(cache, "globex", kind, data))
+        # a second conversation (another prefix) with the same image and clip runs no encoder,
+        # and the clip's transcript comes from the cache (no Whisper decoder either)
         other = engine.open(cache, "acme")
         again = other.send([("text", "hear "), ("audio", clip), ("text", "see "), ("image", png)], NEW)
         assert again.counts["encoder_runs"] == {} and again.counts["media_hits"] == {"audio": 1}
         assert again.counts["embedding_hits"] == {"image": 1}
+        assert again.counts["transcript_hits"] == 1 and again.counts["transcript_tokens"] == 0
         conv.close()
         other.close()
 
