@@ -32,6 +32,7 @@ import torch
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.errors import CapacityError, UnknownKeyError
 from mmtier.groups import Tier
+from tests.composed import check_composed
 from tests.oracle import Logical, oracle_attention, rel_err
 
 L, H, D = 2, 2, 32
@@ -422,20 +423,7 @@ def test_what_the_cache_composes_does_not_import_it(module):
 def test_the_cache_parts_neither_shadow_one_another_nor_import_the_cache():
     """``TieredKVCache`` is composed of bases, one file each: a method defined in two of them
     would silently shadow the other (MRO order), and a base importing ``cache`` would be a cycle."""
-    parts = TieredKVCache.__mro__[1:-1]
-    assert len(parts) >= 6
-    owner: dict[str, str] = {}
-    for cls in TieredKVCache.__mro__[:-1]:
-        for name in vars(cls):
-            if name.startswith("__") and name.endswith("__"):
-                continue
-            assert name not in owner, f"{name} is defined in both {owner[name]} and {cls.__name__}"
-            owner[name] = cls.__name__
-    for cls in parts:
-        path = Path(sys.modules[cls.__module__].__file__)
-        tree = ast.parse(path.read_text())
-        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        assert "cache" not in imported and "mmtier.cache" not in imported, path.name
+    check_composed(TieredKVCache, min_parts=6)
     contract = ("create_sequence", "append", "content_key", "prefix_key", "contains", "put",
                 "attach", "attention", "attention_state", "put_embedding", "get_embedding",
                 "release", "stats", "close", "__enter__", "__exit__")
