@@ -32,6 +32,7 @@ import torch
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.errors import CapacityError, UnknownKeyError
 from mmtier.groups import Tier
+from tests.composed import check_composed
 from tests.oracle import Logical, oracle_attention, rel_err
 
 L, H, D = 2, 2, 32
@@ -417,3 +418,13 @@ def test_what_the_cache_composes_does_not_import_it(module):
     reaches = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                and isinstance(n.value, ast.Attribute) and n.value.attr == "cache"}
     assert reaches == set()
+
+
+def test_the_cache_parts_neither_shadow_one_another_nor_import_the_cache():
+    """``TieredKVCache`` is composed of bases, one file each: a method defined in two of them
+    would silently shadow the other (MRO order), and a base importing ``cache`` would be a cycle."""
+    check_composed(TieredKVCache, min_parts=6)
+    contract = ("create_sequence", "append", "content_key", "prefix_key", "contains", "put",
+                "attach", "attention", "attention_state", "put_embedding", "get_embedding",
+                "release", "stats", "close", "__enter__", "__exit__")
+    assert all(callable(getattr(TieredKVCache, name, None)) for name in contract)

@@ -24,6 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import mmtier.actors as mma  # noqa: E402
 from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, UnknownKeyError  # noqa: E402
 from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
+from tests.composed import check_composed  # noqa: E402
 from tests.oracle import Logical as OracleLog  # noqa: E402
 from tests.oracle import oracle_attention, rel_err  # noqa: E402
 
@@ -107,6 +108,21 @@ class Logical(OracleLog):
 
 
 # ---------------------------------------------------------------------- start, names, pinning
+def test_the_client_parts_neither_shadow_one_another_nor_import_the_client():
+    """``ClusterCache`` is composed of bases, one file each (no cluster needed): no name defined
+    twice, no base importing ``client``; every operation keeps its async and blocking twins."""
+    from mmtier.actors.client import ClusterCache
+
+    check_composed(ClusterCache, min_parts=5)
+    for name in ("create_sequence", "append", "attach", "release", "contains", "contains_many",
+                 "locate", "locate_many", "put", "put_embedding", "get_embedding", "offload",
+                 "attention", "attention_state", "actor_stats", "stats", "leak_report",
+                 "registry_stats"):
+        sync, twin = getattr(ClusterCache, name), getattr(ClusterCache, name + "_async")
+        assert sync.__doc__.endswith(f"Blocking twin of ``{name}_async``.") and callable(twin)
+        assert sync.__qualname__ == f"ClusterCache.{name}"
+
+
 def test_start_is_idempotent_and_pins_by_node(cc):
     again = mma.start(CFG, SETTINGS)
     assert again.created == [] and len(again.existing) == 8

@@ -1,0 +1,67 @@
+"""Content keys and tenants of a ``TieredKVCache``: the tenant salt, ``content_key`` (the bytes
+hashed here), ``prefix_key`` (a sequence's chain) and the check of a caller's key. A part of
+``TieredKVCache`` (this class is one of its bases), kept in its own file.
+"""
+
+from __future__ import annotations
+
+from .config import ModalitySpec
+from .content import ContentKey, media_digest, tenant_salt
+from .errors import DTypeError, ForeignKeyError, UnknownModalityError
+from .table import SequenceHandle
+
+DEFAULT_TENANT = "default"
+
+
+class KeyAPI:
+    """Keys and tenants over ``TieredKVCache``'s own state (its config, key maker, lineage and
+    sequence tables)."""
+
+    def _salt(self, tenant: str | None) -> bytes:
+        tenant = DEFAULT_TENANT if tenant is None else tenant
+        if not isinstance(tenant, str) or not tenant:
+            raise ForeignKeyError(f"tenant must be a non-empty string, got {tenant!r}")
+        return tenant_salt(self.cfg.key_secret, tenant)
+
+    def content_key(
+        self,
+        modality: str,
+        media: bytes | bytearray | memoryview,
+        *,
+        tenant: str | None = None,
+        parent: ContentKey | None = None,
+        params: dict[str, object] | None = None,
+    ) -> ContentKey:
+        """The key of a media item: hashes the bytes here (never trusts a caller's id).
+
+        ``parent`` (a ``prefix_key``) makes the key prefix-dependent; ``params`` are the
+        preprocessing parameters that change the tokens (resolution, sample rate, ...)."""
+        spec = self.cfg.spec(modality)
+        if not isinstance(media, (bytes, bytearray, memoryview)):
+            raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
+        key = self.keys.derive(
+            modality=modality, layout=spec.layout_fields(), media=media_digest(media, params),
+            tenant_salt=self._salt(tenant), parent=parent)
+        if parent is not None:
+            with self._lock:
+                self.lineage.note(key, parent)
+        return key
+
+    def prefix_key(self, seq: SequenceHandle) -> ContentKey:
+        """A key naming everything ``seq`` holds so far; pass it as ``parent=`` to chain."""
+        with self._lock:
+            table = self._table(seq)
+            modality = table.tail.group.modality if table.tail else next(iter(self.cfg.modalities))
+            key = self.keys.chain(modality=modality, chain_digest=table.chain,
+                                  tenant_salt=self._salt(seq.tenant))
+            last = next((s.group.key for s in reversed(table.segments) if s.group.key is not None), None)
+            if last is not None:
+                self.lineage.note(key, last)
+            return key
+
+    def _check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec:
+        self.keys.verify(key)
+        spec = self.cfg.spec(key.modality)
+        if kind is not None and spec.kind != kind:
+            raise UnknownModalityError(f"modality {key.modality!r} holds {spec.kind!r} payloads, not {kind!r}")
+        return spec
