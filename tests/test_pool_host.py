@@ -334,22 +334,24 @@ def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_ke
     with pytest.raises(ShapeError):
         import_pages(dst.cache, key, meta, buf[:-1])
     assert pool.num_free == free
-    # another thread imports the same key while this one copies: its pages go back
-    real_copy = torch.Tensor.copy_
+    # another thread imports the same key while this one copies (a host pool copies with
+    # np.copyto): its pages go back
+    real_copy = np.copyto
     raced = []
 
-    def copy_then_race(self, other, *a, **kw):
-        out = real_copy(self, other, *a, **kw)
+    def copy_then_race(dst_arr, src_arr, *a, **kw):
+        out = real_copy(dst_arr, src_arr, *a, **kw)
         if not raced:
             raced.append(True)
             assert import_pages(dst.cache, key, meta, buf)                # the other import wins
         return out
 
-    torch.Tensor.copy_ = copy_then_race
+    np.copyto = copy_then_race
     try:
         assert not import_pages(dst.cache, key, meta, buf)
     finally:
-        torch.Tensor.copy_ = real_copy
+        np.copyto = real_copy
+    assert raced
     assert pool.num_free == free - 3 and dst.leak_report()["used_pages"] == dst.leak_report()["cached_pages"]
     got_k, got_v = dst.cache.read_group(key)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
