@@ -4,8 +4,9 @@ A prompt is cut into spans: runs of text tokens and, for each image, the run of 
 tokens. Each span has a prefix-dependent key chained to the one before (text: its token ids;
 image: the bytes of the image, hashed by mmtier), so a span is reused only under the same prefix
 (the decoder K/V of an image depends on everything before it). A request attaches the longest
-run of spans the cache holds, prefills each missing span as a run of its own (image spans in the
-``vision`` pool, the vision tower run only for them) and seals it under its key, then generates
+run of spans the cache holds, prefills the missing spans in one forward, each as a run of its own
+(image spans in the ``vision`` pool, the vision tower run only for them), seals each under its
+key, then generates
 from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
 tenant, so another tenant never hits.
 
@@ -29,6 +30,7 @@ from ..content import ContentKey
 from ..errors import ShapeError, UnsupportedError
 from .hf_layout import layout_of
 from .transformers import cache_for
+from .transformers_cache import RunPlan
 
 SESSION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2", "mistral", "mllama", "whisper")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")       # 3-D rotary positions for image tokens
@@ -129,11 +131,13 @@ class Session:
             for layer in past.layers:
                 layer.seen = cached
             positions = self._positions(input_ids, media)
-            prefilled = 0
-            for span, key in zip(spans[hits:-1], keys[hits:-1]):
-                self._prefill(past, input_ids, span, positions)
-                cache.seal(seq, key)
-                prefilled += span.end - span.start
+            prefilled, at = 0, hits
+            for chunk in _chunks(spans[hits:-1]):          # one forward per chunk (usually one)
+                self._prefill(past, input_ids, chunk, positions)
+                for span, run, key in zip(chunk, rows.self_res[0], keys[at:at + len(chunk)]):
+                    cache.seal(seq, key, run)
+                    prefilled += span.end - span.start
+                at += len(chunk)
             last = spans[-1]
             rows.next_tokens = [input_ids[0, last.start:last.end].tolist()]
             out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
@@ -157,20 +161,20 @@ class Session:
         self.model.model.rope_deltas = deltas
         return torch.cat([text.unsqueeze(0), vision.to(text.dtype)], 0)
 
-    def _prefill(self, past, input_ids: torch.Tensor, span: Span, positions: torch.Tensor) -> None:
-        """Run the model over one span as a run of its own (``vision`` pool for an image)."""
-        rows = past.rows
-        rows.next_modality = self.text_modality if span.modality == "text" else span.modality
-        rows.next_new_run = True
-        if span.media is None:
-            rows.next_tokens = [input_ids[0, span.start:span.end].tolist()]
-        extra = dict(span.media.inputs) if span.media is not None else {}
-        positions = positions[..., span.start:span.end]
+    def _prefill(self, past, input_ids: torch.Tensor, spans: list[Span], positions: torch.Tensor) -> None:
+        """Run the model once over consecutive spans, each a run of its own (``vision`` pool for
+        an image), their images' inputs concatenated (``_chunks`` made sure they can be)."""
+        start, end = spans[0].start, spans[-1].end
+        past.rows.next_runs = [
+            RunPlan(self.text_modality, s.end - s.start, input_ids[0, s.start:s.end].tolist()) if s.media is None
+            else RunPlan(s.modality, s.end - s.start) for s in spans]
+        images = [s.media.inputs for s in spans if s.media is not None]
+        extra = {name: torch.cat([m[name] for m in images]) for name in images[0]} if images else {}
         with torch.no_grad():
-            self.model(input_ids=input_ids[:, span.start:span.end],
-                       attention_mask=torch.ones(1, span.end, dtype=torch.long),
-                       position_ids=positions, past_key_values=past, use_cache=True, logits_to_keep=1,
-                       **extra)
+            self.model(input_ids=input_ids[:, start:end],
+                       attention_mask=torch.ones(1, end, dtype=torch.long),
+                       position_ids=positions[..., start:end], past_key_values=past, use_cache=True,
+                       logits_to_keep=1, **extra)
 
     def _generate_cross(self, input_ids, media: Sequence[Media], max_new_tokens: int, kwargs) -> SessionResult:
         """Mllama / Whisper: the media's cross-attention K/V is a content-only group; on a hit it
@@ -209,6 +213,31 @@ class Session:
             if not hit:
                 cache.seal(rows.cross_seqs[0], key)
         return SessionResult(out.sequences, tuple(out.logits), 0, input_ids.shape[1], int(hit))
+
+
+def _chunks(spans: list[Span]) -> list[list[Span]]:
+    """Consecutive spans cut where one forward cannot take them together: an image whose
+    processor outputs do not concatenate with the chunk's first image (other names, or tensors
+    of another shape past the first dimension) starts a new chunk."""
+    out: list[list[Span]] = []
+    first: Mapping[str, torch.Tensor] | None = None
+    for s in spans:
+        inputs = s.media.inputs if s.media is not None else None
+        if out and inputs is not None and first is not None and not _concatenable(first, inputs):
+            out.append([])
+            first = None
+        if not out:
+            out.append([])
+        out[-1].append(s)
+        if inputs is not None and first is None:
+            first = inputs
+    return out
+
+
+def _concatenable(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        isinstance(a[n], torch.Tensor) and isinstance(b[n], torch.Tensor) and a[n].dim() == b[n].dim() >= 1
+        and a[n].shape[1:] == b[n].shape[1:] for n in a)
 
 
 def _unread_encoder_states(model):
