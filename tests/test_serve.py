@@ -366,6 +366,59 @@ def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):
         assert other["cache"]["counts"]["encoder_runs"] == {"audio": 1}
 
 
+def _worker(node: str):
+    from mmtier.actors.pool_host import host_name
+
+    return ray.get_actor(host_name(node), namespace=ServeAppConfig.parse(ARGS).settings().namespace)
+
+
+def _assert_no_leak(worker) -> None:
+    """The worker's pool holds no sequence, lease or page outside a cached group."""
+    report = ray.get(worker.leak_report.remote(), timeout=60)
+    assert report["sequences"] == 0 and report["leases"] == 0, report
+    assert report["used_pages"] == report["cached_pages"], report
+
+
+def _text(seed: int, n: int) -> str:
+    """``n`` seeded ASCII letters: ``n`` tokens of the byte-level vocabulary, new to the cache."""
+    import random
+    import string
+
+    return "".join(random.Random(seed).choices(string.ascii_lowercase + " ", k=n))
+
+
+def test_no_room_for_a_turn_is_503_capacity_and_the_conversation_goes_on(url, chat):
+    """A turn attaches its conversation's whole history (pinned while it runs) and adds its own
+    tokens in the text pool. Turns of 590 text tokens: two fit a worker's text pool, the third
+    does not: 503 ``capacity`` with the JSON error, the worker keeps no sequence or page of it,
+    and the conversation goes on: its next short turn is its third, equal to the dense
+    reference of the turns that succeeded, as if the failed turn was never sent."""
+    n = ARGS["limits"]["max_turn_tokens"] - 10
+    t1, t2, t3, t4 = [_text(50, n)], [_text(51, n)], [_text(52, n)], ["and now?"]
+    status, a1 = call(url, turn(*t1))
+    assert status == 200, a1
+    conv, node = a1["conversation_id"], a1["node"]
+    worker = _worker(node)
+    text = ray.get(worker.stats.remote(), timeout=60)["tiers"]["device"]["text"]
+    pages = text["capacity_bytes"] // chat.cache_config().spec("text").page_bytes
+    per_turn = -(-(n + NEW) // 16)                              # a turn's span, in 16-token pages
+    assert 2 * per_turn + 1 <= pages < 3 * per_turn             # the setup: two fit, three do not
+    status, a2 = call(url, turn(*t2, conv=conv))
+    assert status == 200 and a2["node"] == node, a2
+    conversations = ray.get(worker.info.remote(), timeout=60)["conversations"]
+    status, body = call(url, turn(*t3, conv=conv))
+    assert status == 503, body
+    assert set(body) == {"error"} and (body["error"]["status"], body["error"]["type"]) == (503, "capacity")
+    assert "text pool" in body["error"]["message"] and f"conversation {conv} is unchanged" in body["error"]["message"]
+    _assert_no_leak(worker)
+    assert ray.get(worker.info.remote(), timeout=60)["conversations"] == conversations
+    status, a4 = call(url, turn(*t4, conv=conv))
+    assert status == 200 and a4["turn"] == 3 and a4["node"] == node, a4
+    assert [a1["tokens"], a2["tokens"], a4["tokens"]] == dense(chat, t1, t2, t4)
+    _assert_no_leak(worker)
+    assert call(url, None, method="DELETE", path=f"/v1/conversations/{conv}")[0] == 200
+
+
 def test_cli_start_and_status_on_the_running_cluster(url, tmp_path):
     import yaml
     from click.testing import CliRunner
