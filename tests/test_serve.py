@@ -52,7 +52,7 @@ ARGS = {
                "max_audio_seconds": 5.0, "max_turn_tokens": 600, "max_new_tokens": 16,
                "default_new_tokens": NEW},
     "affinity": {"pin_resource_prefix": "mm_node_"},
-    "workers": {"num_cpus": 0},
+    "workers": {"num_cpus": 0, "turn_wait_s": 0.2},   # a turn's wait for the model (busy)
     "ingress": {"num_cpus": 0},
 }
 PNG = image(1, (64, 48))
@@ -417,6 +417,49 @@ def test_no_room_for_a_turn_is_503_capacity_and_the_conversation_goes_on(url, ch
     assert [a1["tokens"], a2["tokens"], a4["tokens"]] == dense(chat, t1, t2, t4)
     _assert_no_leak(worker)
     assert call(url, None, method="DELETE", path=f"/v1/conversations/{conv}")[0] == 200
+
+
+def test_two_turns_at_once_on_one_worker_one_is_503_busy(url, chat):
+    """The chat model takes one turn at a time per worker. Two long turns (each holds the model
+    for seconds) of two conversations on one worker, sent at once: whichever comes second waits
+    ``workers.turn_wait_s`` (0.2 s) and gets 503 ``busy`` with nothing of it run; the other
+    answers. The busy turn, sent again, is its conversation's second and equals dense."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    new = ARGS["limits"]["max_new_tokens"]
+    opened: list[dict] = []
+    hello: dict[str, str] = {}                   # conversation -> its opening text
+    for i in range(3):                           # the rotation puts two of three on one node
+        status, body = call(url, turn(f"Hi {i}.", new=new))
+        assert status == 200, body
+        opened.append(body)
+        hello[body["conversation_id"]] = f"Hi {i}."
+        pair = [b for b in opened if b["node"] == body["node"]]
+        if len(pair) == 2:
+            break
+    for b in opened:
+        if b not in pair:
+            call(url, None, method="DELETE", path=f"/v1/conversations/{b['conversation_id']}")
+    n = ARGS["limits"]["max_turn_tokens"] - new
+    second = {b["conversation_id"]: [_text(70 + i, n)] for i, b in enumerate(pair)}
+    with ThreadPoolExecutor(2) as pool:
+        sent = {c: pool.submit(call, url, turn(*t, conv=c, new=new)) for c, t in second.items()}
+        got = {c: f.result() for c, f in sent.items()}
+    assert sorted(s for s, _ in got.values()) == [200, 503], got
+    (busy, (_, err)), = [(c, r) for c, r in got.items() if r[0] == 503]
+    assert set(err) == {"error"} and (err["error"]["status"], err["error"]["type"]) == (503, "busy"), err
+    assert "busy with other turns for 0.2 s" in err["error"]["message"]
+    assert f"conversation {busy} is unchanged" in err["error"]["message"]
+    worker = _worker(pair[0]["node"])
+    _assert_no_leak(worker)
+    status, again = call(url, turn(*second[busy], conv=busy, new=new))
+    assert status == 200 and again["turn"] == 2, again
+    answers = {c: (again if c == busy else r[1]) for c, r in got.items()}
+    for b in pair:
+        c = b["conversation_id"]
+        assert [b["tokens"], answers[c]["tokens"]] == dense_chat(chat, [[hello[c]], second[c]], new)
+        call(url, None, method="DELETE", path=f"/v1/conversations/{c}")
+    _assert_no_leak(worker)
 
 
 def test_cli_start_and_status_on_the_running_cluster(url, tmp_path):
