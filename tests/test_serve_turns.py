@@ -1,7 +1,10 @@
 """The Serve worker's turns without Ray: ``TurnRunner`` (what ``TurnWorker`` runs its turns
 through) with the real chat model over a real pool (``PoolService``, in this process), driven
-into its 503 answers for real: a pool with no room for a turn (``capacity``), and two turns for
-one worker at once (``busy``: the chat model takes one turn at a time).
+into its 503 answers for real: a pool with no room for a turn (``capacity``), two turns for one
+worker at once (``busy``: the chat model takes one turn at a time), and a holder gone mid-turn
+(``holder_lost``: the worker's ``HostedCache`` over an in-process cluster, a real
+``ContentRegistry`` and holder ``PoolService``s reached by direct calls instead of Ray, as in
+``test_hosted_remote.py``).
 
 After each 503: the JSON error, the pool with no sequence, lease or unowned page left behind
 (``leak_report``), no conversation left open that nobody knows of, and the conversation's
@@ -12,18 +15,22 @@ reference (``dense_chat``) of the turns that succeeded.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 
+from mmtier.actors.hosted import HostedCache  # noqa: E402
 from mmtier.actors.pool_actor import PoolService  # noqa: E402
+from mmtier.actors.registry import ContentRegistry, HolderInfo  # noqa: E402
+from mmtier.errors import HolderLostError  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs, ServeAppConfig, Workers  # noqa: E402
 from mmtier.serve.engines import engine_cache_config, load_engine  # noqa: E402
 from mmtier.serve.turns import TurnRunner  # noqa: E402
 
-from .media_samples import image  # noqa: E402
+from .media_samples import image, wav  # noqa: E402
 
 NEW = 3
 SMALL = image(31, (64, 48))          # 4 image tokens: fits a one-page vision pool
@@ -166,3 +173,93 @@ def test_a_conversation_that_cannot_go_on_is_closed_after_no_room():
         assert runner.turn("acme", None, [("text", "hi")], NEW)[0] == 200
     finally:
         svc.close()
+
+
+class InProcessCluster:
+    """The calls of ``RayTransport`` an embedded pool makes here, made directly: lookups and
+    publishes on a real ``ContentRegistry``, remote groups on real holder ``PoolService``s. A
+    holder that is gone answers as a dead actor does through Ray: ``HolderLostError``."""
+
+    def __init__(self, registry: ContentRegistry, holders: dict[str, PoolService]):
+        self.registry, self.holders = registry, holders
+        self.calls: Counter[str] = Counter()
+
+    def lookup_async(self, digests):
+        self.calls["lookup"] += 1
+        return self.registry.lookup(digests)
+
+    def wait(self, answer, n):
+        return answer
+
+    def publish_later(self, holder, items, removed, info):
+        self.calls["publish"] += 1
+        self.registry.add(holder, items, HolderInfo(info["name"], info["node"], info["kind"]))
+        self.registry.remove(holder, removed)
+
+    def attach(self, holder, proxy, tenant, wire):
+        self.calls["attach"] += 1
+        return self._holder(holder).attach(proxy, tenant, wire)
+
+    def attend(self, holder, parts, layer, q, q_pos, causal, scale):
+        self.calls["attend"] += 1
+        return self._holder(holder).attend(parts, layer, q, q_pos, causal, scale)
+
+    def attended(self, state, holder):
+        return state
+
+    def release(self, holder, proxies):
+        self.calls["release"] += 1
+        if holder in self.holders:
+            self.holders[holder].release(proxies)
+
+    def _holder(self, name: str) -> PoolService:
+        h = self.holders.get(name)
+        if h is None:
+            raise HolderLostError(f"{name} is gone")
+        return h
+
+
+def test_a_holder_lost_mid_turn_is_503_holder_lost_and_changes_nothing(engine):
+    """A clip's Whisper cross-attention K/V (its ``audio`` group) is held by another node's pool
+    and too large for this worker's audio pool, so the turn plans to attend it where it lives.
+    That holder dies before the turn reaches it (the registry still lists it: it learns of the
+    death only at its next sweep): 503 ``holder_lost``; the worker's pool keeps nothing of the
+    turn, the conversation stays open with its history as it was, and its next turn equals the
+    dense reference of the turns that succeeded."""
+    clip = wav(33, 0.5)
+    chat = engine.chat
+    here = PoolService(chat.cache_config(device_bytes=16 << 20, shares={"audio": 0.1}),
+                       name="mmtier-pool:here:host0", node="here")
+    there = PoolService(chat.cache_config(device_bytes=32 << 20), name="mmtier-pool:there:host0", node="there")
+    registry = ContentRegistry()
+    cluster = InProcessCluster(registry, {there.name: there})
+    here.transport = cluster
+    try:
+        key = here.cache.content_key("audio", clip, tenant="acme")
+        warm = engine.open(there.cache, "acme")               # the clip's turn on the other node
+        assert warm.send([("text", "hear "), ("audio", clip)], NEW).counts["encoder_runs"] == {"audio": 1}
+        warm.close()
+        assert there.cache.contains(key)
+        registry.add(there.name, [there._item(key)], HolderInfo(there.name, "there", "pool"))
+        audio = here.cache.pools["audio"]
+        assert registry.lookup([key.hex])[0].nbytes > audio.num_pages * audio.spec.page_bytes
+
+        runner = TurnRunner(engine, HostedCache(here), Workers(), node="here", calls=cluster.calls)
+        t1 = [("text", "Hello. ")]
+        status, first = runner.turn("acme", None, t1, NEW)
+        assert status == 200, first
+        conv = first["conversation_id"]
+        del cluster.holders[there.name]                       # the holder dies
+        there.close()
+        status, body = runner.turn("acme", conv, [("text", "and this: "), ("audio", clip)], NEW)
+        assert_503(status, body, "holder_lost", there.name, f"conversation {conv} is unchanged")
+        assert cluster.calls["lookup"] >= 1 and cluster.calls["attach"] == 1
+        assert_no_leak(here)
+        assert runner.conversations == 1
+        t2 = [("text", "so?")]
+        status, second = runner.turn("acme", conv, t2, NEW)
+        assert status == 200 and second["turn"] == 2, second
+        assert [first["tokens"], second["tokens"]] == dense(engine, t1, t2)
+        assert_no_leak(here)
+    finally:
+        here.close()
