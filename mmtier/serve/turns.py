@@ -132,7 +132,8 @@ class TurnRunner:
         if opened or (ran and conv.chat.broken):
             self._close(conv)
             return "; the conversation is closed: start a new one" if not opened else ""
-        return f"; conversation {conv.id} is unchanged: send the turn again, or a smaller one"
+        again = "send the turn again" if not ran else "send the turn again, or a smaller one"
+        return f"; conversation {conv.id} is unchanged: {again}"
 
     @contextmanager
     def _model_turn(self):
