@@ -104,11 +104,18 @@ class GroupAPI:
                 self.counters.add("shared_attaches", key.modality)
 
     def release(self, seq: SequenceHandle) -> None:
-        """Drop the sequence's references; its private runs are freed, shared groups stay cached."""
+        """Drop the sequence's references; its private runs are freed, shared groups stay cached.
+        Reservations of it that are not fully written (a step that failed part-way) end here:
+        their runs are unpinned and freed with the rest, and writing to them is refused."""
         with self._lock:
             self.lower.apply_completions()
             table = self._table(seq)
             self._compiled.drop(seq.id)
+            for res in table.open_runs:
+                if res.open:
+                    res.open = False
+                    res.group.pins -= 1
+            table.open_runs = []
             for seg in table.segments:
                 group = seg.group
                 group.refs -= 1

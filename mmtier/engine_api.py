@@ -46,7 +46,10 @@ class EngineAPI:
             growth = self._grow(self._table(seq), modality, spec, n, new_run)
             group = self._commit_growth(growth, identity)
             group.pins += 1
-            return Reservation(group, growth.pool, growth.page_ids, growth.offsets, n)
+            res = Reservation(group, growth.pool, growth.page_ids, growth.offsets, n)
+            table = growth.table
+            table.open_runs = [r for r in table.open_runs if r.open] + [res]
+            return res
 
     def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""

@@ -3,7 +3,8 @@
 ``TieredKVCache.reserve`` adds ``n`` tokens to a sequence (pages allocated, the run pinned to the
 device) and returns a ``Reservation``; ``write_layer`` fills one layer of those tokens straight
 from the engine's tensor (``k, v [n, num_kv_heads, head_dim]``), so no second copy of all layers
-is ever kept. The reservation unpins the run once every layer is written (or on ``cancel``).
+is ever kept. The reservation unpins the run once every layer is written, or when its sequence
+is released first (a step that failed part-way: its pages go back with the sequence's).
 Attention at layer ``l`` reads the tokens whose layer ``l`` is written: an engine writes layer
 ``l`` before it attends it.
 """
@@ -44,7 +45,7 @@ def write_one_layer(res: Reservation, layer: int, k: torch.Tensor, v: torch.Tens
     """Validate ``k, v [n, num_kv_heads, head_dim]`` for ``layer`` and write them into the slots."""
     spec = res.pool.spec
     if not res.open:
-        raise ShapeError("this reservation is finished (every layer written, or cancelled)")
+        raise ShapeError("this reservation is finished (every layer written, or its sequence released)")
     if not 0 <= layer < spec.num_layers:
         raise ShapeError(f"layer {layer} out of range for {spec.name!r} ({spec.num_layers} layers)")
     if layer in res.written:

@@ -48,6 +48,8 @@ class SequenceTable:
     handle: SequenceHandle
     segments: list[Segment] = field(default_factory=list)
     chain: bytes = b"\0" * 32        # running digest of everything the sequence holds
+    open_runs: list = field(default_factory=list)   # its reservations (layer_writes.Reservation)
+                                     # not yet fully written: releasing the sequence ends them
 
     @property
     def length(self) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmtier import ForeignKeyError, ShapeError, TieredKVCache, UnknownKeyError
+from mmtier import CapacityError, ForeignKeyError, ShapeError, TieredKVCache, UnknownKeyError
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache import build_multimodal, kv, make_cfg
 
@@ -97,6 +97,45 @@ def test_per_layer_writes_match_append_and_check_input(backend):
             cache.write_layer(res, 0, k[0], v[0])
         with pytest.raises(ShapeError):
             cache.reserve(seq, "text", 0)
+
+
+def test_a_step_that_fails_part_way_gives_its_pages_back_with_its_sequence(backend):
+    """A step reserves a text span as a run of its own, then an image the vision pool has no
+    room for (``CapacityError``); another extends a run and writes one layer of two. Releasing
+    their sequences frees every page they took (nothing stays pinned), a write to such a
+    reservation is refused, and another sequence's pages and attention are untouched."""
+    with TieredKVCache(make_cfg(backend)) as cache:
+        vision, text = cache.pools["vision"], cache.pools["text"]
+        kept = cache.create_sequence("acme")
+        k0, v0 = kv(21)
+        cache.append(kept, "text", k0, v0)
+        used = {m: p.num_used for m, p in cache.pools.items()}
+        seq = cache.create_sequence("acme")
+        span = cache.reserve(seq, "text", 30, tokens=list(range(30)), new_run=True)
+        with pytest.raises(CapacityError):
+            cache.reserve(seq, "vision", (vision.num_pages + 1) * vision.spec.page_size, new_run=True)
+        k, v = kv(30)
+        cache.write_layer(span, 0, k[0], v[0])            # the forward failed after one layer
+        other = cache.create_sequence("acme")
+        cache.append(other, "text", *kv(5))
+        tail = cache.reserve(other, "text", 40)            # extends its run: pins it
+        cache.write_layer(tail, 1, *(t[1] for t in kv(40)))
+        assert text.num_used > used["text"]
+        cache.release(seq)
+        cache.release(other)
+        assert {m: p.num_used for m, p in cache.pools.items()} == used
+        assert cache.stats().sequences == 1
+        for res in (span, tail):
+            assert not res.open and res.group.pins == 0
+            with pytest.raises(ShapeError):
+                cache.write_layer(res, 1, k[1, :res.num_tokens], v[1, :res.num_tokens])
+        # every free page is usable again: the text pool's whole free room in one run
+        room = cache.create_sequence("acme")
+        cache.reserve(room, "text", text.num_free * text.spec.page_size, new_run=True)
+        cache.release(room)
+        q = torch.randn(2, HQ, 64)
+        want, _ = oracle_attention(q, torch.arange(19, 21), k0[1], v0[1], torch.arange(21))
+        assert rel_err(cache.attention(kept, 1, q), want) < 1e-5
 
 
 def test_bad_batches_raise_typed_errors(backend):

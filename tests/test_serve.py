@@ -52,7 +52,7 @@ ARGS = {
                "max_audio_seconds": 5.0, "max_turn_tokens": 600, "max_new_tokens": 16,
                "default_new_tokens": NEW},
     "affinity": {"pin_resource_prefix": "mm_node_"},
-    "workers": {"num_cpus": 0},
+    "workers": {"num_cpus": 0, "turn_wait_s": 0.2},   # a turn's wait for the model (busy)
     "ingress": {"num_cpus": 0},
 }
 PNG = image(1, (64, 48))
@@ -364,6 +364,102 @@ def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):
         status, other = call(url, turn("Again: ", ("audio", clip)))          # acme: no hit
         assert status == 200 and other["cache"]["hit"] is False, other
         assert other["cache"]["counts"]["encoder_runs"] == {"audio": 1}
+
+
+def _worker(node: str):
+    from mmtier.actors.pool_host import host_name
+
+    return ray.get_actor(host_name(node), namespace=ServeAppConfig.parse(ARGS).settings().namespace)
+
+
+def _assert_no_leak(worker) -> None:
+    """The worker's pool holds no sequence, lease or page outside a cached group."""
+    report = ray.get(worker.leak_report.remote(), timeout=60)
+    assert report["sequences"] == 0 and report["leases"] == 0, report
+    assert report["used_pages"] == report["cached_pages"], report
+
+
+def _text(seed: int, n: int) -> str:
+    """``n`` seeded ASCII letters: ``n`` tokens of the byte-level vocabulary, new to the cache."""
+    import random
+    import string
+
+    return "".join(random.Random(seed).choices(string.ascii_lowercase + " ", k=n))
+
+
+def test_no_room_for_a_turn_is_503_capacity_and_the_conversation_goes_on(url, chat):
+    """A turn attaches its conversation's whole history (pinned while it runs) and adds its own
+    tokens in the text pool. Turns of 590 text tokens: two fit a worker's text pool, the third
+    does not: 503 ``capacity`` with the JSON error, the worker keeps no sequence or page of it,
+    and the conversation goes on: its next short turn is its third, equal to the dense
+    reference of the turns that succeeded, as if the failed turn was never sent."""
+    n = ARGS["limits"]["max_turn_tokens"] - 10
+    t1, t2, t3, t4 = [_text(50, n)], [_text(51, n)], [_text(52, n)], ["and now?"]
+    status, a1 = call(url, turn(*t1))
+    assert status == 200, a1
+    conv, node = a1["conversation_id"], a1["node"]
+    worker = _worker(node)
+    text = ray.get(worker.stats.remote(), timeout=60)["tiers"]["device"]["text"]
+    pages = text["capacity_bytes"] // chat.cache_config().spec("text").page_bytes
+    per_turn = -(-(n + NEW) // 16)                              # a turn's span, in 16-token pages
+    assert 2 * per_turn + 1 <= pages < 3 * per_turn             # the setup: two fit, three do not
+    status, a2 = call(url, turn(*t2, conv=conv))
+    assert status == 200 and a2["node"] == node, a2
+    conversations = ray.get(worker.info.remote(), timeout=60)["conversations"]
+    status, body = call(url, turn(*t3, conv=conv))
+    assert status == 503, body
+    assert set(body) == {"error"} and (body["error"]["status"], body["error"]["type"]) == (503, "capacity")
+    assert "text pool" in body["error"]["message"] and f"conversation {conv} is unchanged" in body["error"]["message"]
+    _assert_no_leak(worker)
+    assert ray.get(worker.info.remote(), timeout=60)["conversations"] == conversations
+    status, a4 = call(url, turn(*t4, conv=conv))
+    assert status == 200 and a4["turn"] == 3 and a4["node"] == node, a4
+    assert [a1["tokens"], a2["tokens"], a4["tokens"]] == dense(chat, t1, t2, t4)
+    _assert_no_leak(worker)
+    assert call(url, None, method="DELETE", path=f"/v1/conversations/{conv}")[0] == 200
+
+
+def test_two_turns_at_once_on_one_worker_one_is_503_busy(url, chat):
+    """The chat model takes one turn at a time per worker. Two long turns (each holds the model
+    for seconds) of two conversations on one worker, sent at once: whichever comes second waits
+    ``workers.turn_wait_s`` (0.2 s) and gets 503 ``busy`` with nothing of it run; the other
+    answers. The busy turn, sent again, is its conversation's second and equals dense."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    new = ARGS["limits"]["max_new_tokens"]
+    opened: list[dict] = []
+    hello: dict[str, str] = {}                   # conversation -> its opening text
+    for i in range(3):                           # the rotation puts two of three on one node
+        status, body = call(url, turn(f"Hi {i}.", new=new))
+        assert status == 200, body
+        opened.append(body)
+        hello[body["conversation_id"]] = f"Hi {i}."
+        pair = [b for b in opened if b["node"] == body["node"]]
+        if len(pair) == 2:
+            break
+    for b in opened:
+        if b not in pair:
+            call(url, None, method="DELETE", path=f"/v1/conversations/{b['conversation_id']}")
+    n = ARGS["limits"]["max_turn_tokens"] - new
+    second = {b["conversation_id"]: [_text(70 + i, n)] for i, b in enumerate(pair)}
+    with ThreadPoolExecutor(2) as pool:
+        sent = {c: pool.submit(call, url, turn(*t, conv=c, new=new)) for c, t in second.items()}
+        got = {c: f.result() for c, f in sent.items()}
+    assert sorted(s for s, _ in got.values()) == [200, 503], got
+    (busy, (_, err)), = [(c, r) for c, r in got.items() if r[0] == 503]
+    assert set(err) == {"error"} and (err["error"]["status"], err["error"]["type"]) == (503, "busy"), err
+    assert "busy with other turns for 0.2 s" in err["error"]["message"]
+    assert f"conversation {busy} is unchanged" in err["error"]["message"]
+    worker = _worker(pair[0]["node"])
+    _assert_no_leak(worker)
+    status, again = call(url, turn(*second[busy], conv=busy, new=new))
+    assert status == 200 and again["turn"] == 2, again
+    answers = {c: (again if c == busy else r[1]) for c, r in got.items()}
+    for b in pair:
+        c = b["conversation_id"]
+        assert [b["tokens"], answers[c]["tokens"]] == dense_chat(chat, [[hello[c]], second[c]], new)
+        call(url, None, method="DELETE", path=f"/v1/conversations/{c}")
+    _assert_no_leak(worker)
 
 
 def test_cli_start_and_status_on_the_running_cluster(url, tmp_path):

@@ -127,7 +127,11 @@ class Conversation:
 
     # ------------------------------------------------------------------ a turn
     def send(self, items, max_new_tokens: int = 8) -> TurnResult:
-        """One user turn (text, image and audio items, in order) and its greedy answer."""
+        """One user turn (text, image and audio items, in order) and its greedy answer. A turn
+        that raises (``CapacityError``: no room for it; a lost holder) leaves the conversation
+        as it was: its history is replaced only once the answer is complete, and the turn's
+        sequences are released on the way out, so a later turn that fits runs as if this one
+        had never been sent."""
         if self.closed:
             raise ShapeError("the conversation is closed")
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:

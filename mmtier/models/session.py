@@ -51,6 +51,11 @@ class CachedSession:
         self._pending: int | None = None     # the last answer token, not yet in the context
         self._state = "open"
 
+    @property
+    def is_open(self) -> bool:
+        """Neither closed nor broken by a turn that failed half-way."""
+        return self._state == "open"
+
     # ------------------------------------------------------------------ turns
     def send(self, prompt: Sequence[Item], max_new_tokens: int = 8) -> list[int]:
         """Feed one turn and decode greedily; the answer stays in the context for the next."""

@@ -147,6 +147,9 @@ class Workers(_Strict):
     max_conversations: int = Field(256, gt=0, description="Open conversations per worker; the idlest closes beyond it.")
     conversation_ttl_s: float = Field(900.0, gt=0, description="An idle conversation closes after this.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads in a worker.")
+    turn_wait_s: float = Field(
+        240.0, gt=0, description="Longest a turn waits for a serial model (one turn at a time per "
+                                 "worker) busy with other turns; then 503 'busy', nothing ran.")
 
 
 class Ingress(_Strict):

@@ -41,6 +41,10 @@ class TurnOutput:
 
 
 class Conversation(Protocol):
+    broken: bool     # True once a failed turn left the conversation's state part-way (it is
+                     # no longer a prefix the model can extend); False: a failed ``send`` left
+                     # the history as it was, so the next turn runs as if it had not been sent
+
     def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput: ...
 
     def close(self) -> None: ...
@@ -134,6 +138,11 @@ class ReferenceEngine:
 class _ReferenceConversation:
     def __init__(self, model, session):
         self.model, self.session = model, session
+
+    @property
+    def broken(self) -> bool:
+        """A ``CachedSession`` appends each chunk as it runs: a turn that fails half-way breaks it."""
+        return not self.session.is_open
 
     def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput:
         before = self.model.counters.snapshot()

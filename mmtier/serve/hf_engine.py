@@ -137,6 +137,9 @@ class HFEngine(HFFrontend):
 
 
 class HFConversation:
+    broken = False     # the chat conversation replaces its history only when a turn completed:
+                       # a turn that raised (no room, a lost holder) left it as it was
+
     def __init__(self, engine: HFEngine, conv, cache, tenant: str):
         self.engine, self.conv, self.cache, self.tenant = engine, conv, cache, tenant
 
