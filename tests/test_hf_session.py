@@ -106,6 +106,40 @@ def test_second_request_reuses_prefix_and_image(vlms, name):
         assert cache.stats().sequences == 0
 
 
+@pytest.mark.parametrize("name", sorted(IMAGE_MODELS))
+def test_two_images_prefill_in_one_forward_and_match_a_cold_run(vlms, name):
+    """A prompt with two images: the four spans before the last text run go through ONE
+    decoder forward (each its own run, sealed apart), the tokens and logits equal a cold run;
+    a second request with the second image swapped reuses the spans up to it."""
+    ref, model, calls = vlms[name]
+    a, b = MODELS[name][1](1, seed=5), MODELS[name][1](1, seed=6)
+    ids = torch.cat([a["input_ids"], b["input_ids"]], 1)
+    images = [image_of(name, a, b"image a"), image_of(name, b, b"image b")]
+
+    def joined(imgs):
+        return Media(b"", {k: torch.cat([m.inputs[k] for m in imgs]) for k in imgs[0].inputs})
+
+    forwards = []
+    hook = model.model.language_model.register_forward_hook(lambda *_: forwards.append(1))
+    try:
+        with TieredKVCache(mt.config_for(model)) as cache:
+            session = Session(model, cache, tenant="acme")
+            calls.clear()
+            first = session.generate(ids, images, max_new_tokens=NEW)
+            assert len(forwards) == 1 + NEW and first.prefilled_tokens == ids.shape[1]
+            assert_same(cold(ref, ids, joined(images)), first)
+            swapped = [images[0], image_of(name, MODELS[name][1](1, seed=6, image_seed=9), b"image c")]
+            forwards.clear()
+            second = session.generate(ids, swapped, max_new_tokens=NEW)
+            assert second.media_hits == 1 and len(forwards) == 1 + NEW
+            second_image = a["input_ids"].shape[1] + int(torch.nonzero(b["input_ids"][0] == ref.config.image_token_id).min())
+            assert second.cached_tokens == second_image          # text, image a, text: attached
+            assert_same(cold(ref, ids, joined(swapped)), second)
+            assert cache.stats().sequences == 0
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("name", ["mllama", "whisper"])
 def test_cross_attended_media_is_a_content_only_group(name):
     """Mllama's projected vision K/V and Whisper's encoder K/V: stored once per tenant under a
@@ -159,3 +193,23 @@ def test_session_refusals(vlms):
         whisper = mt.enable(tiny_whisper())
         with TieredKVCache(mt.config_for(whisper)) as other, pytest.raises(UnsupportedError):
             Session(whisper, other).generate(torch.tensor([[1]]), [])     # one media item per request
+
+
+def test_images_whose_inputs_do_not_concatenate_take_separate_forwards():
+    """``_chunks``: text and images run together while the images' processor outputs
+    concatenate; an image with other names or another shape past the first dimension starts a
+    new forward (each still a run of its own)."""
+    from mmtier.integrations.session import Span, _chunks
+
+    def img(shape, names=("pixel_values",)):
+        return Media(b"x", {n: torch.randn(*shape) for n in names})
+
+    t = lambda i: Span("text", i, i + 1)          # noqa: E731
+    v = lambda i, m: Span("vision", i, i + 1, m)  # noqa: E731
+    same = [t(0), v(1, img((1, 3, 8, 8))), t(2), v(3, img((2, 3, 8, 8))), t(4)]
+    assert [len(c) for c in _chunks(same)] == [5]
+    other_shape = [t(0), v(1, img((1, 3, 8, 8))), t(2), v(3, img((1, 3, 16, 16))), t(4)]
+    assert [len(c) for c in _chunks(other_shape)] == [3, 2]
+    other_names = [v(0, img((4, 12))), v(1, img((4, 12), ("pixel_values", "image_grid_thw")))]
+    assert [len(c) for c in _chunks(other_names)] == [1, 1]
+    assert _chunks([]) == [] and [len(c) for c in _chunks([t(0), t(1)])] == [2]

@@ -131,3 +131,72 @@ def test_remote_groups_between_local_runs_equal_the_oracle_and_a_local_sequence(
     assert hosted.transport.calls["release"] == 2                          # one per holder
     for h in holders.values():                                             # proxies gone: unpinned
         assert h.leak_report()["sequences"] == 0
+
+
+class Clustered(InProcess):
+    """``InProcess`` with the turn-boundary calls: lookups on a real ``ContentRegistry`` and
+    whole-group fetches from the holders' exports."""
+
+    def __init__(self, holders: dict[str, PoolService]):
+        from mmtier.actors.registry import ContentRegistry, HolderInfo
+
+        super().__init__(holders)
+        self.registry = ContentRegistry()
+        for name, h in holders.items():
+            self.registry.register_holder(HolderInfo(name, h.node, "pool"))
+
+    def lookup_async(self, digests):
+        self.calls["lookup"] += 1
+        return self.registry.lookup(digests)
+
+    def wait(self, answer, n):
+        return answer
+
+    def fetch(self, holder, wire):
+        self.calls["fetch"] += 1
+        return self.holders[holder].export(wire)
+
+    def land(self, pending):
+        return pending
+
+    def publish_later(self, holder, items, removed, info):
+        self.calls["publish"] += 1
+
+
+def test_a_fallback_group_is_planned_only_when_its_key_is_found_nowhere():
+    """``begin_turn(keys, fallbacks={k: [alt]})``: ``alt`` (a clip's Whisper K/V) is looked up in
+    the same call as ``k`` (its transcript) and fetched only when ``k`` is held nowhere."""
+    cfg = MODEL.cache_config(device_bytes=6 << 20)
+    holder = PoolService(cfg, name="mmtier-pool:m:host0", node="m")
+    host = PoolService(cfg, name="mmtier-pool:n:host0", node="n")
+    host.transport = Clustered({holder.name: holder})
+    hosted = HostedCache(host)
+    try:
+        vis = cfg.spec("vision")
+        primary = hosted.content_key("vision", b"transcript", tenant="acme")
+        alt = hosted.content_key("vision", b"whisper-kv", tenant="acme")
+        other = hosted.content_key("vision", b"another-transcript", tenant="acme")
+        kv = {primary: _kv(vis, 20, 7), alt: _kv(vis, 30, 8)}
+        for key, (k, v) in kv.items():
+            holder.put(key.to_wire(), k, v)
+            host.transport.registry.add(holder.name, [holder._item(key)])
+        # the key is elsewhere: it is fetched, its fallback is not (one lookup for both)
+        hosted.begin_turn([primary], fallbacks={primary: [alt]})
+        hosted.end_turn()
+        assert host.transport.calls["lookup"] == 1 and host.transport.calls["fetch"] == 1
+        assert hosted.plan == {primary.hex: "fetch"} and hosted.contains(primary)
+        assert not host.cache.contains(alt)
+        got_k, _ = host.cache.read_group(primary)
+        assert torch.equal(got_k, kv[primary][0])
+        # a key found nowhere: its fallback is planned and fetched
+        hosted.begin_turn([other], fallbacks={other: [alt]})
+        hosted.end_turn()
+        assert host.transport.calls["lookup"] == 2 and host.transport.calls["fetch"] == 2
+        assert hosted.plan == {other.hex: "miss", alt.hex: "fetch"} and host.cache.contains(alt)
+        # a key held here: nothing is looked up for it or its fallback
+        hosted.begin_turn([primary], fallbacks={primary: [alt]})
+        hosted.end_turn()
+        assert host.transport.calls["lookup"] == 2 and hosted.plan == {primary.hex: "local", alt.hex: "local"}
+    finally:
+        host.close()
+        holder.close()

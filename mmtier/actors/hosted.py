@@ -29,7 +29,7 @@ such a group is a miss here), and only K/V groups (an embedding that does not fi
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -67,6 +67,7 @@ class HostedCache:
         self._asked: tuple[list[ContentKey], object, int] | None = None   # the turn's lookup, in flight
         self.plan: dict[str, str] = {}        # this turn: digest -> "local" | "fetch" | "remote" | "miss"
         self._elsewhere: dict[ContentKey, str] = {}   # this turn's groups planned "remote": holder
+        self._fallback_of: dict[ContentKey, ContentKey] = {}   # this turn: fallback -> the key it stands in for
         self.remote = RemoteParts(self.cache, self.transport)
 
     # ------------------------------------------------------------------ local, no Ray call
@@ -167,15 +168,26 @@ class HostedCache:
         return item is not None
 
     # ------------------------------------------------------------------ turn boundaries
-    def begin_turn(self, keys: Iterable[ContentKey], calls_left: int = 0) -> None:
+    def begin_turn(self, keys: Iterable[ContentKey], calls_left: int = 0,
+                   fallbacks: Mapping[ContentKey, Iterable[ContentKey]] | None = None) -> None:
         """At admission: one lookup, sent now, for the keys not held here. Its answer is read
         when the turn first needs a key it does not hold (or at ``end_turn``), so it overlaps
-        the turn's first chunks; each group then planned ``"fetch"`` starts its pull."""
+        the turn's first chunks; each group then planned ``"fetch"`` starts its pull.
+        ``fallbacks[key]``: groups the turn needs only if ``key`` is found nowhere (a clip's
+        Whisper K/V when its transcript is not cached), looked up in the same call and planned
+        only then."""
         self._resolve()                                   # a turn that never ended: finish it
         keys = list(dict.fromkeys(keys))
+        primary = set(keys)
+        self._fallback_of = {}
+        for key, alts in (fallbacks or {}).items():
+            for alt in alts:
+                if alt not in primary and alt not in self._fallback_of:
+                    self._fallback_of[alt] = key
+        keys += list(self._fallback_of)
         held = self.host.holds([k.to_wire() for k in keys]) if keys else []
-        missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
         self.plan = {k.hex: "local" for k, h in zip(keys, held) if h}
+        missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
         self._elsewhere = {}
         if missing:
             self._asked = (missing, self.transport.lookup_async([k.hex for k in missing]), calls_left)
@@ -197,7 +209,10 @@ class HostedCache:
             return
         missing, ref, calls_left = self._asked
         self._asked = None
-        for k, loc in zip(missing, self.transport.wait(ref, len(missing))):
+        for k, loc in zip(missing, self.transport.wait(ref, len(missing))):   # fallbacks come last
+            needed_for = self._fallback_of.get(k)
+            if needed_for is not None and self.plan.get(needed_for.hex, "miss") != "miss":
+                continue                                  # its key is here or on its way
             holders = [] if loc is None else [h for h, _tier in loc.holders if h != self.host.name]
             if not holders:
                 self.plan[k.hex] = "miss"

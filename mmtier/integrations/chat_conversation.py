@@ -100,6 +100,12 @@ class Conversation:
         the history's spans, the turn's spans up to its first clip (a clip's transcript is not
         known yet), its images' ``vision_embed`` groups and its clips' ``transcript_ids`` groups. What an
         engine looks up for the turn at admission (``HostedCache.begin_turn``)."""
+        return self.turn_lookup(items)[0]
+
+    def turn_lookup(self, items) -> tuple[list[ContentKey], dict[ContentKey, list[ContentKey]]]:
+        """``(turn_keys, fallbacks)``: ``fallbacks[k]`` the groups needed only when ``k`` is found
+        nowhere (a clip's ``audio`` group, Whisper's encoder K/V, when its transcript is not
+        cached): ``HostedCache.begin_turn(keys, fallbacks=...)``."""
         items = list(items) if not isinstance(items, str | bytes) else [items]
         read = [self._read(x) for x in items]
         keys = [s.key for s in self.spans]
@@ -118,12 +124,14 @@ class Conversation:
         for s in _cut(ids, self.spans[-1].end if self.spans else 0, images)[:-1]:
             parent = self._key(ids, s, parent)
             keys.append(parent)
+        fallbacks: dict[ContentKey, list[ContentKey]] = {}
         for kind, x in read:
             if kind == "image":
                 keys.append(_image_features_key(self.cache, self.tenant, x))
             elif kind == "audio":
                 keys.append(self._transcript_key(x[0]))
-        return keys
+                fallbacks[keys[-1]] = [self.cache.content_key("audio", x[0], tenant=self.tenant)]
+        return keys, fallbacks
 
     # ------------------------------------------------------------------ a turn
     def send(self, items, max_new_tokens: int = 8) -> TurnResult:

@@ -58,7 +58,8 @@ class ChatEngine(PoolHost):
         with self._turn_lock:
             before = dict(self.transport.calls)
             t0 = time.perf_counter()
-            self.local.begin_turn(conv.turn_keys(items))
+            keys, fallbacks = conv.turn_lookup(items)
+            self.local.begin_turn(keys, fallbacks=fallbacks)
             t1 = time.perf_counter()
             try:
                 r = conv.send(items, max_new_tokens)

@@ -148,7 +148,8 @@ class HFConversation:
         layers = self.engine.chat.vlm.config.get_text_config().num_hidden_layers
         begin = getattr(self.cache, "begin_turn", None)         # an embedded pool: turn boundaries
         if begin is not None:
-            begin(self.conv.turn_keys(data), calls_left=(max_new_tokens + len(items)) * layers)
+            keys, fallbacks = self.conv.turn_lookup(data)
+            begin(keys, calls_left=(max_new_tokens + len(items)) * layers, fallbacks=fallbacks)
         try:
             r = self.conv.send(data, max_new_tokens)
         finally:
