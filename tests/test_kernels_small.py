@@ -29,6 +29,21 @@ def taken(monkeypatch):
     return counts
 
 
+def _oracle_over(q_case, cases):
+    """The float64 oracle of ``q_case``'s queries (causal) over every segment of the first item
+    of each ``(case, operand)``, read from the operand's pages at its layer."""
+    ks, vs, ps = [], [], []
+    for case, op in cases:
+        pages = op.page_ids.tolist()
+        ptr = op.seg_page_indptr.tolist()
+        for i, s in enumerate(case.items[0].segments):
+            kv = op.kv[pages[ptr[i]:ptr[i + 1]], op.layer]
+            ks.append(kv[:, 0].flatten(0, 1)[:s.length])
+            vs.append(kv[:, 1].flatten(0, 1)[:s.length])
+            ps.append(torch.arange(s.start, s.start + s.length))
+    return oracle_attention(q_case.q, q_case.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("q_pos", [[1310], [700, 701, 1300], [5]])
 def test_one_item_matches_the_oracle(taken, causal, q_pos):
@@ -45,16 +60,7 @@ def test_operands_of_different_page_sizes_merge_exactly(taken):
     out, lse = paged_attention(a.q, a.q_indptr, a.q_pos, [a.op, b.op], causal=True, backend="torch",
                                out_dtype=torch.float32)
     assert taken["small"] == 1
-    ks, vs, ps = [], [], []
-    for case in (a, b):
-        pages = case.op.page_ids.tolist()
-        ptr = case.op.seg_page_indptr.tolist()
-        for i, s in enumerate(case.items[0].segments):
-            kv = case.op.kv[pages[ptr[i]:ptr[i + 1]], case.op.layer]
-            ks.append(kv[:, 0].flatten(0, 1)[:s.length])
-            vs.append(kv[:, 1].flatten(0, 1)[:s.length])
-            ps.append(torch.arange(s.start, s.start + s.length))
-    ref_out, ref_lse = oracle_attention(a.q, a.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+    ref_out, ref_lse = _oracle_over(a, [(a, a.op), (b, b.op)])
     assert rel_err(out, ref_out) <= OUT_TOL
     assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
 
@@ -82,16 +88,7 @@ def test_pools_of_one_arena_are_gathered_together(taken):
         ops = [dataclasses.replace(a.op, kv=kv_a, layer=layer), dataclasses.replace(b.op, kv=kv_b, layer=layer)]
         out, lse = paged_attention(a.q, a.q_indptr, a.q_pos, ops, causal=True, backend="torch",
                                    out_dtype=torch.float32)
-        ks, vs, ps = [], [], []
-        for case, op in ((a, ops[0]), (b, ops[1])):
-            pages = op.page_ids.tolist()
-            ptr = op.seg_page_indptr.tolist()
-            for i, s in enumerate(case.items[0].segments):
-                kv = op.kv[pages[ptr[i]:ptr[i + 1]], layer]
-                ks.append(kv[:, 0].flatten(0, 1)[:s.length])
-                vs.append(kv[:, 1].flatten(0, 1)[:s.length])
-                ps.append(torch.arange(s.start, s.start + s.length))
-        ref_out, ref_lse = oracle_attention(a.q, a.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+        ref_out, ref_lse = _oracle_over(a, [(a, ops[0]), (b, ops[1])])
         assert rel_err(out, ref_out) <= OUT_TOL
         assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
     assert taken["small"] == a.op.kv.shape[1]
@@ -131,15 +128,6 @@ def test_a_prefill_chunk_over_two_pools_takes_the_causal_square(taken, monkeypat
     out, lse = paged_attention(a.q, a.q_indptr, a.q_pos, [a.op, b.op], causal=True, backend="torch",
                                out_dtype=torch.float32)
     assert taken["small"] == 1 and len(squares) == 1 and squares[0] is not None
-    ks, vs, ps = [], [], []
-    for case in (a, b):
-        pages = case.op.page_ids.tolist()
-        ptr = case.op.seg_page_indptr.tolist()
-        for i, s in enumerate(case.items[0].segments):
-            kv = case.op.kv[pages[ptr[i]:ptr[i + 1]], case.op.layer]
-            ks.append(kv[:, 0].flatten(0, 1)[:s.length])
-            vs.append(kv[:, 1].flatten(0, 1)[:s.length])
-            ps.append(torch.arange(s.start, s.start + s.length))
-    ref_out, ref_lse = oracle_attention(a.q, a.q_pos, torch.cat(ks), torch.cat(vs), torch.cat(ps), True, None)
+    ref_out, ref_lse = _oracle_over(a, [(a, a.op), (b, b.op)])
     assert rel_err(out, ref_out) <= OUT_TOL
     assert (lse.double() - ref_lse).abs().max().item() <= LSE_TOL
