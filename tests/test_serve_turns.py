@@ -15,6 +15,7 @@ reference (``dense_chat``) of the turns that succeeded.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -106,8 +107,8 @@ def test_no_room_for_a_turn_is_503_capacity_and_changes_nothing(engine, pool, ca
 
 def test_two_turns_at_once_one_waits_then_503_busy_and_changes_nothing(engine, pool):
     """Turn A holds the model (paused inside its forward by a hook on the real model); turn B
-    of another conversation, and a new conversation's first turn, wait ``turn_wait_s`` and get
-    503 ``busy``; nothing of theirs ran. A then finishes; B's conversation goes on unchanged."""
+    of another conversation, a new conversation's first turn, and a second turn of A's own
+    conversation wait ``turn_wait_s`` and get 503 ``busy``; nothing of theirs ran. A then finishes; B's conversation goes on unchanged."""
     runner = TurnRunner(engine, pool.cache, Workers(turn_wait_s=0.2))
     ta1, tb1 = [("text", "Hello. ")], [("text", "Bonjour. ")]
     (sa, a1), (sb, b1) = (runner.turn("acme", None, t, NEW) for t in (ta1, tb1))
@@ -133,6 +134,11 @@ def test_two_turns_at_once_one_waits_then_503_busy_and_changes_nothing(engine, p
         status, body = runner.turn("globex", None, [("text", "hi"), ("image", BIG)], NEW)
         assert_503(status, body, "busy")
         assert runner.conversations == 2                 # the new one was not left open
+        t0 = time.monotonic()                            # A's own conversation: bounded too
+        status, body = runner.turn("acme", conv_a, [("text", "meanwhile?")], NEW)
+        assert_503(status, body, "busy", f"another turn of conversation {conv_a}",
+                   f"conversation {conv_a} is unchanged")
+        assert time.monotonic() - t0 < 30
         assert dict(engine.chat.encoder_runs) == encoder_runs      # nothing of theirs ran
     finally:
         go.set()

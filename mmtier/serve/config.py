@@ -149,7 +149,8 @@ class Workers(_Strict):
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads in a worker.")
     turn_wait_s: float = Field(
         240.0, gt=0, description="Longest a turn waits for a serial model (one turn at a time per "
-                                 "worker) busy with other turns; then 503 'busy', nothing ran.")
+                                 "worker) busy with other turns, or for its own conversation busy "
+                                 "with another of its turns; then 503 'busy', nothing ran.")
 
 
 class Ingress(_Strict):

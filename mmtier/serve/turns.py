@@ -4,10 +4,10 @@
 runs one in-process over a ``TieredKVCache``. It owns the open conversations, their locks, the
 serial engine's one-turn-at-a-time rule, and the mapping of a turn's failure to an answer.
 
-Turns of one conversation run one at a time (a lock per conversation); turns of different
-conversations run concurrently in threads, except on a ``serial`` engine (the transformers chat
-model keeps per-turn state), whose turns take the model one at a time (503 ``busy`` after
-``turn_wait_s``; nothing ran). Each conversation counts its own turns' cache work, so the cache
+Turns of one conversation run one at a time (a lock per conversation, waited for at most
+``turn_wait_s``, then 503 ``busy``); turns of different conversations run concurrently in
+threads, except on a ``serial`` engine (the transformers chat model keeps per-turn state), whose
+turns take the model one at a time (503 ``busy`` after ``turn_wait_s``; nothing ran). Each conversation counts its own turns' cache work, so the cache
 information of a turn is exactly what that turn did.
 
 A failed turn (503 ``capacity``: the cache had no room for it; 503 ``holder_lost``: cached
@@ -84,7 +84,7 @@ class TurnRunner:
                     return 404, _error(404, "unknown_conversation",
                                        f"no open conversation {conversation_id!r} for this API key "
                                        "(closed, expired, or never opened)")
-            with conv.lock:
+            with self._conversation_turn(conv):
                 if conv.id not in self._convs:       # closed while we waited
                     return 404, _error(404, "unknown_conversation", f"conversation {conv.id!r} was closed")
                 with self._model_turn():
@@ -134,6 +134,18 @@ class TurnRunner:
             return "; the conversation is closed: start a new one" if not opened else ""
         again = "send the turn again" if not ran else "send the turn again, or a smaller one"
         return f"; conversation {conv.id} is unchanged: {again}"
+
+    @contextmanager
+    def _conversation_turn(self, conv: _Conversation):
+        """The conversation for one turn (its turns go one at a time): ``BusyError`` when
+        another turn of it keeps it past ``turn_wait_s``."""
+        wait = self.workers.turn_wait_s
+        if not conv.lock.acquire(timeout=wait):
+            raise BusyError(f"another turn of conversation {conv.id} kept it for {wait:g} s")
+        try:
+            yield
+        finally:
+            conv.lock.release()
 
     @contextmanager
     def _model_turn(self):
