@@ -41,6 +41,7 @@ from .pool import DeviceArena, PagePool
 from .residency import LowerTiers
 from .room import Room
 from .stats import CacheStats, Counters, TierUsage
+from .step_plans import StepPlans
 from .table import SequenceTable
 
 __all__ = ["DEFAULT_TENANT", "TieredKVCache"]
@@ -59,6 +60,7 @@ class TieredKVCache(EngineAPI, KeyAPI, SequenceAPI, GroupAPI, AttentionAPI, Tier
         self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
         self._compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
+        self._steps = StepPlans()               # batch plans, reused by the other layers of a step
         self._lock = OwnerLock()
         self._groups: dict[ContentKey, ModalityGroup] = {}
         self._seqs: dict[int, SequenceTable] = {}

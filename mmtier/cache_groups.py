@@ -111,6 +111,7 @@ class GroupAPI:
             self.lower.apply_completions()
             table = self._table(seq)
             self._compiled.drop(seq.id)
+            self._steps.drop(seq.id)
             for res in table.open_runs:
                 if res.open:
                     res.open = False

@@ -118,22 +118,39 @@ class EngineAPI:
             raise ShapeError(f"{len(groups)} group lists for {len(seqs)} sequences")
         with self._lock:
             self.lower.apply_completions()
-            batch, positions = [], []
-            for b, seq in enumerate(seqs):
-                table = self._table(seq)
-                batch.append(list(self._select(seq, table, None if groups is None else groups[b])))
-                n_q, length = bounds[b + 1] - bounds[b], table.length
-                if causal and n_q > length:
-                    raise ShapeError(f"sequence {seq.id}: {n_q} queries but it holds {length} tokens")
-                first = max(0, length - n_q)
-                positions.append(torch.arange(first, first + n_q, dtype=torch.int32))
-            q_pos = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32)
-            plan = self._plan_batch(batch, layer, q)
+            tables = [self._table(seq) for seq in seqs]
+            step = (tuple(seq.id for seq in seqs), tuple(bounds), causal, tuple(q.shape[1:]), q.dtype) \
+                if groups is None else None                  # a self-attention batch: kept per step
+            kept = self._steps.get(step, tables, layer) if step is not None else None
+            if kept is not None:                             # another layer of the step that planned it
+                plan = BatchPlan(list(kept.groups), kept.operands(layer), {}, self.arena.device)
+                for g in plan.device_groups:
+                    g.pins += 1
+                q_pos = kept.q_pos
+            else:
+                batch, q_pos = self._batch_segments(seqs, tables, groups, bounds, causal)
+                plan = self._plan_batch(batch, layer, q)
+                if step is not None and not plan.lower:
+                    self._steps.keep(step, tables, batch, q_pos, plan.device_ops, layer)
         try:
             return plan.run(q, bounds, q_pos, causal=causal, scale=scale, backend=self._backend())
         finally:
             with self._lock:
                 self._unpin_batch(plan)
+
+    def _batch_segments(self, seqs, tables, groups, bounds: list[int], causal: bool
+                        ) -> tuple[list[list[Segment]], torch.Tensor]:
+        """Each sequence's segments (those of ``groups[b]`` when given) and the positions of
+        every query (each sequence's last ones), checked (lock held)."""
+        batch, positions = [], []
+        for b, (seq, table) in enumerate(zip(seqs, tables)):
+            batch.append(list(self._select(seq, table, None if groups is None else groups[b])))
+            n_q, length = bounds[b + 1] - bounds[b], table.length
+            if causal and n_q > length:
+                raise ShapeError(f"sequence {seq.id}: {n_q} queries but it holds {length} tokens")
+            first = max(0, length - n_q)
+            positions.append(torch.arange(first, first + n_q, dtype=torch.int32))
+        return batch, (torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32))
 
     def _plan_batch(self, batch: list[list[Segment]], layer: int, q: torch.Tensor) -> BatchPlan:
         """A batch's plan (lock held): the device segments of every sequence compiled into one
