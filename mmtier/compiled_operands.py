@@ -35,11 +35,13 @@ class _Entry:
     by_layer: dict[int, list[PagedKV]] = field(default_factory=dict)
 
 
-def _stamp(segments: list[Segment]) -> list[tuple[object, list[int], int, int]]:
+def stamp(segments: list[Segment]) -> list[tuple[object, list[int], int, int]]:
+    """What compiled operands of ``segments`` depend on: per segment its group, the group's
+    page list (by identity), its token count and its start."""
     return [(s.group, s.group.pages, s.group.num_tokens, s.start) for s in segments]
 
 
-def _same(a: list[tuple[object, list[int], int, int]], b: list[tuple[object, list[int], int, int]]) -> bool:
+def same(a: list[tuple[object, list[int], int, int]], b: list[tuple[object, list[int], int, int]]) -> bool:
     return len(a) == len(b) and all(
         x[0] is y[0] and x[1] is y[1] and x[2] == y[2] and x[3] == y[3] for x, y in zip(a, b))
 
@@ -57,12 +59,12 @@ class CompiledOperands:
                  compile_fn: Callable[[list[Segment], int], list[PagedKV]]) -> list[PagedKV]:
         """The operands of ``segments`` (all on the device) at ``layer``: reused when the
         sequence's last compiled segments are unchanged, compiled by ``compile_fn`` otherwise."""
-        stamp = _stamp(segments)
+        now = stamp(segments)
         entry = self._entries.get(seq_id)
-        if entry is None or not _same(entry.stamp, stamp):
+        if entry is None or not same(entry.stamp, now):
             self.compiles += 1
             ops = compile_fn(segments, layer)
-            entry = _Entry(stamp, ops, {layer: ops})
+            entry = _Entry(now, ops, {layer: ops})
             self._entries[seq_id] = entry
             while len(self._entries) > self._kept:
                 self._entries.popitem(last=False)
@@ -70,9 +72,7 @@ class CompiledOperands:
         self._entries.move_to_end(seq_id)
         ops = entry.by_layer.get(layer)
         if ops is None:
-            ops = entry.by_layer[layer] = [
-                PagedKV(op.kv, layer, op.seg_indptr, op.seg_page_indptr, op.seg_start, op.seg_len,
-                        op.page_ids, host=op.host) for op in entry.ops]
+            ops = entry.by_layer[layer] = [op.at_layer(layer) for op in entry.ops]
         return ops
 
     def drop(self, seq_id: int) -> None:

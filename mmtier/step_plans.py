@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compiled_operands import same, stamp
 from .groups import ModalityGroup, Tier
 from .kernels.layout import PagedKV
 from .table import Segment, SequenceTable
 
 KEPT = 16          # batches remembered (a step's self-attention batch, its cross batch, ...)
 
-_Stamp = tuple[tuple[tuple[ModalityGroup, list[int], int, int], ...], ...]
+_Stamp = tuple[list[tuple[object, list[int], int, int]], ...]
 
 
 @dataclass(eq=False)
@@ -47,29 +48,20 @@ class StepPlan:
     def operands(self, layer: int) -> list[PagedKV]:
         ops = self.by_layer.get(layer)
         if ops is None:
-            ops = self.by_layer[layer] = [
-                PagedKV(op.kv, layer, op.seg_indptr, op.seg_page_indptr, op.seg_start, op.seg_len,
-                        op.page_ids, host=op.host) for op in self.ops]
+            ops = self.by_layer[layer] = [op.at_layer(layer) for op in self.ops]
         return ops
 
 
 def stamp_of(tables: list[SequenceTable]) -> _Stamp | None:
-    """What a kept plan must still match: per sequence, per segment ``(group, its page list,
-    its tokens, start)``; ``None`` when some segment is not on the device."""
-    out = []
-    for t in tables:
-        for s in t.segments:
-            if s.group.tier != Tier.DEVICE:
-                return None
-        out.append(tuple((s.group, s.group.pages, s.group.num_tokens, s.start) for s in t.segments))
-    return tuple(out)
+    """What a kept plan must still match: each sequence's ``compiled_operands.stamp``;
+    ``None`` when some segment is not on the device."""
+    if any(s.group.tier != Tier.DEVICE for t in tables for s in t.segments):
+        return None
+    return tuple(stamp(t.segments) for t in tables)
 
 
 def _same(a: _Stamp, b: _Stamp) -> bool:
-    return len(a) == len(b) and all(
-        len(x) == len(y) and all(p[0] is q[0] and p[1] is q[1] and p[2] == q[2] and p[3] == q[3]
-                                 for p, q in zip(x, y))
-        for x, y in zip(a, b))
+    return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
 
 
 class StepPlans:

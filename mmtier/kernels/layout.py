@@ -61,6 +61,11 @@ class PagedKV:
     page_ids: torch.Tensor
     host: HostTables | None = None   # the tables on the host, when built there (no planning sync)
 
+    def at_layer(self, layer: int) -> PagedKV:
+        """The same tables over another layer of the pool (a layer is an offset, not a table)."""
+        return PagedKV(self.kv, layer, self.seg_indptr, self.seg_page_indptr, self.seg_start,
+                       self.seg_len, self.page_ids, host=self.host)
+
     @property
     def page_size(self) -> int:
         return self.kv.shape[3]

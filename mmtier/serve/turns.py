@@ -137,30 +137,31 @@ class TurnRunner:
 
     @contextmanager
     def _conversation_turn(self, conv: _Conversation):
-        """The conversation for one turn (its turns go one at a time): ``BusyError`` when
-        another turn of it keeps it past ``turn_wait_s``."""
-        wait = self.workers.turn_wait_s
-        if not conv.lock.acquire(timeout=wait):
-            raise BusyError(f"another turn of conversation {conv.id} kept it for {wait:g} s")
-        try:
+        """The conversation for one turn (its turns go one at a time)."""
+        with self._within(conv.lock, f"another turn of conversation {conv.id} kept it"):
             yield
-        finally:
-            conv.lock.release()
 
     @contextmanager
     def _model_turn(self):
-        """The model for one turn: alone when the engine is ``serial`` (``BusyError`` when other
-        turns keep it past ``turn_wait_s``), so the turn's traffic and counts are its own."""
+        """The model for one turn: alone when the engine is ``serial``, so the turn's traffic and
+        counts are its own."""
         if not self.engine.serial:
             yield
             return
+        with self._within(self._serial, "the model stayed busy with other turns"):
+            yield
+
+    @contextmanager
+    def _within(self, lock: threading.Lock, busy: str):
+        """``lock`` held for the block, waited for at most ``turn_wait_s``: else ``BusyError``
+        (nothing ran)."""
         wait = self.workers.turn_wait_s
-        if not self._serial.acquire(timeout=wait):
-            raise BusyError(f"the model stayed busy with other turns for {wait:g} s")
+        if not lock.acquire(timeout=wait):
+            raise BusyError(f"{busy} for {wait:g} s")
         try:
             yield
         finally:
-            self._serial.release()
+            lock.release()
 
     def _open(self, tenant: str) -> _Conversation:
         chat = self.engine.open(self.cache, tenant)
