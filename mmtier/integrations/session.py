@@ -6,9 +6,8 @@ image: the bytes of the image, hashed by mmtier), so a span is reused only under
 (the decoder K/V of an image depends on everything before it). A request attaches the longest
 run of spans the cache holds, prefills the missing spans in one forward, each as a run of its own
 (image spans in the ``vision`` pool, the vision tower run only for them), seals each under its
-key, then generates
-from the last text span: cached spans are neither re-encoded nor prefilled. Keys carry the
-tenant, so another tenant never hits.
+key, then generates from the last text span: cached spans are neither re-encoded nor
+prefilled. Keys carry the tenant, so another tenant never hits.
 
 Decoder-only models (LLaVA, Qwen2-VL and Qwen2.5-VL with their M-RoPE positions computed over
 the whole prompt, text-only Llama / Qwen2 / Mistral) reuse text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
