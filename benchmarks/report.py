@@ -21,7 +21,7 @@ RESULTS = HERE / "results"
 COMMANDS = {
     "alloc": "python -m benchmarks.alloc",
     "kernels": "python -m benchmarks.kernels",
-    "spill": "python -m benchmarks.spill  (5 paired rounds)",
+    "spill": "python -m benchmarks.spill  (6 paired rounds, the writers in turn first)",
     "eviction": "python -m benchmarks.eviction",
     "cluster": "python -m benchmarks.cluster",
     "long_context": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens max --reserve-gib 20  "
