@@ -92,11 +92,26 @@ def cluster_from_extra(extra: Mapping[str, Any] | None) -> tuple[ClusterSettings
         raise ConfigError(f"mmtier_cluster: {exc.errors()[0]['msg']}", names) from None
 
 
-def open_shared(extra: Mapping[str, Any] | None) -> tuple[TieredKVCache, EngineLink | None]:
+def lookup_only(cfg: CacheConfig) -> CacheConfig:
+    """``cfg`` for a process that only makes keys and looks them up (vLLM's scheduler when
+    its worker runs in another process): the same model, secret and layouts, so the same keys,
+    but a one-page CPU arena and no host or disk tier, so it never allocates device memory nor
+    opens the tiers the worker owns (two processes over one ``disk_dir``)."""
+    page = max(cfg.spec(name).page_bytes for name in cfg.modalities)
+    mods = {name: spec.model_copy(update={"share": None}) for name, spec in cfg.modalities.items()}
+    return cfg.model_copy(update={"device": "cpu", "device_bytes": 2 * page * len(mods),
+                                  "host_bytes": 0, "disk_dir": None, "modalities": mods})
+
+
+def open_shared(extra: Mapping[str, Any] | None, *, lookup: bool = False
+                ) -> tuple[TieredKVCache, EngineLink | None]:
     """This process's cache for an engine's extra config and, when it names a cluster, the
     cache's link to it (one per cache and process: vLLM's connector roles and SGLang's
-    backends share both); ``None`` for the link otherwise."""
+    backends share both); ``None`` for the link otherwise. ``lookup``: a process that only
+    makes and looks up keys (``lookup_only``)."""
     cfg = config_from_extra(extra)
+    if lookup:
+        cfg = lookup_only(cfg)
     cluster = cluster_from_extra(extra)
     if cluster is None:
         return shared_cache(cfg), None

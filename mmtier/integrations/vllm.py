@@ -26,17 +26,25 @@ stores is written through to the node's store and published, one publish per bat
 (``EngineLink.share``): the engine process is no actor and cannot serve exports itself, and the
 store's copies outlive it.
 
-Where vLLM runs the worker in another process than the scheduler
-(``distributed_executor_backend`` ``"ray"``, as Ray Serve LLM does on GPUs, or ``"mp"``), the two
-roles hold different caches: only the cluster joins them. The scheduler then only *locates* a
-request's groups (one lookup, nothing fetched into its own cache); the worker, at load, pulls
-what its cache lacks (one lookup, one call per group; that step's first layer waits for it).
-Without ``mmtier_cluster`` such a scheduler never sees the worker's saves (no hits; a warning
-says so).
+Where vLLM runs the worker in another process than the scheduler (``distributed_executor_backend``
+``"mp"``, vLLM's default on one device, how ``vllm serve`` and ``LLM`` run; or ``"ray"``, as Ray
+Serve LLM does on GPUs), the worker's process owns the cache (pages, tiers) and serves a lookup
+channel (``lookup_channel``: a Unix socket named after vLLM's engine id); the scheduler's
+process holds keys only (``engine_cache.lookup_only``: no pages, no tiers) and asks the worker
+how many of a request's leading groups it holds, one round trip per lookup. With
+``mmtier_cluster`` it then *locates* the rest in the registry (one lookup, nothing fetched into
+its own cache) and the worker, at load, pulls what its cache lacks (one lookup, one call per
+group; that step's first layer waits for it).
+
+A request resumed after preemption is planned again by vLLM (its blocks were freed): its hit
+is loaded into its new blocks like a new request's. Keys carry the tenant (``mmtier_tenant``,
+then vLLM's ``cache_salt``) and the LoRA adapter (its name and path), so neither tenants nor
+adapters ever share KV; media groups are keyed by the digest of the item's processed inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,6 +61,7 @@ from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
 from .engine_cache import open_shared, tenant_from_extra
+from .lookup_channel import LookupClient, LookupServer, socket_path
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
 if TYPE_CHECKING:
@@ -95,9 +104,48 @@ class _ReqState:
 
 
 def media_of(request: Any) -> list[MediaItem]:
-    """A vLLM request's media items (``mm_features``) as plain data."""
-    return [MediaItem(f.mm_position.offset, f.mm_position.length, f.identifier, f.modality)
+    """A vLLM request's media items (``mm_features``) as plain data, each with the digest of
+    its processed inputs (computed here; ``None`` where the scheduler was not given them)."""
+    return [MediaItem(f.mm_position.offset, f.mm_position.length, f.identifier, f.modality,
+                      inputs_digest(f.data))
             for f in (request.mm_features or [])]
+
+
+def inputs_digest(item: Any) -> bytes | None:
+    """SHA-256 over an item's processed inputs (``MultiModalKwargsItem``: field name, dtype,
+    shape and bytes of every tensor, in name order); ``None`` when any of them is missing."""
+    if item is None:
+        return None
+    h = hashlib.sha256(b"mmtier/vllm-mm-inputs\x00")
+
+    def feed(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            return True
+        if isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}".encode())
+            return all(feed(y) for y in x)
+        if isinstance(x, (int, float, str, bool)):
+            h.update(repr(x).encode())
+            return True
+        return False
+
+    for name in sorted(item.keys()):
+        data = getattr(item[name], "data", None)
+        h.update(name.encode() + b"\x00")
+        if data is None or not feed(data):
+            return None
+    return h.digest()
+
+
+def lora_scope(request: Any) -> str | None:
+    """The LoRA adapter a request runs under, as part of its key scope (``None``: the base)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return f"lora:{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
 
 
 class MMTierConnector(KVConnectorBase_V1):
@@ -114,11 +162,19 @@ class MMTierConnector(KVConnectorBase_V1):
                               "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
                               ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
-        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        worker = role == KVConnectorRole.WORKER
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS
-        if self.split and self.link is None:
-            log.warning("mmtier: vLLM's worker runs in another process (%s executor): without "
-                        "mmtier_cluster the scheduler never sees its saves", par.distributed_executor_backend)
+        # split: the worker's process owns the cache; the scheduler's makes keys and asks it
+        self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
+        self._lookup_server: LookupServer | None = None
+        self._lookup_client: LookupClient | None = None
+        if self.split:
+            path = socket_path(self._kv_transfer_config.engine_id or "engine",
+                               par.data_parallel_rank)
+            if worker:
+                self._lookup_server = LookupServer(path, self._leading_held)
+            else:
+                self._lookup_client = LookupClient(path)
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
@@ -130,7 +186,6 @@ class MMTierConnector(KVConnectorBase_V1):
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
-        worker = role == KVConnectorRole.WORKER
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if worker else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save") if worker else None
         self._saving: set[Future] = set()
@@ -140,10 +195,15 @@ class MMTierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def _tenant(self, request: Request) -> str | None:
+        """The key scope: the server-side tenant, vLLM's ``cache_salt``, the LoRA adapter."""
+        parts = [self.tenant or ""]
         salt = getattr(request, "cache_salt", None)
-        if not salt:
-            return self.tenant
-        return f"{self.tenant}/{salt}" if self.tenant else f"salt/{salt}"
+        if salt:
+            parts.append(f"salt/{salt}")
+        lora = lora_scope(request)
+        if lora:
+            parts.append(lora)
+        return "/".join(parts) if len(parts) > 1 else self.tenant
 
     def _plan(self, request: Request) -> _ReqState:
         state = self._reqs.get(request.request_id)
@@ -159,7 +219,11 @@ class MMTierConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         state = self._plan(request)
         keys = [s.key for s in state.plan.segments]
-        held = self._lookup(keys)
+        if self._lookup_client is not None:            # the worker's cache, in its process
+            n = self._lookup_client.leading_held(keys)
+            held = [i < n for i in range(len(keys))]
+        else:
+            held = self._lookup(keys)
         if self.link is not None and not all(held):
             if state.pull is None:                     # one lookup (and its pulls) per request
                 ask = self.link.locate_async if self.split else self.link.pull_async
@@ -174,6 +238,11 @@ class MMTierConnector(KVConnectorBase_V1):
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         return max(0, state.hit - num_computed_tokens), False
+
+    def _leading_held(self, keys: list[ContentKey]) -> int:
+        """How many leading ``keys`` this process's cache holds (the lookup channel's answer)."""
+        held = self._lookup(keys)
+        return next((i for i, ok in enumerate(held) if not ok), len(held))
 
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""
@@ -212,8 +281,11 @@ class MMTierConnector(KVConnectorBase_V1):
                 state.block_ids = []
             if cached.new_block_ids[i] is not None:
                 state.block_ids += list(cached.new_block_ids[i][0])
+            if state.load:                                 # resumed with a hit: load it again
+                meta.loads += self._copies(req_id, state, state.computed, state.hit)
+                state.load = False
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            meta.saves += self._saves(req_id, state, done)
+            meta.saves += self._saves(req_id, state, max(done, state.hit))
         return meta
 
     def _copies(self, req_id: str, state: _ReqState, lo: int, hi: int) -> list[GroupCopy]:
@@ -338,6 +410,10 @@ class MMTierConnector(KVConnectorBase_V1):
         return failed
 
     def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+        if self._lookup_client is not None:
+            self._lookup_client.close()
         if self._reader is not None:
             self.wait_for_saves()
             self._reader.shutdown(wait=True)

@@ -1,7 +1,10 @@
 """How a vLLM request's prompt maps to mmtier groups (no vLLM import: plain data in, plan out).
 
 The prompt is cut into segments in position order: each media item's placeholder positions
-(from ``mm_features``) are one group keyed by SHA-256 of vLLM's identifier; the text between
+(from ``mm_features``) are one group keyed by the digest mmtier computed over the item's
+processed inputs (never vLLM's identifier alone: a client may choose it through
+``multi_modal_uuids``); an item whose inputs the scheduler does not have ends the plan (what
+follows it is neither looked up nor stored). The text between
 items is cut every ``chunk_blocks`` blocks (absolute positions) and at the end of the prompt's
 full blocks, each piece keyed by its token ids. Larger chunks mean fewer, larger groups (the
 per-group cost of a store is paid less often); a prefix then hits up to its last whole chunk
@@ -31,12 +34,14 @@ DEFAULT_MODALITIES = {"image": "vision", "video": "vision", "audio": "audio"}
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One media item of a prompt: its placeholder positions and vLLM's identifier."""
+    """One media item of a prompt: its placeholder positions, vLLM's identifier, and the
+    SHA-256 mmtier computed over its processed inputs (``None``: not at hand, not cacheable)."""
 
     offset: int
     length: int
     identifier: str
     modality: str
+    digest: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -82,10 +87,13 @@ def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence
             raise ShapeError(f"media item at {item.offset}+{item.length} overlaps another item "
                              f"or leaves the prompt of {n} tokens")
         cuts += _text_cuts(tokens, pos, item.offset, chunk, full, text_modality)
+        if item.digest is None:                  # content unknown here: nothing from it on
+            break
         cuts.append((item.offset, item.offset + item.length, modality_of(item.modality),
-                     b"vllm-mm\x00" + item.identifier.encode()))
+                     b"vllm-mm\x00" + item.digest))
         pos = item.offset + item.length
-    cuts += _text_cuts(tokens, pos, n, chunk, full, text_modality)
+    else:
+        cuts += _text_cuts(tokens, pos, n, chunk, full, text_modality)
     segments, parent = [], None
     for start, end, modality, data in cuts:
         if end > full:
