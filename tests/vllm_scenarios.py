@@ -46,7 +46,7 @@ def engine(model: str, *, mmtier: dict | None = None, executor: str = "mp", dtyp
         kv = KVTransferConfig(kv_connector="MMTierConnector", kv_connector_module_path=CONNECTOR,
                               kv_role="kv_both", kv_connector_extra_config=mmtier)
     args = dict(skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK, max_model_len=2048,
-                dtype=dtype, enable_prefix_caching=False, seed=0, max_num_seqs=8,
+                dtype=dtype, enable_prefix_caching=False, seed=0, max_num_seqs=8, disable_log_stats=False,
                 kv_transfer_config=kv, distributed_executor_backend=executor)
     args.update(kw)
     return LLM(model, **args)
@@ -113,7 +113,7 @@ def preemption(model: str, tmp: str) -> dict:
     prompts = [prompt(10 + i, 301) for i in range(6)]
     out: dict = {}
     for name, kw in (("mmtier", {"mmtier": mm(cache_fields(None))}), ("plain", {})):
-        llm = engine(model, num_gpu_blocks_override=40, **kw)
+        llm = engine(model, num_gpu_blocks_override=40, max_model_len=1024, **kw)
         warm = one_by_one(llm, prompts[:3], max_tokens=4) if name == "mmtier" else []
         out[name] = generate(llm, prompts, max_tokens=96)
         out[name + "_preemptions"] = metric(llm, "vllm:num_preemptions")

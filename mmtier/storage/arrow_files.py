@@ -56,6 +56,7 @@ from ..errors import (
     StorageFullError,
     UnknownModalityError,
 )
+from . import writers
 from .arrow_extent import (
     FileExtent,
     digest_of,
@@ -124,6 +125,9 @@ class DiskEntry:
     # or a first verified read; ``None`` after a warm restart until that read. With them a read
     # is a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
     extents: tuple[FileExtent, ...] | None = None
+    # Written by another process that still runs (a directory shared by engine processes):
+    # read like any other, but not counted in this tier's budget nor ever deleted by it.
+    borrowed: bool = False
 
 
 class DiskTier(DiskReads, StorageTier):
@@ -153,7 +157,7 @@ class DiskTier(DiskReads, StorageTier):
             ("writes", "write_bytes", "hits", "misses", "corrupt_reads", "quarantined",
              "quarantined_at_start", "partial_groups_at_start", "tmp_removed_at_start",
              "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes",
-             "read_bytes"), 0)
+             "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start"), 0)
         t0 = time.perf_counter()
         self._scan()
         self.scan_s = time.perf_counter() - t0
@@ -259,8 +263,10 @@ class DiskTier(DiskReads, StorageTier):
             if e is None or e.key != key:
                 return False
             del self._index[key.digest]
-            self._used -= e.nbytes
             self._counts["removes"] += 1
+            if e.borrowed:                   # another running process's files: forget them only
+                return True
+            self._used -= e.nbytes
         for name in e.files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.dir / name)
@@ -288,7 +294,7 @@ class DiskTier(DiskReads, StorageTier):
         sums = await loop.run_in_executor(None, page_sums, rows)
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
-                "num_chunks": num_chunks}
+                "num_chunks": num_chunks, "writer": writers.this_writer()}
         files, extents, total = [], [], 0
         for c in range(num_chunks):
             lo, hi = c * per_file, min(n, (c + 1) * per_file)
@@ -315,7 +321,7 @@ class DiskTier(DiskReads, StorageTier):
                          tuple(extents) if extents is not None else None)
 
     async def _write_file(self, final: Path, parts: list[object], written: list[Path]) -> int:
-        tmp = final.with_name(f"{final.name}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
+        tmp = final.with_name(writers.tmp_name(final.name, uuid.uuid4().hex[:12]))
         size = 0
         try:
             async with aiofiles.open(tmp, "wb") as f:
@@ -385,14 +391,15 @@ class DiskTier(DiskReads, StorageTier):
         self._count(counter)
 
     # ---- warm restart ----
-    def _scan_one(self, name: str) -> tuple[dict, int] | None:
-        """``(metadata, size)`` of a well-formed file of this model, else ``None``."""
+    def _scan_one(self, name: str) -> tuple[dict, int] | str | None:
+        """``(metadata, size)`` of a well-formed file of this model, ``"foreign"`` for a
+        well-formed file of another model (left alone: another process's), else ``None``."""
         path = self.dir / name
         try:
             meta = scan_file(str(path))
             key = ContentKey.from_wire(meta["key"])
             if meta["model"] != self.model:
-                return None
+                return "foreign"
             if name != file_name(key.modality, key.hex, meta["chunk"], meta["num_chunks"]):
                 return None
             return meta, path.stat().st_size
@@ -406,6 +413,9 @@ class DiskTier(DiskReads, StorageTier):
                 if not d.is_file(follow_symlinks=False):
                     continue
                 if d.name.endswith(TMP_SUFFIX):
+                    if writers.tmp_in_flight(d.name):    # another running process's write
+                        self._counts["tmp_kept_at_start"] += 1
+                        continue
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(d.path)
                     self._counts["tmp_removed_at_start"] += 1
@@ -419,7 +429,9 @@ class DiskTier(DiskReads, StorageTier):
             results = [self._scan_one(name) for name in candidates]
         groups: dict[str, list[tuple[dict, str, int]]] = {}
         for name, found in zip(candidates, results):
-            if found is None:
+            if found == "foreign":
+                self._counts["foreign_at_start"] += 1
+            elif found is None:
                 self._quarantine(self.dir / name, "quarantined_at_start")
             else:
                 groups.setdefault(found[0]["key"]["digest"], []).append((found[0], name, found[1]))
@@ -438,9 +450,15 @@ class DiskTier(DiskReads, StorageTier):
                 continue
             key = ContentKey.from_wire(m0["key"])
             nbytes = sum(c[2] for c in chunks)
+            writer = m0.get("writer")
+            borrowed = writer != writers.this_writer() and writers.alive(writer)
             self._index[key.digest] = DiskEntry(key, m0["model"], m0["layout"], m0["num_tokens"],
-                                                m0["num_pages"], nbytes, tuple(c[1] for c in chunks))
-            self._used += nbytes
+                                                m0["num_pages"], nbytes, tuple(c[1] for c in chunks),
+                                                borrowed=borrowed)
+            if borrowed:
+                self._counts["borrowed_at_start"] += 1
+            else:                            # its writer is gone: this tier takes the files over
+                self._used += nbytes
 
 
 def _block_digests(rows: list[np.ndarray], layers: int) -> tuple[list[int], list[tuple[int, ...]]]:

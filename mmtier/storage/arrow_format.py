@@ -44,7 +44,7 @@ FORMAT_VERSION = 1
 SUFFIX = ".arrow"
 _META = b"mmtier.meta"
 _META_SUM = b"mmtier.meta.xxh3"
-_CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages")
+_CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages", "writer")   # per file, not per group
 _BLOCK_BYTES = 4 << 20
 FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
 

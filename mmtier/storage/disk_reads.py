@@ -145,6 +145,10 @@ class DiskReads:
             if self.info(key) is None:  # removed while we read: an ordinary miss
                 self._count("misses")
                 return False
+            if e.borrowed:              # its writer (another process) evicted it: a miss
+                self.remove(key)
+                self._count("misses")
+                return False
             self._corrupt(e, "file vanished")
             return False
         except (OSError, pa.ArrowException, CorruptDataError, ValueError, KeyError, TypeError) as exc:

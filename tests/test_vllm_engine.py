@@ -1,0 +1,98 @@
+"""mmtier's vLLM connector in real vLLM engines (vLLM's CPU build): the scheduler, model runner
+and KV connector loop of ``vllm.LLM``, on tiny random-weight models this module builds and
+saves. Every scenario compares greedy tokens with a plain engine (no connector) under the same
+settings and counts cached tokens as vLLM reports them (``RequestOutput.num_cached_tokens``;
+vLLM's own prefix caching is off, so they all come from mmtier). Each scenario runs in a
+process of its own (``tests/vllm_scenarios.py``), as vLLM's spawned processes want.
+
+Needs the engines environment (``./run engines``); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm", reason="no vLLM engine here: run ./run engines "
+                    "(vLLM's CPU build in .venv-engines); ./run test then runs this file there")
+
+from tests.vllm_models import BLOCK, build_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO_TIMEOUT_S = 900
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {"llama": str(build_llama(root / "llama"))}
+
+
+def scenario(name: str, tmp: Path, **args) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               VLLM_CPU_KVCACHE_SPACE="1")
+    done = subprocess.run([sys.executable, "-m", "tests.vllm_scenarios", name,
+                           json.dumps({"tmp": str(tmp), **args})],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, (done.stdout[-2000:] + done.stderr[-6000:])
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def tokens(rows: list[dict]) -> list[list[int]]:
+    return [r["tokens"] for r in rows]
+
+
+def cached(rows: list[dict]) -> list[int]:
+    return [r["cached"] for r in rows]
+
+
+@pytest.mark.parametrize("executor", ["mp", "uni"])
+def test_repeats_and_shared_prefixes_hit_and_a_changed_token_hits_up_to_its_block(models, tmp_path, executor):
+    """``mp`` is vLLM's default (engine core and worker in processes of their own, no Ray):
+    the worker's cache answers the scheduler through the lookup channel."""
+    r = scenario("hits", tmp_path, model=models["llama"], executor=executor)
+    # a 301-token prompt: 9 full blocks (288) hit; 230 shared tokens: 7 blocks (224);
+    # token 100 changed: the blocks before it (96)
+    assert cached(r["mmtier"]) == [0, 288, 7 * BLOCK, 3 * BLOCK]
+    assert cached(r["plain"]) == [0, 0, 0, 0]
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+
+
+def test_preemption_and_resume_while_mmtier_holds_the_prefixes(models, tmp_path):
+    r = scenario("preemption", tmp_path, model=models["llama"])
+    assert r["mmtier_preemptions"] > 0 and r["plain_preemptions"] > 0     # vLLM did preempt
+    assert tokens(r["plain"]) == tokens(r["roomy"])                        # vLLM alone is exact
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+    assert cached(r["mmtier"])[:3] == [288, 288, 288]        # the warmed prompts hit at admission
+
+
+def test_chunked_prefill_of_prompts_longer_than_a_step(models, tmp_path):
+    r = scenario("chunked", tmp_path, model=models["llama"])
+    assert cached(r["mmtier"]) == [0, 672, 0, 512]           # 700 -> 21 blocks; 520 -> 16 blocks
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+
+
+def test_bf16_pages(models, tmp_path):
+    r = scenario("bf16", tmp_path, model=models["llama"])
+    assert cached(r["mmtier"]) == [0, 384]
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+
+
+def test_a_corrupt_stored_group_is_recomputed_by_vllm_tokens_equal(models, tmp_path):
+    r = scenario("corrupt", tmp_path, model=models["llama"])
+    assert r["files"] > 1
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+    assert r["victim"] in r["quarantined"]                   # the bad copy is out of the way
+
+
+def test_two_lora_adapters_on_one_prompt_never_share_kv(models, tmp_path):
+    r = scenario("lora", tmp_path, model=models["llama"])
+    # order: a, a, b, b, base: each adapter hits only what it saved itself
+    assert cached(r["mmtier"]) == [0, 288, 0, 288, 0]
+    assert tokens(r["mmtier"]) == tokens(r["plain"])
+    assert tokens(r["plain"])[0] != tokens(r["plain"])[2]    # the adapters do change the tokens
