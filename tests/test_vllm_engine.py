@@ -96,3 +96,22 @@ def test_two_lora_adapters_on_one_prompt_never_share_kv(models, tmp_path):
     assert cached(r["mmtier"]) == [0, 288, 0, 288, 0]
     assert tokens(r["mmtier"]) == tokens(r["plain"])
     assert tokens(r["plain"])[0] != tokens(r["plain"])[2]    # the adapters do change the tokens
+
+
+def test_two_engine_processes_over_one_disk_directory_share_it_and_keep_each_others_files(models, tmp_path):
+    r = scenario("shared_disk", tmp_path, model=models["llama"])
+    assert cached(r["a_first"]) == [0, 0, 0]
+    assert cached(r["b_first"]) == [288, 288]            # B hits what A spilled to the directory
+    assert cached(r["b_again"]) == [288]                 # and again after B's restart
+    assert cached(r["a_again"]) == [288]                 # A still has its own groups
+    assert set(r["files_after_a"]) <= set(r["files_at_end"]) and r["quarantined"] == []
+    assert tokens(r["a_first"]) == tokens(r["plain"])
+    assert tokens(r["b_first"]) == tokens(r["plain"])[:2] and tokens(r["b_again"]) == tokens(r["plain"])[:1]
+
+
+@pytest.mark.ray
+def test_two_engine_processes_share_through_the_cluster(models, tmp_path):
+    r = scenario("cluster", tmp_path, model=models["llama"])
+    assert cached(r["a"]) == [0, 0]
+    assert cached(r["b"]) == [288, 288]
+    assert tokens(r["a"]) == tokens(r["b"]) == tokens(r["plain"])

@@ -7,6 +7,7 @@ fresh paged tensor and prints what it found as one JSON line."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
@@ -14,7 +15,13 @@ import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.multimodal.inputs import (
+    MultiModalFeatureSpec,
+    MultiModalFieldElem,
+    MultiModalKwargsItem,
+    MultiModalSharedField,
+    PlaceholderRange,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
@@ -31,10 +38,14 @@ def vllm_config(fields: dict, **extra) -> VllmConfig:
                           kv_connector_module_path="mmtier.integrations.vllm",
                           kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                      **extra})
-    return VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BS),
-                      device_config=DeviceConfig(device="cpu"),
-                      scheduler_config=SchedulerConfig(max_model_len=4096, is_encoder_decoder=False,
-                                                       disable_hybrid_kv_cache_manager=True))
+    cfg = VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BS),
+                     device_config=DeviceConfig(device="cpu"),
+                     scheduler_config=SchedulerConfig(max_model_len=4096, is_encoder_decoder=False,
+                                                      disable_hybrid_kv_cache_manager=True))
+    # both roles in this one process, as vLLM's in-process ("uni") executor has them (the CPU
+    # platform sets "mp" while the config is built)
+    cfg.parallel_config.distributed_executor_backend = "uni"
+    return cfg
 
 
 def connectors(fields: dict, **extra):
@@ -49,9 +60,17 @@ def request(rid: str, *, image="img-A", salt=None, seed=0, change_at=None) -> Re
     if change_at is not None:
         tokens[change_at] += 1
     tokens[IMAGE_AT:IMAGE_AT + IMAGE_LEN] = [32000] * IMAGE_LEN     # placeholder tokens
-    mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=image,
+    mm = [MultiModalFeatureSpec(data=image_inputs(image), modality="image", identifier=image,
                                 mm_position=PlaceholderRange(offset=IMAGE_AT, length=IMAGE_LEN))]
     return Request(rid, tokens, SamplingParams(max_tokens=4), None, mm_features=mm, cache_salt=salt)
+
+
+def image_inputs(image: str) -> MultiModalKwargsItem:
+    """The processed inputs of the image named ``image`` (pixels drawn from its name)."""
+    seed = int.from_bytes(hashlib.sha256(image.encode()).digest()[:4], "little")
+    pixels = torch.randn(16, 12, generator=torch.Generator().manual_seed(seed))
+    return MultiModalKwargsItem({"pixel_values": MultiModalFieldElem(
+        data=pixels, field=MultiModalSharedField(batch_size=1))})
 
 
 def paged(seed=None) -> dict[str, torch.Tensor]:

@@ -113,14 +113,14 @@ def preemption(model: str, tmp: str) -> dict:
     prompts = [prompt(10 + i, 301) for i in range(6)]
     out: dict = {}
     for name, kw in (("mmtier", {"mmtier": mm(cache_fields(None))}), ("plain", {})):
-        llm = engine(model, num_gpu_blocks_override=40, max_model_len=1024, **kw)
+        llm = engine(model, num_gpu_blocks_override=32, max_model_len=768, **kw)
         warm = one_by_one(llm, prompts[:3], max_tokens=4) if name == "mmtier" else []
-        out[name] = generate(llm, prompts, max_tokens=96)
+        out[name] = generate(llm, prompts, max_tokens=160)
         out[name + "_preemptions"] = metric(llm, "vllm:num_preemptions")
         out[name + "_warm"] = warm
         close(llm)
     roomy = engine(model)
-    out["roomy"] = generate(roomy, prompts, max_tokens=96)
+    out["roomy"] = generate(roomy, prompts, max_tokens=160)
     close(roomy)
     return out
 
@@ -197,7 +197,68 @@ def lora(model: str, tmp: str) -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (hits, preemption, chunked, bf16, corrupt, lora)}
+def shared_disk(model: str, tmp: str) -> dict:
+    """Two engine processes over one node's disk directory: A spills what it saves there; B,
+    started (and restarted) beside it, hits A's files; neither removes the other's."""
+    disk = Path(tmp) / "node-disk"
+    fields = cache_fields(disk, device_pages=4)
+    ps = [prompt(60 + i, 301) for i in range(3)]
+    a = engine(model, mmtier=mm(fields))
+    a_first = one_by_one(a, ps)
+    files = sorted(f.name for f in disk.glob("*.arrow"))
+    b = engine(model, mmtier=mm(fields))
+    b_first = one_by_one(b, ps[:2])
+    close(b)
+    b = engine(model, mmtier=mm(fields))                  # B restarted, A still running
+    b_again = one_by_one(b, ps[:1])
+    close(b)
+    a_again = one_by_one(a, ps[2:])
+    left = sorted(f.name for f in disk.glob("*.arrow"))
+    close(a)
+    plain = engine(model)
+    want = one_by_one(plain, ps)
+    close(plain)
+    return {"a_first": a_first, "b_first": b_first, "b_again": b_again, "a_again": a_again,
+            "plain": want, "files_after_a": files, "files_at_end": left,
+            "quarantined": sorted(x.name for x in (disk / "quarantine").glob("*"))
+            if (disk / "quarantine").exists() else []}
+
+
+def cluster(model: str, tmp: str) -> dict:
+    """Two engine processes with ``mmtier_cluster`` on a fresh local Ray: B hits what A saved
+    (through the node store and the registry; no shared directory), tokens equal."""
+    import ray
+
+    from mmtier import actors as mma
+    from mmtier.actors.settings import ClusterSettings
+    from mmtier.config import CacheConfig
+
+    settings = ClusterSettings(namespace="mmtier-vllm-engines", device_resource="no_such_device",
+                               call_timeout_s=30.0)
+    secret = os.urandom(32).hex()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace=settings.namespace)
+    mma.start(CacheConfig(**cache_fields(Path(tmp) / "store"), key_secret=secret), settings)
+    link = {"namespace": settings.namespace, "call_timeout_s": 30.0,
+            "address": ray.get_runtime_context().gcs_address}
+    ps = [prompt(70, 301), prompt(71, 301)]
+    try:
+        a = engine(model, mmtier=mm(cache_fields(None), mmtier_cluster=link))
+        a_out = one_by_one(a, ps)
+        time.sleep(2.0)                                   # A's write-through and publish
+        b = engine(model, mmtier=mm(cache_fields(None), mmtier_cluster=link))
+        b_out = one_by_one(b, ps)
+        close(b)
+        close(a)
+    finally:
+        mma.shutdown(settings)
+        ray.shutdown()
+    plain = engine(model)
+    want = one_by_one(plain, ps)
+    close(plain)
+    return {"a": a_out, "b": b_out, "plain": want}
+
+
+SCENARIOS = {f.__name__: f for f in (hits, preemption, chunked, bf16, corrupt, lora, shared_disk, cluster)}
 
 
 def main(argv: list[str]) -> int:
