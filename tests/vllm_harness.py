@@ -1,15 +1,12 @@
 """Drives mmtier's vLLM connectors with vLLM's own objects (config, factory, Request,
-SchedulerOutput), the way vLLM's scheduler and model runner call them, on CPU tensors.
-
-Run as ``python -m tests.vllm_harness DIR SEED [DIR SEED ...]`` it is the "new process" of the
-warm restart tests: for each directory it opens a cache over it, loads the request's hit into a
-fresh paged tensor and prints what it found as one JSON line."""
+SchedulerOutput), the way vLLM's scheduler and model runner call them, on CPU tensors: an
+imitation of an engine, kept only for what a real engine run cannot reach here (the two-node
+Ray sharing tests, tensor-parallel refusal, chunk granularity). Real engines are tested in
+``tests/test_vllm_engine.py``."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import sys
 
 import torch
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig, VllmConfig
@@ -130,26 +127,3 @@ def tokens_kv(kv: dict[str, torch.Tensor], block_ids: list[int], n: int) -> torc
     """[layers, n, heads, 2*head_dim]: what the paged tensors hold for positions [0, n)."""
     slots = slots_of(block_ids, n)
     return torch.stack([t.transpose(1, 2).reshape(-1, H, 2 * D)[slots] for t in kv.values()])
-
-
-LOADER_BLOCKS = list(range(NUM_BLOCKS))[::-1][:6]
-
-
-def main(argv: list[str]) -> int:
-    from mmtier.integrations.engine_cache import close_shared
-
-    for disk_dir, seed in zip(argv[::2], argv[1::2], strict=True):
-        sched, worker = connectors(cache_fields(disk_dir))
-        kv = paged()
-        hit = step(sched, worker, request("restart", seed=int(seed)), LOADER_BLOCKS, kv)
-        failed = sorted(worker.get_block_ids_with_load_errors())
-        got = tokens_kv(kv, LOADER_BLOCKS, hit)
-        print(json.dumps({"dir": disk_dir, "hit": hit, "failed": failed,
-                          "values": got.flatten().tolist(), "ray_imported": "ray" in sys.modules}))
-        worker.shutdown()
-        close_shared()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -107,19 +107,19 @@ def hits(model: str, tmp: str, executor: str = "mp") -> dict:
     return {"mmtier": got, "plain": want}
 
 
-def preemption(model: str, tmp: str) -> dict:
+def preemption(model: str, tmp: str, executor: str = "mp") -> dict:
     """A KV cache too small for the batch: vLLM preempts and resumes while mmtier holds the
     prefixes. The same batch on a plain engine under the same pressure, and on a roomy one."""
     prompts = [prompt(10 + i, 301) for i in range(6)]
     out: dict = {}
     for name, kw in (("mmtier", {"mmtier": mm(cache_fields(None))}), ("plain", {})):
-        llm = engine(model, num_gpu_blocks_override=32, max_model_len=768, **kw)
+        llm = engine(model, num_gpu_blocks_override=32, max_model_len=768, executor=executor, **kw)
         warm = one_by_one(llm, prompts[:3], max_tokens=4) if name == "mmtier" else []
         out[name] = generate(llm, prompts, max_tokens=160)
         out[name + "_preemptions"] = metric(llm, "vllm:num_preemptions")
         out[name + "_warm"] = warm
         close(llm)
-    roomy = engine(model)
+    roomy = engine(model, executor=executor)
     out["roomy"] = generate(roomy, prompts, max_tokens=160)
     close(roomy)
     return out
