@@ -31,6 +31,8 @@ COMMANDS = {
     "multiturn": "python -m benchmarks.multiturn  (5 rounds)",
     "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo (./run demo)",
+    "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
+                   "5 paired rounds of a 2,048-token prompt)",
 }
 
 OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG
@@ -72,6 +74,9 @@ HEADLINES = [
     ("hf_generate", "7b_warm_over_dynamic_ttft", "(reported)", None),
     ("hf_generate", "7b_cold_over_dynamic_tpot", "(reported)", None),
     ("hf_generate", "batch_over_single", "(reported; > 1: one call is faster)", None),
+    ("vllm_engine", "mmtier_device_over_recompute", "(reported; < 1: mmtier's hit is faster than prefill)", None),
+    ("vllm_engine", "mmtier_device_over_vllm_prefix", "(reported; vLLM's own prefix cache, same process)", None),
+    ("vllm_engine", "mmtier_disk_restart_over_recompute", "(reported; a new engine, groups from disk)", None),
     ("connector_copy", "save_over_plain_copy", "(reported)", None),
     ("connector_copy", "load_over_plain_copy", "(reported)", None),
 ]

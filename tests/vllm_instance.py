@@ -100,8 +100,9 @@ class VllmInstance:
                                   ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                              "mmtier_cluster": self.cluster})
             cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
-            if split:
-                cfg.parallel_config = ParallelConfig(distributed_executor_backend="ray")
+            # split: vLLM's Ray executor; else both roles in this process (the in-process
+            # executor; vLLM's CPU platform sets "mp" while the config is built)
+            cfg.parallel_config = ParallelConfig(distributed_executor_backend="ray" if split else "uni")
             roles.append(ECConnectorFactory.create_connector(cfg, role))
         self.ec_sched, self.ec_worker = roles
 

@@ -117,6 +117,8 @@ def preemption(model: str, tmp: str, executor: str = "mp") -> dict:
         warm = one_by_one(llm, prompts[:3], max_tokens=4) if name == "mmtier" else []
         out[name] = generate(llm, prompts, max_tokens=160)
         out[name + "_preemptions"] = metric(llm, "vllm:num_preemptions")
+        if name == "mmtier" and executor == "uni":       # the scheduler's connector is here
+            out["counts"] = dict(llm.llm_engine.engine_core.engine_core.scheduler.connector.counts)
         out[name + "_warm"] = warm
         close(llm)
     roomy = engine(model, executor=executor)

@@ -183,6 +183,9 @@ class MMTierConnector(KVConnectorBase_V1):
             raise ConfigError(f"{self.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
+        # tokens the scheduler told vLLM it would load, and tokens it then asked the worker to
+        # load (equal unless a hit went unloaded); loads for requests resumed after preemption
+        self.counts = {"hit_tokens": 0, "load_tokens": 0, "resumed_loads": 0}
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -259,6 +262,7 @@ class MMTierConnector(KVConnectorBase_V1):
             state.load = num_external_tokens > 0
             if state.load:
                 state.hit = state.computed + num_external_tokens
+                self.counts["hit_tokens"] += num_external_tokens
 
     def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
         meta = MMTierConnectorMetadata()
@@ -268,8 +272,7 @@ class MMTierConnector(KVConnectorBase_V1):
                 continue
             state.block_ids = list(new.block_ids[0])
             if state.load:
-                meta.loads += self._copies(new.req_id, state, state.computed, state.hit)
-                state.load = False
+                meta.loads += self._loads(new.req_id, state)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
             meta.saves += self._saves(new.req_id, state, max(done, state.hit))
         cached = scheduler_output.scheduled_cached_reqs
@@ -282,11 +285,18 @@ class MMTierConnector(KVConnectorBase_V1):
             if cached.new_block_ids[i] is not None:
                 state.block_ids += list(cached.new_block_ids[i][0])
             if state.load:                                 # resumed with a hit: load it again
-                meta.loads += self._copies(req_id, state, state.computed, state.hit)
-                state.load = False
+                meta.loads += self._loads(req_id, state)
+                self.counts["resumed_loads"] += 1
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             meta.saves += self._saves(req_id, state, max(done, state.hit))
         return meta
+
+    def _loads(self, req_id: str, state: _ReqState) -> list[GroupCopy]:
+        """The copies that load a request's hit into its blocks (once per admission)."""
+        state.load = False
+        ops = self._copies(req_id, state, state.computed, state.hit)
+        self.counts["load_tokens"] += sum(op.hi - op.lo for op in ops)
+        return ops
 
     def _copies(self, req_id: str, state: _ReqState, lo: int, hi: int) -> list[GroupCopy]:
         out = []
