@@ -86,6 +86,19 @@ def metric(llm, name: str) -> float:
     return sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == name)
 
 
+def prompt_keys(fields: dict, tokens: list[int]) -> list:
+    """The keys the connector gives a text prompt's groups (tenant "acme", block-sized chunks),
+    made by a keys-only cache of the same config."""
+    from mmtier.cache import TieredKVCache
+    from mmtier.config import CacheConfig
+    from mmtier.integrations.engine_cache import lookup_only
+    from mmtier.integrations.vllm_plan import plan_request
+
+    with TieredKVCache(lookup_only(CacheConfig(**fields))) as keys:
+        plan = plan_request(keys, tokens, [], block_size=BLOCK, tenant="acme", chunk_blocks=1)
+        return [seg.key for seg in plan.segments]
+
+
 def mm(fields: dict, **extra) -> dict:
     return {"mmtier_cache": fields, "mmtier_tenant": "acme", "mmtier_chunk_blocks": 1, **extra}
 
@@ -160,7 +173,7 @@ def corrupt(model: str, tmp: str) -> dict:
     saved = one_by_one(first, [p, prompt(41, 301), prompt(42, 301)])
     close(first)
     files = sorted(disk.glob("*.arrow"))
-    victim = files[len(files) // 2]
+    victim = next(disk.glob(f"text-{prompt_keys(fields, p)[4].hex}-*.arrow"))   # p's 5th block
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     victim.write_bytes(bytes(raw))

@@ -11,9 +11,11 @@ lists, per step, the groups to load (the hit) and to save (groups whose position
 completes). Worker side: ``start_load_kv`` reads the groups in a background thread;
 ``wait_for_layer_load`` scatters that layer's slice by slot into vLLM's tensor;
 ``save_kv_layer`` gathers each saved group's slots of that layer into a staging buffer;
-``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that fails to load (corrupt file,
-evicted meanwhile) is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes
-those blocks: wrong KV is never written.
+``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that
+fails to load (corrupt file, evicted meanwhile) is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the connector sets vLLM's
+``kv_load_failure_policy`` to ``"recompute"``; ``"mmtier_load_failure_policy": "fail"`` keeps
+vLLM's default, which fails the request): wrong KV is never written.
 
 Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``): a
 request whose groups are not all held here makes **one** batched registry lookup for those it
@@ -175,6 +177,14 @@ class MMTierConnector(KVConnectorBase_V1):
                 self._lookup_server = LookupServer(path, self._leading_held)
             else:
                 self._lookup_client = LookupClient(path)
+        # A group that fails to load (corrupt, evicted since the lookup) is recomputed by vLLM:
+        # vLLM 0.32 defaults to failing the request instead ("fail"), which only this connector's
+        # extra config may keep. vLLM's scheduler reads the policy after it built this connector.
+        policy = extra.get("mmtier_load_failure_policy", "recompute")
+        if policy not in ("recompute", "fail"):
+            raise ConfigError(f"mmtier_load_failure_policy must be 'recompute' or 'fail', got {policy!r}",
+                              ("mmtier_load_failure_policy",))
+        self._kv_transfer_config.kv_load_failure_policy = policy
         self.tenant = tenant_from_extra(extra)
         self.text_modality = extra.get("mmtier_text_modality", "text")
         self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
