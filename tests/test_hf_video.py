@@ -146,6 +146,15 @@ def test_a_repeated_video_runs_no_vision_tower_and_matches_dense(vlms, name):
         second = session.generate(follow, [clip], max_new_tokens=NEW)
         assert rows == [] and second.video_segment_hits == 3 and second.cached_tokens == ids.shape[1] - 4   # all but [END, tail]
         assert_same(dense(ref, follow, [clip]), second)
+        seq = cache.create_sequence("acme")                     # the chain, attached: its views
+        spans = session.spans(ids, [clip])
+        for key in session.keys(ids, spans, cache.prefix_key(seq))[:-1]:
+            cache.attach(seq, key)
+        table = cache.sequence(seq)
+        assert [(b.start, b.num_tokens, len(b.group.pages)) for b in table.video_blocks] == \
+            [(5, 12, 1), (17, 12, 1), (29, 12, 1)]
+        assert len(table.text_blocks) == 1 and table.vision_blocks == [] and table.audio_blocks == []
+        cache.release(seq)
         other = Session(model, cache, tenant="globex", video_segment=1).generate(follow, [clip], max_new_tokens=NEW)
         assert rows == [3 * 48] and other.video_segment_hits == 0 and other.cached_tokens == 0
         assert torch.equal(other.sequences, second.sequences)
