@@ -82,8 +82,6 @@ class ChatModel:
 
     def __init__(self, vlm, whisper, image_processor, feature_extractor, *, transcript_tokens: int = 8,
                  video_processor=None, video_segment: int = VIDEO_SEGMENT):
-        from .video_frames import VideoProcessor
-
         if vlm.config.model_type not in ("qwen2_vl", "qwen2_5_vl") or whisper.config.model_type != "whisper":
             raise ConfigError("ChatModel takes a Qwen2-VL (or Qwen2.5-VL) and a Whisper model", ("model",))
         if video_segment < 1:
@@ -92,9 +90,7 @@ class ChatModel:
         self.vlm = mt.enable(copy.deepcopy(vlm))
         self.whisper = mt.enable(copy.deepcopy(whisper))
         self.image_processor, self.feature_extractor = image_processor, feature_extractor
-        self.video_processor = video_processor or VideoProcessor(
-            image_processor, fps=VIDEO_FPS, min_frames=VIDEO_FRAMES[0], max_frames=VIDEO_FRAMES[1],
-            min_pixels=VIDEO_PIXELS[0], max_pixels=VIDEO_PIXELS[1])
+        self.video_processor = video_processor or video_processor_from(None, image_processor)
         self.video_segment = video_segment
         self.transcript_tokens = transcript_tokens
         self.encoder_runs: Counter[str] = Counter()          # with the cache
@@ -236,13 +232,13 @@ def _still_video() -> bytes:
     return out.getvalue()
 
 
-def video_processor_from(path: Path, images):
+def video_processor_from(path: Path | None, images):
     """The video settings of a model directory (``video_preprocessor_config.json``: fps, frames,
-    frame pixels), else the demo's."""
+    frame pixels), else (no file, or ``path`` None) the demo's."""
     from .video_frames import VideoProcessor
 
     cfg: dict = {}
-    if (path / "video_preprocessor_config.json").is_file():
+    if path is not None and (path / "video_preprocessor_config.json").is_file():
         cfg = _read(path / "video_preprocessor_config.json")
     size = cfg.get("size") or {}
     return VideoProcessor(images, fps=cfg.get("fps") or VIDEO_FPS, min_frames=cfg.get("min_frames", VIDEO_FRAMES[0]),

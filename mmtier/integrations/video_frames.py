@@ -7,7 +7,8 @@ do run:
 - **Decoding**: PyAV (FFmpeg's libraries, the ``av`` wheel): an MP4 container (``ftyp`` brand
   of the ISO family, not QuickTime) with one video stream in any codec the wheel decodes (H.264,
   MPEG-4 Part 2, HEVC, AV1, ...). ``probe`` reads the header only (size, frame count, rate);
-  ``decode`` decodes every frame (so a cut-short file fails) and keeps the sampled ones as RGB.
+  ``decode`` decodes every frame (so a cut-short file fails; the decoder's ``err_detect=explode``
+  makes a damaged frame an error, not a concealed picture) and keeps the sampled ones as RGB.
 - **Sampling** (``VideoProcessor.indices``): the rule of ``Qwen2VLVideoProcessor.sample_frames``
   with ``fps``: ``frames / rate * fps`` frames, within ``[min_frames, max_frames]`` and the
   video's frames, floored to a multiple of ``temporal_patch_size``, at
@@ -104,6 +105,7 @@ def decode(data: bytes, header: VideoHeader, keep: set[int] | None = None) -> li
     try:
         with av.open(io.BytesIO(data), "r") as container:
             stream = container.streams.video[0]
+            stream.codec_context.options = {"err_detect": "explode"}   # a damaged frame fails, not concealed
             for frame in container.decode(stream):
                 if keep is None or n in keep:
                     out.append(frame.to_ndarray(format="rgb24"))
