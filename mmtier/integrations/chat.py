@@ -44,6 +44,7 @@ no Whisper at all).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -94,12 +95,9 @@ class ChatModel:
         self.video_segment = video_segment
         self.transcript_tokens = transcript_tokens
         self.encoder_runs: Counter[str] = Counter()          # with the cache
-        self.dense_encoder_runs: Counter[str] = Counter()    # the dense reference (every vision
-                                                             # tower run counted as "vision")
-        self.tower_input = "vision"           # what the cached path's next vision tower run encodes
+        self.dense_encoder_runs: Counter[str] = Counter()    # the dense reference
         for model, runs in ((self.vlm, self.encoder_runs), (self.dense_vlm, self.dense_encoder_runs)):
-            model.model.visual.register_forward_hook(
-                lambda *_a, runs=runs, cached=model is self.vlm: runs.update((self.tower_input if cached else "vision",)))
+            _count_tower_runs(model, runs)
         for model, runs in ((self.whisper, self.encoder_runs), (self.dense_whisper, self.dense_encoder_runs)):
             model.model.encoder.register_forward_hook(lambda *_a, runs=runs: runs.update(("audio",)))
 
@@ -115,12 +113,16 @@ class ChatModel:
         )
 
         vcfg = _read(Path(config_dir) / VLM_CONFIG)
+        video = vcfg.pop("video", {})
         wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
         chunk = wcfg.pop("chunk_length_s")
         torch.manual_seed(seed)
         vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg))
         whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg))
-        return cls(vlm, whisper, _image_processor(vlm.config), _feature_extractor(whisper.config, chunk))
+        images = _image_processor(vlm.config)
+        return cls(vlm, whisper, images, _feature_extractor(whisper.config, chunk),
+                   video_processor=video_processor_from(None, images, video),
+                   video_segment=video.get("segment", VIDEO_SEGMENT))
 
     @classmethod
     def from_pretrained(cls, vlm_path: str | Path, whisper_path: str | Path, *, dtype=torch.float32,
@@ -212,6 +214,24 @@ def _read(path: Path) -> dict:
     return cfg
 
 
+def _count_tower_runs(model, runs: Counter) -> None:
+    """Count ``model``'s vision tower runs in ``runs``: ``"video"`` for those its
+    ``get_video_features`` makes, ``"vision"`` for the others (images)."""
+    state = {"input": "vision"}
+    model.model.visual.register_forward_hook(lambda *_a: runs.update((state["input"],)))
+    video_features = model.model.get_video_features
+
+    @functools.wraps(video_features)                  # its signature: generate reads it
+    def counted(*args, **kwargs):
+        state["input"] = "video"
+        try:
+            return video_features(*args, **kwargs)
+        finally:
+            state["input"] = "vision"
+
+    model.model.get_video_features = counted        # the model's forward calls it by attribute
+
+
 def _still_video() -> bytes:
     """Four frames of one colour, 56x56 pixels, 2 s: an MP4 made by PyAV (the warm-up's video)."""
     import io
@@ -232,12 +252,12 @@ def _still_video() -> bytes:
     return out.getvalue()
 
 
-def video_processor_from(path: Path | None, images):
+def video_processor_from(path: Path | None, images, cfg: dict | None = None):
     """The video settings of a model directory (``video_preprocessor_config.json``: fps, frames,
-    frame pixels), else (no file, or ``path`` None) the demo's."""
+    frame pixels), else ``cfg`` (the demo config's ``video`` section), else the defaults here."""
     from .video_frames import VideoProcessor
 
-    cfg: dict = {}
+    cfg = dict(cfg or {})
     if path is not None and (path / "video_preprocessor_config.json").is_file():
         cfg = _read(path / "video_preprocessor_config.json")
     size = cfg.get("size") or {}

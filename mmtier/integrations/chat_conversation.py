@@ -323,14 +323,10 @@ class Conversation:
         todo = [i for i, x in enumerate(out) if x is None]
         if todo:
             parts = [spans[i].video.segment_inputs(*spans[i].part) for i in todo]
-            self.chat.tower_input = "video"
-            try:
-                with torch.no_grad():
-                    made = self.chat.vlm.model.get_video_features(
-                        torch.cat([p["pixel_values_videos"] for p in parts]),
-                        torch.cat([p["video_grid_thw"] for p in parts])).pooler_output
-            finally:
-                self.chat.tower_input = "vision"
+            with torch.no_grad():
+                made = self.chat.vlm.model.get_video_features(
+                    torch.cat([p["pixel_values_videos"] for p in parts]),
+                    torch.cat([p["video_grid_thw"] for p in parts])).pooler_output
             for i, x in zip(todo, made):
                 out[i] = x
                 try:
