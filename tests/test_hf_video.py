@@ -235,6 +235,10 @@ def test_a_video_needs_its_tokens_and_a_video_pool(vlms):
         image = Media(b"i", {"pixel_values": torch.randn(4, 96), "image_grid_thw": torch.tensor([[1, 2, 2]])})
         with pytest.raises(ShapeError):
             session.generate(prompt(8, 24), [image])              # video tokens, an image given
+        two = Media(b"v", {k: torch.cat([v, v]) for k, v in clip.inputs.items()})
+        with pytest.raises(ShapeError):
+            session.generate(prompt(8, 48), [two])                # two videos in one Media
+        assert cache.stats().sequences == 0
     cfg = mt.config_for(model)
     cfg = cfg.model_copy(update={"modalities": {k: v for k, v in cfg.modalities.items() if k != "video"}})
     from mmtier.errors import ConfigError

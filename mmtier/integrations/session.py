@@ -16,10 +16,10 @@ Qwen2.5-VL's ``second_per_grid_ts``; ``video_frames.VideoProcessor`` makes them 
 bytes): a video's run of video tokens is cut into **segments** of ``video_segment`` temporal
 patches, each a span (and a group in the ``video`` pool) of its own, chained like any span, so a
 repeated video runs no vision tower, and a video whose later segments were evicted recomputes
-only those (the vision tower over their frames alone: it attends within a temporal patch). Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
-K/V) keep that K/V as a content-only group (``vision`` / ``audio``): any request of the tenant
-with the same media attaches it and skips the vision tower or the audio encoder; their text is
-prefilled per request.
+only those (the vision tower over their frames alone: it attends within a temporal patch).
+Models that cross-attend media (Mllama's vision K/V, Whisper's encoder K/V) keep that K/V as a
+content-only group (``vision`` / ``audio``): any request of the tenant with the same media
+attaches it and skips the vision tower or the audio encoder; their text is prefilled per request.
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ class Media:
     made of them (``pixel_values``, ... ; a video: ``pixel_values_videos``, ``video_grid_thw``);
     ``params`` are preprocessing settings that change its tokens."""
 
-    @property
-    def is_video(self) -> bool:
-        return "video_grid_thw" in self.inputs
-
     data: bytes
     inputs: Mapping[str, torch.Tensor]
     params: Mapping[str, object] = field(default_factory=dict)
+
+    @property
+    def is_video(self) -> bool:
+        return "video_grid_thw" in self.inputs
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,10 @@ class Session:
         """A video's run of tokens as its segments: ``video_segment`` temporal patches each."""
         if self.cache.cfg.modalities.get("video") is None:
             raise ConfigError("a video needs a 'video' pool in the cache (config_for makes one)", ("modalities.video",))
-        t, h, w = (int(x) for x in video.inputs["video_grid_thw"][0])
+        grid = video.inputs["video_grid_thw"]
+        if grid.dim() != 2 or grid.shape[0] != 1:
+            raise ShapeError(f"a video's Media holds one video: video_grid_thw [1, 3], got {tuple(grid.shape)}")
+        t, h, w = (int(x) for x in grid[0])
         merge = self.model.config.vision_config.spatial_merge_size
         per_t = h * w // merge ** 2
         if end - start != t * per_t:
