@@ -72,10 +72,10 @@ def test_bad_wavs_are_typed(case):
 
 def test_videos_decode_to_their_type_size_and_frames():
     info = check_video(MP4, 3.0, 20, 48 * 48)
-    assert (info.media_type, info.codec, info.width, info.height, info.frames, info.fps) == \
-        ("video/mp4", "mpeg4", 32, 24, 8, 4.0)
-    assert info.seconds == pytest.approx(2.0)
-    h264 = check_video(video(2, frames=6, codec="libx264"), 3.0, 20, 48 * 48)
+    h = info.header
+    assert (info.media_type, h.codec, h.width, h.height, h.frames, h.fps) == ("video/mp4", "mpeg4", 32, 24, 8, 4.0)
+    assert h.seconds == pytest.approx(2.0)
+    h264 = check_video(video(2, frames=6, codec="libx264"), 3.0, 20, 48 * 48).header
     assert (h264.codec, h264.frames) == ("h264", 6)
 
 
@@ -115,7 +115,7 @@ def test_parse_turn_decodes_media_once_and_counts_their_tokens():
                             ("video", MP4, {"media_type": "video/mp4"})),
                       LIMITS, lambda item: seen.append(item.type) or 10)
     assert [m.info.media_type for m in turn.media] == ["image/png", "audio/wav", "video/mp4"]
-    assert turn.media[0].info.width == 32 and turn.media[1].info.frames == 8000 and turn.media[2].info.frames == 8
+    assert turn.media[0].info.width == 32 and turn.media[1].info.frames == 8000 and turn.media[2].info.header.frames == 8
     assert seen == ["image", "audio", "video"]
     with pytest.raises(HTTPError) as err:                 # 5 + 2 + 10 + 10 tokens over a limit of 20
         parse_turn(_body("look ", ("image", png), ("audio", clip)),

@@ -15,8 +15,12 @@ from __future__ import annotations
 import io
 import wave
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import BadMediaError
+
+if TYPE_CHECKING:                     # video_frames imports torch: only when a video is checked
+    from ..integrations.video_frames import VideoHeader
 
 IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg"}      # Pillow format -> media type
 AUDIO_TYPES = ("audio/wav",)
@@ -35,15 +39,7 @@ class ImageInfo:
 @dataclass(frozen=True)
 class VideoInfo:
     media_type: str            # "video/mp4"
-    codec: str                 # e.g. "h264", "mpeg4"
-    width: int
-    height: int
-    frames: int
-    fps: float
-
-    @property
-    def seconds(self) -> float:
-        return self.frames / self.fps
+    header: VideoHeader        # codec, frame size, frames and rate, as the MP4 declares them
 
 
 @dataclass(frozen=True)
@@ -131,4 +127,4 @@ def check_video(data: bytes, max_seconds: float, max_frames: int, max_pixels: in
     if header.seconds > max_seconds:
         raise TooLargeMedia(f"{header.seconds:.1f} s of video is over the {max_seconds} s limit")
     decode(data, header, keep=set())          # every frame: a cut-short or corrupt file fails here
-    return VideoInfo(VIDEO_TYPES[0], header.codec, header.width, header.height, header.frames, header.fps)
+    return VideoInfo(VIDEO_TYPES[0], header)
