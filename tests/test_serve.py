@@ -45,7 +45,8 @@ pytestmark = pytest.mark.ray
 NEW = 3
 ARGS = {
     "model": {"seed": 0},
-    "cache": {"device_bytes": 128 << 20, "allow_default_key_secret": True},  # a local test cluster
+    "cache": {"device_bytes": 128 << 20, "allow_default_key_secret": True,  # a local test cluster
+              "shares": {"video": 0.05, "video_embed": 0.02}},    # small videos; the rest split evenly
     "cluster": {"call_timeout_s": 60.0, "sweep_interval_s": 2.0},
     "api_keys": {"key-acme": "acme", "key-globex": "globex"},
     "limits": {"max_media_bytes": 48 << 10, "max_request_bytes": 256 << 10, "max_image_pixels": 256 * 256,
