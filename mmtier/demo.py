@@ -9,12 +9,14 @@ What it does, in order:
    (``PoolHost``): attention reads local pages, the cluster is asked only at turn boundaries;
 2. the chat model (``mmtier.integrations.chat.ChatModel.tiny``): a small random-weight Qwen2-VL
    (``configs/demo-qwen2-vl.json``) whose images are real PNG / JPEG bytes decoded by its own
-   image processor, and a small random-weight Whisper (``configs/demo-whisper.json``) that
+   image processor and whose videos are real MP4 bytes (encoded here by PyAV, decoded and
+   sampled at 2 fps by ``video_frames``), and a small random-weight Whisper (``configs/demo-whisper.json``) that
    transcribes audio clips (real WAV bytes, through ``WhisperFeatureExtractor``) into the
    conversation; text is byte-level;
 3. runs a seeded workload: several tenants, each with a few conversations of several turns;
    turns carry text, images (a small per-tenant catalogue plus images every tenant sends, so
-   repeats are frequent) and audio clips; a few conversations are open at once. A later turn
+   repeats are frequent), a video (every conversation's second turn: a tenant's short clip, a
+   few segments of the ``video`` pool) and audio clips; a few conversations are open at once. A later turn
    attaches the history's groups, prefills only its new tokens and runs no encoder for cached
    media;
 4. keeps the pool under pressure so content moves between tiers: the arena is small (groups
@@ -47,10 +49,11 @@ from .telemetry import machine
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # Ray binds 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-MEDIA_NAMES = {"vision": "image", "audio": "audio"}
+MEDIA_NAMES = {"vision": "image", "video": "video", "audio": "audio"}
 PROMPTS = ("Describe this. ", "What changed? ", "Summarise it. ", "Any text in it? ",
            "Compare with before. ", "What is the mood? ", "Count the objects. ", "Transcribe. ")
 IMAGE_SIZES = ((336, 336), (392, 294), (280, 364))     # 144, 140 and 130 decoder tokens after resizing
+VIDEO_SIZE, VIDEO_FPS = (112, 112), 4                  # 16 decoder tokens a temporal patch (2 sampled frames)
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class DemoSpec:
     images_per_tenant: int = 2        # private images of a tenant
     shared_images: int = 2            # images every tenant sends (tenant-salted: never shared across)
     clips_per_tenant: int = 2
+    videos_per_tenant: int = 2        # a tenant's videos (4 s and 6 s: 2 and 3 segments)
     device_bytes: int = 40 << 20      # the pool's page arena: small, so content moves
     spill_watermark: float = 0.5      # of a modality's device pages
     copy_after_remote_uses: int = 1   # a spilled group's next use restores it to the pool
@@ -78,8 +82,8 @@ class DemoSpec:
     @property
     def shares(self) -> dict[str, float]:
         """Arena shares per pool of the chat model."""
-        return {"text": 0.35, "vision": 0.3, "vision_embed": 0.08, "transcript": 0.035, "audio": 0.23,
-                "transcript_ids": 0.005}
+        return {"text": 0.32, "vision": 0.27, "vision_embed": 0.06, "video": 0.1, "video_embed": 0.03,
+                "transcript": 0.035, "audio": 0.18, "transcript_ids": 0.005}
 
 
 @dataclass
@@ -132,6 +136,31 @@ def audio_bytes(tag: str, seconds: float, rate: int = 16000) -> bytes:
     return buf.getvalue()
 
 
+def video_bytes(tag: str, seconds: float) -> bytes:
+    """A seeded clip (a gradient and a rectangle moving across it) as MP4 bytes (MPEG-4 Part 2,
+    encoded by PyAV)."""
+    import av
+    import numpy as np
+
+    rng = np.random.default_rng(_seed(tag))
+    (w, h), frames = VIDEO_SIZE, int(seconds * VIDEO_FPS)
+    base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * rng.random(3)[None, None, :]
+    colour, (dx, dy) = rng.integers(0, 256, 3), rng.integers(2, 8, 2)
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=VIDEO_FPS)
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(frames):
+            arr = np.clip(base + rng.normal(0, 10, (h, w, 3)), 0, 255).astype(np.uint8)
+            x, y = (i * dx) % (w - 24), (i * dy) % (h - 24)
+            arr[y:y + 24, x:x + 24] = colour
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
 def _seed(tag: str) -> int:
     import hashlib
 
@@ -152,6 +181,7 @@ def workload(spec: DemoSpec) -> list[Conversation]:
             tenant = f"tenant-{t}"
             images = [picture(f"{tenant}-image-{i}", i + 1) for i in range(spec.images_per_tenant)] + shared
             clips = [audio_bytes(f"{spec.seed}:{tenant}-clip-{i}", 1.5 + i) for i in range(spec.clips_per_tenant)]
+            videos = [video_bytes(f"{spec.seed}:{tenant}-video-{i}", 4 + 2 * i) for i in range(spec.videos_per_tenant)]
             system = f"You are {tenant}'s assistant. "
             turns = []
             for i in range(spec.turns):
@@ -160,6 +190,8 @@ def workload(spec: DemoSpec) -> list[Conversation]:
                 items: list = [system, "Look at this. "] if i == 0 else [rng.choice(PROMPTS)]
                 if i == 0 or rng.random() < 0.75:        # images repeat (low indices are popular)
                     items.append(images[min(int(rng.expovariate(0.9)), len(images) - 1)])
+                if i == 1 and videos:                    # the video turn (the first video is popular)
+                    items += ["Watch: ", videos[min(int(rng.expovariate(1.2)), len(videos) - 1)]]
                 if rng.random() < 0.4:
                     items += ["Listen: ", rng.choice(clips)]
                 turns.append(items)
@@ -313,14 +345,16 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
         "pools": sum(n.startswith("mmtier-pool:") for n in per_actor),
         "stores": sum(n.startswith("mmtier-store:") for n in per_actor),
     }
-    kinds = {"vision": lambda x: isinstance(x, bytes) and not x.startswith(b"RIFF"),
+    kinds = {"vision": lambda x: isinstance(x, bytes) and not x.startswith(b"RIFF") and x[4:8] != b"ftyp",
+             "video": lambda x: isinstance(x, bytes) and x[4:8] == b"ftyp",
              "audio": lambda x: isinstance(x, bytes) and x.startswith(b"RIFF")}
     for m, name in MEDIA_NAMES.items():
         fig[f"{name}_placements"] = sum(kinds[m](x) for c in convs for t in c.turns for x in t)
-        fig[f"{name}_hits"] = sum(x["media_hits"][m] for x in ctr)
+        fig[f"{name}_hits"] = sum(x["media_hits"].get(m, 0) for x in ctr)     # video: segments
         fig[f"{name}_encoder_runs"] = runs["cache"].get(m, 0)
         fig[f"{name}_encoder_runs_dense"] = runs["dense"].get(m, 0)
     fig["image_embedding_hits"] = sum(x["embedding_hits"] for x in ctr)
+    fig["video_embedding_hits"] = sum(x["video_embedding_hits"] for x in ctr)     # segments
     fig["span_hits"] = sum(x["span_hits"] for x in ctr)
     fig["span_misses"] = sum(x["span_misses"] for x in ctr)
     fig["prompt_tokens_cached"] = sum(x["cached_tokens"] for x in ctr)
@@ -332,7 +366,7 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
         fig[f"{tier}_bytes"] = sum(u["bytes"] for u in per.values())
         fig[f"{tier}_capacity_bytes"] = sum(u["capacity_bytes"] for u in per.values()) if tier == "device" \
             else max((u["capacity_bytes"] for u in per.values()), default=0)
-        for group in ("text", "image", "audio"):
+        for group in GROUPS:
             fig[f"{tier}_bytes_{group}"] = sum(u["bytes"] for mm, u in per.items() if mm in _group_modalities(group))
     store = Counter()
     host = Counter()
@@ -342,7 +376,7 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
             for mm, u in st.get("tiers", {}).get("host", {}).items():
                 host[mm] += u["bytes"]
     fig["host_bytes"] = sum(host.values())
-    for group in ("text", "image", "audio"):
+    for group in GROUPS:
         fig[f"host_bytes_{group}"] = sum(b for mm, b in host.items() if mm in _group_modalities(group))
     fig["spills"] = store["puts"]                      # groups the node store took from the pool
     fig["spill_bytes"] = moved["spill_bytes"]
@@ -377,12 +411,16 @@ def _figures(spec, convs, pool, runs, moved, mismatches, started, per_actor, ray
     fig["ray_start_s"] = ray_start_s
     fig["elapsed_s"] = elapsed
     fig["baseline"] = ("without cache = the conversation so far recomputed by the same models with DynamicCache "
-                       "+ sdpa (dense_turn: every image and clip encoded again, every position prefilled), "
+                       "+ sdpa (dense_turn: every image, video and clip encoded again, every position prefilled), "
                        "in the engine's process right after the cached turn")
     fig["machine"] = machine()
     fig["date"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     return fig
 
 
+GROUPS = ("text", "image", "video", "audio")        # the report's columns of bytes per tier
+
+
 def _group_modalities(group: str) -> set[str]:
-    return {"text": {"text"}, "image": {"vision", "vision_embed"}, "audio": {"audio", "transcript"}}[group]
+    return {"text": {"text"}, "image": {"vision", "vision_embed"}, "video": {"video", "video_embed"},
+            "audio": {"audio", "transcript", "transcript_ids"}}[group]

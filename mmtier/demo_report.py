@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .demo import MEDIA_NAMES, DemoReport
+from .demo import GROUPS, MEDIA_NAMES, DemoReport
 
 
 def format_report(r: DemoReport, json_path: Path | None = None, png_path: Path | None = None) -> str:
@@ -18,27 +18,28 @@ def format_report(r: DemoReport, json_path: Path | None = None, png_path: Path |
         f"{f['pools']} pool ({mib(f['device_bytes_per_pool'])} MiB), {f['stores']} node store",
         f"model: {f['model']}",
         "",
-        "media by modality (hits: attached from the cache, no encoder run; encoder runs with the cache",
-        "vs the dense path, which encodes every item of the conversation again each turn)",
+        "media by modality (hits: attached from the cache, no encoder run; a video's hits and encoder",
+        "outputs reused count its segments; encoder runs with the cache vs the dense path, which",
+        "encodes every item of the conversation again each turn)",
         f"{'modality':<9}{'placed':>7}{'hits':>6}{'encoder':>9}{'dense enc':>10}",
     ]
     for name in MEDIA_NAMES.values():
         lines.append(f"{name:<9}{f[f'{name}_placements']:>7}{f[f'{name}_hits']:>6}{f[f'{name}_encoder_runs']:>9}"
                      f"{f[f'{name}_encoder_runs_dense']:>10}")
-    lines.append(f"         image encoder outputs reused at a new place (vision_embed hits): "
-                 f"{f['image_embedding_hits']}")
+    lines.append(f"         encoder outputs reused at a new place: images (vision_embed hits) "
+                 f"{f['image_embedding_hits']}, video segments (video_embed hits) {f['video_embedding_hits']}")
     lines.append(f"text     spans attached {f['span_hits']}, prefilled {f['span_misses']}; prompt tokens "
                  f"attached {f['prompt_tokens_cached']}, prefilled {f['prompt_tokens_prefilled']}; "
                  f"transcript tokens {f['transcript_tokens']}")
     lines += [
         "",
         "bytes per tier at the end (MiB)",
-        f"{'tier':<20}{'text':>8}{'image':>8}{'audio':>8}{'total':>8}{'capacity':>10}",
+        f"{'tier':<20}" + "".join(f"{g:>8}" for g in GROUPS) + f"{'total':>8}{'capacity':>10}",
     ]
     for tier, label in (("device", "device (pool)"), ("disk", "disk (pool's)"), ("host", "host (node store)")):
         cap = f"{mib(f[f'{tier}_capacity_bytes']):>10}" if f"{tier}_capacity_bytes" in f else ""
-        lines.append(f"{label:<20}{mib(f[f'{tier}_bytes_text']):>8}{mib(f[f'{tier}_bytes_image']):>8}"
-                     f"{mib(f[f'{tier}_bytes_audio']):>8}{mib(f[f'{tier}_bytes']):>8}{cap}")
+        lines.append(f"{label:<20}" + "".join(f"{mib(f[f'{tier}_bytes_{g}']):>8}" for g in GROUPS)
+                     + f"{mib(f[f'{tier}_bytes']):>8}{cap}")
     lines += [
         f"spills (pool -> node store): {f['spilled_groups_freed']} groups moved off the device "
         f"({mib(f['spill_bytes'])} MiB; {f['spills']} new to the store); "
@@ -100,12 +101,12 @@ def plot(r: DemoReport, path: Path) -> Path:
         a2.bar([j + i * width for j in range(len(names))], [f.get(f"{n}_{key}", 0) for n in names], width,
                label=label)
     a2.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
-    a2.set(title="media: hits and encoder runs", ylabel="items")
+    a2.set(title="media: hits and encoder runs (video: segments)", ylabel="items")
     a2.legend(fontsize=8)
 
     tiers = ("device", "disk", "host")
     bottom = [0.0] * len(tiers)
-    for group in ("text", "image", "audio"):
+    for group in GROUPS:
         vals = [f[f"{t}_bytes_{group}"] / 2**20 for t in tiers]
         a3.bar(["device (pool)", "disk (pool's)", "host (node store)"], vals, bottom=bottom, label=group)
         bottom = [b + v for b, v in zip(bottom, vals)]

@@ -89,7 +89,11 @@ class EngineAPI:
             if key in self._groups or group.tier != Tier.DEVICE:
                 return False                      # held already, or moved down meanwhile
             group.key = key
+            group.parent = self.lineage.parent_of(key, self._groups)
             self._groups[key] = group
+            if group.parent is not None:          # a private run became a link of a prefix chain:
+                self.policy.on_remove(group)      # re-filed with its parent, so eviction takes
+                self.policy.on_insert(group)      # it before the parent (leaf-first)
             self.counters.add("puts", key.modality)
             self.counters.add("stored_tokens", key.modality, group.num_tokens)
             return True

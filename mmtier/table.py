@@ -1,7 +1,8 @@
 """Sequence tables (the seed's ``MultimodalBlockTable``): ordered segments of modality groups.
 
 A segment places a group at an absolute start position of a sequence. Views: by modality
-(``text_blocks``, ``vision_blocks``, ``audio_blocks``, ``blocks(modality)``) and by content key
+(``text_blocks``, ``vision_blocks``, ``audio_blocks``, ``video_blocks``: a video's segments,
+``blocks(modality)``) and by content key
 (``by_key``); ``compile`` turns the chosen segments into the int32 CSR operands of the kernels,
 one per (pool view, tier) that holds some of them.
 """
@@ -83,6 +84,10 @@ class SequenceTable:
     @property
     def audio_blocks(self) -> list[Segment]:
         return self.blocks("audio")
+
+    @property
+    def video_blocks(self) -> list[Segment]:
+        return self.blocks("video")
 
     @property
     def by_key(self) -> dict[ContentKey, list[Segment]]:

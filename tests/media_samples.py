@@ -45,3 +45,25 @@ def float_wav(frames: int = 800, rate: int = 16000) -> bytes:
     fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
     body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
     return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def video(seed: int, frames: int = 8, size: tuple[int, int] = (32, 24), fps: int = 4, fmt: str = "mp4",
+          codec: str = "mpeg4", still: bool = False) -> bytes:
+    """Seeded random frames encoded at test time by PyAV (FFmpeg) into an in-memory container:
+    ``mp4`` (the accepted kind), or ``mov`` (QuickTime), ``webm`` / ``matroska`` (VP9) for the
+    kinds the app refuses. ``still``: every frame the same."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    first = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    with av.open(out, "w", format=fmt) as container:
+        stream = container.add_stream("libvpx-vp9" if fmt in ("webm", "matroska") else codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for i in range(frames):
+            pixels = first if still or i == 0 else rng.integers(0, 256, first.shape, dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()

@@ -135,5 +135,8 @@ def test_demo_quick_end_to_end(tmp_path):
     assert report["encoder_runs_cache"] < report["encoder_runs_nocache"]
     assert report["max_lookup_calls_per_turn"] <= 1 and report["max_publish_calls_per_turn"] <= 1
     assert report["spilled_groups_freed"] > 0 and report["host_bytes"] > 0
+    # a video turn in every conversation: its segments' tower outputs reused, fewer tower runs
+    assert report["video_placements"] > 0 and report["video_hits"] + report["video_embedding_hits"] > 0
+    assert report["video_encoder_runs"] < report["video_encoder_runs_dense"] and "video" in out
     assert all(not isinstance(v, (dict, list)) for v in report.values())   # flat, like the benchmarks
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

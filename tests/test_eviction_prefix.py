@@ -194,3 +194,24 @@ def test_lineage_notes_are_bounded_and_hop_through_chain_keys():
     assert len(lin) == 3
     assert lin.parent_of(k[2], {k[0]: stored}) is None
     assert lin.parent_of(k[4], {k[0]: stored}) is stored
+
+
+def test_a_sealed_run_records_its_parent_and_goes_before_it():
+    """``seal`` (how the transformers adapter stores spans written layer by layer) links the
+    group to the one its key chains, as ``put`` does: a sealed chain is evicted leaf first.
+    (It once did not: a sealed child outlived its evicted parent, useless.)"""
+    with tiny_cache(pages=3) as cache:
+        seq = cache.create_sequence(tenant="t")
+        keys, parent = [], cache.prefix_key(seq)
+        for name in (b"a", b"b"):
+            res = cache.reserve(seq, "text", 4, new_run=True)
+            cache.write_layer(res, 0, *[x[0] for x in kv(4)])
+            parent = cache.content_key("text", name, tenant="t", parent=parent)
+            assert cache.seal(seq, parent, res)
+            keys.append(parent)
+        cache.release(seq)
+        a, b = keys
+        assert cache._groups[b].parent is cache._groups[a] and cache._groups[a].parent is None
+        cache.put(cache.content_key("text", b"x", tenant="t"), *kv(4))         # the third page
+        cache.put(cache.content_key("text", b"y", tenant="t"), *kv(4))         # evicts one: the leaf
+        assert cache.contains(a) and not cache.contains(b)

@@ -78,14 +78,14 @@ def test_three_turns_equal_dense_and_prefill_only_new_tokens(chat):
             hook.remove()
         assert [r.tokens for r in got] == want
         first, second, third = (r.counters for r in got)
-        assert first.cached_tokens == 0 and first.encoder_runs == {"vision": 1, "audio": 0}
+        assert first.cached_tokens == 0 and first.encoder_runs == {"vision": 1, "video": 0, "audio": 0}
         # turn 2 attaches all of turn 1 (its prompt and its answer but the answer's last token)
         assert second.cached_tokens == first.prefilled_tokens + NEW - 1
-        assert second.encoder_runs == {"vision": 1, "audio": 1} and second.transcript_tokens == chat.transcript_tokens
+        assert second.encoder_runs == {"vision": 1, "video": 0, "audio": 1} and second.transcript_tokens == chat.transcript_tokens
         # turn 3: the first image again, at a new place: its decoder K/V is prefilled (new
         # prefix), its vision tower output comes from the cache
         assert third.cached_tokens == second.cached_tokens + second.prefilled_tokens + NEW - 1
-        assert third.encoder_runs == {"vision": 0, "audio": 0} and third.embedding_hits == 1
+        assert third.encoder_runs == {"vision": 0, "video": 0, "audio": 0} and third.embedding_hits == 1
         assert third.prefilled_tokens == len(conv.ids) - NEW - third.cached_tokens
         assert cache.stats().sequences == 0          # nothing held between turns
         conv.close()

@@ -6,7 +6,7 @@ One module-scoped cluster: a head node and a second node, each with its own cust
 (``mm_node_0`` / ``mm_node_1``: both nodes share 127.0.0.1, so ``node:<ip>`` cannot tell them
 apart); mmtier started on both (a pool held by each node's worker, a store each); the app
 deployed with one worker per node. Requests go to 127.0.0.1 only; media are real PNG / JPEG /
-WAV bytes. Answers are checked against the chat layer's dense reference (``dense_chat``:
+WAV bytes and MP4 videos encoded here by PyAV. Answers are checked against the chat layer's dense reference (``dense_chat``:
 ``DynamicCache`` + sdpa, each turn recomputed), run in this process with the same weights.
 """
 
@@ -38,18 +38,20 @@ from mmtier.serve.config import ServeAppConfig  # noqa: E402
 from mmtier.serve.engines import load_frontend  # noqa: E402
 from mmtier.serve.hf_engine import load_chat  # noqa: E402
 
-from .media_samples import float_wav, image, wav  # noqa: E402
+from .media_samples import float_wav, image, video, wav  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
 NEW = 3
 ARGS = {
     "model": {"seed": 0},
-    "cache": {"device_bytes": 128 << 20, "allow_default_key_secret": True},  # a local test cluster
+    "cache": {"device_bytes": 128 << 20, "allow_default_key_secret": True,  # a local test cluster
+              "shares": {"video": 0.05, "video_embed": 0.02}},    # small videos; the rest split evenly
     "cluster": {"call_timeout_s": 60.0, "sweep_interval_s": 2.0},
     "api_keys": {"key-acme": "acme", "key-globex": "globex"},
     "limits": {"max_media_bytes": 48 << 10, "max_request_bytes": 256 << 10, "max_image_pixels": 256 * 256,
-               "max_audio_seconds": 5.0, "max_turn_tokens": 600, "max_new_tokens": 16,
+               "max_audio_seconds": 5.0, "max_video_seconds": 8.0, "max_video_frames": 40,
+               "max_video_pixels": 64 * 64, "max_turn_tokens": 600, "max_new_tokens": 16,
                "default_new_tokens": NEW},
     "affinity": {"pin_resource_prefix": "mm_node_"},
     "workers": {"num_cpus": 0, "turn_wait_s": 0.2},   # a turn's wait for the model (busy)
@@ -58,6 +60,7 @@ ARGS = {
 PNG = image(1, (64, 48))
 JPEG = image(2, (80, 60), "JPEG")
 CLIP = wav(1, 0.5)
+MP4 = video(1, frames=12, size=(56, 56), fps=2)     # 6 s sampled at 2 fps: 6 temporal patches, 3 segments
 MODEL = ServeAppConfig.parse(ARGS).model
 
 
@@ -186,6 +189,11 @@ BAD = {
     "truncated_wav": (400, "bad_media"),
     "float_wav": (415, "unsupported_media_type"),
     "audio_over_seconds": (413, "too_large"),
+    "truncated_mp4": (400, "bad_media"),
+    "webm_video": (415, "unsupported_media_type"),
+    "quicktime_video": (415, "unsupported_media_type"),
+    "video_over_seconds": (413, "too_large"),
+    "video_over_pixel_limit": (413, "too_large"),
 }
 
 
@@ -196,7 +204,7 @@ def _bad(case: str, conv: str | None = None) -> tuple[dict | None, bytes | None]
     elif case == "bad_base64":
         body = {"content": [{"type": "image", "data": "not base64 !!"}]}
     elif case == "unknown_kind":
-        body = {"content": [{"type": "video", "data": b64(b"1234")}]}
+        body = {"content": [{"type": "document", "data": b64(b"1234")}]}
     elif case == "tenant_in_body":
         body = {**turn("hi"), "tenant": "globex"}
     elif case == "unknown_field":
@@ -241,6 +249,16 @@ def _bad(case: str, conv: str | None = None) -> tuple[dict | None, bytes | None]
         body = turn("hear ", ("audio", float_wav()))
     elif case == "audio_over_seconds":
         body = turn("hear ", ("audio", wav(5, 5.5, rate=4000)))
+    elif case == "truncated_mp4":
+        body = turn("watch ", ("video", MP4[: len(MP4) // 2]))
+    elif case == "webm_video":
+        body = turn("watch ", ("video", video(2, frames=4, fmt="webm")))
+    elif case == "quicktime_video":
+        body = turn("watch ", ("video", video(2, frames=4, fmt="mov")))
+    elif case == "video_over_seconds":
+        body = turn("watch ", ("video", video(3, frames=9, size=(16, 16), fps=1)))
+    elif case == "video_over_pixel_limit":
+        body = turn("watch ", ("video", video(3, frames=4, size=(80, 64))))
     if conv is not None and body is not None and case != "unknown_conversation":
         body["conversation_id"] = conv
     return body, raw
@@ -261,7 +279,8 @@ def test_bad_media_changes_nothing(url, chat):
     assert s == 200, first
     conv = first["conversation_id"]
     before = workers_state()
-    for case in ("truncated_png", "gif", "truncated_wav", "float_wav", "image_over_pixel_limit"):
+    for case in ("truncated_png", "gif", "truncated_wav", "float_wav", "image_over_pixel_limit", "truncated_mp4",
+                 "webm_video"):
         for c in (None, conv):
             body, raw = _bad(case, c)
             got, answer = call(url, body, raw=raw)
@@ -295,6 +314,32 @@ def test_conversation_turns_with_png_and_wav_match_dense(url, chat):
     assert call(url, turn("x", conv=conv), key="key-globex")[0] == 404
     assert call(url, None, method="DELETE", path=f"/v1/conversations/{conv}")[0] == 200
     assert call(url, turn("x", conv=conv))[0] == 404
+
+
+def test_video_turns_over_http_match_dense_and_a_repeated_video_runs_no_vision_tower(url, chat):
+    """An MP4 item: decoded at the ingress, its frames sampled and encoded by the worker; the
+    same video at a new place of the conversation reuses its segments' tower outputs, and a new
+    conversation with the same opening goes to the node that holds them and attaches its
+    segments' decoder K/V. Every answer equals the dense path's."""
+    t1 = ["Watch: ", ("video", MP4, "video/mp4"), " what happens?"]
+    t2 = ["and again: ", ("video", MP4)]
+    s, a1 = call(url, turn(*t1))
+    assert s == 200, a1
+    media = a1["cache"]["media"][0]
+    assert (media["type"], media["media_type"], media["cached"]) == ("video", "video/mp4", False)
+    assert a1["cache"]["counts"]["encoder_runs"] == {"video": 1}           # one tower run, 3 segments
+    s, a2 = call(url, turn(*t2, conv=a1["conversation_id"]))
+    assert s == 200 and a2["cache"]["media"][0]["cached"] is True, a2
+    counts = a2["cache"]["counts"]
+    assert counts["encoder_runs"] == {} and counts["embedding_hits"] == {"video": 3}
+    assert [a1["tokens"], a2["tokens"]] == dense(chat, t1, t2)
+    s, a3 = call(url, turn(*t1))                                             # a new conversation
+    assert s == 200 and a3["routing"]["rule"] == "content" and a3["node"] == a1["node"], a3
+    assert a3["cache"]["counts"]["encoder_runs"] == {} and a3["cache"]["counts"]["media_hits"] == {"video": 3}
+    assert a3["tokens"] == a1["tokens"]
+    s, other = call(url, turn(*t1), key="key-globex")                        # another tenant: no hit
+    assert s == 200 and other["cache"]["counts"]["encoder_runs"] == {"video": 1}, other
+    assert other["cache"]["media"][0]["cached"] is False and other["tokens"] == a1["tokens"]
 
 
 def _other_node_conversation(url: str, home: str, key: str = "key-acme") -> dict:

@@ -15,7 +15,7 @@ from mmtier.serve.config import ModelArgs  # noqa: E402
 from mmtier.serve.engines import load_engine, load_frontend  # noqa: E402
 from mmtier.serve.hf_engine import load_chat  # noqa: E402
 
-from .media_samples import image, wav  # noqa: E402
+from .media_samples import image, video, wav  # noqa: E402
 
 NEW = 3
 
@@ -68,12 +68,35 @@ def test_frontend_counts_image_tokens_as_the_conversation_adds_them(engine):
         conv.close()
 
 
+def test_a_video_turn_through_the_engine_and_its_frontend(engine):
+    """A video's tokens as the frontend counts them are those the conversation prefills; its
+    segments' ``video_embed`` groups are the routing keys, held after the turn; a second
+    conversation with the video at another place runs no vision tower; equal to dense."""
+    pytest.importorskip("av", reason="the hf extra (PyAV) is not installed")
+    frontend = load_frontend(ModelArgs(seed=0))
+    mp4 = video(14, frames=16, size=(112, 112), fps=4)        # 8 frames sampled: 2 segments
+    turns = [[("video", mp4), ("text", "x")], [("text", "and "), ("video", mp4)]]
+    with TieredKVCache(engine.chat.cache_config(device_bytes=32 << 20)) as cache:
+        conv = engine.open(cache, "acme")
+        first = conv.send(turns[0], NEW)
+        assert first.counts["prefilled_tokens"] == frontend.media_tokens("video", mp4) + 1 == 4 * 16 + 3
+        assert first.counts["encoder_runs"] == {"video": 1}
+        keys = frontend.routing_keys(cache, "acme", "video", mp4)
+        assert [k.modality for k in keys] == ["video_embed"] * 2 and all(cache.contains(k) for k in keys)
+        second = conv.send(turns[1], NEW)
+        assert second.counts["encoder_runs"] == {} and second.counts["embedding_hits"] == {"video": 2}
+        assert [first.tokens, second.tokens] == dense_chat(engine.chat, [[p for _k, p in t] for t in turns], NEW)
+        conv.close()
+
+
 def test_check_refuses_bad_turns_before_anything_runs(engine):
     png = image(13)
     with pytest.raises(BadMediaError):
         engine.check([("image", png[:40])], 2)
     with pytest.raises(BadMediaError):
         engine.check([("audio", png)], 2)
+    with pytest.raises(BadMediaError):
+        engine.check([("video", png)], 2)
     with pytest.raises(ShapeError):
         engine.check([("text", "hi")], 0)
     engine.check([("text", "hi"), ("image", png), ("audio", wav(13, 0.2))], 2)

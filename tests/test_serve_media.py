@@ -1,5 +1,6 @@
-"""The Serve app's request side without Ray: media checks (Pillow, ``wave``), the protocol's
-status codes for bad media, and the ``model`` section of its config."""
+"""The Serve app's request side without Ray: media checks (Pillow, PyAV, ``wave``), the
+protocol's status codes for bad media, and the ``model`` section of its config. Videos are real
+MP4 / WebM / QuickTime bytes encoded here by PyAV."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ pytest.importorskip("PIL", reason="the hf extra (Pillow) is not installed")
 
 from mmtier.errors import BadMediaError, ConfigError  # noqa: E402
 from mmtier.serve.config import Limits, ServeAppConfig  # noqa: E402
-from mmtier.serve.media import TooLargeMedia, check_image, check_wav  # noqa: E402
+from mmtier.serve.media import TooLargeMedia, check_image, check_video, check_wav  # noqa: E402
 from mmtier.serve.protocol import HTTPError, parse_turn  # noqa: E402
 
-from .media_samples import float_wav, image, wav  # noqa: E402
+from .media_samples import float_wav, image, video, wav  # noqa: E402
 
-LIMITS = Limits(max_media_bytes=64 << 10, max_image_pixels=64 * 64, max_audio_seconds=2.0)
+LIMITS = Limits(max_media_bytes=64 << 10, max_image_pixels=64 * 64, max_audio_seconds=2.0,
+                max_video_seconds=3.0, max_video_frames=20, max_video_pixels=48 * 48)
+MP4 = video(1, frames=8, size=(32, 24), fps=4)
 
 
 def test_images_decode_to_their_type_and_size():
@@ -67,6 +70,37 @@ def test_bad_wavs_are_typed(case):
     assert err.value.unsupported is unsupported and str(err.value)
 
 
+def test_videos_decode_to_their_type_size_and_frames():
+    info = check_video(MP4, 3.0, 20, 48 * 48)
+    h = info.header
+    assert (info.media_type, h.codec, h.width, h.height, h.frames, h.fps) == ("video/mp4", "mpeg4", 32, 24, 8, 4.0)
+    assert h.seconds == pytest.approx(2.0)
+    h264 = check_video(video(2, frames=6, codec="libx264"), 3.0, 20, 48 * 48).header
+    assert (h264.codec, h264.frames) == ("h264", 6)
+
+
+@pytest.mark.parametrize("case", ["truncated", "corrupt_frames", "not_a_video", "webm", "quicktime", "gif",
+                                  "too_long", "too_many_frames", "too_many_pixels"])
+def test_bad_videos_are_typed(case):
+    corrupt = bytearray(MP4)
+    mdat = corrupt.index(b"mdat") + 64
+    corrupt[mdat:mdat + 400] = bytes(400)                  # frames zeroed, the header intact
+    data, want, unsupported = {
+        "truncated": (MP4[: len(MP4) // 2], BadMediaError, False),
+        "corrupt_frames": (bytes(corrupt), BadMediaError, False),
+        "not_a_video": (b"\x00\x00\x00\x18ftypisom" + bytes(100), BadMediaError, False),
+        "webm": (video(3, frames=4, fmt="webm"), BadMediaError, True),
+        "quicktime": (video(3, frames=4, fmt="mov"), BadMediaError, True),
+        "gif": (image(3, (8, 8), "GIF"), BadMediaError, True),
+        "too_long": (video(4, frames=14, fps=4), TooLargeMedia, False),             # 3.5 s
+        "too_many_frames": (video(4, frames=21, fps=30), TooLargeMedia, False),
+        "too_many_pixels": (video(4, frames=4, size=(64, 48)), TooLargeMedia, False),
+    }[case]
+    with pytest.raises(want) as err:
+        check_video(data, 3.0, 20, 48 * 48)
+    assert err.value.unsupported is unsupported and str(err.value)
+
+
 def _body(*items) -> bytes:
     content = [{"type": "text", "text": i} if isinstance(i, str)
                else {"type": i[0], "data": base64.b64encode(i[1]).decode(), **(i[2] if len(i) > 2 else {})}
@@ -77,11 +111,12 @@ def _body(*items) -> bytes:
 def test_parse_turn_decodes_media_once_and_counts_their_tokens():
     png, clip = image(7, (32, 16)), wav(7, 0.5)
     seen = []
-    turn = parse_turn(_body("look ", ("image", png, {"media_type": "image/png"}), ("audio", clip)),
+    turn = parse_turn(_body("look ", ("image", png, {"media_type": "image/png"}), ("audio", clip),
+                            ("video", MP4, {"media_type": "video/mp4"})),
                       LIMITS, lambda item: seen.append(item.type) or 10)
-    assert [m.info.media_type for m in turn.media] == ["image/png", "audio/wav"]
-    assert turn.media[0].info.width == 32 and turn.media[1].info.frames == 8000
-    assert seen == ["image", "audio"]
+    assert [m.info.media_type for m in turn.media] == ["image/png", "audio/wav", "video/mp4"]
+    assert turn.media[0].info.width == 32 and turn.media[1].info.frames == 8000 and turn.media[2].info.header.frames == 8
+    assert seen == ["image", "audio", "video"]
     with pytest.raises(HTTPError) as err:                 # 5 + 2 + 10 + 10 tokens over a limit of 20
         parse_turn(_body("look ", ("image", png), ("audio", clip)),
                    Limits(**{**LIMITS.model_dump(), "max_turn_tokens": 20}), lambda item: 10)
@@ -100,6 +135,14 @@ def test_parse_turn_decodes_media_once_and_counts_their_tokens():
     (("audio", wav(8, 2.5)), 413, "too_large"),
     (("audio", image(8)), 400, "bad_media"),
     (("audio", wav(8), {"media_type": "audio/mpeg"}), 415, "unsupported_media_type"),
+    (("video", MP4[:200]), 400, "bad_media"),
+    (("video", video(9, frames=4, fmt="webm")), 415, "unsupported_media_type"),
+    (("video", video(9, frames=4, fmt="mov")), 415, "unsupported_media_type"),
+    (("video", video(9, frames=4, size=(64, 48))), 413, "too_large"),
+    (("video", video(9, frames=16, fps=4)), 413, "too_large"),
+    (("video", MP4, {"media_type": "video/webm"}), 415, "unsupported_media_type"),
+    (("video", image(8)), 400, "bad_media"),
+    (("image", MP4), 400, "bad_media"),
 ])
 def test_bad_media_answers(item, status, kind):
     with pytest.raises(HTTPError) as err:
@@ -159,3 +202,26 @@ def test_router_fails_a_new_conversation_over_to_another_node():
     route = router.failover("a", {"a": 10})
     assert (route.node, route.rule, route.scores) == ("c", "failover", {"a": 10})
     assert Router(["a"]).failover("a", {}) is None
+
+
+def test_a_model_that_takes_no_video_answers_415_and_the_hf_frontend_counts_video_tokens():
+    """The reference model has no video encoder: a video item is a 415 before anything is
+    routed. The chat model's frontend counts a video's tokens from its header (frames sampled at
+    2 fps, 16 tokens a temporal patch of 112x112 frames) and keys its segments' tower outputs."""
+    from mmtier.serve.engines import ReferenceEngine
+    from mmtier.serve.hf_engine import HFFrontend
+
+    reference = ReferenceEngine(0)
+    with pytest.raises(HTTPError) as err:
+        parse_turn(_body("x", ("video", MP4)), LIMITS, lambda item: reference.media_tokens(item.type, item.data))
+    assert (err.value.status, err.value.kind) == (415, "unsupported_media_type")
+    pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
+    frontend = HFFrontend.load(ServeAppConfig.parse({}).model)
+    clip = video(5, frames=16, size=(112, 112), fps=4)          # 4 s: 8 frames, 4 temporal patches
+    assert frontend.media_tokens("video", clip) == 4 * 16 + 2
+
+    class Keys:                                                 # content_key's arguments, recorded
+        def content_key(self, modality, data, **kw):
+            return (modality, kw["params"]["segment"])
+
+    assert frontend.routing_keys(Keys(), "acme", "video", clip) == [("video_embed", "0-2/4"), ("video_embed", "2-4/4")]

@@ -4,7 +4,8 @@ Each module imports its engine lazily (an optional extra); nothing in the core i
 package.
 
 - ``transformers``: the transformers adapter (``pip install mmtier[hf]``): attention function,
-  ``Cache``, ``Session``;
+  ``Cache``, ``Session``; ``video_frames``: MP4 bytes as Qwen2-VL video inputs (PyAV, no
+  torchvision); ``chat``: the multi-turn chat model (Qwen2-VL + Whisper) over one cache;
 - ``vllm``: the vLLM KV connector (``KVConnectorBase_V1``), ``vllm_ec``: the encoder-cache
   connector (``ECConnectorBase``), ``sglang``: the SGLang HiCache storage backend.
 """

@@ -15,21 +15,28 @@ Interface (names kept stable; the Serve app builds on them)::
     r.tokens          # the answer's token ids (greedy); r.text: their text
     r.counters        # TurnCounters: cached_tokens / prefilled_tokens (decoder prompt tokens
                       # attached vs run), span_hits, media_hits and encoder_runs per modality
-                      # ("vision": images, "audio": clips), embedding_hits (vision tower
-                      # outputs reused), transcript_tokens
+                      # ("vision": images, "video": video segments, "audio": clips),
+                      # embedding_hits / video_embedding_hits (vision tower outputs reused),
+                      # transcript_tokens
     conv.close()      # nothing is held between turns; close forgets the history
     dense_chat(chat, [turn0_items, turn1_items], max_new_tokens=8)   # the reference: each
                       # turn recomputed from scratch with DynamicCache + sdpa -> [tokens, ...]
 
-A turn's items are text (``str``), images (PNG / JPEG ``bytes``) and audio clips (WAV PCM16
-``bytes``); ``chat_media`` says how each is read. An audio clip is transcribed by Whisper (its
+A turn's items are text (``str``), images (PNG / JPEG ``bytes``), videos (MP4 ``bytes``) and
+audio clips (WAV PCM16 ``bytes``); ``chat_media`` says how each is read. A video is sampled at
+``video_processor.fps`` and cut into segments of ``video_segment`` temporal patches: each
+segment is a prefix-chained group of the ``video`` pool (its own page size) and its vision
+tower output a content-only ``video_embed`` group, so a repeated video runs no vision tower and
+eviction takes whole segments. An audio clip is transcribed by Whisper (its
 encoder's cross-attention K/V is a content-only ``audio`` group: a clip the tenant sent before
 runs no encoder) and the transcript's token ids join the conversation as text between
 ``AUDIO_START`` and ``AUDIO_END``. The text vocabulary is byte-level, built locally (no
 tokenizer download). Pools: ``text`` and ``vision`` (the VLM's self-attention K/V, prefix
 chained), ``vision_embed`` (the vision tower's output per image, content-only: an image seen
 before at another place of any of the tenant's conversations runs no vision tower),
-``transcript`` (Whisper's decoder self-attention), ``audio`` (Whisper's cross K/V) and
+``video`` (the VLM's K/V of video segments, prefix chained), ``video_embed`` (the vision tower's
+output per video segment, content-only), ``transcript`` (Whisper's decoder self-attention),
+``audio`` (Whisper's cross K/V) and
 ``transcript_ids`` (a clip's transcript token ids, content-only: a clip the tenant sent before runs
 no Whisper at all).
 """
@@ -37,6 +44,7 @@ no Whisper at all).
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections import Counter
 from pathlib import Path
@@ -62,24 +70,34 @@ TRANSCRIPT_IDS = "transcript_ids"           # a clip's transcript token ids (con
 TRANSCRIPT_IDS_SHARE = 0.005                # of the arena: 4 bytes a token
 VISION_EMBED = "vision_embed"               # the vision tower's output per image (content-only)
 IMAGE_PIXELS = (56 * 56, 336 * 336)        # the image processor's min / max pixels: 4-144 tokens
+VIDEO_EMBED = "video_embed"                 # the vision tower's output per video segment (content-only)
+VIDEO_PIXELS = (56 * 56, 112 * 112)        # a video frame's min / max pixels: 4-16 tokens a temporal patch
+VIDEO_FPS = 2.0                             # frames sampled a second (as Qwen2-VL's processors do)
+VIDEO_FRAMES = (4, 32)                      # frames sampled, at least / at most
+VIDEO_SEGMENT = 2                           # temporal patches (of 2 frames) a video segment
 
 
 class ChatModel:
     """The two models (each twice: enabled for mmtier, and as loaded for the dense reference),
     their processors, and counters of encoder runs (forward hooks)."""
 
-    def __init__(self, vlm, whisper, image_processor, feature_extractor, *, transcript_tokens: int = 8):
+    def __init__(self, vlm, whisper, image_processor, feature_extractor, *, transcript_tokens: int = 8,
+                 video_processor=None, video_segment: int = VIDEO_SEGMENT):
         if vlm.config.model_type not in ("qwen2_vl", "qwen2_5_vl") or whisper.config.model_type != "whisper":
             raise ConfigError("ChatModel takes a Qwen2-VL (or Qwen2.5-VL) and a Whisper model", ("model",))
+        if video_segment < 1:
+            raise ConfigError(f"video_segment must be >= 1 temporal patches, got {video_segment}", ("video_segment",))
         self.dense_vlm, self.dense_whisper = vlm.eval(), whisper.eval()
         self.vlm = mt.enable(copy.deepcopy(vlm))
         self.whisper = mt.enable(copy.deepcopy(whisper))
         self.image_processor, self.feature_extractor = image_processor, feature_extractor
+        self.video_processor = video_processor or video_processor_from(None, image_processor)
+        self.video_segment = video_segment
         self.transcript_tokens = transcript_tokens
         self.encoder_runs: Counter[str] = Counter()          # with the cache
         self.dense_encoder_runs: Counter[str] = Counter()    # the dense reference
         for model, runs in ((self.vlm, self.encoder_runs), (self.dense_vlm, self.dense_encoder_runs)):
-            model.model.visual.register_forward_hook(lambda *_a, runs=runs: runs.update(("vision",)))
+            _count_tower_runs(model, runs)
         for model, runs in ((self.whisper, self.encoder_runs), (self.dense_whisper, self.dense_encoder_runs)):
             model.model.encoder.register_forward_hook(lambda *_a, runs=runs: runs.update(("audio",)))
 
@@ -95,12 +113,16 @@ class ChatModel:
         )
 
         vcfg = _read(Path(config_dir) / VLM_CONFIG)
+        video = vcfg.pop("video", {})
         wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
         chunk = wcfg.pop("chunk_length_s")
         torch.manual_seed(seed)
         vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg))
         whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg))
-        return cls(vlm, whisper, _image_processor(vlm.config), _feature_extractor(whisper.config, chunk))
+        images = _image_processor(vlm.config)
+        return cls(vlm, whisper, images, _feature_extractor(whisper.config, chunk),
+                   video_processor=video_processor_from(None, images, video),
+                   video_segment=video.get("segment", VIDEO_SEGMENT))
 
     @classmethod
     def from_pretrained(cls, vlm_path: str | Path, whisper_path: str | Path, *, dtype=torch.float32,
@@ -117,12 +139,14 @@ class ChatModel:
         vlm = AutoModelForImageTextToText.from_pretrained(vlm_path, local_files_only=True, dtype=dtype).to(device)
         whisper = WhisperForConditionalGeneration.from_pretrained(whisper_path, local_files_only=True,
                                                                   dtype=dtype).to(device)
-        return cls(vlm, whisper, Qwen2VLImageProcessorPil.from_pretrained(vlm_path, local_files_only=True),
-                   WhisperFeatureExtractor.from_pretrained(whisper_path, local_files_only=True), **kw)
+        images = Qwen2VLImageProcessorPil.from_pretrained(vlm_path, local_files_only=True)
+        kw.setdefault("video_processor", video_processor_from(Path(vlm_path), images))
+        return cls(vlm, whisper, images, WhisperFeatureExtractor.from_pretrained(whisper_path, local_files_only=True),
+                   **kw)
 
     def cache_config(self, *, shares: dict[str, float] | None = None, **overrides: Any) -> CacheConfig:
-        """ONE ``CacheConfig`` for both models: ``text``, ``vision`` and ``vision_embed`` (the
-        VLM), ``transcript``, ``audio`` and ``transcript_ids`` (Whisper). ``shares``: a
+        """ONE ``CacheConfig`` for both models: ``text``, ``vision``, ``vision_embed``, ``video``
+        and ``video_embed`` (the VLM), ``transcript``, ``audio`` and ``transcript_ids`` (Whisper). ``shares``: a
         modality's share of the page arena;
         ``overrides``: budgets, ``disk_dir``, ``attention_backend``..."""
         vlm = mt.config_for(self.vlm)
@@ -132,6 +156,7 @@ class ChatModel:
         # sent before runs no Whisper at all (its encoder nor its decoder)
         specs = {**vlm.modalities, **whisper.modalities,
                  VISION_EMBED: ModalitySpec(kind="embedding", width=width, page_size=64, recompute_cost=4.0),
+                 VIDEO_EMBED: ModalitySpec(kind="embedding", width=width, page_size=mt.VIDEO_PAGE, recompute_cost=4.0),
                  TRANSCRIPT_IDS: ModalitySpec(kind="embedding", width=1, page_size=16, dtype="float32",
                                               share=TRANSCRIPT_IDS_SHARE, recompute_cost=50.0)}
         for name, share in (shares or {}).items():
@@ -147,8 +172,8 @@ class ChatModel:
         return CacheConfig(**fields)
 
     def warm_up(self) -> None:
-        """One turn with a small image and clip through both paths, on a private cache, as a
-        server does at start (first calls initialise kernels and buffers); counters reset."""
+        """One turn with a small image, video and clip through both paths, on a private cache, as
+        a server does at start (first calls initialise kernels and buffers); counters reset."""
         import io
         import wave
 
@@ -164,7 +189,7 @@ class ChatModel:
             w.setsampwidth(2)
             w.setframerate(16000)
             w.writeframes((np.sin(np.arange(8000) * 0.05) * 8000).astype("<i2").tobytes())
-        items = ["Hi. ", png.getvalue(), wav.getvalue()]
+        items = ["Hi. ", png.getvalue(), _still_video(), wav.getvalue()]
         with TieredKVCache(self.cache_config(device_bytes=64 << 20)) as cache:
             self.conversation(cache, "warm-up").send(items, 2)
         dense_turn(self, [], items, 2)
@@ -187,6 +212,59 @@ def _read(path: Path) -> dict:
     cfg.pop("_comment", None)
     cfg.pop("model_type", None)
     return cfg
+
+
+def _count_tower_runs(model, runs: Counter) -> None:
+    """Count ``model``'s vision tower runs in ``runs``: ``"video"`` for those its
+    ``get_video_features`` makes, ``"vision"`` for the others (images)."""
+    state = {"input": "vision"}
+    model.model.visual.register_forward_hook(lambda *_a: runs.update((state["input"],)))
+    video_features = model.model.get_video_features
+
+    @functools.wraps(video_features)                  # its signature: generate reads it
+    def counted(*args, **kwargs):
+        state["input"] = "video"
+        try:
+            return video_features(*args, **kwargs)
+        finally:
+            state["input"] = "vision"
+
+    model.model.get_video_features = counted        # the model's forward calls it by attribute
+
+
+def _still_video() -> bytes:
+    """Four frames of one colour, 56x56 pixels, 2 s: an MP4 made by PyAV (the warm-up's video)."""
+    import io
+
+    import av
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=2)
+        stream.width, stream.height, stream.pix_fmt = 56, 56, "yuv420p"
+        frame = av.VideoFrame.from_ndarray(np.full((56, 56, 3), 90, np.uint8), format="rgb24")
+        for _ in range(4):
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def video_processor_from(path: Path | None, images, cfg: dict | None = None):
+    """The video settings of a model directory (``video_preprocessor_config.json``: fps, frames,
+    frame pixels), else ``cfg`` (the demo config's ``video`` section), else the defaults here."""
+    from .video_frames import VideoProcessor
+
+    cfg = dict(cfg or {})
+    if path is not None and (path / "video_preprocessor_config.json").is_file():
+        cfg = _read(path / "video_preprocessor_config.json")
+    size = cfg.get("size") or {}
+    return VideoProcessor(images, fps=cfg.get("fps") or VIDEO_FPS, min_frames=cfg.get("min_frames", VIDEO_FRAMES[0]),
+                          max_frames=cfg.get("max_frames", VIDEO_FRAMES[1]),
+                          min_pixels=size.get("shortest_edge", cfg.get("min_pixels", VIDEO_PIXELS[0])),
+                          max_pixels=size.get("longest_edge", cfg.get("max_pixels", VIDEO_PIXELS[1])))
 
 
 def _image_processor(cfg):

@@ -7,23 +7,25 @@ a key chained to the span before (``content_key(..., parent=...)``: prefix-depen
 tenant's salt). Spans break at turn boundaries, and a turn's last span is sealed together with
 the answer generated from it (all but the answer's last token, whose K/V the next turn writes).
 So a turn attaches every span of the history the cache still holds (wherever its tier), runs the
-model over the spans it lacks (the vision tower only for those that are images) and over the
-turn's new tokens, and decodes through mmtier attention. Under pressure the history's groups are
+model over the spans it lacks (the vision tower only for those that are images or video segments
+whose vision tower output is not cached) and over the turn's new tokens, and decodes through
+mmtier attention. A video is a span per segment (``chat_spans``): a video the conversation holds
+is attached segment by segment; one whose later segments were evicted re-encodes only those. Under pressure the history's groups are
 evictable like any other; a turn that finds one gone recomputes from there on.
 
 A clip's transcript ids are a content-only ``transcript_ids`` group of the tenant: a clip sent
 before (in any of the tenant's conversations) runs no Whisper at all; else Whisper runs, its
 encoder skipped when the clip's ``audio`` group (cross K/V) is held.
 
-Qwen2-VL's M-RoPE positions are computed over the whole conversation each turn (its image
-grids are known from the images' headers) and the model's rope deltas set from them, so cached
-and prefilled spans sit where the dense model puts them.
+Qwen2-VL's M-RoPE positions are computed over the whole conversation each turn (its image and
+video grids are known from the media's headers) and ``generate`` steps on from them, so cached
+and prefilled spans, and the answer, sit where the dense model puts them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -33,15 +35,24 @@ from ..errors import CapacityError, MMTierError, ShapeError
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
-    IMAGE_PAD,
     SPECIAL,
-    VISION_END,
-    VISION_START,
     AudioFeatures,
     ImageItem,
+    VideoItem,
     ids_text,
     kind_of,
     text_ids,
+)
+from .chat_spans import Span as _Span
+from .chat_spans import cut as _cut
+from .chat_spans import image_features_key as _image_features_key
+from .chat_spans import positions as _positions
+from .chat_spans import (
+    span_key,
+    transcript_key,
+    video_features_key,
+    video_features_keys,
+    visual_tokens,
 )
 from .session import Media, Session
 from .transformers import cache_for
@@ -54,11 +65,14 @@ class TurnCounters:
     prefilled_tokens: int               # decoder prompt tokens run through the model this turn
     span_hits: int                      # history and new spans attached
     span_misses: int                    # spans prefilled (the turn's last span included)
-    media_hits: dict[str, int]          # "vision": image spans attached; "audio": clips attached
+    media_hits: dict[str, int]          # "vision": image spans attached; "video": video segment
+                                        # spans attached; "audio": clips attached
     embedding_hits: int                 # images prefilled from the vision tower's cached output
-    encoder_runs: dict[str, int]        # "vision": vision tower runs; "audio": Whisper encoder runs
+    encoder_runs: dict[str, int]        # "vision" / "video": vision tower runs over images / video
+                                        # segments; "audio": Whisper encoder runs
     transcript_tokens: int              # Whisper decoder tokens generated for the turn's clips
     transcript_hits: int = 0            # clips whose transcript came from the cache (no Whisper run)
+    video_embedding_hits: int = 0       # video segments prefilled from the tower's cached output
 
 
 @dataclass(frozen=True)
@@ -69,15 +83,6 @@ class TurnResult:
     keys: list[ContentKey] = field(default_factory=list)   # the groups the turn used or made
 
 
-@dataclass(frozen=True)
-class _Span:
-    modality: str                       # "text" | "vision"
-    start: int
-    end: int
-    image: ImageItem | None = None
-    key: ContentKey | None = None
-
-
 class Conversation:
     """Turns of one tenant's conversation (``ChatModel.conversation`` builds it)."""
 
@@ -86,8 +91,9 @@ class Conversation:
         self.ids: list[int] = []          # the conversation so far: prompts and answers
         self.spans: list[_Span] = []      # sealed spans of the history, in order
         self.images: list[ImageItem] = []
+        self.videos: list[VideoItem] = []
         self.closed = False
-        self._embedding_hits = self._embeddings_not_stored = 0
+        self._embedding_hits = self._embeddings_not_stored = self._video_embedding_hits = 0
         self._whisper = Session(chat.whisper, cache, tenant=tenant, text_modality="transcript")
         seq = cache.create_sequence(tenant)
         try:
@@ -98,7 +104,8 @@ class Conversation:
     def turn_keys(self, items) -> list[ContentKey]:
         """The groups a turn of ``items`` would read, as far as they are known before it runs:
         the history's spans, the turn's spans up to its first clip (a clip's transcript is not
-        known yet), its images' ``vision_embed`` groups and its clips' ``transcript_ids`` groups. What an
+        known yet), its images' ``vision_embed`` groups, its video segments' ``video_embed`` groups
+        and its clips' ``transcript_ids`` groups. What an
         engine looks up for the turn at admission (``HostedCache.begin_turn``)."""
         return self.turn_lookup(items)[0]
 
@@ -111,23 +118,26 @@ class Conversation:
         keys = [s.key for s in self.spans]
         new: list[int] = []
         images: list[ImageItem] = []
+        videos: list[VideoItem] = []
         for kind, x in read:
             if kind == "audio":
                 break
             if kind == "text":
                 new += text_ids(x)
             else:
-                images.append(x)
-                new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
+                (images if kind == "image" else videos).append(x)
+                new += visual_tokens(x)
         ids = self.ids + new
         parent = self.spans[-1].key if self.spans else self._root
-        for s in _cut(ids, self.spans[-1].end if self.spans else 0, images)[:-1]:
+        for s in _cut(ids, self.spans[-1].end if self.spans else 0, images, videos)[:-1]:
             parent = self._key(ids, s, parent)
             keys.append(parent)
         fallbacks: dict[ContentKey, list[ContentKey]] = {}
         for kind, x in read:
             if kind == "image":
                 keys.append(_image_features_key(self.cache, self.tenant, x))
+            elif kind == "video":
+                keys += video_features_keys(self.cache, self.tenant, x)
             elif kind == "audio":
                 keys.append(self._transcript_key(x[0]))
                 fallbacks[keys[-1]] = [self.cache.content_key("audio", x[0], tenant=self.tenant)]
@@ -135,7 +145,7 @@ class Conversation:
 
     # ------------------------------------------------------------------ a turn
     def send(self, items, max_new_tokens: int = 8) -> TurnResult:
-        """One user turn (text, image and audio items, in order) and its greedy answer. A turn
+        """One user turn (text, image, video and audio items, in order) and its greedy answer. A turn
         that raises (``CapacityError``: no room for it; a lost holder) leaves the conversation
         as it was: its history is replaced only once the answer is complete, and the turn's
         sequences are released on the way out, so a later turn that fits runs as if this one
@@ -149,16 +159,17 @@ class Conversation:
             raise ShapeError("a turn needs at least one item")
         read = [self._read(x) for x in items]             # bad input fails before anything runs
         runs_before = Counter(self.chat.encoder_runs)
-        self._embedding_hits = 0
+        self._embedding_hits = self._video_embedding_hits = 0
         audio_keys, audio_hits, transcript, transcript_hits = [], 0, 0, 0
         new: list[int] = []
         images: list[ImageItem] = []
+        videos: list[VideoItem] = []
         for kind, x in read:
             if kind == "text":
                 new += text_ids(x)
-            elif kind == "image":
-                images.append(x)
-                new += [VISION_START, *[IMAGE_PAD] * x.tokens, VISION_END]
+            elif kind in ("image", "video"):
+                (images if kind == "image" else videos).append(x)
+                new += visual_tokens(x)
             else:
                 said, keys, hit, generated = self._transcribe(*x)
                 audio_keys += keys
@@ -166,28 +177,31 @@ class Conversation:
                 transcript += generated
                 transcript_hits += hit and not generated
                 new += [AUDIO_START, *said, AUDIO_END]
-        answer, keys, hits, cached, image_hits = self._decode(new, images, max_new_tokens)
+        answer, keys, hits, cached, media_hits = self._decode(new, images, videos, max_new_tokens)
         runs = Counter(self.chat.encoder_runs)
         runs.subtract(runs_before)
         counters = TurnCounters(
             cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
-            span_misses=len(self.spans) - hits, media_hits={"vision": image_hits, "audio": audio_hits},
+            span_misses=len(self.spans) - hits, media_hits={**media_hits, "audio": audio_hits},
             embedding_hits=self._embedding_hits,
-            encoder_runs={m: runs[m] for m in ("vision", "audio")}, transcript_tokens=transcript,
-            transcript_hits=transcript_hits)
+            encoder_runs={m: runs[m] for m in ("vision", "video", "audio")}, transcript_tokens=transcript,
+            transcript_hits=transcript_hits, video_embedding_hits=self._video_embedding_hits)
         embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
+        embeds += [k for v in videos for k in video_features_keys(self.cache, self.tenant, v)]
         return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio_keys)
 
     def close(self) -> None:
         """Forget the history (its groups stay cached for whoever asks)."""
         self.closed = True
-        self.ids, self.spans, self.images = [], [], []
+        self.ids, self.spans, self.images, self.videos = [], [], [], []
 
     # ------------------------------------------------------------------ steps
     def _read(self, item):
         kind = kind_of(item)
         if kind == "image":
             return kind, ImageItem.read(bytes(item), self.chat.image_processor)
+        if kind == "video":
+            return kind, VideoItem.read(bytes(item), self.chat.video_processor, self.chat.video_segment)
         if kind == "audio":
             data = bytes(item)
             return kind, (data, AudioFeatures(data, self.chat.feature_extractor))
@@ -231,13 +245,13 @@ class Conversation:
             return None
         return x.long().tolist()
 
-    def _decode(self, new: list[int], images: list[ImageItem], max_new_tokens: int):
+    def _decode(self, new: list[int], images: list[ImageItem], videos: list[VideoItem], max_new_tokens: int):
         """Attach the history, prefill what is missing, generate; seal the new spans."""
         cache, vlm = self.cache, self.chat.vlm
         ids = self.ids + new
-        new_spans = _cut(ids, self.spans[-1].end if self.spans else 0, images)
-        all_images = self.images + images
-        positions, deltas = self._positions(ids, all_images)
+        new_spans = _cut(ids, self.spans[-1].end if self.spans else 0, images, videos)
+        all_images, all_videos = self.images + images, self.videos + videos
+        positions, deltas = _positions(vlm, ids, all_images, all_videos)
         prompt = torch.tensor([ids])
         with cache_for(vlm, cache, tenant=self.tenant) as past:
             rows = past.rows
@@ -247,7 +261,7 @@ class Conversation:
             spans = list(self.spans)
             for s in new_spans[:-1]:
                 parent = self._key(ids, s, parent)
-                spans.append(_Span(s.modality, s.start, s.end, s.image, parent))
+                spans.append(replace(s, key=parent))
             hits = 0
             while hits < len(spans) and cache.contains(spans[hits].key):
                 cache.attach(seq, spans[hits].key)
@@ -263,17 +277,21 @@ class Conversation:
                     cache.seal(seq, s.key, run)
             rows.next_tokens, rows.next_new_run = [ids[last.start:]], True
             vlm.model.rope_deltas = deltas
+            # the prompt's own positions, then +1 a step (as dense generate does: after a video
+            # the text may sit below its temporal positions, where the deltas alone would not)
             out = vlm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=past,
-                               max_new_tokens=max_new_tokens, do_sample=False, suppress_tokens=list(SPECIAL))
+                               position_ids=positions, max_new_tokens=max_new_tokens, do_sample=False,
+                               suppress_tokens=list(SPECIAL))
             answer = out[0, len(ids):].tolist()
             tail = _Span("text", last.start, len(ids) + len(answer) - 1)
             tail = _Span("text", tail.start, tail.end, None, self._key(ids + answer, tail, parent))
             cache.seal(seq, tail.key)
-        image_hits = sum(1 for s in spans[len(self.spans):hits] if s.modality == "vision")
+        attached = spans[len(self.spans):hits]
+        media_hits = {m: sum(1 for s in attached if s.modality == m) for m in ("vision", "video")}
         self.ids = ids + answer
         self.spans = spans + [tail]
-        self.images = all_images
-        return answer, [s.key for s in self.spans], hits, cached, image_hits
+        self.images, self.videos = all_images, all_videos
+        return answer, [s.key for s in self.spans], hits, cached, media_hits
 
     def _image(self, image: ImageItem) -> torch.Tensor:
         """The vision tower's output for ``image`` (``[tokens, hidden]``): a content-only
@@ -291,70 +309,56 @@ class Conversation:
             self._embeddings_not_stored += 1
         return x
 
-    def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
-        if span.image is not None:
-            return self.cache.content_key("vision", span.image.data, tenant=self.tenant, parent=parent)
-        data = torch.tensor(ids[span.start:span.end], dtype=torch.int64).numpy().tobytes()
-        return self.cache.content_key("text", data, tenant=self.tenant, parent=parent,
-                                      params={"span": "token-ids"})
+    def _videos(self, spans: list[_Span]) -> list[torch.Tensor]:
+        """The vision tower's output (``[tokens, hidden]``) for each video segment of ``spans``:
+        a content-only ``video_embed`` group of the tenant, or computed, the missing segments of
+        a turn in ONE vision tower run (it attends within a temporal patch: a segment's output
+        is the same alone or with its video)."""
+        keys = [video_features_key(self.cache, self.tenant, s.video, *s.part) for s in spans]
+        out: list[torch.Tensor | None] = []
+        for key in keys:
+            held = self.cache.contains(key)
+            self._video_embedding_hits += held
+            out.append(self.cache.get_embedding(key) if held else None)
+        todo = [i for i, x in enumerate(out) if x is None]
+        if todo:
+            parts = [spans[i].video.segment_inputs(*spans[i].part) for i in todo]
+            with torch.no_grad():
+                made = self.chat.vlm.model.get_video_features(
+                    torch.cat([p["pixel_values_videos"] for p in parts]),
+                    torch.cat([p["video_grid_thw"] for p in parts])).pooler_output
+            for i, x in zip(todo, made):
+                out[i] = x
+                try:
+                    self.cache.put_embedding(keys[i], x)
+                except CapacityError:       # no room for it now: computed again later
+                    self._embeddings_not_stored += 1
+        return out
 
-    def _positions(self, ids: list[int], images: list[ImageItem]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[4, 1, n]`` positions (text + M-RoPE) of the whole conversation, and its deltas."""
-        n = len(ids)
-        text = torch.arange(n).view(1, 1, n)
-        if not images:
-            return text.expand(4, 1, n), torch.zeros(1, 1, dtype=torch.long)
-        prompt = torch.tensor([ids])
-        grid = torch.tensor([im.grid for im in images])
-        vision, deltas = self.chat.vlm.model.get_rope_index(
-            prompt, mm_token_type_ids=(prompt == IMAGE_PAD).int(), image_grid_thw=grid,
-            attention_mask=torch.ones_like(prompt))
-        return torch.cat([text, vision.to(text.dtype)], 0), deltas
+    def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
+        return span_key(self.cache, self.tenant, ids, span, parent)
 
     def _prefill(self, past, prompt: torch.Tensor, spans: list[_Span], positions: torch.Tensor) -> None:
         """Run the VLM once over consecutive spans, each a run of its own (``vision`` pool for an
-        image, whose vision tower output is taken from the cache when held, else computed and
-        stored), so each can be sealed as its group: one forward however many spans a turn lacks."""
+        image, ``video`` for a video segment, whose vision tower output is taken from the cache
+        when held, else computed and stored), so each can be sealed as its group: one forward
+        however many spans a turn lacks."""
         start, end = spans[0].start, spans[-1].end
         past.rows.next_runs = [RunPlan(s.modality, s.end - s.start,
-                                       None if s.image is not None else prompt[0, s.start:s.end].tolist())
+                                       prompt[0, s.start:s.end].tolist() if s.modality == "text" else None)
                                for s in spans]
-        extra = {}
+        outputs = {}
         images = tuple(self._image(s.image) for s in spans if s.image is not None)
         if images:
-            extra["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=images)}
+            outputs["image"] = BaseModelOutputWithPooling(pooler_output=images)
+        videos = [s for s in spans if s.video is not None]
+        if videos:
+            outputs["video"] = BaseModelOutputWithPooling(pooler_output=tuple(self._videos(videos)))
+        extra = {"mm_encoder_outputs": outputs} if outputs else {}
         with torch.no_grad():
             self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
                           position_ids=positions[..., start:end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
 
 
-def transcript_key(cache, tenant, data: bytes, tokens: int) -> ContentKey:
-    """A clip's ``transcript_ids`` group: the tenant's, for ``tokens`` greedy tokens."""
-    return cache.content_key("transcript_ids", data, tenant=tenant, params={"tokens": str(tokens)})
-
-
-def _image_features_key(cache, tenant, image: ImageItem) -> ContentKey:
-    return cache.content_key("vision_embed", image.data, tenant=tenant,
-                             params={"grid": "x".join(map(str, image.grid))})
-
-
-def _cut(ids: list[int], start: int, images: list[ImageItem]) -> list[_Span]:
-    """``ids[start:]`` as spans: text runs and one run per image (``IMAGE_PAD`` tokens)."""
-    out: list[_Span] = []
-    it = iter(images)
-    i = start
-    while i < len(ids):
-        j = i
-        pad = ids[i] == IMAGE_PAD
-        while j < len(ids) and (ids[j] == IMAGE_PAD) == pad:
-            j += 1
-        if pad:
-            image = next(it)
-            if j - i != image.tokens:
-                raise ShapeError(f"an image run of {j - i} tokens for an image of {image.tokens}")
-            out.append(_Span("vision", i, j, image))
-        else:
-            out.append(_Span("text", i, j))
-        i = j
-    return out
+__all__ = ["Conversation", "TurnCounters", "TurnResult", "transcript_key"]

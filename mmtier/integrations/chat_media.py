@@ -1,5 +1,6 @@
 """What a chat turn's items become before the models see them: text as byte-level token ids,
-images (PNG / JPEG bytes) as Qwen2-VL image inputs, audio (WAV PCM16 bytes) as Whisper features.
+images (PNG / JPEG bytes) as Qwen2-VL image inputs, videos (MP4 bytes) as Qwen2-VL video inputs,
+audio (WAV PCM16 bytes) as Whisper features.
 
 Text. No tokenizer can be downloaded, so the vocabulary is built here: a byte ``b`` is token
 ``b + BYTE0``; a few ids below and above are special (``VOCAB``). Both demo models use it; a
@@ -9,6 +10,11 @@ Images are decoded by Pillow and prepared by the model's own image processor
 (``Qwen2VLImageProcessorPil``). The number of image tokens (the processor's resize rule over the
 image's header size) is known without touching the pixels, so a cached image is never decoded:
 ``ImageItem.inputs()`` runs the processor only when the vision tower has to run.
+
+Videos are MP4 files read by PyAV (``video_frames``): the header gives the frames sampled at the
+processor's fps and the grid, so the number of video tokens is known without decoding a frame;
+``VideoItem.inputs`` decodes and patches the sampled frames only when the vision tower has to
+run, and ``VideoItem.segment_inputs`` gives one segment's (a span of temporal patches).
 
 Audio is read with the stdlib ``wave`` (mono or stereo PCM16, any rate, resampled linearly to the
 feature extractor's rate) and turned into log-mel features by ``WhisperFeatureExtractor`` on
@@ -26,7 +32,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from ..errors import ShapeError
+from ..errors import BadMediaError, ShapeError
+from .video_frames import VideoHeader, VideoProcessor, probe, segment_inputs, segments
 
 # -------------------------------------------------------------------------- text
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
@@ -53,7 +60,8 @@ JPEG = b"\xff\xd8\xff"
 
 
 def kind_of(item) -> str:
-    """``"text"``, ``"image"`` or ``"audio"`` for a turn's item; ``ShapeError`` otherwise."""
+    """``"text"``, ``"image"``, ``"video"`` or ``"audio"`` for a turn's item; ``ShapeError``
+    otherwise."""
     if isinstance(item, str):
         return "text"
     if isinstance(item, bytes | bytearray | memoryview):
@@ -62,7 +70,9 @@ def kind_of(item) -> str:
             return "image"
         if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
             return "audio"
-        raise ShapeError("a media item must be PNG, JPEG or WAV bytes (its first bytes say which)")
+        if head[4:8] == b"ftyp":
+            return "video"
+        raise ShapeError("a media item must be PNG, JPEG, MP4 or WAV bytes (its first bytes say which)")
     raise ShapeError(f"a turn's items are text (str) or media bytes, not {type(item).__name__}")
 
 
@@ -106,6 +116,57 @@ class ImageItem:
             raise ShapeError(f"the image processor made grid {out['image_grid_thw'][0].tolist()}, "
                              f"expected {list(self.grid)}")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+@dataclass
+class VideoItem:
+    """A video of a turn: its bytes, its header, its grid of patches (from the header), its
+    pixels on demand; cut into segments of ``segment`` temporal patches."""
+
+    data: bytes
+    processor: VideoProcessor
+    header: VideoHeader
+    grid: tuple[int, int, int]               # (t, h, w) patches of the sampled frames
+    segment: int
+
+    @classmethod
+    def read(cls, data: bytes, processor: VideoProcessor, segment: int) -> VideoItem:
+        try:
+            header = probe(bytes(data))
+            return cls(bytes(data), processor, header, processor.grid(header), segment)
+        except BadMediaError as exc:
+            raise ShapeError(f"video bytes could not be read: {exc}") from None
+
+    @property
+    def tokens(self) -> int:
+        return self.processor.tokens(self.grid)
+
+    @property
+    def segments(self) -> list[tuple[int, int]]:
+        """``[a, b)`` temporal patches of each segment, in order."""
+        return segments(self.grid[0], self.segment)
+
+    def segment_tokens(self, a: int, b: int) -> int:
+        return self.processor.tokens((b - a, *self.grid[1:]))
+
+    @property
+    def second_per_grid(self) -> float:
+        return self.processor.second_per_grid(self.header)
+
+    @cached_property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """``pixel_values_videos`` and ``video_grid_thw`` of the whole video (decoded once)."""
+        try:
+            out = self.processor.inputs(self.data, self.header)
+        except BadMediaError as exc:
+            raise ShapeError(f"the video does not decode: {exc}") from None
+        if tuple(out["video_grid_thw"][0].tolist()) != self.grid:
+            raise ShapeError(f"the video processor made grid {out['video_grid_thw'][0].tolist()}, "
+                             f"expected {list(self.grid)}")
+        return out
+
+    def segment_inputs(self, a: int, b: int) -> dict[str, torch.Tensor]:
+        return segment_inputs(self.inputs, a, b)
 
 
 def read_wav(data: bytes, rate: int) -> np.ndarray:

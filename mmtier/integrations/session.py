@@ -10,10 +10,16 @@ key, then generates from the last text span: cached spans are neither re-encoded
 prefilled. Keys carry the tenant, so another tenant never hits.
 
 Decoder-only models (LLaVA, Qwen2-VL and Qwen2.5-VL with their M-RoPE positions computed over
-the whole prompt, text-only Llama / Qwen2 / Mistral) reuse text and image spans. Models that cross-attend media (Mllama's vision K/V, Whisper's encoder
-K/V) keep that K/V as a content-only group (``vision`` / ``audio``): any request of the tenant
-with the same media attaches it and skips the vision tower or the audio encoder; their text is
-prefilled per request.
+the whole prompt, text-only Llama / Qwen2 / Mistral) reuse text and image spans. Qwen2-VL and
+Qwen2.5-VL also take videos (``Media`` of ``pixel_values_videos`` / ``video_grid_thw``, and
+Qwen2.5-VL's ``second_per_grid_ts``; ``video_frames.VideoProcessor`` makes them from MP4
+bytes): a video's run of video tokens is cut into **segments** of ``video_segment`` temporal
+patches, each a span (and a group in the ``video`` pool) of its own, chained like any span, so a
+repeated video runs no vision tower, and a video whose later segments were evicted recomputes
+only those (the vision tower over their frames alone: it attends within a temporal patch).
+Models that cross-attend media (Mllama's vision K/V, Whisper's encoder K/V) keep that K/V as a
+content-only group (``vision`` / ``audio``): any request of the tenant with the same media
+attaches it and skips the vision tower or the audio encoder; their text is prefilled per request.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from transformers import GenerationMixin
 
 from ..cache import TieredKVCache
 from ..content import ContentKey
-from ..errors import ShapeError, UnsupportedError
+from ..errors import ConfigError, ShapeError, UnsupportedError
 from .hf_layout import layout_of
-from .transformers import cache_for
+from .transformers import VIDEO_TYPES, cache_for
 from .transformers_cache import RunPlan
+from .video_frames import segment_inputs, segments
 
 SESSION_TYPES = ("llava", "qwen2_vl", "qwen2_5_vl", "llama", "qwen2", "mistral", "mllama", "whisper")
 MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")       # 3-D rotary positions for image tokens
@@ -37,20 +44,25 @@ MROPE_TYPES = ("qwen2_vl", "qwen2_5_vl")       # 3-D rotary positions for image 
 
 @dataclass(frozen=True)
 class Media:
-    """One image of a request: its bytes (they name it) and what the model's processor made of
-    them (``pixel_values``, ...); ``params`` are preprocessing settings that change its tokens."""
+    """One image or video of a request: its bytes (they name it) and what the model's processor
+    made of them (``pixel_values``, ... ; a video: ``pixel_values_videos``, ``video_grid_thw``);
+    ``params`` are preprocessing settings that change its tokens."""
 
     data: bytes
     inputs: Mapping[str, torch.Tensor]
     params: Mapping[str, object] = field(default_factory=dict)
 
+    @property
+    def is_video(self) -> bool:
+        return "video_grid_thw" in self.inputs
+
 
 @dataclass(frozen=True)
 class Span:
-    modality: str                 # "text" or "vision"
+    modality: str                 # "text", "vision" or "video" (one segment of a video)
     start: int
     end: int
-    media: Media | None = None
+    media: Media | None = None    # a video segment: the inputs of its frames alone
 
 
 @dataclass
@@ -60,39 +72,70 @@ class SessionResult:
     cached_tokens: int            # prompt tokens attached from the cache (not prefilled)
     prefilled_tokens: int         # prompt tokens run through the model
     media_hits: int               # images whose K/V came from the cache (no vision tower)
+    video_segment_hits: int = 0   # video segments whose K/V came from the cache
 
 
 class Session:
     """Requests of one tenant to one model over one cache."""
 
-    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None, text_modality: str = "text"):
+    def __init__(self, model, cache: TieredKVCache, *, tenant: str | None = None, text_modality: str = "text",
+                 video_segment: int = 2):
         layout = layout_of(model)
         if layout.model_type not in SESSION_TYPES:
             raise UnsupportedError(f"Session supports {SESSION_TYPES}; {layout.model_type!r} is not "
                                    "supported yet (use cache_for for one request)")
+        if video_segment < 1:
+            raise ConfigError(f"video_segment must be >= 1 temporal patches, got {video_segment}", ("video_segment",))
         self.model, self.cache, self.tenant, self.layout = model, cache, tenant, layout
         self.text_modality = text_modality          # the pool of the decoder's self-attention K/V
         self.image_token = getattr(model.config, "image_token_id", None)
+        self.video_token = getattr(model.config, "video_token_id", None) if layout.model_type in VIDEO_TYPES else None
+        self.video_segment = video_segment          # temporal patches per video segment (group)
+
+    def _kind(self, token: int) -> str:
+        return "vision" if token == self.image_token else "video" if token == self.video_token else "text"
 
     def spans(self, input_ids: torch.Tensor, media: Sequence[Media]) -> list[Span]:
         ids = input_ids[0].tolist()
         out: list[Span] = []
-        start, images = 0, iter(media)
+        start, items = 0, iter(media)
         for i in range(1, len(ids) + 1):
-            if i < len(ids) and (ids[i] == self.image_token) == (ids[start] == self.image_token):
+            kind = self._kind(ids[start])
+            if i < len(ids) and self._kind(ids[i]) == kind:
                 continue
-            if ids[start] == self.image_token:
-                image = next(images, None)
-                if image is None:
-                    raise ShapeError("more image token runs in the prompt than media given")
-                out.append(Span("vision", start, i, image))
-            else:
+            if kind == "text":
                 out.append(Span("text", start, i))
+            else:
+                item = next(items, None)
+                if item is None:
+                    raise ShapeError(f"more {kind} token runs in the prompt than media given")
+                if item.is_video != (kind == "video"):
+                    raise ShapeError(f"the media for the {kind} tokens at {start} is "
+                                     f"{'a video' if item.is_video else 'an image'}")
+                out += [Span(kind, start, i, item)] if kind == "vision" else self._video_spans(start, i, item)
             start = i
-        if next(images, None) is not None:
-            raise ShapeError("more media given than image token runs in the prompt")
+        if next(items, None) is not None:
+            raise ShapeError("more media given than image / video token runs in the prompt")
         if not out or out[-1].modality != "text":
             raise ShapeError("the prompt must end with text tokens")
+        return out
+
+    def _video_spans(self, start: int, end: int, video: Media) -> list[Span]:
+        """A video's run of tokens as its segments: ``video_segment`` temporal patches each."""
+        if self.cache.cfg.modalities.get("video") is None:
+            raise ConfigError("a video needs a 'video' pool in the cache (config_for makes one)", ("modalities.video",))
+        grid = video.inputs["video_grid_thw"]
+        if grid.dim() != 2 or grid.shape[0] != 1:
+            raise ShapeError(f"a video's Media holds one video: video_grid_thw [1, 3], got {tuple(grid.shape)}")
+        t, h, w = (int(x) for x in grid[0])
+        merge = self.model.config.vision_config.spatial_merge_size
+        per_t = h * w // merge ** 2
+        if end - start != t * per_t:
+            raise ShapeError(f"a video run of {end - start} tokens for a video of {t * per_t}")
+        out = []
+        for a, b in segments(t, self.video_segment):
+            part = Media(video.data, segment_inputs(video.inputs, a, b), {**video.params, "segment": f"{a}-{b}/{t}"})
+            out.append(Span("video", start + a * per_t, start + b * per_t, part))
         return out
 
     def keys(self, input_ids: torch.Tensor, spans: list[Span], empty: ContentKey) -> list[ContentKey]:
@@ -103,7 +146,7 @@ class Session:
                 key = self.cache.content_key(self.text_modality, data, tenant=self.tenant, parent=parent,
                                              params={"span": "token-ids"})
             else:
-                key = self.cache.content_key("vision", s.media.data, tenant=self.tenant, parent=parent,
+                key = self.cache.content_key(s.modality, s.media.data, tenant=self.tenant, parent=parent,
                                              params=dict(s.media.params))
             keys.append(key)
             parent = key
@@ -139,24 +182,28 @@ class Session:
                 at += len(chunk)
             last = spans[-1]
             rows.next_tokens = [input_ids[0, last.start:last.end].tolist()]
+            if positions.dim() == 3:      # M-RoPE: the prompt's own positions, then +1 a step, as
+                generate_kwargs = {**generate_kwargs, "position_ids": positions}   # dense generate does
             out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                       past_key_values=past, max_new_tokens=max_new_tokens, do_sample=False,
                                       output_logits=True, return_dict_in_generate=True, **generate_kwargs)
         return SessionResult(out.sequences, tuple(out.logits), cached, prefilled + last.end - last.start,
-                             sum(1 for s in spans[:hits] if s.media is not None))
+                             sum(1 for s in spans[:hits] if s.modality == "vision"),
+                             sum(1 for s in spans[:hits] if s.modality == "video"))
 
     def _positions(self, input_ids: torch.Tensor, media: Sequence[Media]) -> torch.Tensor:
         """Position ids of the whole prompt: ``[1, n]``, or for Qwen2-VL / Qwen2.5-VL the
-        ``[4, 1, n]`` text + M-RoPE positions (and the model's rope deltas, which its decode
-        steps read, set from the whole prompt even when every image is cached)."""
+        ``[4, 1, n]`` text + M-RoPE positions (and the model's rope deltas, set from the whole
+        prompt even when every image is cached). ``generate`` is given these positions and steps
+        on from the last (as transformers' dense ``generate`` does): after a video whose temporal
+        positions run past the text's, the deltas alone would place the last span elsewhere."""
         n = input_ids.shape[1]
         text = torch.arange(n).unsqueeze(0)
         if self.layout.model_type not in MROPE_TYPES or not media:
             return text
-        grid = torch.cat([m.inputs["image_grid_thw"] for m in media])
-        vision, deltas = self.model.model.get_rope_index(
-            input_ids, mm_token_type_ids=(input_ids == self.image_token).int(), image_grid_thw=grid,
-            attention_mask=torch.ones_like(input_ids))
+        vision, deltas = self.model.model.get_rope_index(input_ids, attention_mask=torch.ones_like(input_ids),
+                                                         **mrope_inputs(input_ids, media, self.image_token,
+                                                                        self.video_token, self.layout.model_type))
         self.model.model.rope_deltas = deltas
         return torch.cat([text.unsqueeze(0), vision.to(text.dtype)], 0)
 
@@ -167,8 +214,10 @@ class Session:
         past.rows.next_runs = [
             RunPlan(self.text_modality, s.end - s.start, input_ids[0, s.start:s.end].tolist()) if s.media is None
             else RunPlan(s.modality, s.end - s.start) for s in spans]
-        images = [s.media.inputs for s in spans if s.media is not None]
-        extra = {name: torch.cat([m[name] for m in images]) for name in images[0]} if images else {}
+        extra: dict[str, torch.Tensor] = {}
+        for kind in ("vision", "video"):          # images' inputs, then videos' (other names)
+            inputs = [s.media.inputs for s in spans if s.modality == kind]
+            extra.update({name: torch.cat([m[name] for m in inputs]) for name in inputs[0]} if inputs else {})
         with torch.no_grad():
             self.model(input_ids=input_ids[:, start:end],
                        attention_mask=torch.ones(1, end, dtype=torch.long),
@@ -214,22 +263,44 @@ class Session:
         return SessionResult(out.sequences, tuple(out.logits), 0, input_ids.shape[1], int(hit))
 
 
+def mrope_inputs(input_ids: torch.Tensor, media: Sequence[Media], image_token, video_token,
+                 model_type: str) -> dict[str, torch.Tensor]:
+    """``get_rope_index``'s media arguments for a prompt and its media in order: token types
+    (1 image, 2 video), the grids and, for Qwen2.5-VL, each video's seconds per temporal patch."""
+    types = (input_ids == image_token).int()
+    if video_token is not None:
+        types = types + 2 * (input_ids == video_token).int()
+    out: dict[str, torch.Tensor] = {"mm_token_type_ids": types}
+    images = [m.inputs["image_grid_thw"] for m in media if not m.is_video]
+    videos = [m for m in media if m.is_video]
+    if images:
+        out["image_grid_thw"] = torch.cat(images)
+    if videos:
+        out["video_grid_thw"] = torch.cat([m.inputs["video_grid_thw"] for m in videos])
+        if model_type == "qwen2_5_vl":
+            out["second_per_grid_ts"] = torch.cat([torch.as_tensor(m.inputs["second_per_grid_ts"]).view(-1).float()
+                                                   if "second_per_grid_ts" in m.inputs else torch.ones(1)
+                                                   for m in videos])
+    return out
+
+
 def _chunks(spans: list[Span]) -> list[list[Span]]:
-    """Consecutive spans cut where one forward cannot take them together: an image whose
-    processor outputs do not concatenate with the chunk's first image (other names, or tensors
-    of another shape past the first dimension) starts a new chunk."""
+    """Consecutive spans cut where one forward cannot take them together: a medium whose
+    processor outputs do not concatenate with the chunk's first medium of its kind (image or
+    video: other names, or tensors of another shape past the first dimension) starts a new
+    chunk."""
     out: list[list[Span]] = []
-    first: Mapping[str, torch.Tensor] | None = None
+    first: dict[str, Mapping[str, torch.Tensor]] = {}
     for s in spans:
         inputs = s.media.inputs if s.media is not None else None
-        if out and inputs is not None and first is not None and not _concatenable(first, inputs):
+        if out and inputs is not None and s.modality in first and not _concatenable(first[s.modality], inputs):
             out.append([])
-            first = None
+            first = {}
         if not out:
             out.append([])
         out[-1].append(s)
-        if inputs is not None and first is None:
-            first = inputs
+        if inputs is not None:
+            first.setdefault(s.modality, inputs)
     return out
 
 

@@ -29,7 +29,10 @@ NAME = "mmtier"
 AttentionInterface.register(NAME, mmtier_attention)
 AttentionMaskInterface.register(NAME, flash_attention_mask)
 
-__all__ = ["NAME", "MMTierCache", "cache_for", "config_for", "enable", "layout_of"]
+__all__ = ["NAME", "MMTierCache", "VIDEO_TYPES", "cache_for", "config_for", "enable", "layout_of"]
+
+VIDEO_TYPES = ("qwen2_vl", "qwen2_5_vl")     # decoder-only VLMs that take videos (a ``video`` pool)
+VIDEO_PAGE = 32                              # tokens a page of the ``video`` pool
 
 
 def enable(model):
@@ -50,13 +53,16 @@ def config_for(model, *, text_modality: str = "text", **overrides: Any) -> Cache
     """The ``CacheConfig`` that fits ``model``: layers, KV heads, head dim and dtype of its
     decoder, a ``text`` pool for self-attention and a pool for its media (``vision`` K/V of
     decoder-only VLMs and of Mllama's cross-attention layers, ``audio`` for Whisper's
-    encoder states). ``text_modality`` names the self-attention pool (two models sharing one
+    encoder states; ``video`` for Qwen2-VL / Qwen2.5-VL video segments, a page size of its own). ``text_modality`` names the self-attention pool (two models sharing one
     cache need two). ``overrides`` set any other field (budgets, ``attention_backend``, ...)."""
     layout = layout_of(model)
     modalities = {text_modality: ModalitySpec(page_size=16, num_layers=len(layout.self_layers))}
     if layout.kind == "prefix":
         modalities["vision"] = ModalitySpec(page_size=64, num_layers=len(layout.self_layers),
                                             recompute_cost=4.0)
+        if layout.model_type in VIDEO_TYPES:
+            modalities["video"] = ModalitySpec(page_size=VIDEO_PAGE, num_layers=len(layout.self_layers),
+                                               recompute_cost=4.0)
     elif layout.media is not None:
         modalities[layout.media] = ModalitySpec(
             page_size=64, num_layers=len(layout.cross_layers), num_kv_heads=layout.cross_kv_heads,

@@ -119,6 +119,14 @@ class Limits(_Strict):
         4 << 20, gt=0, description="Largest image, width x height as its header declares, checked "
                                    "before decoding (413 above; a decompression bomb never decodes).")
     max_audio_seconds: float = Field(30.0, gt=0, description="Longest audio clip (413 above; Whisper hears 30 s).")
+    max_video_seconds: float = Field(
+        60.0, gt=0, description="Longest video, frames / frame rate as its MP4 header declares them (413 above).")
+    max_video_frames: int = Field(
+        1800, gt=0, description="Most frames in a video (all of them are decoded to check it; the model "
+                                "samples a few a second; 413 above).")
+    max_video_pixels: int = Field(
+        1 << 20, gt=0, description="Largest video frame, width x height as the header declares it, checked "
+                                   "before decoding (413 above).")
     max_text_bytes: int = Field(
         4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the byte-level reference "
                                 "model; a chunk's attention grows with its square; 413 above).")

@@ -24,10 +24,11 @@ from typing import Any, Protocol
 
 from ..config import CacheConfig
 from ..content import ContentKey
+from ..errors import BadMediaError
 from .config import ModelArgs
 from .protocol import MEDIA_TYPES, TYPE_OF
 
-Item = tuple[str, Any]        # ("text", str) | ("image" | "audio", bytes)
+Item = tuple[str, Any]        # ("text", str) | ("image" | "video" | "audio", bytes)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,15 @@ class ReferenceEngine:
         self._groups = {m: (cross_modality(m), embed_modality(m)) for m in self.model.encoders}
 
     def media_tokens(self, kind: str, data: bytes) -> int:
-        return self.model.encoders[MEDIA_TYPES[kind]].tokens_for(data)
+        return self._encoder(kind).tokens_for(data)
+
+    def _encoder(self, kind: str):
+        """The reference model's encoder of a request media type; it has none for video."""
+        encoder = self.model.encoders.get(MEDIA_TYPES[kind])
+        if encoder is None:
+            raise BadMediaError(f"the reference model takes no {kind} items; it takes "
+                                f"{sorted(TYPE_OF.get(m, m) for m in self.model.encoders)}", unsupported=True)
+        return encoder
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
         modality = MEDIA_TYPES[kind]
@@ -122,6 +131,9 @@ class ReferenceEngine:
         return [cache.content_key(g, data, tenant=tenant, params=params) for g in self._groups[modality]]
 
     def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
+        for kind, _data in items:
+            if kind != "text":
+                self._encoder(kind)
         self.model.validate(_prompt(items), max_new_tokens)
 
     def check_cache(self, cache) -> None:

@@ -8,10 +8,13 @@ byte-level one (no tokenizer is downloaded).
 
 - ``HFFrontend`` (the ingress; processors only, no weights): an image costs its image tokens
   as the model's image processor resizes it (read from the header) plus its two vision markers;
-  an audio clip its transcript tokens plus two markers. A media item's content-only group, keyed
-  as the chat layer keys it: an image's vision-tower output (``vision_embed``), a clip's
-  transcript ids (``transcript_ids``) and Whisper cross-attention K/V (``audio``). (An image's decoder K/V is chained to the
-  conversation's prefix: it is found through the conversation, not routed by.)
+  a video its video tokens (frames sampled at the video processor's fps, from the MP4 header)
+  plus two markers; an audio clip its transcript tokens plus two markers. A media item's
+  content-only groups, keyed as the chat layer keys them: an image's vision-tower output
+  (``vision_embed``), a video's per segment (``video_embed``), a clip's transcript ids
+  (``transcript_ids``) and Whisper cross-attention K/V (``audio``). (An image's or video
+  segment's decoder K/V is chained to the conversation's prefix: it is found through the
+  conversation, not routed by.)
 - ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
   One turn at a time per worker (``serial``: the models keep per-turn state, Qwen2-VL's rope
   deltas and the encoder-run counters), so each turn's counts are exactly that turn's; the
@@ -60,41 +63,59 @@ class HFFrontend:
     its content-only groups' keys (``vision_embed`` for an image; ``transcript_ids`` and
     ``audio`` for a clip)."""
 
-    def __init__(self, image_processor, transcript_tokens: int):
+    def __init__(self, image_processor, transcript_tokens: int, video_processor, video_segment: int):
         self.image_processor = image_processor
         self.transcript_tokens = transcript_tokens
+        self.video_processor, self.video_segment = video_processor, video_segment
 
     @classmethod
     def load(cls, model: ModelArgs) -> HFFrontend:
         import inspect
+        from pathlib import Path
 
         from ..integrations import chat
 
-        transcript = inspect.signature(chat.ChatModel).parameters["transcript_tokens"].default
+        params = inspect.signature(chat.ChatModel).parameters
+        transcript, segment = params["transcript_tokens"].default, params["video_segment"].default
         if model.path is not None:
             from transformers import Qwen2VLImageProcessorPil
 
-            return cls(Qwen2VLImageProcessorPil.from_pretrained(model.path, local_files_only=True), transcript)
+            images = Qwen2VLImageProcessorPil.from_pretrained(model.path, local_files_only=True)
+            return cls(images, transcript, chat.video_processor_from(Path(model.path), images), segment)
         from transformers import Qwen2VLConfig
 
-        vcfg = Qwen2VLConfig(**chat._read(chat.CONFIG_DIR / chat.VLM_CONFIG))
-        return cls(chat._image_processor(vcfg), transcript)
+        raw = chat._read(chat.CONFIG_DIR / chat.VLM_CONFIG)
+        video = raw.pop("video", {})
+        images = chat._image_processor(Qwen2VLConfig(**raw))
+        return cls(images, transcript, chat.video_processor_from(None, images, video), video.get("segment", segment))
 
     def media_tokens(self, kind: str, data: bytes) -> int:
-        from ..integrations.chat_media import ImageItem
-
-        if kind == "image":
-            return _media(lambda: ImageItem.read(data, self.image_processor).tokens) + MARKERS
-        return self.transcript_tokens + MARKERS
+        if kind == "audio":
+            return self.transcript_tokens + MARKERS
+        return self._read(kind, data).tokens + MARKERS
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
-        from ..integrations.chat_conversation import _image_features_key, transcript_key
-        from ..integrations.chat_media import ImageItem
+        from ..integrations.chat_spans import (
+            image_features_key,
+            transcript_key,
+            video_features_keys,
+        )
 
         if kind == "audio":
             return [transcript_key(cache, tenant, data, self.transcript_tokens),
                     cache.content_key("audio", data, tenant=tenant)]
-        return [_image_features_key(cache, tenant, _media(lambda: ImageItem.read(data, self.image_processor)))]
+        item = self._read(kind, data)
+        if kind == "video":
+            return video_features_keys(cache, tenant, item)
+        return [image_features_key(cache, tenant, item)]
+
+    def _read(self, kind: str, data: bytes):
+        """The chat layer's ``ImageItem`` / ``VideoItem`` of the bytes (headers only)."""
+        from ..integrations.chat_media import ImageItem, VideoItem
+
+        if kind == "video":
+            return _media(lambda: VideoItem.read(data, self.video_processor, self.video_segment))
+        return _media(lambda: ImageItem.read(data, self.image_processor))
 
 
 class HFEngine(HFFrontend):
@@ -103,7 +124,7 @@ class HFEngine(HFFrontend):
     serial = True
 
     def __init__(self, chat):
-        super().__init__(chat.image_processor, chat.transcript_tokens)
+        super().__init__(chat.image_processor, chat.transcript_tokens, chat.video_processor, chat.video_segment)
         self.chat = chat
 
     @classmethod
@@ -115,14 +136,14 @@ class HFEngine(HFFrontend):
         return engine
 
     def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
-        from ..integrations.chat_media import ImageItem, read_wav
+        from ..integrations.chat_media import read_wav
 
         if max_new_tokens < 1:
             raise ShapeError("the chat model answers at least one token: max_new_tokens >= 1")
         rate = self.chat.feature_extractor.sampling_rate
         for kind, data in items:
-            if kind == "image":
-                _media(lambda d=data: ImageItem.read(d, self.image_processor))
+            if kind in ("image", "video"):
+                self._read(kind, data)
             elif kind == "audio":
                 _media(lambda d=data: read_wav(d, rate))
 
@@ -157,7 +178,7 @@ class HFConversation:
                 self.cache.end_turn()
         c = r.counters
         counts = {"encoder_runs": _named(c.encoder_runs), "media_hits": _named(c.media_hits),
-                  "embedding_hits": _named({"vision": c.embedding_hits}),
+                  "embedding_hits": _named({"vision": c.embedding_hits, "video": c.video_embedding_hits}),
                   "cached_tokens": c.cached_tokens, "prefilled_tokens": c.prefilled_tokens,
                   "span_hits": c.span_hits, "span_misses": c.span_misses,
                   "transcript_tokens": c.transcript_tokens, "transcript_hits": c.transcript_hits}
@@ -168,7 +189,8 @@ class HFConversation:
 
 
 def _named(per_modality: dict[str, int]) -> dict[str, int]:
-    """Counters by request media type ("image", "audio"), zeros left out."""
+    """Counters by request media type ("image", "video", "audio"), zeros left out; a video's
+    counts are of its segments."""
     return {TYPE_OF.get(m, m): n for m, n in per_modality.items() if n}
 
 

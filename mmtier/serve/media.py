@@ -1,9 +1,11 @@
 """Media bytes the Serve app accepts, checked before a turn is routed: ``image/png``,
-``image/jpeg`` (decoded in full by Pillow) and ``audio/wav`` (PCM16, read by the stdlib ``wave``).
+``image/jpeg`` (decoded in full by Pillow), ``video/mp4`` (every frame decoded by PyAV) and
+``audio/wav`` (PCM16, read by the stdlib ``wave``).
 
-``check_image`` / ``check_wav`` return what the bytes hold (``ImageInfo`` / ``AudioInfo``) or
-raise ``BadMediaError``: ``unsupported`` when the bytes are another format (a GIF, a float WAV)
-or a media type the app does not take, else bytes that do not decode (truncated, not an image).
+``check_image`` / ``check_video`` / ``check_wav`` return what the bytes hold (``ImageInfo`` /
+``VideoInfo`` / ``AudioInfo``) or raise ``BadMediaError``: ``unsupported`` when the bytes are
+another format (a GIF, a WebM or QuickTime video, a float WAV) or a media type the app does not
+take, else bytes that do not decode (truncated, not an image).
 Sizes are checked from the header before anything is decoded (a decompression bomb is refused
 by its declared size), so a check costs at most one decode of an item within the limits.
 """
@@ -13,12 +15,17 @@ from __future__ import annotations
 import io
 import wave
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import BadMediaError
 
+if TYPE_CHECKING:                     # video_frames imports torch: only when a video is checked
+    from ..integrations.video_frames import VideoHeader
+
 IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg"}      # Pillow format -> media type
 AUDIO_TYPES = ("audio/wav",)
-ACCEPTED = {"image": tuple(IMAGE_TYPES.values()), "audio": AUDIO_TYPES}
+VIDEO_TYPES = ("video/mp4",)
+ACCEPTED = {"image": tuple(IMAGE_TYPES.values()), "video": VIDEO_TYPES, "audio": AUDIO_TYPES}
 MIN_RATE, MAX_RATE = 1000, 192_000
 
 
@@ -27,6 +34,12 @@ class ImageInfo:
     media_type: str            # "image/png" | "image/jpeg"
     width: int
     height: int
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    media_type: str            # "video/mp4"
+    header: VideoHeader        # codec, frame size, frames and rate, as the MP4 declares them
 
 
 @dataclass(frozen=True)
@@ -97,3 +110,21 @@ def check_wav(data: bytes, max_seconds: float) -> AudioInfo:
     if got != frames * channels * width:
         raise BadMediaError(f"the WAV file is cut short: {got} of {frames * channels * width} sample bytes")
     return AudioInfo("audio/wav", rate, channels, frames)
+
+
+def check_video(data: bytes, max_seconds: float, max_frames: int, max_pixels: int) -> VideoInfo:
+    """An MP4 whose every frame decodes, of at most ``max_seconds``, ``max_frames`` frames and
+    ``max_pixels`` pixels a frame, all as its header declares them, checked before any frame is
+    decoded (a video bomb is refused by its declared size)."""
+    from ..integrations.video_frames import decode, probe
+
+    header = probe(data)
+    if header.pixels > max_pixels:
+        raise TooLargeMedia(f"video frames of {header.width}x{header.height} pixels are over the "
+                            f"{max_pixels}-pixel limit")
+    if header.frames > max_frames:
+        raise TooLargeMedia(f"a video of {header.frames} frames is over the {max_frames}-frame limit")
+    if header.seconds > max_seconds:
+        raise TooLargeMedia(f"{header.seconds:.1f} s of video is over the {max_seconds} s limit")
+    decode(data, header, keep=set())          # every frame: a cut-short or corrupt file fails here
+    return VideoInfo(VIDEO_TYPES[0], header)

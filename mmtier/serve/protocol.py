@@ -5,10 +5,12 @@
     {"conversation_id": "...",              # optional: continue a conversation
      "content": [{"type": "text", "text": "Describe "},
                  {"type": "image", "data": "<base64 PNG or JPEG>"},
+                 {"type": "video", "data": "<base64 MP4>", "media_type": "video/mp4"},
                  {"type": "audio", "data": "<base64 WAV, 16-bit PCM>", "media_type": "audio/wav"}],
      "max_new_tokens": 8}                   # optional
 
-Media types: ``image/png`` and ``image/jpeg`` for ``image`` items, ``audio/wav`` (16-bit PCM,
+Media types: ``image/png`` and ``image/jpeg`` for ``image`` items, ``video/mp4`` (any codec the
+PyAV wheel decodes: H.264, MPEG-4 Part 2, ...) for ``video`` items, ``audio/wav`` (16-bit PCM,
 mono or stereo) for ``audio`` items. A media item's ``media_type`` is optional; when given it must
 be an accepted type and match the bytes. Every media item is decoded here, before the turn is
 routed (``media.py``), so a bad one changes nothing anywhere.
@@ -20,9 +22,10 @@ field, so a client that believes it can pick its tenant learns at once that it c
 Errors are ``{"error": {"status": N, "type": "...", "message": "..."}}`` with status 400 (malformed
 JSON, bad base64, unknown content type, bad field, media bytes that do not decode:
 ``bad_media``), 401 (missing or unknown API key), 404 (unknown conversation), 413 (body, text
-item, media item, an image's pixels, an audio clip's seconds or the turn's tokens over the
-configured limit), 415 (``unsupported_media_type``: a GIF, a float WAV, a ``media_type`` not
-accepted), 503 (the cache has no room: ``CapacityError``; the model stayed busy: ``busy``; the
+item, media item, an image's pixels, a video's seconds, frames or frame pixels, an audio clip's
+seconds or the turn's tokens over the configured limit), 415 (``unsupported_media_type``: a GIF, a
+WebM or QuickTime video, a float WAV, a ``media_type`` not accepted, a media kind the model does
+not take), 503 (the cache has no room: ``CapacityError``; the model stayed busy: ``busy``; the
 worker was lost); 500 only for a server fault, never for bad input.
 """
 
@@ -37,9 +40,18 @@ from dataclasses import dataclass
 
 from ..errors import BadMediaError
 from .config import Limits
-from .media import ACCEPTED, AudioInfo, ImageInfo, TooLargeMedia, check_image, check_wav
+from .media import (
+    ACCEPTED,
+    AudioInfo,
+    ImageInfo,
+    TooLargeMedia,
+    VideoInfo,
+    check_image,
+    check_video,
+    check_wav,
+)
 
-MEDIA_TYPES = {"image": "vision", "audio": "audio"}      # request type -> model modality
+MEDIA_TYPES = {"image": "vision", "video": "video", "audio": "audio"}      # request type -> model modality
 TYPE_OF = {v: k for k, v in MEDIA_TYPES.items()}
 _TOP_FIELDS = {"conversation_id", "content", "max_new_tokens"}
 
@@ -61,10 +73,10 @@ def bad(message: str, kind: str = "bad_request") -> HTTPError:
 
 @dataclass(frozen=True)
 class MediaItem:
-    type: str                 # "image" | "audio"
+    type: str                 # "image" | "video" | "audio"
     data: bytes
     sha256: str               # computed here, on the server
-    info: ImageInfo | AudioInfo    # what the bytes decoded to (media type, size)
+    info: ImageInfo | VideoInfo | AudioInfo    # what the bytes decoded to (media type, size)
 
     @property
     def modality(self) -> str:
@@ -134,7 +146,7 @@ def parse_turn(body: bytes, limits: Limits,
         raise bad(f"{len(content)} content items; at most {limits.max_items}")
     items = tuple(_item(i, n, limits) for n, i in enumerate(content))
     tokens = new + sum(len(i.text.encode()) if isinstance(i, TextItem)
-                       else media_tokens(i) if media_tokens is not None else 0 for i in items)
+                       else _media_tokens(media_tokens, i, n) for n, i in enumerate(items))
     if tokens > limits.max_turn_tokens:
         raise HTTPError(413, "too_large", f"the turn is {tokens} tokens (text, media and max_new_tokens); "
                                           f"at most {limits.max_turn_tokens}")
@@ -190,10 +202,23 @@ def _item(item: object, n: int, limits: Limits) -> TextItem | MediaItem:
     return MediaItem(kind, data, hashlib.sha256(data).hexdigest(), info)
 
 
-def _decode(kind: str, data: bytes, limits: Limits, where: str) -> ImageInfo | AudioInfo:
+def _media_tokens(count: Callable[[MediaItem], int] | None, item: MediaItem, n: int) -> int:
+    """The model's tokens for a media item; a kind or item the model refuses is a 415 / 400."""
+    if count is None:
+        return 0
+    try:
+        return count(item)
+    except BadMediaError as exc:
+        status, kind = (415, "unsupported_media_type") if exc.unsupported else (400, "bad_media")
+        raise HTTPError(status, kind, f"content[{n}]: {exc}") from None
+
+
+def _decode(kind: str, data: bytes, limits: Limits, where: str) -> ImageInfo | VideoInfo | AudioInfo:
     try:
         if kind == "image":
             return check_image(data, limits.max_image_pixels)
+        if kind == "video":
+            return check_video(data, limits.max_video_seconds, limits.max_video_frames, limits.max_video_pixels)
         return check_wav(data, limits.max_audio_seconds)
     except TooLargeMedia as exc:
         raise HTTPError(413, "too_large", f"{where}: {exc}") from None
