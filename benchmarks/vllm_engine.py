@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         close(engines.pop(name))
 
     # an engine that spills every group to disk, then a new engine process over that directory
-    spill = engine(model, args.dtype, mmtier=cache_fields(disk, args.dtype, 8 * BLOCK * token_bytes))
+    spill = engine(model, args.dtype, mmtier=cache_fields(disk, args.dtype, 40 * BLOCK * token_bytes))
     for p in prompts:
         ttft(spill, p)
     time.sleep(2.0)
