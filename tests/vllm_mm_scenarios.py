@@ -197,8 +197,10 @@ def main(argv: list[str]) -> int:
     import json
 
     name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
-    Path(args.get("tmp", ".")).mkdir(parents=True, exist_ok=True)
+    tmp = Path(args.get("tmp", "."))
+    tmp.mkdir(parents=True, exist_ok=True)
     result = SCENARIOS[name](**args)
+    (tmp / f"{name}.json").write_text(json.dumps(result))       # what the test read, to look at
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 
