@@ -6,11 +6,19 @@
                           "ec_connector_extra_config": {"mmtier_config": "configs/x.yaml",
                                                         "mmtier_embed_modality": "vision_embed"}}
 
-An item's key is SHA-256 of vLLM's identifier under the server-side tenant
-(``mmtier_tenant``); the group is content-only, so every request and every instance sharing
-the cache reuses it. The scheduler asks ``has_cache_item`` and lists the items to load; the
-worker reads them into vLLM's ``encoder_cache`` before the model gathers embeddings and saves
-what the encoder computed. An item that fails to load (corrupt, evicted meanwhile) fails its
+An item's key is the digest mmtier computes over the item's processed inputs
+(``vllm.inputs_digest`` of ``mm_features[i].data``: the pixels as the model sees them) under the
+server-side tenant (``mmtier_tenant``), never vLLM's identifier, which a client may choose
+(``multi_modal_uuids``): two images sent under one uuid never share an encoder output. The group
+is content-only, so every request and every instance sharing the cache reuses it. vLLM's
+``has_cache_item`` passes the identifier alone; the scheduler answers it only for an identifier
+of the request it is scheduling (``ensure_cache_available``, which vLLM calls just before, gives
+the request; its items' keys are computed once per request), and ``False`` for one it has no
+digest for (the encoder runs). ``update_state_after_alloc`` checks the item it then loads is the
+one it answered for (else the request fails, never a wrong output) and lists the items to load
+and to save with their keys; the worker reads them into vLLM's ``encoder_cache`` before the
+model gathers embeddings and saves what the encoder computed under the key the scheduler sent
+(an item with none is not saved). An item that fails to load (corrupt, evicted meanwhile) fails its
 request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
 
 Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): ``has_cache_item`` asks the
@@ -38,7 +46,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from .engine_cache import open_shared, tenant_from_extra
-from .vllm import SPLIT_BACKENDS
+from .vllm import SPLIT_BACKENDS, inputs_digest
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -49,6 +57,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class MMTierECMetadata(ECConnectorMetadata):
     loads: dict[str, list[str]] = field(default_factory=dict)      # identifier -> request ids
+    keys: dict[str, ContentKey] = field(default_factory=dict)      # identifier -> key (loads, saves)
 
 
 @dataclass
@@ -71,29 +80,71 @@ class MMTierECConnector(ECConnectorBase):
         if self.cache.cfg.spec(self.modality).kind != "embedding":
             raise ConfigError(f"{self.modality!r} must hold embedding payloads", ("mmtier_embed_modality",))
         self._loads: dict[str, list[str]] = {}
+        self._keys: dict[str, ContentKey] = {}
+        self._req_keys: dict[str, dict[str, ContentKey | None]] = {}   # request id -> its items' keys
+        self._current: dict[str, ContentKey | None] = {}    # the request being scheduled
+        self._answered: dict[str, ContentKey] = {}          # identifier -> key has_cache_item held
         self._failed: set[str] = set()             # worker: requests whose item failed to load
         self._unavailable: set[str] = set()        # scheduler: the same, reported back
 
-    def key(self, identifier: str) -> ContentKey:
-        return self.cache.content_key(self.modality, b"vllm-ec\x00" + identifier.encode(), tenant=self.tenant)
+    def item_key(self, feature: Any) -> ContentKey | None:
+        """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of
+        its processed inputs; ``None`` when they are not at hand (nothing cached for it)."""
+        digest = inputs_digest(feature.data)
+        if digest is None:
+            return None
+        return self.cache.content_key(self.modality, b"vllm-ec\x00" + digest, tenant=self.tenant)
 
     # ------------------------------------------------------------------ scheduler side
+    def _request_keys(self, request: Request) -> dict[str, ContentKey | None]:
+        """Identifier -> key of a request's items, hashed once per request; an identifier that
+        names two different items in it (one uuid, two images) gets ``None``."""
+        keys = self._req_keys.get(request.request_id)
+        if keys is None:
+            keys = {}
+            for f in request.mm_features or []:
+                key = self.item_key(f)
+                keys[f.identifier] = key if keys.get(f.identifier, key) == key else None
+            self._req_keys[request.request_id] = keys
+        return keys
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        self._current = self._request_keys(request)
+        return True
+
     def has_cache_item(self, identifier: str) -> bool:
-        key = self.key(identifier)
-        if self.cache.contains(key):
-            return True
-        if self.link is None:
+        self._answered.pop(identifier, None)
+        key = self._current.get(identifier)
+        if key is None:                        # no digest for it here: never the identifier alone
             return False
-        return (self.link.locate if self.split else self.link.pull)([key]) == 1
+        held = self.cache.contains(key)
+        if not held and self.link is not None:
+            held = (self.link.locate if self.split else self.link.pull)([key]) == 1
+        if held:
+            self._answered[identifier] = key
+        return held
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        if self.is_consumer and self.has_cache_item(identifier):
-            self._loads.setdefault(identifier, []).append(request.request_id)
+        key = self._request_keys(request).get(identifier)
+        answered = self._answered.pop(identifier, None)
+        if answered is not None:               # vLLM loads it instead of running the encoder
+            if answered != key:                # answered for other content: fail, never wrong
+                self._unavailable.add(request.request_id)
+            elif self.is_consumer:
+                self._loads.setdefault(identifier, []).append(request.request_id)
+                self._keys[identifier] = key
+        elif key is not None:                  # the encoder runs: the worker saves it under key
+            self._keys[identifier] = key
 
     def build_connector_meta(self, scheduler_output) -> MMTierECMetadata:
-        meta, self._loads = MMTierECMetadata(self._loads), {}
+        meta = MMTierECMetadata(self._loads, self._keys)
+        self._loads, self._keys = {}, {}
         return meta
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._req_keys.pop(request.request_id, None)
+        return False, None
 
     def update_connector_output(self, connector_output) -> None:
         meta = connector_output.ec_connector_worker_meta
@@ -109,12 +160,12 @@ class MMTierECConnector(ECConnectorBase):
         meta = self._get_connector_metadata()
         device = kwargs.get("device")
         if self.link is not None and meta.loads:     # what a scheduler elsewhere located, first
-            self.link.pull([self.key(i) for i in meta.loads if i not in encoder_cache], leading=False)
+            self.link.pull([meta.keys[i] for i in meta.loads if i not in encoder_cache], leading=False)
         for identifier, req_ids in meta.loads.items():
             if identifier in encoder_cache:
                 continue
             try:
-                x = self.cache.get_embedding(self.key(identifier))
+                x = self.cache.get_embedding(meta.keys[identifier])
             except MMTierError as exc:
                 log.warning("mmtier: encoder output %s failed to load (%s)", identifier, exc)
                 self._failed.update(req_ids)
@@ -122,10 +173,11 @@ class MMTierECConnector(ECConnectorBase):
             encoder_cache[identifier] = x if device is None else x.to(device, non_blocking=True)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
-        if not self.is_producer:
+        meta = self._connector_metadata
+        key = meta.keys.get(mm_hash) if isinstance(meta, MMTierECMetadata) else None
+        if not self.is_producer or key is None:      # no digest of its inputs: not saved
             return
         x = encoder_cache[mm_hash]
-        key = self.key(mm_hash)
         try:
             stored = self.cache.put_embedding(key, x.detach().reshape(-1, x.shape[-1]))
         except MMTierError as exc:                  # best effort: a dropped save is a later miss
