@@ -1,6 +1,6 @@
 """Real transformers model code through the cache: greedy ``generate`` with the mmtier adapter
 equals ``DynamicCache`` + sdpa token for token (logits within 1e-5, float32), for LLaVA,
-Qwen2-VL, Qwen2.5-VL, Mllama and Whisper (tiny configs, random weights, no download), at batch
+Qwen2-VL, Qwen2.5-VL, Mllama, Whisper and text-only Llama, Qwen2 and Mistral (tiny configs, random weights, no download), at batch
 1 and 2 (row 1 left-padded; LLaVA's decoder has 6 query heads on 2 KV heads), with groups
 pushed to host and disk between steps, and under the Triton backend (``TRITON_INTERPRET=1``)."""
 
