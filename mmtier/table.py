@@ -25,6 +25,7 @@ from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
 class Segment:
     group: ModalityGroup
     start: int
+    before: bytes = b"\0" * 32        # the sequence's prefix chain where the segment starts
 
     @property
     def num_tokens(self) -> int:
@@ -50,19 +51,38 @@ class SequenceTable:
     chain: bytes = b"\0" * 32        # running digest of everything the sequence holds
     open_runs: list = field(default_factory=list)   # its reservations (layer_writes.Reservation)
                                      # not yet fully written: releasing the sequence ends them
+    ends: list[bytes] = field(default_factory=list)  # the chain where each segment's own tokens end
+    named: dict[bytes, bytes] = field(default_factory=dict)  # chain -> digest of the prefix-
+                                     # dependent key that names the same content (attached or
+                                     # sealed there): a valid parent of what comes next
 
     @property
     def length(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
-    def add(self, group: ModalityGroup, identity: bytes) -> Segment:
-        seg = Segment(group, self.length)
+    def add(self, group: ModalityGroup, identity: bytes, names: bytes | None = None) -> Segment:
+        """A new segment; ``names``: the digest of the prefix-dependent key it was attached as."""
+        seg = Segment(group, self.length, self.chain)
         self.segments.append(seg)
-        self.extend_chain(identity)
+        self.extend_chain(identity, names)
+        self.ends.append(self.chain)
         return seg
 
-    def extend_chain(self, identity: bytes) -> None:
+    def grow(self, identity: bytes) -> None:
+        """More tokens in the tail segment's run."""
+        self.extend_chain(identity)
+        self.ends[-1] = self.chain
+
+    def extend_chain(self, identity: bytes, names: bytes | None = None) -> None:
+        """The chain past more content (a segment's, or a group attended elsewhere: no segment
+        here); ``names``: the prefix-dependent key that content was attached as."""
         self.chain = hashlib.sha256(self.chain + identity).digest()
+        if names is not None:
+            self.named[self.chain] = names
+
+    def name_segment(self, index: int, names: bytes) -> None:
+        """Segment ``index`` was sealed as the prefix-dependent key ``names``."""
+        self.named[self.ends[index]] = names
 
     @property
     def tail(self) -> Segment | None:
