@@ -31,7 +31,7 @@ from .transformers_cache import MMTierLayer, take_active
 
 def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: ``query [B, Hq, S, D]``; returns ``([B, S, Hq, D], None)``."""
-    layer = take_active()
+    layer = take_active(key)
     if layer is None:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             raise UnsupportedError("a decoder layer ran the 'mmtier' attention without the mmtier "
