@@ -13,17 +13,22 @@ worker reads them into vLLM's ``encoder_cache`` before the model gathers embeddi
 what the encoder computed. An item that fails to load (corrupt, evicted meanwhile) fails its
 request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
 
-Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): ``has_cache_item`` asks the
-registry for an item not held here (one lookup) and, held elsewhere, pulls it whole (one call)
-before answering, so the scheduler's wait is bounded by one round trip and one transfer (a
-failure is a miss: the encoder runs); a saved item is written through to the node's store and
-published on the link's thread. With the worker in a process of its own (vLLM's ``ray`` or
-``mp`` executor) the scheduler only locates the item and the worker pulls it before loading.
+Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): the scheduler never waits on
+the cluster. vLLM asks ``ensure_cache_available`` before it schedules a waiting request with
+media: the items it needs that are not held here start one registry lookup (and a pull of each
+item held elsewhere, one call per item) on the link's thread, and the answer is ``False``
+("defer the request") while that runs, ``True`` once it is done; ``has_cache_item`` answers from
+this process's cache alone (what the pull landed is in it). A failed pull is a miss: the encoder
+runs. A saved item is written through to the node's store and published on the link's thread.
+With the worker in a process of its own (vLLM's ``ray`` or ``mp`` executor) the scheduler only
+locates the items (the same deferral) and the worker pulls them before loading.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +49,16 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+MAX_LOCATED = 4096          # split scheduler: items the cluster holds, remembered (LRU) for has_cache_item
+
+
+@dataclass
+class _Wait:
+    """A request's items looked for in the cluster: the lookup (and pulls) in flight."""
+
+    future: Future
+    identifiers: list[str]
+    settled: bool = False
 
 
 @dataclass
@@ -73,18 +88,53 @@ class MMTierECConnector(ECConnectorBase):
         self._loads: dict[str, list[str]] = {}
         self._failed: set[str] = set()             # worker: requests whose item failed to load
         self._unavailable: set[str] = set()        # scheduler: the same, reported back
+        self._waits: dict[str, _Wait] = {}         # scheduler: request id -> its cluster lookup
+        self._located: OrderedDict[str, None] = OrderedDict()   # split scheduler: held elsewhere
 
     def key(self, identifier: str) -> ContentKey:
         return self.cache.content_key(self.modality, b"vllm-ec\x00" + identifier.encode(), tenant=self.tenant)
 
     # ------------------------------------------------------------------ scheduler side
     def has_cache_item(self, identifier: str) -> bool:
-        key = self.key(identifier)
-        if self.cache.contains(key):
+        """Whether the item is held here (or, for a split scheduler, was located in the cluster
+        by ``ensure_cache_available``): a local answer, no cluster call."""
+        return self.cache.contains(self.key(identifier)) or identifier in self._located
+
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """``False`` while the request's items are being looked for (and pulled) in the cluster,
+        so vLLM defers it a step instead of waiting; ``True`` when nothing needs looking for
+        or the lookup is done (whatever it found). One lookup per request."""
+        if self.link is None or not self.is_consumer:
             return True
-        if self.link is None:
+        wait = self._waits.get(request.request_id)
+        if wait is None:
+            wanted = [f.identifier for f in request.mm_features
+                      if f.mm_position.offset + f.mm_position.length > num_computed_tokens]
+            keys = [self.key(i) for i in wanted]
+            missing = [(i, k) for i, k, here in zip(wanted, keys, self.cache.holds(keys))
+                       if not here and i not in self._located]
+            if not missing:
+                return True
+            ids, keys = [i for i, _ in missing], [k for _, k in missing]
+            future = self.link.found_async(keys) if self.split else self.link.pull_async(keys, leading=False)
+            wait = self._waits[request.request_id] = _Wait(future, ids)
+        if wait.settled:
+            return True
+        if not wait.future.done():
             return False
-        return (self.link.locate if self.split else self.link.pull)([key]) == 1
+        wait.settled = True
+        if self.split and wait.future.exception() is None:
+            for identifier, found in zip(wait.identifiers, wait.future.result()):
+                if found:
+                    self._located[identifier] = None
+                    self._located.move_to_end(identifier)
+            while len(self._located) > MAX_LOCATED:
+                self._located.popitem(last=False)
+        return True
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._waits.pop(request.request_id, None)
+        return False, None
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
