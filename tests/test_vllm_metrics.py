@@ -1,8 +1,8 @@
-"""The engine's cache on vLLM's own ``/metrics``: mmtier's KV connector reports what its cache
-counted through vLLM's connector-stats interface, and the metrics its class registers (built by
-vLLM's ``KVConnectorProm``, as vLLM's Prometheus stat logger does) show exactly the cache's
-counters and usage in Prometheus text; the scheduler and the worker of one process share one
-cache, and each event is reported once."""
+"""The engine's cache on vLLM's own ``/metrics``: mmtier's KV and encoder-cache connectors report
+what their cache counted through vLLM's connector-stats interfaces, and the metrics their classes
+register (built by vLLM's ``KVConnectorProm`` / ``ECConnectorProm``, as vLLM's Prometheus stat
+logger does) show exactly the cache's counters and usage in Prometheus text; connectors that
+share a cache (scheduler and worker, KV and EC) report each event once."""
 
 from __future__ import annotations
 
@@ -11,12 +11,26 @@ import pytest
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.metrics",
                     reason="vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
 
+import torch  # noqa: E402
 from prometheus_client import REGISTRY, generate_latest  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 
+from mmtier.integrations import vllm_metrics  # noqa: E402
 from mmtier.integrations.engine_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics():
+    """Each test registers the metrics anew (vLLM registers them once per process)."""
+    yield
+    close_shared()
+    for collector in {id(c): c for n, c in REGISTRY._names_to_collectors.items()
+                      if n.startswith("vllm:mmtier")}.values():
+        REGISTRY.unregister(collector)
+    vllm_metrics._SHARED.clear()
 
 
 def scrape() -> dict[tuple[str, tuple], float]:
@@ -74,9 +88,41 @@ def test_the_cache_counters_reach_vllms_prometheus_metrics(tmp_path):
         assert stats.reduce()["hits"] == want.counters["hits"]
     finally:
         worker.shutdown()
-        close_shared()
-        for name in ("vllm:mmtier_cache_events", "vllm:mmtier_tier_bytes", "vllm:mmtier_tier_groups"):
-            collector = REGISTRY._names_to_collectors.get(name) or REGISTRY._names_to_collectors.get(name + "_total")
-            if collector is not None:
-                REGISTRY.unregister(collector)
 
+
+def test_the_encoder_cache_connector_feeds_the_same_metrics(tmp_path):
+    from vllm.config import DeviceConfig, ECTransferConfig, VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+
+    from tests.engine_shapes import EMBED_WIDTH, with_embeddings
+
+    fields = with_embeddings(h.cache_fields(tmp_path / "spill"))
+    kv_cfg = h.vllm_config(fields)
+    sched, worker = h.connectors(fields)                        # the KV connectors, one cache
+    ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
+                          ec_connector_module_path="mmtier.integrations.vllm_ec",
+                          ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme"})
+    ec_cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+    ec_sched, ec_worker = (ECConnectorFactory.create_connector(ec_cfg, r)
+                           for r in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER))
+    try:
+        assert ec_sched.cache is sched.cache                   # one extra config: one cache
+        kv_prom = KVConnectorProm(kv_cfg, ["model_name", "engine"], {0: ["tiny-vllm", "0"]})
+        ec_prom = ECConnectorProm(ec_cfg, ["model_name", "engine"], {0: ["tiny-vllm", "0"]})
+        assert kv_prom.prom_metrics.metrics is ec_prom.prom_metrics.metrics   # no second registration
+        x = torch.randn(16, EMBED_WIDTH)
+        ec_worker.save_caches({"img-m": x}, "img-m")
+        assert ec_sched.has_cache_item("img-m") and ec_sched.has_cache_item("img-m")
+        data = ec_sched.get_ec_connector_stats()
+        assert data is not None and sched.get_kv_connector_stats() is None   # reported once
+        ec_prom.observe(data.data, 0)                          # what vLLM ships (stats.data)
+        got = scrape()
+        labels = (("engine", "0"), ("model_name", "tiny-vllm"))
+        want = sched.cache.stats().by_modality["vision_embed"]
+        for event in ("hits", "puts"):
+            key = ("vllm:mmtier_cache_events_total",
+                   tuple(sorted((*labels, ("event", event), ("modality", "vision_embed")))))
+            assert got[key] == want[event] > 0
+    finally:
+        worker.shutdown()

@@ -42,8 +42,9 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from .engine_cache import open_shared, tenant_from_extra
+from .engine_cache import open_shared, report_for, tenant_from_extra
 from .vllm import SPLIT_BACKENDS
+from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -80,6 +81,7 @@ class MMTierECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
         self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
+        self.report = report_for(self.cache)
         self.split = vllm_config.parallel_config.distributed_executor_backend in SPLIT_BACKENDS
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
@@ -189,3 +191,16 @@ class MMTierECConnector(ECConnectorBase):
             return None
         meta, self._failed = MMTierECWorkerMetadata(self._failed), set()
         return meta
+
+    # ------------------------------------------------------------------ metrics (vllm_metrics)
+    def get_ec_connector_stats(self) -> MMTierECStats | None:
+        data = self.report.take()
+        return None if data is None else MMTierECStats(data=data)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> MMTierECStats:
+        return MMTierECStats(data=data) if data is not None else MMTierECStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> MMTierECPromMetrics:
+        return MMTierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
