@@ -14,7 +14,7 @@ from .content import ContentKey, tenant_scope
 from .errors import ForeignKeyError, ShapeError, UnknownKeyError
 from .groups import ModalityGroup
 from .payload import write_embedding
-from .table import SequenceHandle
+from .table import SequenceHandle, naming
 
 
 class GroupAPI:
@@ -105,7 +105,7 @@ class GroupAPI:
             if not placed:
                 self._check_place(seq, table, key, table.chain)
             shared = group.refs > 0 or group.hits > 0
-            table.add(group, b"group:" + key.digest, key.digest if key.sharing == "prefix" else None)
+            table.add(group, b"group:" + key.digest, naming(key, table.chain))
             group.refs += 1
             group.last_access = time.monotonic()
             self.policy.on_access(group)

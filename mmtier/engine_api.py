@@ -17,7 +17,7 @@ from .errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalit
 from .groups import Tier
 from .layer_writes import Reservation, write_one_layer
 from .payload import token_identity
-from .table import Segment, SequenceHandle, compile_batch
+from .table import Segment, SequenceHandle, compile_batch, naming
 
 
 class EngineAPI:
@@ -89,8 +89,9 @@ class EngineAPI:
                 raise ShapeError(f"sequence {seq.id}: {which} is still being written")
             index = next(i for i, s in enumerate(table.segments) if s.group is group)
             self._check_place(seq, table, key, table.segments[index].before)
-            if key.sharing == "prefix":
-                table.name_segment(index, key.digest)   # what follows may chain it, held or not
+            names = naming(key, table.segments[index].before)
+            if names is not None:
+                table.name_segment(index, names)       # what follows may chain it, held or not
             if key in self._groups or group.tier != Tier.DEVICE:
                 return False                      # held already, or moved down meanwhile
             group.key = key

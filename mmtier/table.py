@@ -25,7 +25,7 @@ from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
 class Segment:
     group: ModalityGroup
     start: int
-    before: bytes = b"\0" * 32        # the sequence's prefix chain where the segment starts
+    before: bytes = b"\0" * 32        # the sequence's prefix chain where the segment starts (EMPTY_CHAIN)
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +34,18 @@ class Segment:
     @property
     def end(self) -> int:
         return self.start + self.group.num_tokens
+
+
+EMPTY_CHAIN = b"\0" * 32
+
+
+def naming(key: ContentKey, before: bytes) -> bytes | None:
+    """The digest that names a sequence's content once ``key`` is placed where its chain is
+    ``before`` (a valid parent of what comes next): a prefix-dependent key names all before it
+    and itself; a content-only key names only itself, so only at a sequence's start."""
+    if key.sharing == "prefix" or before == EMPTY_CHAIN:
+        return key.digest
+    return None
 
 
 @dataclass(frozen=True)

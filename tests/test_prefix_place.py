@@ -120,6 +120,21 @@ def test_seal_refuses_a_key_of_another_prefix(cache):
     assert cache.sequence(again).length == 38
 
 
+def test_a_content_only_group_at_the_start_names_the_prefix(cache):
+    first = cache.content_key("vision", b"opening image", tenant="acme")      # content-only
+    cache.put(first, *kv(33))
+    nxt = cache.content_key("text", b"after the image", tenant="acme", parent=first)
+    cache.put(nxt, *kv(5))
+    seq = cache.create_sequence(tenant="acme")
+    cache.attach(seq, first)                              # all the sequence holds: it names it
+    cache.attach(seq, nxt)
+    late = cache.create_sequence(tenant="acme")
+    text(cache, late, [1])
+    cache.attach(late, first)                             # content-only: fine anywhere, but
+    with pytest.raises(PrefixMismatchError):              # it names only itself, not [1, image]
+        cache.attach(late, nxt)
+
+
 def test_a_prefix_key_is_no_group_key_and_parents_are_authenticated(cache):
     seq = cache.create_sequence(tenant="acme")
     chain = cache.prefix_key(seq)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, HolderLostError, PrefixMismatchError, UnknownKeyError
-from ..table import SequenceHandle
+from ..table import SequenceHandle, naming
 from . import placement
 from .client_calls import _info_dict
 from .client_state import Transfer, _chain, _Remote, _Seq, _Sub
@@ -52,9 +52,10 @@ class AttachOps:
                     continue
                 st.attached.append(key)
                 st.length += loc.num_tokens
+                names = naming(key, st.chain)
                 st.chain = _chain(st.chain, b"group:" + key.digest)
-                if key.sharing == "prefix":
-                    st.named[st.chain] = key.digest
+                if names is not None:
+                    st.named[st.chain] = names
                 st.tail_modality = key.modality
                 self._registry.ref.remote([key.hex], 1)
                 return

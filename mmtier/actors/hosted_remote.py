@@ -25,7 +25,7 @@ from ..cache import TieredKVCache
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
-from ..table import SequenceHandle
+from ..table import SequenceHandle, naming
 from .client_state import ClusterSequence
 from .pool_actor import Part
 
@@ -77,7 +77,7 @@ class RemoteParts:
                                         proxy_start, n))
         with self.cache._lock:
             table.extend_chain(b"group:" + key.digest,  # the same identity as a local attach
-                               key.digest if key.sharing == "prefix" else None)
+                               naming(key, table.chain))
 
     def boundary(self, seq: SequenceHandle) -> bool:
         """Whether the sequence's next local tokens must start a segment of their own (a remote
