@@ -69,9 +69,9 @@ class KeyAPI:
     def _check_place(self, seq: SequenceHandle, table: SequenceTable, key: ContentKey, before: bytes) -> None:
         """A prefix-dependent ``key`` may stand where the sequence's chain is ``before`` only if
         it was derived under that prefix: its parent is the sequence's ``prefix_key`` there, or
-        the prefix-dependent key attached or sealed last there (nothing after it). Anything else
-        is ``PrefixMismatchError``: its K/V were computed after other tokens. Content-only keys
-        stand anywhere."""
+        the key attached or sealed last there when that key names all before it
+        (``table.naming``). Anything else is ``PrefixMismatchError``: its K/V were computed
+        after other tokens. Content-only keys stand anywhere."""
         if key.sharing != "prefix":
             return
         if key.parent is None:
@@ -80,6 +80,6 @@ class KeyAPI:
         here = self.keys.chain(modality=key.modality, chain_digest=before, tenant_salt=self._salt(seq.tenant))
         if key.parent != here.digest and key.parent != table.named.get(before):
             raise PrefixMismatchError(
-                f"{key!r} was derived under another prefix than sequence {seq.id} holds at position "
-                f"{table.length if before == table.chain else 'of the run'}: its K/V were computed "
-                "after other tokens (derive it with parent=prefix_key(seq), or the key placed last)")
+                f"{key!r} was derived under another prefix than sequence {seq.id} holds where it would "
+                "stand: its K/V were computed after other tokens (derive it with "
+                "parent=prefix_key(seq), or the key placed last)")
