@@ -14,6 +14,7 @@ from .errors import (
     ForeignKeyError,
     LeaseExpiredError,
     MMTierError,
+    PrefixMismatchError,
     ShapeError,
     StorageFullError,
     UnknownKeyError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheConfig", "ModalitySpec", "TieredKVCache", "ContentKey", "SequenceHandle",
     "MMTierError", "ConfigError", "ShapeError", "DTypeError", "UnknownModalityError",
-    "UnknownKeyError", "ForeignKeyError", "CapacityError", "StorageFullError",
+    "UnknownKeyError", "ForeignKeyError", "PrefixMismatchError", "CapacityError", "StorageFullError",
     "CorruptDataError", "LeaseExpiredError",
 ]
 

@@ -14,7 +14,7 @@ from .content import ContentKey, tenant_scope
 from .errors import ForeignKeyError, ShapeError, UnknownKeyError
 from .groups import ModalityGroup
 from .payload import write_embedding
-from .table import SequenceHandle
+from .table import SequenceHandle, naming
 
 
 class GroupAPI:
@@ -82,20 +82,30 @@ class GroupAPI:
             return pages.reshape(-1, spec.width)[: group.num_tokens].clone()
 
     def attach(self, seq: SequenceHandle, key: ContentKey) -> None:
-        """Reference a stored group at the sequence's next position (no copy)."""
+        """Reference a stored group at the sequence's next position (no copy). A prefix-dependent
+        group only where the sequence holds the prefix it was derived under (``PrefixMismatchError``
+        otherwise, nothing changed); a content-only group anywhere."""
+        self._attach(seq, key, placed=False)
+
+    def _attach(self, seq: SequenceHandle, key: ContentKey, *, placed: bool) -> None:
+        """``attach``; ``placed``: the caller checked the key's place in a sequence of which
+        ``seq`` holds only some parts (a cluster sequence's sub-sequence or proxy on a pool)."""
         self._open()
-        spec = self._check_key(key, "kv")
-        del spec
+        self._check_key(key, "kv")
         with self._lock:
             self.lower.apply_completions()
-            self._table(seq)
+            table = self._table(seq)
             if key.scope != tenant_scope(self._salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+            if not placed:
+                self._check_place(seq, table, key, table.chain)
             self._promote(self._require(key))    # may let go of the lock while it waits
             table = self._table(seq)             # so the sequence and the group are looked up again
             group = self._require(key)
+            if not placed:
+                self._check_place(seq, table, key, table.chain)
             shared = group.refs > 0 or group.hits > 0
-            table.add(group, b"group:" + key.digest)
+            table.add(group, b"group:" + key.digest, naming(key, table.chain))
             group.refs += 1
             group.last_access = time.monotonic()
             self.policy.on_access(group)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from .config import ModalitySpec
 from .content import ContentKey, media_digest, tenant_salt
-from .errors import DTypeError, ForeignKeyError, UnknownModalityError
-from .table import SequenceHandle
+from .errors import DTypeError, ForeignKeyError, PrefixMismatchError, UnknownModalityError
+from .table import SequenceHandle, SequenceTable
 
 DEFAULT_TENANT = "default"
 
@@ -65,3 +65,21 @@ class KeyAPI:
         if kind is not None and spec.kind != kind:
             raise UnknownModalityError(f"modality {key.modality!r} holds {spec.kind!r} payloads, not {kind!r}")
         return spec
+
+    def _check_place(self, seq: SequenceHandle, table: SequenceTable, key: ContentKey, before: bytes) -> None:
+        """A prefix-dependent ``key`` may stand where the sequence's chain is ``before`` only if
+        it was derived under that prefix: its parent is the sequence's ``prefix_key`` there, or
+        the key attached or sealed last there when that key names all before it
+        (``table.naming``). Anything else is ``PrefixMismatchError``: its K/V were computed
+        after other tokens. Content-only keys stand anywhere."""
+        if key.sharing != "prefix":
+            return
+        if key.parent is None:
+            raise PrefixMismatchError(f"{key!r} names no parent (a sequence's prefix_key names a "
+                                      "prefix, not a group): it cannot be placed in a sequence")
+        here = self.keys.chain(modality=key.modality, chain_digest=before, tenant_salt=self._salt(seq.tenant))
+        if key.parent != here.digest and key.parent != table.named.get(before):
+            raise PrefixMismatchError(
+                f"{key!r} was derived under another prefix than sequence {seq.id} holds where it would "
+                "stand: its K/V were computed after other tokens (derive it with "
+                "parent=prefix_key(seq), or the key placed last)")

@@ -119,7 +119,7 @@ class SequenceAPI:
             group = g.group
             group.pages = group.pages + g.pages
             group.num_tokens += g.n
-            g.table.extend_chain(identity)
+            g.table.grow(identity)
         else:
             group = ModalityGroup(next(self._gids), None, g.pool.spec, g.n, pages=g.pages, refs=1)
             g.table.add(group, identity)

@@ -76,19 +76,25 @@ def tenant_scope(salt: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class ContentKey:
-    """A modality group's identity. ``digest`` is the full 32-byte SHA-256."""
+    """A modality group's identity. ``digest`` is the full 32-byte SHA-256. A prefix-dependent
+    key derived from a parent carries the parent's digest (``parent``, covered by the tag), so a
+    cache can tell whether a sequence holds the prefix the group's K/V was computed after; a
+    sequence's ``prefix_key`` (a chain key) has none."""
 
     digest: bytes
     modality: str
     sharing: Sharing
     scope: bytes        # 16 bytes naming the tenant (derived from its salt; not the salt)
     tag: bytes
+    parent: bytes | None = None
 
     def __post_init__(self) -> None:
         if len(self.digest) != 32 or len(self.tag) != 32 or len(self.scope) != 16:
             raise ValueError("ContentKey digest and tag are 32 bytes, scope 16")
         if self.sharing not in ("content", "prefix"):
             raise ValueError(f"sharing must be 'content' or 'prefix', got {self.sharing!r}")
+        if self.parent is not None and (self.sharing != "prefix" or len(self.parent) != 32):
+            raise ValueError("only a prefix-dependent key has a parent, a 32-byte digest")
 
     @property
     def hex(self) -> str:
@@ -102,13 +108,18 @@ class ContentKey:
 
     def to_wire(self) -> dict[str, str]:
         """Plain strings for JSON / Arrow metadata (no pickle)."""
-        return {"digest": self.digest.hex(), "modality": self.modality, "sharing": self.sharing,
+        wire = {"digest": self.digest.hex(), "modality": self.modality, "sharing": self.sharing,
                 "scope": self.scope.hex(), "tag": self.tag.hex()}
+        if self.parent is not None:
+            wire["parent"] = self.parent.hex()
+        return wire
 
     @classmethod
     def from_wire(cls, d: Mapping[str, str]) -> ContentKey:
+        parent = d.get("parent")
         return cls(bytes.fromhex(d["digest"]), d["modality"], d["sharing"],  # type: ignore[arg-type]
-                   bytes.fromhex(d["scope"]), bytes.fromhex(d["tag"]))
+                   bytes.fromhex(d["scope"]), bytes.fromhex(d["tag"]),
+                   None if parent is None else bytes.fromhex(parent))
 
 
 class KeyMaker:
@@ -145,7 +156,8 @@ class KeyMaker:
             raise ForeignKeyError("parent key belongs to another tenant")
         digest = hashlib.sha256(encode_fields(_DOMAIN, fields)).digest()
         sharing: Sharing = "prefix" if parent is not None else "content"
-        return self._make(digest, modality, sharing, tenant_scope(tenant_salt))
+        return self._make(digest, modality, sharing, tenant_scope(tenant_salt),
+                          None if parent is None else parent.digest)
 
     def chain(self, *, modality: str, chain_digest: bytes, tenant_salt: bytes) -> ContentKey:
         """The key naming a sequence's whole prefix (its running chain digest): a valid parent."""
@@ -154,11 +166,14 @@ class KeyMaker:
             ("tenant", tenant_salt)])).digest()
         return self._make(digest, modality, "prefix", tenant_scope(tenant_salt))
 
-    def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes) -> ContentKey:
-        return ContentKey(digest, modality, sharing, scope, self._tag(digest, modality, sharing, scope))
+    def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes,
+              parent: bytes | None = None) -> ContentKey:
+        return ContentKey(digest, modality, sharing, scope,
+                          self._tag(digest, modality, sharing, scope, parent), parent)
 
     def is_authentic(self, key: ContentKey) -> bool:
-        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope))
+        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope,
+                                                      key.parent))
 
     def verify(self, key: ContentKey) -> None:
         from .errors import ForeignKeyError
@@ -168,8 +183,12 @@ class KeyMaker:
         if not self.is_authentic(key):
             raise ForeignKeyError(f"key {key!r} was not issued by this cache (other model, secret, or forged)")
 
-    def _tag(self, digest: bytes, modality: str, sharing: str, scope: bytes) -> bytes:
-        msg = encode_fields(b"mmtier/key-tag", [("model", self.model), ("digest", digest),
+    def _tag(self, digest: bytes, modality: str, sharing: str, scope: bytes,
+             parent: bytes | None = None) -> bytes:
+        fields: list[tuple[str, bytes | str]] = [("model", self.model), ("digest", digest),
                                                  ("modality", modality), ("sharing", sharing),
-                                                 ("scope", scope)])
+                                                 ("scope", scope)]
+        if parent is not None:
+            fields.append(("parent", parent))
+        msg = encode_fields(b"mmtier/key-tag", fields)
         return hmac.new(self._secret, msg, hashlib.sha256).digest()

@@ -17,7 +17,7 @@ from .errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalit
 from .groups import Tier
 from .layer_writes import Reservation, write_one_layer
 from .payload import token_identity
-from .table import Segment, SequenceHandle, compile_batch
+from .table import Segment, SequenceHandle, compile_batch, naming
 
 
 class EngineAPI:
@@ -65,8 +65,9 @@ class EngineAPI:
         sequences of the tenant ``attach`` it. The run is the sequence's last one, or with
         ``run`` the one that reservation started (``reserve(new_run=True)``): a step that
         reserved several runs (a prefill over a text span and an image) seals each. The run must
-        be fully written. ``False`` (the run stays private) when ``key`` is already held or the
-        run has left the device."""
+        be fully written. A prefix-dependent ``key`` must be derived under the prefix the run
+        follows (``PrefixMismatchError`` otherwise, as for ``attach``). ``False`` (the run stays
+        private) when ``key`` is already held or the run has left the device."""
         self._check_key(key, "kv")
         with self._lock:
             table = self._table(seq)
@@ -86,6 +87,11 @@ class EngineAPI:
                 raise UnknownKeyError(f"sequence {seq.id}: {which} is no private {key.modality} run to seal")
             if group.pins:
                 raise ShapeError(f"sequence {seq.id}: {which} is still being written")
+            index = next(i for i, s in enumerate(table.segments) if s.group is group)
+            self._check_place(seq, table, key, table.segments[index].before)
+            names = naming(key, table.segments[index].before)
+            if names is not None:
+                table.name_segment(index, names)       # what follows may chain it, held or not
             if key in self._groups or group.tier != Tier.DEVICE:
                 return False                      # held already, or moved down meanwhile
             group.key = key

@@ -46,6 +46,11 @@ class ForeignKeyError(MMTierError, ValueError):
     """A content key that this cache did not issue (other model, layout or secret) or forged."""
 
 
+class PrefixMismatchError(ForeignKeyError):
+    """A prefix-dependent group placed where the sequence does not hold the prefix its K/V was
+    computed after (its key's parent): reusing it there would be silently wrong."""
+
+
 class CapacityError(MMTierError):
     """No tier could take the data, after eviction and demotion tried to make room."""
 

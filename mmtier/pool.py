@@ -12,6 +12,7 @@ import torch
 
 from .config import CacheConfig, ModalitySpec
 from .errors import CapacityError, MMTierError
+from .gpu_memory import free_bytes
 
 _ALIGN = 256
 
@@ -116,20 +117,9 @@ class DeviceArena:
 
 
 def resolve_arena_bytes(cfg: CacheConfig) -> int:
-    """``device_bytes`` when set, else the configured fraction of the free memory NVML reports."""
+    """``device_bytes`` when set, else the configured fraction of the free memory of the GPU
+    behind ``cfg.device`` (``gpu_memory.free_bytes``: the physical GPU it maps to under
+    ``CUDA_VISIBLE_DEVICES``)."""
     if cfg.device_bytes is not None:
         return cfg.device_bytes
-    index = int(cfg.device.split(":")[1]) if ":" in cfg.device else 0
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index)).free
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception as exc:  # NVML missing or failing: fall back to torch's view of the device
-        if not torch.cuda.is_available():
-            raise CapacityError(f"cannot size the arena on {cfg.device}: {exc}") from exc
-        free, _ = torch.cuda.mem_get_info(index)
-    return int(free * cfg.device_fraction)
+    return int(free_bytes(cfg.device) * cfg.device_fraction)

@@ -26,6 +26,7 @@ from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
 class Segment:
     group: ModalityGroup
     start: int
+    before: bytes = b"\0" * 32        # the sequence's prefix chain where the segment starts (EMPTY_CHAIN)
 
     @property
     def num_tokens(self) -> int:
@@ -34,6 +35,18 @@ class Segment:
     @property
     def end(self) -> int:
         return self.start + self.group.num_tokens
+
+
+EMPTY_CHAIN = b"\0" * 32
+
+
+def naming(key: ContentKey, before: bytes) -> bytes | None:
+    """The digest that names a sequence's content once ``key`` is placed where its chain is
+    ``before`` (a valid parent of what comes next): a prefix-dependent key names all before it
+    and itself; a content-only key names only itself, so only at a sequence's start."""
+    if key.sharing == "prefix" or before == EMPTY_CHAIN:
+        return key.digest
+    return None
 
 
 @dataclass(frozen=True)
@@ -51,19 +64,38 @@ class SequenceTable:
     chain: bytes = b"\0" * 32        # running digest of everything the sequence holds
     open_runs: list = field(default_factory=list)   # its reservations (layer_writes.Reservation)
                                      # not yet fully written: releasing the sequence ends them
+    ends: list[bytes] = field(default_factory=list)  # the chain where each segment's own tokens end
+    named: dict[bytes, bytes] = field(default_factory=dict)  # chain -> digest of the prefix-
+                                     # dependent key that names the same content (attached or
+                                     # sealed there): a valid parent of what comes next
 
     @property
     def length(self) -> int:
         return self.segments[-1].end if self.segments else 0
 
-    def add(self, group: ModalityGroup, identity: bytes) -> Segment:
-        seg = Segment(group, self.length)
+    def add(self, group: ModalityGroup, identity: bytes, names: bytes | None = None) -> Segment:
+        """A new segment; ``names``: the digest of the prefix-dependent key it was attached as."""
+        seg = Segment(group, self.length, self.chain)
         self.segments.append(seg)
-        self.extend_chain(identity)
+        self.extend_chain(identity, names)
+        self.ends.append(self.chain)
         return seg
 
-    def extend_chain(self, identity: bytes) -> None:
+    def grow(self, identity: bytes) -> None:
+        """More tokens in the tail segment's run."""
+        self.extend_chain(identity)
+        self.ends[-1] = self.chain
+
+    def extend_chain(self, identity: bytes, names: bytes | None = None) -> None:
+        """The chain past more content (a segment's, or a group attended elsewhere: no segment
+        here); ``names``: the prefix-dependent key that content was attached as."""
         self.chain = hashlib.sha256(self.chain + identity).digest()
+        if names is not None:
+            self.named[self.chain] = names
+
+    def name_segment(self, index: int, names: bytes) -> None:
+        """Segment ``index`` was sealed as the prefix-dependent key ``names``."""
+        self.named[self.ends[index]] = names
 
     @property
     def tail(self) -> Segment | None:

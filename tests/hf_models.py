@@ -130,6 +130,38 @@ def whisper_inputs(batch: int, seed: int = 0, image_seed: int | None = None):
     return dict(input_features=torch.randn(batch, 8, 32, generator=gi))
 
 
+def _text_config(**over):
+    cfg = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg.update(over)
+    return cfg
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**_text_config(head_dim=16))).eval()
+
+
+def tiny_qwen2(**over):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(Qwen2Config(**_text_config(num_key_value_heads=1, **over))).eval()   # GQA 4
+
+
+def tiny_mistral(sliding_window: int | None = 64):
+    """Mistral with a sliding window (64: wider than the prompts here, so it masks nothing)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(**_text_config(sliding_window=sliding_window))).eval()
+
+
+def text_inputs(batch: int, seed: int = 0, image_seed: int | None = None, n: int = 12):
+    g = torch.Generator().manual_seed(seed)
+    return _left_pad(dict(input_ids=torch.randint(3, 120, (batch, n), generator=g)))
+
+
 def _left_pad(inputs: dict) -> dict:
     """Row 1 (when there is one) gets two left pad tokens in place of its first two tokens."""
     ids = inputs["input_ids"]
@@ -149,4 +181,7 @@ MODELS = {
     "qwen2_5_vl": (tiny_qwen2_5_vl, qwen_inputs),
     "mllama": (tiny_mllama, mllama_inputs),
     "whisper": (tiny_whisper, whisper_inputs),
+    "llama": (tiny_llama, text_inputs),
+    "qwen2": (tiny_qwen2, text_inputs),
+    "mistral": (tiny_mistral, text_inputs),
 }

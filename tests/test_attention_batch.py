@@ -153,8 +153,8 @@ def test_seal_turns_a_written_run_into_a_shared_group(backend):
     with TieredKVCache(make_cfg(backend)) as cache:
         seq = cache.create_sequence("acme")
         k, v = kv(9)
-        res = cache.reserve(seq, "text", 9, new_run=True)
-        key = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))
+        key = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))  # the prefix
+        res = cache.reserve(seq, "text", 9, new_run=True)                                      # before the run
         cache.write_layer(res, 0, k[0], v[0])
         with pytest.raises(ShapeError):
             cache.seal(seq, key)                          # layer 1 not written yet
@@ -184,9 +184,9 @@ def test_seal_a_reserved_run_that_is_not_the_last(backend):
     with TieredKVCache(make_cfg(backend)) as cache:
         seq = cache.create_sequence("acme")
         (kt, vt), (ki, vi) = kv(5), kv(70)
+        k_text = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))
         text = cache.reserve(seq, "text", 5, tokens=[1, 2, 3, 4, 5], new_run=True)
         image = cache.reserve(seq, "vision", 70, new_run=True)
-        k_text = cache.content_key("text", b"span", tenant="acme", parent=cache.prefix_key(seq))
         k_img = cache.content_key("vision", b"img", tenant="acme", parent=k_text)
         for layer in (0, 1):
             cache.write_layer(text, layer, kt[layer], vt[layer])

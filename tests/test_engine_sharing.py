@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -36,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 
 import mmtier.actors as mma  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.actors.launch import store_name  # noqa: E402
+from mmtier.actors.launch import NodeStoreActor, store_name  # noqa: E402
 from mmtier.config import CacheConfig  # noqa: E402
 from tests.engine_shapes import EMBED_WIDTH, cache_fields, with_embeddings  # noqa: E402
 from tests.vllm_instance import VllmInstance  # noqa: E402
@@ -113,7 +114,7 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     assert ray.get(b.ec_load.remote("e0", item), timeout=60)["has"] is False
     ray.get(a.ec_save.remote(item, x), timeout=60)
     ec = ray.get(b.ec_load.remote("e1", item), timeout=60)
-    assert ec["has"] is True and torch.equal(ec["x"], x)
+    assert ec["has"] is True and torch.equal(ec["x"], x) and ec["deferred"] == 1   # a step, not a wait
     assert ec["calls"]["lookup"] == 2 and ec["calls"]["fetch"] == 1
 
     # A's process dies: B's own copies load (no cluster call), and a fresh cache in B pulls
@@ -139,7 +140,7 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     assert split["worker_calls"]["lookup"] == 1 and split["worker_calls"]["fetch"] == 3
     ray.get(b.encoder_cache.remote(str(base / "b-ec-split"), True), timeout=60)
     ec = ray.get(b.ec_load.remote("e2", item), timeout=60)
-    assert ec["has"] is True and torch.equal(ec["x"], x)
+    assert ec["has"] is True and torch.equal(ec["x"], x) and ec["deferred"] == 1
     assert ec["scheduler_groups"] == 0 and ec["worker_pulled"] == 1
     ray.kill(b, no_restart=True)
 
@@ -189,6 +190,87 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
         assert fresh.link.counters["pulled"] == 1 and fresh.link.counters["pull_failed"] == 1
         assert fresh.batch_get_v1(keys, sh.page_indices([0, 5, 2])) == [True, False, False]
         assert torch.equal(pool.tokens(0), want[0]) and torch.isnan(pool.tokens(5 * sh.P)).all()
+    finally:
+        close_shared()
+
+
+SLOW_S = 3.0
+
+
+class SlowStore(NodeStoreActor):
+    """A real node store whose exports take ``SLOW_S`` longer (a slow holder; this test only)."""
+
+    def export(self, wire):
+        time.sleep(SLOW_S)
+        return super().export(wire)
+
+
+def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
+    """An encoder output held only by a slow holder: vLLM's scheduler asks
+    ``ensure_cache_available`` (``False``: defer the request) and ``has_cache_item`` (``False``)
+    and both return at once while the pull runs; once it landed, both say ``True`` and the worker
+    loads the same bytes."""
+    from vllm.config import DeviceConfig, ECTransferConfig, ParallelConfig, VllmConfig
+    from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+    from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from mmtier import TieredKVCache
+    from mmtier.actors.pool_actor import export_pages
+    from mmtier.integrations.engine_cache import close_shared
+
+    base, nodes, _address = cluster
+    fields = with_embeddings(cache_fields(base / "ec-slow"))
+    ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
+                          ec_connector_module_path="mmtier.integrations.vllm_ec",
+                          ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
+                                                     "mmtier_cluster": CLUSTER})
+    cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+    cfg.parallel_config = ParallelConfig(distributed_executor_backend="uni")   # one process, as vLLM
+    sched, worker = (ECConnectorFactory.create_connector(cfg, r) for r in (ECConnectorRole.SCHEDULER,
+                                                                           ECConnectorRole.WORKER))
+    assert not sched.split                     # on a GPU: the scheduler pulls the item itself
+    try:
+        item = f"img-slow-{os.urandom(4).hex()}"
+        key, x = sched.key(item), torch.randn(16, EMBED_WIDTH)
+        cluster_cfg = sched.cache.cfg.model_copy(update={"disk_dir": None, "host_bytes": 1 << 20})
+        with TieredKVCache(cluster_cfg) as elsewhere:           # the item, computed elsewhere
+            elsewhere.put_embedding(key, x)
+            meta, buf = export_pages(elsewhere, key)
+        name = f"mmtier-slow-store:{os.urandom(3).hex()}"
+        slow = ray.remote(SlowStore).options(
+            name=name, namespace=SETTINGS.namespace, max_concurrency=4, num_cpus=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes["node_b"], soft=False),
+        ).remote(cluster_cfg.model_dump(mode="json"), name, nodes["node_b"], SETTINGS.model_dump(mode="json"))
+        held, _ = ray.get(slow.import_group.remote(key.to_wire(), meta, buf), timeout=60)
+        registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
+        ray.get(registry.add.remote(name, [held], ray.get(slow.ping.remote(), timeout=30)), timeout=30)
+
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=item,
+                                    mm_position=PlaceholderRange(offset=2, length=16))]
+        req = Request("slow-1", [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
+        t0 = time.monotonic()
+        ready = sched.ensure_cache_available(req, 0)
+        has = sched.has_cache_item(item)
+        again = sched.ensure_cache_available(req, 0)      # a later step, the pull still running
+        took = time.monotonic() - t0
+        assert (ready, has, again) == (False, False, False)
+        assert took < SLOW_S / 3, took
+        assert sched.link._inflight                       # the pull is still running
+        sched.link.wait()
+        assert sched.ensure_cache_available(req, 0) and sched.has_cache_item(item)
+        assert sched.link.counters["pulled"] == 1 and sched.cache.holds([key]) == [True]
+        sched.update_state_after_alloc(req, 0)
+        worker.bind_connector_metadata(sched.build_connector_meta(None))
+        encoder_cache: dict[str, torch.Tensor] = {}
+        worker.start_load_caches(encoder_cache)
+        worker.clear_connector_metadata()
+        assert torch.equal(encoder_cache[item], x)
+        sched.request_finished(req)
+        assert not sched._waits
+        ray.kill(slow, no_restart=True)
     finally:
         close_shared()
 

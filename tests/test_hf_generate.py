@@ -1,6 +1,6 @@
 """Real transformers model code through the cache: greedy ``generate`` with the mmtier adapter
 equals ``DynamicCache`` + sdpa token for token (logits within 1e-5, float32), for LLaVA,
-Qwen2-VL, Qwen2.5-VL, Mllama and Whisper (tiny configs, random weights, no download), at batch
+Qwen2-VL, Qwen2.5-VL, Mllama, Whisper and text-only Llama, Qwen2 and Mistral (tiny configs, random weights, no download), at batch
 1 and 2 (row 1 left-padded; LLaVA's decoder has 6 query heads on 2 KV heads), with groups
 pushed to host and disk between steps, and under the Triton backend (``TRITON_INTERPRET=1``)."""
 
@@ -127,3 +127,23 @@ def test_refusals_are_typed(models):
         padded = MODELS["llava"][1](2)
         with pytest.raises(UnsupportedError):
             generate(model, padded)                         # a padded batch without the cache
+
+
+def test_whisper_own_generate_returns_scores_equal_to_dynamic_cache(models):
+    """Whisper's ``generate(..., return_dict_in_generate=True)`` (what scores and timestamps
+    need) splits ``past_key_values`` per batch row, reading each layer's ``keys``: the run gives
+    the sequences and scores of ``DynamicCache``; the copy it returns holds no tokens (the K/V
+    live in the cache's pages: reused, it recomputes), and a later request through the same
+    model (its audio encoder on the "mmtier" attention) is not taken for a cache layer."""
+    ref, model = models["whisper"]
+    for seed in (3, 4):
+        inputs = MODELS["whisper"][1](2, seed=seed)
+        kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, return_dict_in_generate=True, output_scores=True)
+        want = ref.generate(**inputs, **kw)
+        with TieredKVCache(mt.config_for(model)) as cache, mt.cache_for(model, cache) as past:
+            got = model.generate(**inputs, past_key_values=past, **kw)
+        assert torch.equal(want.sequences, got.sequences)
+        assert len(got.scores) == len(want.scores) == NEW_TOKENS
+        assert max(float((a - b).abs().max()) for a, b in zip(want.scores, got.scores)) <= 1e-5
+        copied = got.past_key_values
+        assert copied.get_seq_length() == 0 and copied.cross_attention_cache.get_seq_length() == 0

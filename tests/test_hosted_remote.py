@@ -200,3 +200,31 @@ def test_a_fallback_group_is_planned_only_when_its_key_is_found_nowhere():
     finally:
         host.close()
         holder.close()
+
+
+def test_a_prefix_dependent_group_attended_elsewhere_is_placed_only_under_its_prefix(world):
+    """``RemoteParts`` checks the place of a prefix-dependent key in the local sequence (remote
+    groups included in its chain): another prefix is ``PrefixMismatchError`` and nothing is
+    attached at the holder; a key chained to the remote group attaches after it."""
+    from mmtier.errors import PrefixMismatchError
+
+    hosted, holders, _whole = world
+    cache = hosted.cache
+    vis, text = cache.cfg.spec("vision"), cache.cfg.spec("text")
+    seq = hosted.create_sequence("acme")
+    hosted.append(seq, "text", *_kv(text, 9, 7), tokens=list(range(9)))
+    img = cache.content_key("vision", b"after-nine", tenant="acme", parent=hosted.prefix_key(seq))
+    after = cache.content_key("vision", b"after-the-image", tenant="acme", parent=img)
+    holders["b1"].put(img.to_wire(), *_kv(vis, 20, 8))
+    holders["b2"].put(after.to_wire(), *_kv(vis, 12, 9))
+    hosted._elsewhere = {img: "b1", after: "b2"}
+    other = hosted.create_sequence("acme")
+    hosted.append(other, "text", *_kv(text, 9, 7), tokens=list(range(1, 10)))   # other tokens
+    with pytest.raises(PrefixMismatchError):
+        hosted.attach(other, img)
+    with pytest.raises(PrefixMismatchError):
+        hosted.attach(seq, after)                              # img is not before it yet
+    assert hosted.transport.calls["attach"] == 0 and hosted.sequence(other).length == 9
+    hosted.attach(seq, img)
+    hosted.attach(seq, after)                                  # chained to the remote group
+    assert hosted.sequence(seq).length == 41 and hosted.transport.calls["attach"] == 2

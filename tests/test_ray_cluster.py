@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import mmtier.actors as mma  # noqa: E402
-from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, UnknownKeyError  # noqa: E402
+from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, PrefixMismatchError, UnknownKeyError  # noqa: E402
 from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
 from tests.composed import check_composed  # noqa: E402
 from tests.oracle import Logical as OracleLog  # noqa: E402
@@ -275,6 +275,36 @@ def test_tenant_separation_across_nodes(cc):
     forged = type(ka)(ka.digest, ka.modality, ka.sharing, ka.scope, b"\0" * 32)
     with pytest.raises(ForeignKeyError):
         cc.contains(forged)
+
+
+@pytest.mark.parametrize("transfer", ["remote", "copy"])
+def test_a_prefix_dependent_group_attaches_only_under_its_prefix(cc, transfer):
+    """The client checks a prefix-dependent key's place in the cluster sequence (the pools hold
+    only parts of it): another prefix is ``PrefixMismatchError``, nothing changed; the same
+    prefix attaches wherever the group lives; a content-only group attaches anywhere."""
+    a, b = node_of("node_a"), node_of("node_b")
+    prompt = kv(6)
+    first = cc.create_sequence("acme", node=a)
+    cc.append(first, "text", *prompt, tokens=list(range(6)))
+    img = cc.content_key("vision", f"after-six-{transfer}".encode(), tenant="acme", parent=cc.prefix_key(first))
+    assert cc.put(img, *kv(10), node=a)
+    cc.attach(first, img)
+    other = cc.create_sequence("acme", node=b)
+    cc.append(other, "text", *kv(6), tokens=list(range(1, 7)))       # other tokens before it
+    before = (cc.sequence(other).length, cc.prefix_key(other))
+    with pytest.raises(PrefixMismatchError):
+        cc.attach(other, img, transfer=transfer)
+    assert (cc.sequence(other).length, cc.prefix_key(other)) == before
+    same = cc.create_sequence("acme", node=b)
+    cc.append(same, "text", *prompt, tokens=list(range(6)))
+    cc.attach(same, img, transfer=transfer)                         # held on a, home on b
+    assert cc.sequence(same).length == 16
+    plain = cc.content_key("vision", f"anywhere-{transfer}".encode(), tenant="acme")
+    assert cc.put(plain, *kv(10), node=a)
+    cc.attach(other, plain, transfer=transfer)
+    assert cc.sequence(other).length == 16
+    for seq in (first, other, same):
+        cc.release(seq)
 
 
 def test_offload_to_node_store_serves_remote_and_copy(cc):

@@ -116,17 +116,23 @@ class VllmInstance:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
+        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
+                                    mm_position=PlaceholderRange(offset=0, length=16))]
+        req = Request(rid, [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
+        deferred = 0
+        while not self.ec_sched.ensure_cache_available(req, 0):   # vLLM defers it a step
+            deferred += 1
+            self.ec_sched.link.wait()
         has = self.ec_sched.has_cache_item(identifier)
         if has:                             # vLLM's scheduler allocates only what the connector has
-            mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
-                                        mm_position=PlaceholderRange(offset=0, length=16))]
-            self.ec_sched.update_state_after_alloc(Request(rid, [1] * 20, SamplingParams(max_tokens=1), None,
-                                                           mm_features=mm), 0)
+            self.ec_sched.update_state_after_alloc(req, 0)
+        self.ec_sched.request_finished(req)
         self.ec_worker.bind_connector_metadata(self.ec_sched.build_connector_meta(None))
         encoder_cache: dict[str, torch.Tensor] = {}
         self.ec_worker.start_load_caches(encoder_cache)
         self.ec_worker.clear_connector_metadata()
-        return {"has": has, "x": encoder_cache.get(identifier), "calls": dict(self.ec_sched.link.calls),
+        return {"has": has, "deferred": deferred, "x": encoder_cache.get(identifier),
+                "calls": dict(self.ec_sched.link.calls),
                 "scheduler_groups": len(self.ec_sched.cache.inventory()),
                 "worker_pulled": self.ec_worker.link.counters["pulled"]}
 

@@ -7,8 +7,8 @@ into the home pool through the object store, by the copy-after-N rule. A part of
 from __future__ import annotations
 
 from ..content import ContentKey, tenant_scope
-from ..errors import ForeignKeyError, HolderLostError, UnknownKeyError
-from ..table import SequenceHandle
+from ..errors import ForeignKeyError, HolderLostError, PrefixMismatchError, UnknownKeyError
+from ..table import SequenceHandle, naming
 from . import placement
 from .client_calls import _info_dict
 from .client_state import Transfer, _chain, _Remote, _Seq, _Sub
@@ -29,6 +29,7 @@ class AttachOps:
         if transfer not in (None, "remote", "copy"):
             raise ValueError(f"transfer must be 'remote', 'copy' or None, got {transfer!r}")
         async with st.lock:
+            self._check_place(seq, st, key)
             for _attempt in range(3):       # a holder found dead on the way: look up again
                 loc = (await self._lookup([key]))[0]
                 self.metrics.hit(key.modality, loc is not None)
@@ -51,11 +52,26 @@ class AttachOps:
                     continue
                 st.attached.append(key)
                 st.length += loc.num_tokens
+                names = naming(key, st.chain)
                 st.chain = _chain(st.chain, b"group:" + key.digest)
+                if names is not None:
+                    st.named[st.chain] = names
                 st.tail_modality = key.modality
                 self._registry.ref.remote([key.hex], 1)
                 return
             raise HolderLostError(f"{key!r}: its holders kept failing")
+
+    def _check_place(self, seq: SequenceHandle, st: _Seq, key: ContentKey) -> None:
+        """The rule of ``TieredKVCache._check_place`` over the cluster sequence's chain: a
+        prefix-dependent key only where the sequence holds the prefix it was derived under."""
+        if key.sharing != "prefix":
+            return
+        here = self.keys.chain(modality=key.modality, chain_digest=st.chain, tenant_salt=self._salt(seq.tenant))
+        if key.parent is None or key.parent not in (here.digest, st.named.get(st.chain)):
+            raise PrefixMismatchError(
+                f"{key!r} was derived under another prefix than sequence {seq.id} holds at position "
+                f"{st.length}: its K/V were computed after other tokens (derive it with "
+                "parent=prefix_key(seq), or the key placed last)")
 
     async def _attach_once(self, st: _Seq, key: ContentKey, loc: Location, holders: list[str],
                            transfer: Transfer | None) -> None:

@@ -55,6 +55,8 @@ class _Seq:
     attached: list[ContentKey] = field(default_factory=list)
     length: int = 0
     chain: bytes = b"\0" * 32
+    named: dict[bytes, bytes] = field(default_factory=dict)   # chain -> the prefix-dependent
+                                  # key attached there (table.SequenceTable.named)
     tail_modality: str | None = None
     lock: asyncio.Lock | None = None
 

@@ -148,6 +148,12 @@ class EngineLink:
         lookup for those not held here; nothing is fetched), on the link's pull thread."""
         return self._submit(self._pulls, self._locate, list(keys))
 
+    def found_async(self, keys: Sequence[ContentKey]) -> Future:
+        """Which of ``keys`` (independent of each other) are held here or anywhere in the
+        cluster: a list of bools (one registry lookup for those not held here; nothing is
+        fetched), on the link's pull thread."""
+        return self._submit(self._pulls, self._found, list(keys))
+
     def pull(self, keys: Sequence[ContentKey], *, leading: bool = True) -> int:
         """``pull_async`` and wait for it (a caller on a background thread: SGLang's prefetch,
         vLLM's loads); a pull that outlasts the wait lands later and is a miss now."""
@@ -188,6 +194,10 @@ class EngineLink:
     def _locate(self, keys: list[ContentKey]) -> int:
         held, where = self._lookup(keys)
         return next((i for i, k in enumerate(keys) if not held[i] and k not in where), len(keys))
+
+    def _found(self, keys: list[ContentKey]) -> list[bool]:
+        held, where = self._lookup(keys, leading=False)
+        return [h or k in where for h, k in zip(held, keys)]
 
     def _pull(self, keys: list[ContentKey], leading: bool) -> int:
         held, where = self._lookup(keys, leading)

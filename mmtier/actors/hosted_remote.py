@@ -25,7 +25,7 @@ from ..cache import TieredKVCache
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
-from ..table import SequenceHandle
+from ..table import SequenceHandle, naming
 from .client_state import ClusterSequence
 from .pool_actor import Part
 
@@ -65,6 +65,8 @@ class RemoteParts:
         if key.scope != tenant_scope(self.cache._salt(seq.tenant)):
             raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
         table = self.cache.sequence(seq)               # UnknownKeyError for a released one
+        with self.cache._lock:
+            self.cache._check_place(seq, table, key, table.chain)   # PrefixMismatchError
         split = self._seqs.get(seq.id) or _Split()
         proxy, proxy_start, n, _evicted = self.transport.attach(
             holder, split.proxies.get(holder), seq.tenant, key.to_wire())
@@ -74,7 +76,8 @@ class RemoteParts:
         split.groups.append(RemoteGroup(holder, key, local_at + self._remote_tokens(split), local_at,
                                         proxy_start, n))
         with self.cache._lock:
-            table.extend_chain(b"group:" + key.digest)  # the same identity as a local attach
+            table.extend_chain(b"group:" + key.digest,  # the same identity as a local attach
+                               naming(key, table.chain))
 
     def boundary(self, seq: SequenceHandle) -> bool:
         """Whether the sequence's next local tokens must start a segment of their own (a remote

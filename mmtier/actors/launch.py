@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..gpu_memory import free_bytes
 from .metrics import ActorMetrics
 from .node_store import NodeStoreService
 from .pool_actor import PoolService
@@ -303,20 +303,9 @@ def _sanitize(name: str) -> str:
 
 
 def _nvml_free_bytes(cfg: CacheConfig) -> int:
-    """``cfg.device_fraction`` of the free memory NVML reports for this actor's GPU."""
-    import pynvml
-
-    ids = ray.get_gpu_ids()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    ident = str(ids[0]) if ids else (visible.split(",")[0] if visible else "0")
-    pynvml.nvmlInit()
-    try:
-        handle = (pynvml.nvmlDeviceGetHandleByUUID(ident) if ident.startswith(("GPU-", "MIG-"))
-                  else pynvml.nvmlDeviceGetHandleByIndex(int(ident)))
-        free = pynvml.nvmlDeviceGetMemoryInfo(handle).free
-    finally:
-        pynvml.nvmlShutdown()
-    return int(free * cfg.device_fraction)
+    """``cfg.device_fraction`` of the free memory of this actor's GPU (``cuda:0`` under the
+    ``CUDA_VISIBLE_DEVICES`` Ray set for it, mapped to the physical GPU)."""
+    return int(free_bytes("cuda:0") * cfg.device_fraction)
 
 
 # ---------------------------------------------------------------------- start / shutdown

@@ -13,8 +13,7 @@ import time
 
 from ray.util import metrics as rm
 
-_EVENT_COUNTERS = ("hits", "misses", "puts", "attaches", "shared_attaches", "evictions", "spills",
-                   "restores", "corrupt_reads", "embedding_reads", "appended_tokens")
+from ..stats_report import increments
 
 
 class ClientMetrics:
@@ -47,7 +46,7 @@ class ActorMetrics:
     def __init__(self, actor: str, min_interval_s: float = 5.0) -> None:
         self.actor = actor
         self.min_interval_s = min_interval_s
-        self._last = 0.0
+        self._last: float | None = None              # never published: due at once
         self._seen: dict[tuple[str, str], int] = {}
         tags = ("actor", "tier", "modality")
         self.bytes = rm.Gauge("mmtier_tier_bytes", "Bytes held per tier and modality.", tags)
@@ -57,7 +56,7 @@ class ActorMetrics:
                                  ("actor", "event", "modality"))
 
     def due(self) -> bool:
-        return time.monotonic() - self._last >= self.min_interval_s
+        return self._last is None or time.monotonic() - self._last >= self.min_interval_s
 
     def publish(self, stats: dict) -> None:
         """``stats``: ``CacheStats.to_dict()`` of the actor's cache."""
@@ -67,11 +66,5 @@ class ActorMetrics:
                 tags = {"actor": self.actor, "tier": tier, "modality": modality}
                 self.bytes.set(usage["bytes"], tags=tags)
                 self.groups.set(usage["groups"], tags=tags)
-        for modality, counts in stats.get("by_modality", {}).items():
-            for event in _EVENT_COUNTERS:
-                now = int(counts.get(event, 0))
-                before = self._seen.get((event, modality), 0)
-                if now > before:
-                    self.events.inc(now - before, tags={"actor": self.actor, "event": event,
-                                                        "modality": modality})
-                self._seen[(event, modality)] = now
+        for (event, modality), n in increments(self._seen, stats.get("by_modality", {})).items():
+            self.events.inc(n, tags={"actor": self.actor, "event": event, "modality": modality})

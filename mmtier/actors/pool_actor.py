@@ -172,7 +172,8 @@ class PoolService:
                 seq = self.create(tenant)
             try:
                 start = self.cache.sequence(seq).length
-                self.cache.attach(seq, key)
+                self.cache._attach(seq, key, placed=True)   # a part of a sequence whose client
+                                                            # checked the key's place in it
             except Exception:
                 if created:
                     self.release([seq])

@@ -16,6 +16,9 @@ connected yet; default ``RAY_ADDRESS``, else ``"auto"``). ``open_shared`` then j
 (``engine_link.join``: the cluster's key secret, the same model and layouts) and gives the
 cache one ``EngineLink``: saved groups are written through to the node's store and published,
 misses are looked up in the registry and pulled. Without it nothing here imports Ray.
+
+``report_for`` gives each cache one ``StatsReport``: the connectors export its statistics
+through their engine's metrics (vLLM: ``vllm_metrics``, on vLLM's own ``/metrics``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pydantic import ValidationError
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..errors import ConfigError
+from ..stats_report import StatsReport
 
 if TYPE_CHECKING:
     from ..actors.engine_link import EngineLink
@@ -41,6 +45,7 @@ CLUSTER_ENV = "MMTIER_CLUSTER"
 _LOCK = threading.Lock()
 _CACHES: dict[str, TieredKVCache] = {}
 _LINKS: dict[int, EngineLink] = {}          # id(cache) -> its link
+_REPORTS: dict[int, StatsReport] = {}       # id(cache) -> the one report of its stats
 
 
 def config_from_extra(extra: Mapping[str, Any] | None) -> CacheConfig:
@@ -136,6 +141,16 @@ def shared_cache(cfg: CacheConfig) -> TieredKVCache:
         return cache
 
 
+def report_for(cache: TieredKVCache) -> StatsReport:
+    """The one ``StatsReport`` of ``cache`` in this process: connectors that share the cache
+    (vLLM's scheduler and worker in one process) share it, so each event is reported once."""
+    with _LOCK:
+        report = _REPORTS.get(id(cache))
+        if report is None or report.cache is not cache:
+            report = _REPORTS[id(cache)] = StatsReport(cache)
+        return report
+
+
 def close_shared() -> None:
     """Close every cache this process opened through ``shared_cache`` (tests, shutdown)."""
     with _LOCK:
@@ -143,6 +158,7 @@ def close_shared() -> None:
         links = list(_LINKS.values())
         _CACHES.clear()
         _LINKS.clear()
+        _REPORTS.clear()
     for link in links:
         link.close()
     for cache in caches:

@@ -38,6 +38,8 @@ class ModelLayout:
     head_dim: int
     dtype: str
     media: str | None                  # the modality of cross K/V ("vision", "audio") or None
+    sliding_window: int | None = None  # the attention window of some self-attention layers
+                                       # (Mistral, Qwen2 with use_sliding_window), or None
 
     def pool_layer(self, layer_idx: int, cross: bool) -> int:
         """The index of decoder layer ``layer_idx`` inside its pool."""
@@ -75,7 +77,17 @@ def layout_of(model) -> ModelLayout:
     cross = tuple(sorted(getattr(text, "cross_attention_layers", None) or ())) if kind == "cross" else ()
     own = tuple(i for i in range(n) if i not in cross)
     return ModelLayout(model_type, kind, n, own, cross, kv_heads, kv_heads, head_dim, dtype,
-                       "vision" if cross else None)
+                       "vision" if cross else None, _sliding_window(text))
+
+
+def _sliding_window(text) -> int | None:
+    """The window of the decoder's sliding-window layers (a key more than ``window - 1``
+    positions before a query is masked), or ``None`` when every layer attends in full."""
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
 
 
 def model_identity(model) -> str:

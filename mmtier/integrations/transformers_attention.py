@@ -13,6 +13,11 @@ kv_len]`` booleans): padded tokens are never written, padded query rows come bac
 causality holds by position within each row's real tokens, as with a padded dense cache.
 Cross-attention receives ``None`` (Whisper) or Mllama's 4D additive mask: the media columns a row
 may see are stored; rows that see some other subset raise ``UnsupportedError``.
+
+Sliding windows (Mistral, Qwen2 with ``use_sliding_window``). The paged kernels attend every
+earlier position; within the window that is what the window computes, so a step after which
+every row holds at most ``sliding_window`` tokens is exact, and a longer one raises
+``UnsupportedError`` before anything of it is written.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from .transformers_cache import MMTierLayer, take_active
 
 def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: ``query [B, Hq, S, D]``; returns ``([B, S, Hq, D], None)``."""
-    layer = take_active()
+    layer = take_active(key)
     if layer is None:
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             raise UnsupportedError("a decoder layer ran the 'mmtier' attention without the mmtier "
@@ -39,11 +44,11 @@ def mmtier_attention(module, query, key, value, attention_mask, scaling=None, dr
     if kwargs.get("output_attentions"):
         raise UnsupportedError("output_attentions: the mmtier attention returns no weights")
     out = cross_attention(layer, query, attention_mask, scaling) if layer.cross else \
-        self_attention(layer, query, attention_mask, scaling)
+        self_attention(layer, query, attention_mask, scaling, kwargs.get("sliding_window"))
     return out, None
 
 
-def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torch.Tensor:
+def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale, window: int | None = None) -> torch.Tensor:
     rows = layer.rows
     batch, _, q_len, _ = query.shape
     real = None if mask is None else _padding(mask, batch, q_len, query.device)   # None: no padding
@@ -52,7 +57,12 @@ def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torc
         k, v = layer.pending
         layer.pending = None
         if layer.first:
-            rows.begin_self([q_len] * batch if real is None else real.sum(1).tolist())
+            counts = [q_len] * batch if real is None else real.sum(1).tolist()
+            _check_window(rows, rows.layout.sliding_window, counts)     # before anything is written
+            rows.begin_self(counts)
+        elif window is not None and window < (rows.layout.sliding_window or window + 1):
+            _check_window(rows, window, [0] * batch)   # a window the config did not name (its
+                                                       # step's tokens are reserved already)
         for b, runs in enumerate(rows.self_res):
             if runs:
                 kb, vb = (k[b], v[b]) if real is None else (k[b, :, real[b]], v[b, :, real[b]])
@@ -63,6 +73,20 @@ def self_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torc
                     rows.cache.write_layer(res, layer.pool_layer, kb[at:at + n], vb[at:at + n])
                     at += n
     return _attend(rows.cache, rows.seqs, layer.pool_layer, query, real, True, scale)
+
+
+def _check_window(rows, window: int | None, counts: list[int]) -> None:
+    """Refuse a step after which some row holds more tokens than a sliding window covers: the
+    paged kernels attend every earlier position, so a query would see keys the window masks.
+    Within the window (``length <= window``) the window masks nothing and the result is exact."""
+    if window is None:
+        return
+    longest = max(rows.cache.sequence(seq).length + n for seq, n in zip(rows.seqs, counts))
+    if longest > window:
+        raise UnsupportedError(
+            f"sliding-window attention (window {window}) over {longest} tokens: the mmtier attention "
+            "attends every earlier position, not the last window; keep sequences within the window "
+            "(or use a model without a sliding window)")
 
 
 def cross_attention(layer: MMTierLayer, query: torch.Tensor, mask, scale) -> torch.Tensor:

@@ -40,11 +40,16 @@ class RunPlan:
     tokens: list[int] | None = None
 
 
-def take_active() -> MMTierLayer | None:
+def take_active(key: torch.Tensor | None = None) -> MMTierLayer | None:
     """The cache layer that the attention call now running belongs to (set by ``update`` or by
-    reading the layer's ``keys``), cleared as it is taken."""
+    reading the layer's ``keys``), cleared as it is taken. With ``key`` (the attention's key
+    states), only if that is the very tensor the layer gave out: a layer marked by a read outside
+    a forward (Whisper's generate copies every layer's ``keys`` per row after the run) never
+    claims a later attention call (the next request's audio encoder)."""
     layer = getattr(_ACTIVE, "layer", None)
     _ACTIVE.layer = None
+    if layer is not None and key is not None and key is not layer.given:
+        return None
     return layer
 
 
@@ -128,6 +133,7 @@ class MMTierLayer(CacheLayerMixin):
         self.pool_layer = rows.layout.pool_layer(layer_idx, cross)
         self.first = self.pool_layer == 0
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.given: torch.Tensor | None = None   # the key states last handed to the model
         self.seen = 0                    # tokens transformers has passed (padding included)
         self.is_initialized = True
         self._kind: tuple[torch.dtype, torch.device] | None = None     # of the K/V seen
@@ -136,18 +142,23 @@ class MMTierLayer(CacheLayerMixin):
     @property
     def keys(self) -> torch.Tensor:
         _ACTIVE.layer = self
-        return self._placeholder()
+        self.given = self._placeholder()
+        return self.given
 
     @property
     def values(self) -> torch.Tensor:
         return self._placeholder()
 
     def _placeholder(self) -> torch.Tensor:
-        """Empty before any K/V, one element after (transformers tests ``numel() > 0``)."""
-        if self._kind is None or self.seen == 0:
-            return torch.zeros(0)
-        dtype, device = self._kind
-        return torch.zeros(1, dtype=dtype, device=device)
+        """``[rows, kv_heads, tokens, head_dim]`` zeros standing for K/V that live in pages: no
+        tokens (a copy of it, as Whisper's generate returns per row, is an empty cache: reused,
+        it recomputes rather than read made-up K/V), except Mllama's cross layers once written,
+        which transformers tests for ``numel() > 0`` (one token)."""
+        layout = self.rows.layout
+        heads = layout.cross_kv_heads if self.cross else layout.num_kv_heads
+        one = self.cross and layout.kind == "cross" and self.seen > 0
+        dtype, device = self._kind or (torch.float32, torch.device("cpu"))
+        return torch.zeros(len(self.rows.seqs), heads, 1 if one else 0, layout.head_dim, dtype=dtype, device=device)
 
     def mark_attached(self, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         """Cross K/V of ``tokens`` tokens was attached from the cache (no ``update`` will come)."""
@@ -162,6 +173,7 @@ class MMTierLayer(CacheLayerMixin):
             raise ShapeError(f"key/value states must be [batch, heads, n, head_dim] alike, got "
                              f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
         self.pending = (key_states, value_states)
+        self.given = key_states
         self.seen += key_states.shape[2]
         self._kind = (key_states.dtype, key_states.device)
         _ACTIVE.layer = self

@@ -62,8 +62,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
-from .engine_cache import open_shared, tenant_from_extra
+from .engine_cache import open_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupClient, LookupServer, socket_path
+from .vllm_metrics import MMTierKVStats, MMTierPromMetrics
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
 if TYPE_CHECKING:
@@ -168,6 +169,7 @@ class MMTierConnector(KVConnectorBase_V1):
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
         self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
+        self.report = report_for(self.cache)
         self._lookup_server: LookupServer | None = None
         self._lookup_client: LookupClient | None = None
         if self.split:
@@ -428,6 +430,21 @@ class MMTierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    # ------------------------------------------------------------------ metrics (vllm_metrics)
+    def get_kv_connector_stats(self) -> MMTierKVStats | None:
+        """What this process's cache counted since its last report (``None`` within a second
+        of it, or when another connector of the cache just reported)."""
+        data = self.report.take()
+        return None if data is None else MMTierKVStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> MMTierKVStats:
+        return MMTierKVStats(data=data) if data is not None else MMTierKVStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> MMTierPromMetrics:
+        return MMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._lookup_server is not None:

@@ -21,17 +21,26 @@ model gathers embeddings and saves what the encoder computed under the key the s
 (an item with none is not saved). An item that fails to load (corrupt, evicted meanwhile) fails its
 request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
 
-Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): ``has_cache_item`` asks the
-registry for an item not held here (one lookup) and, held elsewhere, pulls it whole (one call)
-before answering, so the scheduler's wait is bounded by one round trip and one transfer (a
-failure is a miss: the encoder runs); a saved item is written through to the node's store and
-published on the link's thread. With the worker in a process of its own (vLLM's ``ray`` or
-``mp`` executor) the scheduler only locates the item and the worker pulls it before loading.
+Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): the scheduler never waits on
+the cluster. vLLM asks ``ensure_cache_available`` before it schedules a waiting request with
+media: the items it needs that are not held here start one registry lookup (and a pull of each
+item held elsewhere, one call per item) on the link's thread, and the answer is ``False``
+("defer the request") while that runs, ``True`` once it is done; ``has_cache_item`` answers from
+this process's cache alone (what the pull landed is in it). A failed pull is a miss: the encoder
+runs. A saved item is written through to the node's store and published on the link's thread.
+
+With the worker in a process of its own (vLLM's default ``mp`` executor, or ``ray``) the worker's
+process owns the cache and serves a lookup channel (``lookup_channel``, named after the EC
+config's engine id); the scheduler's process holds keys only and asks it whether an item is
+held (one local round trip), and with a cluster only locates the items (the same deferral) for
+the worker to pull before it loads.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,13 +54,25 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from .engine_cache import open_shared, tenant_from_extra
+from .engine_cache import open_shared, report_for, tenant_from_extra
+from .lookup_channel import LookupClient, LookupServer, socket_path
 from .vllm import SPLIT_BACKENDS, inputs_digest
+from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+MAX_LOCATED = 4096          # split scheduler: items the cluster holds, remembered (LRU) for has_cache_item
+
+
+@dataclass
+class _Wait:
+    """A request's items looked for in the cluster: the lookup (and pulls) in flight."""
+
+    future: Future
+    keys: list[ContentKey]
+    settled: bool = False
 
 
 @dataclass
@@ -73,8 +94,21 @@ class MMTierECConnector(ECConnectorBase):
     def __init__(self, vllm_config, role: ECConnectorRole):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
-        self.cache, self.link = open_shared(extra)      # link None: this process's cache alone
-        self.split = vllm_config.parallel_config.distributed_executor_backend in SPLIT_BACKENDS
+        par = vllm_config.parallel_config
+        self.split = par.distributed_executor_backend in SPLIT_BACKENDS
+        worker = role == ECConnectorRole.WORKER
+        # split: the worker's process owns the cache; the scheduler's makes keys and asks it
+        self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
+        self.report = report_for(self.cache)
+        self._lookup_server: LookupServer | None = None
+        self._lookup_client: LookupClient | None = None
+        if self.split:
+            path = socket_path("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
+                               par.data_parallel_rank)
+            if worker:
+                self._lookup_server = LookupServer(path, self._leading_held)
+            else:
+                self._lookup_client = LookupClient(path)
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
         if self.cache.cfg.spec(self.modality).kind != "embedding":
@@ -86,6 +120,8 @@ class MMTierECConnector(ECConnectorBase):
         self._answered: dict[str, ContentKey] = {}          # identifier -> key has_cache_item held
         self._failed: set[str] = set()             # worker: requests whose item failed to load
         self._unavailable: set[str] = set()        # scheduler: the same, reported back
+        self._waits: dict[str, _Wait] = {}         # scheduler: request id -> its cluster lookup
+        self._located: OrderedDict[ContentKey, None] = OrderedDict()   # split scheduler: held elsewhere
 
     def item_key(self, feature: Any) -> ContentKey | None:
         """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of
@@ -109,17 +145,61 @@ class MMTierECConnector(ECConnectorBase):
         return keys
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        self._current = self._request_keys(request)
+        """Remember the request's items' keys for ``has_cache_item`` (vLLM asks it next, with an
+        identifier alone), and with a cluster: ``False`` while the items not held here are being
+        looked for (and pulled), so vLLM defers the request a step instead of waiting; ``True``
+        when nothing needs looking for or the lookup is done (whatever it found)."""
+        keys = self._current = self._request_keys(request)
+        if self.link is None or not self.is_consumer:
+            return True
+        wait = self._waits.get(request.request_id)
+        if wait is None:
+            wanted = [keys[f.identifier] for f in request.mm_features
+                      if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+                      and keys.get(f.identifier) is not None]
+            missing = [k for k in dict.fromkeys(wanted) if k not in self._located and not self._held(k)]
+            if not missing:
+                return True
+            future = self.link.found_async(missing) if self.split else self.link.pull_async(missing, leading=False)
+            wait = self._waits[request.request_id] = _Wait(future, missing)
+        if wait.settled:
+            return True
+        if not wait.future.done():
+            return False
+        wait.settled = True
+        if self.split and wait.future.exception() is None:
+            for key, found in zip(wait.keys, wait.future.result()):
+                if found:
+                    self._located[key] = None
+                    self._located.move_to_end(key)
+            while len(self._located) > MAX_LOCATED:
+                self._located.popitem(last=False)
         return True
 
+    def _held(self, key: ContentKey) -> bool:
+        """Held by the cache that loads it: this process's, or the worker's (asked over the
+        lookup channel) where the worker runs in a process of its own."""
+        if self._lookup_client is not None:
+            return self._lookup_client.leading_held([key]) == 1
+        return self.cache.contains(key)
+
+    def _leading_held(self, keys: list[ContentKey]) -> int:
+        """The lookup channel's answer: how many leading ``keys`` this process's cache holds."""
+        n = 0
+        for key in keys:
+            if not self.cache.contains(key):
+                break
+            n += 1
+        return n
+
     def has_cache_item(self, identifier: str) -> bool:
+        """Whether the item of the request being scheduled is held (here, by the worker, or
+        located in the cluster by ``ensure_cache_available``): no cluster call."""
         self._answered.pop(identifier, None)
         key = self._current.get(identifier)
         if key is None:                        # no digest for it here: never the identifier alone
             return False
-        held = self.cache.contains(key)
-        if not held and self.link is not None:
-            held = (self.link.locate if self.split else self.link.pull)([key]) == 1
+        held = key in self._located or self._held(key)
         if held:
             self._answered[identifier] = key
         return held
@@ -144,6 +224,7 @@ class MMTierECConnector(ECConnectorBase):
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._req_keys.pop(request.request_id, None)
+        self._waits.pop(request.request_id, None)
         return False, None
 
     def update_connector_output(self, connector_output) -> None:
@@ -191,3 +272,22 @@ class MMTierECConnector(ECConnectorBase):
             return None
         meta, self._failed = MMTierECWorkerMetadata(self._failed), set()
         return meta
+
+    # ------------------------------------------------------------------ metrics (vllm_metrics)
+    def get_ec_connector_stats(self) -> MMTierECStats | None:
+        data = self.report.take()
+        return None if data is None else MMTierECStats(data=data)
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> MMTierECStats:
+        return MMTierECStats(data=data) if data is not None else MMTierECStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> MMTierECPromMetrics:
+        return MMTierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._lookup_server is not None:
+            self._lookup_server.close()
+        if self._lookup_client is not None:
+            self._lookup_client.close()
