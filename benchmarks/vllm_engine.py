@@ -8,6 +8,11 @@ the default multiprocessing executor), four ways side by side:
   spilled to (its warm restart), the groups read from Arrow files (page cache dropped for them
   with ``posix_fadvise(DONTNEED)`` first).
 
+The image part does the same with an image prompt on the engine tests' tiny LLaVA (CLIP tower,
+64 image tokens; text around it), the mmtier engine carrying both connectors (its KV connector
+loads the prompt's KV, the image's included; the encoder-cache connector spares the tower where
+the KV does not cover the image).
+
 Every round takes a fresh random prompt; each engine sees it once (stored, or recomputed) and
 then again (timed: ``generate`` of one token). Engines take turns going first, rounds pair
 their figures, and the ratios are medians of the per-round ratios. Run it in the engines
@@ -94,6 +99,36 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def image_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
+    """TTFT of a repeated image prompt (fresh image and text each round) on three engines."""
+    from vllm import SamplingParams
+
+    from tests.vllm_mm_models import build_llava, image, image_prompt, text
+    from tests.vllm_mm_scenarios import mm_engine
+
+    model = str(build_llava(work / "llava"))
+    engines = {"image_recompute": mm_engine(model, executor="mp"),
+               "image_vllm_prefix": mm_engine(model, executor="mp", enable_prefix_caching=True),
+               "image_mmtier": mm_engine(model, kv=True, ec=True, executor="mp")}
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    rows: dict[str, list[float]] = {name: [] for name in engines}
+    rows["image_prompt_tokens"] = []
+    names = list(engines)
+    for r in range(rounds):
+        req = {"prompt": image_prompt(text(100 + r, 400), text(200 + r, 300)),
+               "multi_modal_data": {"image": image(300 + r)}}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            engines[name].generate([req], sp, use_tqdm=False)
+            time.sleep(0.5)
+            t0 = time.perf_counter()
+            out = engines[name].generate([req], sp, use_tqdm=False)
+            rows[name].append(time.perf_counter() - t0)
+        rows["image_prompt_tokens"].append(len(out[0].prompt_token_ids))
+    for llm in engines.values():
+        close(llm)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     import random
 
@@ -102,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 512 tokens (a check that it runs)")
+    ap.add_argument("--no-image", action="store_true", help="skip the image-prompt part")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.quick:
@@ -155,6 +191,9 @@ def main(argv: list[str] | None = None) -> dict:
     def ratio(a: list[float], b: list[float]) -> float:
         return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
+    if not args.no_image:
+        rows.update(image_rounds(work, args.rounds))
+
     figures = {
         "rounds": args.rounds, "prompt_tokens": args.prompt, "dtype": args.dtype,
         "model_shape": ",".join(f"{k}={v}" for k, v in SHAPE.items()),
@@ -164,6 +203,10 @@ def main(argv: list[str] | None = None) -> dict:
         "vllm_prefix_over_recompute": ratio(rows["vllm_prefix"], rows["recompute"]),
         "mmtier_device_over_vllm_prefix": ratio(rows["mmtier_device"], rows["vllm_prefix"]),
         "mmtier_disk_restart_over_recompute": ratio(rows["mmtier_disk_restart"], again),
+        **({} if args.no_image else {
+            "image_mmtier_over_recompute": ratio(rows["image_mmtier"], rows["image_recompute"]),
+            "image_vllm_prefix_over_recompute": ratio(rows["image_vllm_prefix"], rows["image_recompute"]),
+            "image_prompt_tokens": rows.pop("image_prompt_tokens")[0]}),
         "wall_s": time.perf_counter() - t_start,
     }
     for k, v in figures.items():

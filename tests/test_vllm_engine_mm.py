@@ -137,10 +137,6 @@ def test_the_encoder_cache_connector_under_the_default_executor_answers_plain_to
     assert tokens(rows) == tokens(across["plain"])[:5]
 
 
-@pytest.mark.xfail(strict=True, reason="known no-hit, left for the lead: under vLLM's default "
-                   "executor the encoder-cache connector's scheduler (engine core process) opens a "
-                   "cache of its own and never sees what the worker process saved, so "
-                   "has_cache_item is always False; the KV connector meets the same split with "
-                   "its lookup channel (lookup_channel.py), the EC connector has none yet")
 def test_the_encoder_cache_connector_skips_the_encoder_under_the_default_executor(default_executor):
+    """The scheduler (engine-core process) asks the worker's cache over the lookup channel."""
     assert encoded(default_executor["ec"])[4] == 0             # A again: vLLM's own cache let it go

@@ -43,11 +43,11 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_r
 
 
 def mm_engine(model: str, *, kv: bool = False, ec: bool = False, disk: str | None = None,
-              executor: str = "uni"):
+              executor: str = "uni", **extra):
     """An engine over the LLaVA; ``kv``: mmtier's KV connector, ``ec``: its encoder-cache
     connector (both over one cache, ``cache_fields(disk)``)."""
     fields = cache_fields(disk)
-    kw = dict(MM_ARGS)
+    kw = dict(MM_ARGS, **extra)
     if ec:
         from vllm.config import ECTransferConfig
 
