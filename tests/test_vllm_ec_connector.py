@@ -46,6 +46,7 @@ def connector(f, role, tenant="acme"):
                           ec_connector_module_path="mmtier.integrations.vllm_ec",
                           ec_connector_extra_config={"mmtier_cache": f, "mmtier_tenant": tenant})
     cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+    cfg.parallel_config.distributed_executor_backend = "uni"   # both roles in this process
     return ECConnectorFactory.create_connector(cfg, role)
 
 

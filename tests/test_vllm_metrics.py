@@ -104,6 +104,7 @@ def test_the_encoder_cache_connector_feeds_the_same_metrics(tmp_path):
                           ec_connector_module_path="mmtier.integrations.vllm_ec",
                           ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme"})
     ec_cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
+    ec_cfg.parallel_config.distributed_executor_backend = "uni"   # both roles in this process
     ec_sched, ec_worker = (ECConnectorFactory.create_connector(ec_cfg, r)
                            for r in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER))
     try:
@@ -111,9 +112,11 @@ def test_the_encoder_cache_connector_feeds_the_same_metrics(tmp_path):
         kv_prom = KVConnectorProm(kv_cfg, ["model_name", "engine"], {0: ["tiny-vllm", "0"]})
         ec_prom = ECConnectorProm(ec_cfg, ["model_name", "engine"], {0: ["tiny-vllm", "0"]})
         assert kv_prom.prom_metrics.metrics is ec_prom.prom_metrics.metrics   # no second registration
+        from tests.test_vllm_ec_connector import pixels, request, run
+
         x = torch.randn(16, EMBED_WIDTH)
-        ec_worker.save_caches({"img-m": x}, "img-m")
-        assert ec_sched.has_cache_item("img-m") and ec_sched.has_cache_item("img-m")
+        assert not run(ec_sched, ec_worker, request("m1", "img-m", pixels(3)), {}, computed=x)   # saved
+        assert run(ec_sched, ec_worker, request("m2", "img-m", pixels(3)), {})                   # a hit
         data = ec_sched.get_ec_connector_stats()
         assert data is not None and sched.get_kv_connector_stats() is None   # reported once
         ec_prom.observe(data.data, 0)                          # what vLLM ships (stats.data)
