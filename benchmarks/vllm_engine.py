@@ -31,6 +31,9 @@ from pathlib import Path
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+# The image part's LLaVA needs its shim and registration in every process vLLM spawns, and a
+# spawned process imports this module: so they are installed here, at import.
+import tests.vllm_mm_scenarios  # noqa: E402, F401
 from benchmarks._common import add_out_arg, write_results  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
