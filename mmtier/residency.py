@@ -51,6 +51,7 @@ from .errors import CapacityError, CorruptDataError, MMTierError
 from .eviction import EvictionPolicy
 from .groups import ModalityGroup, Tier
 from .kernels.layout import PagedKV
+from .page_copies import view_runs
 from .pool import PagePool
 from .stats import Counters, TierUsage
 from .storage import DiskTier, HostTier, Mover
@@ -223,7 +224,7 @@ class LowerTiers:
                 entry.wait()                              # the device pages are read
                 return StagedCopy(key, Tier.HOST, entry)
         if self.mover is not None and not group.freed and self._disk_room(group.nbytes):
-            pages = pool.view[torch.tensor(group.pages, device=pool.device)].cpu()
+            pages = view_runs(pool.view, group.pages)     # written from the pool's own memory
             try:
                 entry = self.owner.wait(self.mover.spill(key, group.spec, group.num_tokens, pages))
             except (MMTierError, OSError):
@@ -320,10 +321,11 @@ class LowerTiers:
         group.location = None
 
     # ------------------------------------------------------------------ promotion
-    def read_disk_async(self, group: ModalityGroup) -> Future:
-        """Start reading the group's verified pages from disk (resolves to them or ``None``)."""
+    def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | None = None) -> Future:
+        """Start reading the group's verified pages from disk, into ``out`` (``[n,
+        *page_shape]``) when given; resolves to them or ``None``."""
         assert self.mover is not None
-        return self.mover.fetch(self.storage_key(group), group.spec)
+        return self.mover.fetch(self.storage_key(group), group.spec, out=out)
 
     def promote_into(self, group: ModalityGroup, pool: PagePool, pages: list[int],
                      src: torch.Tensor | None) -> None:
@@ -332,7 +334,10 @@ class LowerTiers:
         key = self.storage_key(group)
         if group.tier == Tier.DISK:
             assert src is not None and self.disk is not None
-            pool.view[torch.tensor(pages, device=pool.device)] = src.to(pool.device)
+            at = 0
+            for run in view_runs(pool.view, pages):
+                run.copy_(src[at:at + run.shape[0]])
+                at += run.shape[0]
             self.disk.remove(key)
         else:
             group.location.copy_to(pool.view, pages)

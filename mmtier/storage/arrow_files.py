@@ -131,7 +131,7 @@ class DiskTier(DiskReads, StorageTier):
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
-                 scan_threads: int = 16):
+                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +141,9 @@ class DiskTier(DiskReads, StorageTier):
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.scan_threads = scan_threads
+        self.write_concurrency = write_concurrency
+        self.read_threads = read_threads
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -192,8 +195,38 @@ class DiskTier(DiskReads, StorageTier):
                 self._loop = asyncio.new_event_loop()
             return self._loop.run_until_complete(self.put_async(key, spec, num_tokens, pages))
 
+    def put_many(self, items: Sequence[tuple[ContentKey, ModalitySpec, int, torch.Tensor | Sequence[torch.Tensor]]]
+                 ) -> list[DiskEntry]:
+        """Several groups ``(key, spec, num_tokens, pages)`` at once (blocking): their writes run
+        side by side (``write_concurrency`` at a time, on aiofiles' threads), each file fsynced
+        as ``put`` does, and the directory fsynced once for all of them at the end, so every
+        group is durable when this returns. A group that fails does not stop the others: the
+        first error is raised once all have finished, the groups written are kept."""
+        with self._sync_lock:
+            if self._closed:
+                raise ClosedError("disk tier is closed")
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(self._put_many(items))
+
+    async def _put_many(self, items) -> list[DiskEntry]:
+        gate = asyncio.Semaphore(self.write_concurrency)
+
+        async def one(item) -> DiskEntry:
+            async with gate:
+                return await self.put_async(*item, sync_dir=False)
+
+        results = await asyncio.gather(*(one(it) for it in items), return_exceptions=True)
+        await _fsync_dir(self.dir)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)  # type: ignore[arg-type]
+
     async def put_async(self, key: ContentKey, spec: ModalitySpec, num_tokens: int,
-                        pages: torch.Tensor | Sequence[torch.Tensor]) -> DiskEntry:
+                        pages: torch.Tensor | Sequence[torch.Tensor], *, sync_dir: bool = True) -> DiskEntry:
+        """``put`` on the caller's event loop. ``sync_dir=False`` leaves the directory fsync
+        to the caller (``put_many`` makes one for many groups): the group is durable only after it."""
         if spec.name != key.modality:
             raise UnknownModalityError(f"key of modality {key.modality!r} with spec {spec.name!r}")
         n = spec.pages_for(num_tokens)
@@ -230,7 +263,7 @@ class DiskTier(DiskReads, StorageTier):
         written: list[Path] = []
         try:
             entry = await self._write_group(key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                                            written)
+                                            written, sync_dir)
         except OSError as exc:
             await self._cleanup(written)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -269,6 +302,9 @@ class DiskTier(DiskReads, StorageTier):
     def close(self) -> None:
         with self._sync_lock:
             self._closed = True
+            if self._readers is not None:
+                self._readers.shutdown(wait=True)
+                self._readers = None
             if self._loop is not None:
                 self._loop.run_until_complete(self._loop.shutdown_default_executor())
                 self._loop.close()
@@ -276,7 +312,7 @@ class DiskTier(DiskReads, StorageTier):
 
     # ---- writing ----
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                           written: list[Path]) -> DiskEntry:
+                           written: list[Path], sync_dir: bool = True) -> DiskEntry:
         st = await aiofiles.os.statvfs(self.dir) if self.free_floor_bytes > 0 else None
         with self._lock:   # every write in flight (this one included) may still need its bytes
             inflight = self._reserved
@@ -308,9 +344,10 @@ class DiskTier(DiskReads, StorageTier):
                 extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
             else:
                 extents = None
-        await _fsync_dir(self.dir)
-        if _CRASH_STEP:
-            _crash_point("after_dir_fsync")
+        if sync_dir:
+            await _fsync_dir(self.dir)
+            if _CRASH_STEP:
+                _crash_point("after_dir_fsync")
         return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files),
                          tuple(extents) if extents is not None else None)
 

@@ -51,20 +51,10 @@ from ..errors import (
     ShapeError,
     UnknownModalityError,
 )
+from ..page_copies import contiguous_runs
 from .tier import StorageTier
 
 _PIN_STEP = 64 << 20
-
-
-def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """``[(start, length)]`` of maximal runs of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for i in ids:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
 
 
 def paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
