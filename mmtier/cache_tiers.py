@@ -160,12 +160,26 @@ class TierAPI:
 
     def _page_runs(self, group: ModalityGroup) -> list[torch.Tensor]:
         """A device or host group's pages as slices of its pool view or host slab, in page
-        order (views: no copy)."""
+        order (views: no copy); a host copy is verified first (``_verified_host``)."""
         if group.tier == Tier.DEVICE:
             return view_runs(self.pools[group.modality].view, group.pages)
+        return self._verified_host(group).runs()
+
+    def _verified_host(self, group: ModalityGroup):
+        """The group's host entry after checking every page against its digest; on a
+        mismatch the group is a miss from now on (counted, the host copy dropped) and
+        ``CorruptDataError`` is raised, never wrong KV."""
         entry = group.location
-        entry.wait()
-        return entry.runs()
+        try:
+            entry.verify()
+        except CorruptDataError:
+            self.counters.add("corrupt_reads", group.modality)
+            self.counters.add("host_corrupt_reads", group.modality)
+            if self.lower.host is not None:
+                self.lower.host.remove(self.lower.storage_key(group))
+            self._forget_corrupt(group)
+            raise
+        return entry
 
     def _start_disk_read(self, group: ModalityGroup) -> tuple:
         """Start reading a (pinned) disk group's verified pages into a staging buffer:
@@ -245,6 +259,8 @@ class TierAPI:
         pages = pool.allocate(need)
         src = None
         try:
+            if group.tier == Tier.HOST:
+                self._verified_host(group)
             if group.tier == Tier.DISK:
                 src = self._read_pinned(group)
                 if group.pins or group.busy or group.freed or group.tier != Tier.DISK:
@@ -265,7 +281,8 @@ class TierAPI:
             runs = view_runs(self.pools[group.modality].view, group.pages)
             return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
         if group.tier == Tier.HOST:
-            return group.location.gather()
+            runs = self._verified_host(group).runs()
+            return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
         return self._read_pinned(group)
 
     def _read_pinned(self, group: ModalityGroup) -> torch.Tensor:

@@ -165,7 +165,15 @@ class LowerTiers:
     def _finish_spill(self, group: ModalityGroup, key: ContentKey, fut: Future) -> None:
         """A host -> disk spill landed: the group moves to disk and its host copy goes, unless
         it left the host meanwhile, left the cache, or is read right now (then the file goes)."""
-        if fut.exception() is not None:
+        exc = fut.exception()
+        if isinstance(exc, CorruptDataError) and not group.freed and group.tier == Tier.HOST:
+            self.counters.add("corrupt_reads", group.modality)   # the host copy failed its checksums
+            self.counters.add("host_corrupt_reads", group.modality)
+            if self.host is not None:
+                self.host.remove(key)
+            self.owner.forget_corrupt(group)
+            return
+        if exc is not None:
             self.counters.add("spill_failures", group.modality)
             return
         entry = fut.result()
@@ -340,7 +348,7 @@ class LowerTiers:
                 at += run.shape[0]
             self.disk.remove(key)
         else:
-            group.location.copy_to(pool.view, pages)
+            group.location.copy_to(pool.view, pages, check=False)   # the owner verified it
             assert self.host is not None
             self.host.remove(key)
         group.pages = pages

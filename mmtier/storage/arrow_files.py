@@ -224,9 +224,12 @@ class DiskTier(DiskReads, StorageTier):
         return list(results)  # type: ignore[arg-type]
 
     async def put_async(self, key: ContentKey, spec: ModalitySpec, num_tokens: int,
-                        pages: torch.Tensor | Sequence[torch.Tensor], *, sync_dir: bool = True) -> DiskEntry:
+                        pages: torch.Tensor | Sequence[torch.Tensor], *, sync_dir: bool = True,
+                        expected_sums: Sequence[int] | None = None) -> DiskEntry:
         """``put`` on the caller's event loop. ``sync_dir=False`` leaves the directory fsync
-        to the caller (``put_many`` makes one for many groups): the group is durable only after it."""
+        to the caller (``put_many`` makes one for many groups): the group is durable only after it.
+        ``expected_sums``: the xxh3 each page should have (a host copy's digests); the write
+        computes them anyway, and a difference raises ``CorruptDataError``, nothing written."""
         if spec.name != key.modality:
             raise UnknownModalityError(f"key of modality {key.modality!r} with spec {spec.name!r}")
         n = spec.pages_for(num_tokens)
@@ -263,7 +266,7 @@ class DiskTier(DiskReads, StorageTier):
         written: list[Path] = []
         try:
             entry = await self._write_group(key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                                            written, sync_dir)
+                                            written, sync_dir, expected_sums)
         except OSError as exc:
             await self._cleanup(written)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -312,7 +315,8 @@ class DiskTier(DiskReads, StorageTier):
 
     # ---- writing ----
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                           written: list[Path], sync_dir: bool = True) -> DiskEntry:
+                           written: list[Path], sync_dir: bool = True,
+                           expected_sums: Sequence[int] | None = None) -> DiskEntry:
         st = await aiofiles.os.statvfs(self.dir) if self.free_floor_bytes > 0 else None
         with self._lock:   # every write in flight (this one included) may still need its bytes
             inflight = self._reserved
@@ -322,6 +326,8 @@ class DiskTier(DiskReads, StorageTier):
                                    f"({self.free_floor_bytes} bytes; {st.f_bavail * st.f_frsize} free)")
         loop = asyncio.get_running_loop()
         sums = await loop.run_in_executor(None, page_sums, rows)
+        if expected_sums is not None and sums.tolist() != list(expected_sums):
+            raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks}
