@@ -69,6 +69,7 @@ PAIRS = [
     ("cache_get_host", "cache_get_host", "cache_get_host", "raw_get_copy"),
     ("cache_durable_write", "cache_put_disk", "cache_put_disk", None),
     ("cache_cold_read", "cache_cold_read", "cache_cold_read", None),
+    ("host_checksums", "checksums", None, None),          # what the verified reads cost
 ]
 
 
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
         # one untimed round: first-touch of every buffer on both sides
         for _, m_op, l_op, r_op in PAIRS:
             run["mmtier"](m_op)
-            run["lmcache"](l_op)
+            if l_op:
+                run["lmcache"](l_op)
             if r_op:
                 run["raw"](r_op)
         got: dict[str, dict[str, list[dict]]] = {name: {"mmtier": [], "lmcache": [], "raw": []}
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         for r in range(args.rounds):
             loads.append(os.getloadavg()[0])
             for name, m_op, l_op, r_op in PAIRS:
-                order = [("mmtier", m_op), ("lmcache", l_op)] + ([("raw", r_op)] if r_op else [])
+                order = [("mmtier", m_op)] + ([("lmcache", l_op)] if l_op else []) + ([("raw", r_op)] if r_op else [])
                 k = r % len(order)
                 # the raw copies are sized by what this round's put did: run them after it
                 seq = order[k:] + order[:k]
@@ -182,7 +184,16 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
             return ans["disk_bytes"]
         return n * gb
 
-    for name, *_ in PAIRS:
+    sums = [a["s"] for a in got["host_checksums"]["mmtier"]]
+    t_sum = sorted(sums)[len(sums) // 2] / n               # seconds per group
+    fig["host_checksum_gbs"] = gb / t_sum / 1e9
+    put = got["cache_put_host"]["mmtier"]
+    fig["cache_put_host_checksum_share"] = sorted(a["demotions"] * t_sum / a["s"] for a in put)[len(put) // 2]
+    get = got["cache_get_host"]["mmtier"]
+    fig["cache_get_host_checksum_share"] = sorted(a["groups"] * t_sum / a["s"] for a in get)[len(get) // 2]
+    for name, _, l_op, _ in PAIRS:
+        if l_op is None:
+            continue
         m, lm = got[name]["mmtier"], got[name]["lmcache"]
         m_speed = [bytes_of(name, "mmtier", a) / a["s"] for a in m]
         l_speed = [bytes_of(name, "lmcache", a) / a["s"] for a in lm]

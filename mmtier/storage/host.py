@@ -407,7 +407,11 @@ class HostTier(StorageTier):
         runs = paired_runs(list(entry.slots), src_ids)
         if not pages.is_cuda:
             for d, s, n in runs:
-                view[d:d + n].copy_(pages[s:s + n])
+                src = pages[s:s + n]
+                if src.is_contiguous():        # libc's memcpy (non-temporal stores): ~1.3x copy_
+                    np.copyto(_rows(view[d:d + n]), _rows(src))
+                else:
+                    view[d:d + n].copy_(src)
             return
         stream = self._side_stream(pages.device)
         stream.wait_stream(torch.cuda.current_stream(pages.device))
