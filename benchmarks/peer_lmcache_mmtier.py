@@ -74,7 +74,8 @@ class MMTierSide:
         # raw copies' buffers (made and touched once)
         self.raw_pages = torch.empty(self.ppg, *self.spec.page_shape, dtype=torch.bfloat16)
         self.raw_pages.zero_()
-        self.raw_host = torch.zeros_like(self.raw_pages)
+        # a host buffer per group, as the tier's slots: a copy never lands in a cache-hot buffer
+        self.raw_host = torch.zeros(groups, *self.raw_pages.shape, dtype=torch.bfloat16)
         self.raw_k = torch.zeros_like(self.kv[0][0])
         self.raw_v = torch.zeros_like(self.kv[0][1])
 
@@ -182,7 +183,7 @@ class MMTierSide:
             self.raw_pages[:, :, 0].copy_(k.view(L, p, self.P, H, D).transpose(0, 1))
             self.raw_pages[:, :, 1].copy_(v.view(L, p, self.P, H, D).transpose(0, 1))
             if i < self.demotions:                  # as many demotions as the put made (libc memcpy)
-                np.copyto(self.raw_host.view(-1).view(torch.uint8).numpy(),
+                np.copyto(self.raw_host[i].view(-1).view(torch.uint8).numpy(),
                           self.raw_pages.view(-1).view(torch.uint8).numpy())
         return {"s": time.perf_counter() - t0}
 
@@ -191,9 +192,9 @@ class MMTierSide:
         head_dim]`` K and V (the layout change), once."""
         L, n, H, D = self.kv[0][0].shape
         p = n // self.P
-        pages = self.pages[0]
         t0 = time.perf_counter()
-        for _ in self.host_keys:
+        for i, _ in self.host_keys:         # a different group's pages each time (none cache-hot)
+            pages = self.pages[i]
             self.raw_k.view(L, p, self.P, H, D).copy_(pages[:, :, 0].transpose(0, 1))
             self.raw_v.view(L, p, self.P, H, D).copy_(pages[:, :, 1].transpose(0, 1))
         return {"s": time.perf_counter() - t0}

@@ -31,6 +31,8 @@ COMMANDS = {
     "multiturn": "python -m benchmarks.multiturn  (5 rounds)",
     "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo (./run demo)",
+    "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 5; LMCache 0.5.6 "
+                    "in .venv-lmcache from benchmarks/peers_env.sh)",
 }
 
 OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG
@@ -72,8 +74,17 @@ HEADLINES = [
     ("hf_generate", "7b_warm_over_dynamic_ttft", "(reported)", None),
     ("hf_generate", "7b_cold_over_dynamic_tpot", "(reported)", None),
     ("hf_generate", "batch_over_single", "(reported; > 1: one call is faster)", None),
-    ("connector_copy", "save_over_plain_copy", "(reported)", None),
-    ("connector_copy", "load_over_plain_copy", "(reported)", None),
+    ("connector_copy", "save_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
+    ("connector_copy", "load_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
+    ("peer_lmcache", "cache_put_host_over_raw_copies", "<= 1.2 (time)", lambda v: v <= 1.2),
+    ("peer_lmcache", "cache_get_host_over_raw_copy", "<= 1.2 (time)", lambda v: v <= 1.2),
+    ("peer_lmcache", "cache_durable_write_over_lmcache_fsynced", ">= 1.0 (speed)", lambda v: v >= 1.0),
+    ("peer_lmcache", "cache_cold_read_over_lmcache", ">= 1.0 (speed)", lambda v: v >= 1.0),
+    ("peer_lmcache", "tier_durable_write_over_lmcache_fsynced", "(reported; speed)", None),
+    ("peer_lmcache", "tier_cold_read_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_put_host_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_get_host_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_put_host_checksum_share", "(reported: the host checksums' share of a put)", None),
 ]
 
 

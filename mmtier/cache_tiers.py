@@ -131,8 +131,12 @@ class TierAPI:
                 for i in on_disk:
                     reads[i] = self._start_disk_read(groups[i])
                 for i, g in enumerate(groups):           # the lock is held throughout: in place
-                    if i not in reads:
-                        pages_into_kv(self._page_runs(g), *dests[i])
+                    if i in reads:
+                        continue
+                    if g.tier == Tier.DEVICE:
+                        pages_into_kv(view_runs(self.pools[g.modality].view, g.pages), *dests[i])
+                    else:
+                        self._copy_host_checked(g, *dests[i])
                 for i in on_disk:
                     buf, pages, fut = reads[i]
                     if self.wait(fut) is None:           # lets go of the lock while it waits
@@ -158,28 +162,38 @@ class TierAPI:
                 self.counters.add("exports", key.modality)
         return dests
 
-    def _page_runs(self, group: ModalityGroup) -> list[torch.Tensor]:
-        """A device or host group's pages as slices of its pool view or host slab, in page
-        order (views: no copy); a host copy is verified first (``_verified_host``)."""
-        if group.tier == Tier.DEVICE:
-            return view_runs(self.pools[group.modality].view, group.pages)
-        return self._verified_host(group).runs()
+    def _copy_host_checked(self, group: ModalityGroup, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A host group's tokens into ``k, v``, page by page, each page's digest checked right
+        after its copy (``HostEntry.checked_pages``); a mismatch as ``_verified_host``."""
+        n, P, t = group.num_tokens, group.spec.page_size, 0
+        try:
+            for page in group.location.checked_pages():
+                m = min(P, n - t)
+                pages_into_kv([page], k[:, t:t + m], v[:, t:t + m])
+                t += m
+        except CorruptDataError:
+            self._host_corrupt(group)
+            raise
 
     def _verified_host(self, group: ModalityGroup):
         """The group's host entry after checking every page against its digest; on a
-        mismatch the group is a miss from now on (counted, the host copy dropped) and
-        ``CorruptDataError`` is raised, never wrong KV."""
+        mismatch the group is a miss from now on (``_host_corrupt``) and ``CorruptDataError``
+        is raised, never wrong KV."""
         entry = group.location
         try:
             entry.verify()
         except CorruptDataError:
-            self.counters.add("corrupt_reads", group.modality)
-            self.counters.add("host_corrupt_reads", group.modality)
-            if self.lower.host is not None:
-                self.lower.host.remove(self.lower.storage_key(group))
-            self._forget_corrupt(group)
+            self._host_corrupt(group)
             raise
         return entry
+
+    def _host_corrupt(self, group: ModalityGroup) -> None:
+        """The host copy failed its checksums: counted, dropped, the group forgotten."""
+        self.counters.add("corrupt_reads", group.modality)
+        self.counters.add("host_corrupt_reads", group.modality)
+        if self.lower.host is not None:
+            self.lower.host.remove(self.lower.storage_key(group))
+        self._forget_corrupt(group)
 
     def _start_disk_read(self, group: ModalityGroup) -> tuple:
         """Start reading a (pinned) disk group's verified pages into a staging buffer:

@@ -186,14 +186,16 @@ def test_host_entry_checksum_mismatch_is_an_error_never_data(tmp_path):
     host.close()
 
 
-def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path):
+@pytest.mark.parametrize("page", [0, 3, 4])         # first, middle, last (checked after the loop)
+def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
     with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
         for key in keys:
             cache.put(key, *kv())
         g = cache._groups[keys[0]]
         assert g.tier == Tier.HOST
-        _flip_slab_byte(g.location, page=3)
+        assert list(g.location.sums) == g.location.page_sums()   # the digests the fused copy took
+        _flip_slab_byte(g.location, page=page)
         with pytest.raises(CorruptDataError):
             cache.read_group(keys[0], out=poisoned())
         c = cache.stats().counters
