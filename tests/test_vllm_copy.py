@@ -19,8 +19,9 @@ def layer(layout: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["standard", "legacy"])
 @pytest.mark.parametrize("which", ["whole_blocks", "partial_last_block", "out_of_order_slots"])
-def test_gather_and_scatter_equal_indexing_by_slot(layout, which):
-    blocks = torch.randperm(B)[:5]
+@pytest.mark.parametrize("nblocks", [5, 12])          # checked in Python / with torch ops
+def test_gather_and_scatter_equal_indexing_by_slot(layout, which, nblocks):
+    blocks = torch.randperm(B)[:nblocks]
     slots = (blocks[:, None] * N + torch.arange(N)).flatten()
     if which == "partial_last_block":
         slots = slots[:-3]
