@@ -31,7 +31,7 @@ COMMANDS = {
     "multiturn": "python -m benchmarks.multiturn  (5 rounds)",
     "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo (./run demo)",
-    "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 5; LMCache 0.5.6 "
+    "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
                     "in .venv-lmcache from benchmarks/peers_env.sh)",
 }
 

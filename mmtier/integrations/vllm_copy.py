@@ -60,6 +60,10 @@ def gather(kv_layer: torch.Tensor, slots: torch.Tensor, head_dim: int,
     """``out_k[i], out_v[i] = K, V at slots[i]`` (``out_*``: ``[n, heads, head_dim]``)."""
     k, v = kv_views(kv_layer, head_dim)
     bs = k.shape[1]
+    if k.stride(0) == bs * k.stride(1):          # blocks x offsets is one slot axis already
+        _take(k, slots, None, None, out_k)
+        _take(v, slots, None, None, out_v)
+        return
     blocks = whole_blocks(slots, bs)
     if blocks is not None and out_k.is_contiguous() and out_v.is_contiguous() and out_k.dtype == k.dtype:
         for view, out in ((k, out_k), (v, out_v)):
