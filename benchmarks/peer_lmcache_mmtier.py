@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.peer_lmcache_worker import drop_cache, group_kv
+from benchmarks.file_faults import damage, drop_cache
+from benchmarks.peer_lmcache_worker import group_kv
 from mmtier import CacheConfig, TieredKVCache
 from mmtier.content import KeyMaker
 from mmtier.storage import DiskTier, HostTier
@@ -221,15 +222,7 @@ class MMTierSide:
                 for key, pages in zip(keys, self.pages):
                     disk.put(key, self.spec, self.C, pages)
                 path = d / disk.info(keys[0]).files[0]
-                size = path.stat().st_size
-                if probe == "flip":
-                    with open(path, "r+b") as f:
-                        f.seek(size // 2)
-                        b = f.read(1)
-                        f.seek(size // 2)
-                        f.write(bytes([b[0] ^ 0xFF]))
-                else:
-                    os.truncate(path, size // 2)
+                damage(path, probe)
                 drop_cache([str(path)])
                 got = disk.get(keys[0], self.spec, MODEL)
                 st = disk.stats()

@@ -22,6 +22,11 @@ import time
 
 import torch
 
+try:                                   # as a module of the benchmarks package (mmtier's side)
+    from benchmarks.file_faults import damage, drop_cache
+except ImportError:                    # as a script in LMCache's environment (benchmarks/ on the path)
+    from file_faults import damage, drop_cache
+
 
 def group_kv(seed: int, i: int, layers: int, tokens: int, heads: int, head_dim: int):
     """The K and V of group ``i`` (``[layers, tokens, heads, head_dim]`` bf16), made exactly as
@@ -286,15 +291,7 @@ class Peer:
             eng.store(tokens)
             self._wait_written(disk, keys)
             path = disk.dict[keys[0]].path
-            size = os.path.getsize(path)
-            if probe == "flip":
-                with open(path, "r+b") as f:
-                    f.seek(size // 2)
-                    b = f.read(1)
-                    f.seek(size // 2)
-                    f.write(bytes([b[0] ^ 0xFF]))
-            else:
-                os.truncate(path, size // 2)
+            damage(path, probe)
             drop_cache([path])
             self._poison_free(self.backends(eng)["LocalCPUBackend"], n)
             self.dst[:, :, : n * self.C].fill_(float("nan"))
@@ -347,25 +344,6 @@ class Peer:
         self.destroy("probe-c")
         shutil.rmtree(d, ignore_errors=True)
         return out
-
-
-def drop_cache(paths: list[str]) -> str:
-    """Drop the page cache of ``paths`` (as ``benchmarks.spill.drop_cache``): all of it as root,
-    else ``posix_fadvise(DONTNEED)`` of each file after an fsync."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
 
 
 def main() -> None:
