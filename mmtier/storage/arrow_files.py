@@ -44,6 +44,7 @@ import aiofiles.os
 import numpy as np
 import pyarrow as pa
 import torch
+import xxhash
 
 from ..config import ModalitySpec
 from ..content import ContentKey
@@ -58,10 +59,8 @@ from ..errors import (
 )
 from .arrow_extent import (
     FileExtent,
-    digest_of,
     frame_digest,
     frame_gaps,
-    layer_digests,
 )
 from .arrow_format import (
     FILE_OVERHEAD,
@@ -71,7 +70,6 @@ from .arrow_format import (
     group_fields,
     layout_of,
     page_rows,
-    page_sums,
     scan_file,
     serialize,
     slice_rows,
@@ -325,18 +323,19 @@ class DiskTier(DiskReads, StorageTier):
             raise StorageFullError(f"disk tier: writing {need} bytes would cross the free-space floor "
                                    f"({self.free_floor_bytes} bytes; {st.f_bavail * st.f_frsize} free)")
         loop = asyncio.get_running_loop()
-        sums = await loop.run_in_executor(None, page_sums, rows)
+        bounds = [(c * per_file, min(n, (c + 1) * per_file)) for c in range(num_chunks)]
+        chunks = [slice_rows(rows, lo, hi) for lo, hi in bounds]
+        digests = await loop.run_in_executor(None, _digests, chunks, spec.page_layers)
+        sums = np.concatenate([d[0] for d in digests])
         if expected_sums is not None and sums.tolist() != list(expected_sums):
             raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks}
         files, extents, total = [], [], 0
-        for c in range(num_chunks):
-            lo, hi = c * per_file, min(n, (c + 1) * per_file)
+        for c, ((lo, hi), chunk_rows) in enumerate(zip(bounds, chunks)):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            chunk_rows = slice_rows(rows, lo, hi)
-            block_sums, layer_sums = await loop.run_in_executor(None, _block_digests, chunk_rows, spec.page_layers)
+            _, block_sums, layer_sums = digests[c]
             parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
@@ -486,13 +485,30 @@ class DiskTier(DiskReads, StorageTier):
             self._used += nbytes
 
 
-def _block_digests(rows: list[np.ndarray], layers: int) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Per row block: the xxh3 of its bytes and, per layer, of that layer's bytes (the same
-    single digest when a page holds one layer: one pass over the data, not two)."""
-    blocks = [digest_of([r]) for r in rows]
-    if layers == 1:
-        return blocks, [(d,) for d in blocks]
-    return blocks, [layer_digests([r], layers) for r in rows]
+def _digests(chunks: list[list[np.ndarray]], layers: int
+             ) -> list[tuple[np.ndarray, list[int], list[tuple[int, ...]]]]:
+    """Per file chunk (its row blocks): the xxh3 of each page, of each block, and per block of
+    each layer's slices, in one pass over memory: each page is read once from memory and hashed
+    whole, then fed, while it sits in the CPU's cache, to its block's and its layers' running
+    digests (the same digests ``digest_of`` / ``layer_digests`` give over the same bytes)."""
+    out = []
+    for rows in chunks:
+        pages: list[int] = []
+        blocks: list[int] = []
+        per_layer: list[tuple[int, ...]] = []
+        for r in rows:
+            hb = xxhash.xxh3_64()
+            hl = [xxhash.xxh3_64() for _ in range(layers)] if layers > 1 else []
+            lb = r.shape[1] // layers
+            for row in r:
+                pages.append(xxhash.xxh3_64_intdigest(row))
+                hb.update(row)
+                for layer, h in enumerate(hl):
+                    h.update(row[layer * lb:(layer + 1) * lb])
+            blocks.append(hb.intdigest())
+            per_layer.append(tuple(h.intdigest() for h in hl) if hl else (blocks[-1],))
+        out.append((np.array(pages, dtype=np.uint64), blocks, per_layer))
+    return out
 
 
 async def _fsync_dir(path: Path) -> None:
