@@ -44,7 +44,6 @@ import aiofiles.os
 import numpy as np
 import pyarrow as pa
 import torch
-import xxhash
 
 from ..config import ModalitySpec
 from ..content import ContentKey
@@ -61,6 +60,7 @@ from .arrow_extent import (
     FileExtent,
     frame_digest,
     frame_gaps,
+    write_digests,
 )
 from .arrow_format import (
     FILE_OVERHEAD,
@@ -325,7 +325,7 @@ class DiskTier(DiskReads, StorageTier):
         loop = asyncio.get_running_loop()
         bounds = [(c * per_file, min(n, (c + 1) * per_file)) for c in range(num_chunks)]
         chunks = [slice_rows(rows, lo, hi) for lo, hi in bounds]
-        digests = await loop.run_in_executor(None, _digests, chunks, spec.page_layers)
+        digests = await loop.run_in_executor(None, write_digests, chunks, spec.page_layers)
         sums = np.concatenate([d[0] for d in digests])
         if expected_sums is not None and sums.tolist() != list(expected_sums):
             raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
@@ -483,32 +483,6 @@ class DiskTier(DiskReads, StorageTier):
             self._index[key.digest] = DiskEntry(key, m0["model"], m0["layout"], m0["num_tokens"],
                                                 m0["num_pages"], nbytes, tuple(c[1] for c in chunks))
             self._used += nbytes
-
-
-def _digests(chunks: list[list[np.ndarray]], layers: int
-             ) -> list[tuple[np.ndarray, list[int], list[tuple[int, ...]]]]:
-    """Per file chunk (its row blocks): the xxh3 of each page, of each block, and per block of
-    each layer's slices, in one pass over memory: each page is read once from memory and hashed
-    whole, then fed, while it sits in the CPU's cache, to its block's and its layers' running
-    digests (the same digests ``digest_of`` / ``layer_digests`` give over the same bytes)."""
-    out = []
-    for rows in chunks:
-        pages: list[int] = []
-        blocks: list[int] = []
-        per_layer: list[tuple[int, ...]] = []
-        for r in rows:
-            hb = xxhash.xxh3_64()
-            hl = [xxhash.xxh3_64() for _ in range(layers)] if layers > 1 else []
-            lb = r.shape[1] // layers
-            for row in r:
-                pages.append(xxhash.xxh3_64_intdigest(row))
-                hb.update(row)
-                for layer, h in enumerate(hl):
-                    h.update(row[layer * lb:(layer + 1) * lb])
-            blocks.append(hb.intdigest())
-            per_layer.append(tuple(h.intdigest() for h in hl) if hl else (blocks[-1],))
-        out.append((np.array(pages, dtype=np.uint64), blocks, per_layer))
-    return out
 
 
 async def _fsync_dir(path: Path) -> None:

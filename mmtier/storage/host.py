@@ -46,7 +46,6 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import xxhash
 
@@ -62,6 +61,7 @@ from ..errors import (
     UnknownModalityError,
 )
 from ..page_copies import contiguous_runs
+from .page_digests import copy_and_digest, page_rows_of
 from .tier import StorageTier
 
 _PIN_STEP = 64 << 20
@@ -176,7 +176,7 @@ class HostEntry:
 
     def page_sums(self) -> list[int]:
         """The xxh3 of each page as the slab holds it now."""
-        return [xxhash.xxh3_64_intdigest(row) for run in self.runs() for row in _rows(run)]
+        return [xxhash.xxh3_64_intdigest(row) for run in self.runs() for row in page_rows_of(run)]
 
     def checked_pages(self) -> Iterator[torch.Tensor]:
         """Each page in order as a ``[1, *page_shape]`` slab view; once the caller has read it
@@ -189,7 +189,7 @@ class HostEntry:
             for j in range(run.shape[0]):
                 page = run[j:j + 1]
                 yield page
-                if self.sums is not None and xxhash.xxh3_64_intdigest(_rows(page)[0]) != self.sums[i]:
+                if self.sums is not None and xxhash.xxh3_64_intdigest(page_rows_of(page)[0]) != self.sums[i]:
                     self._slab.corrupt_reads += 1
                     raise CorruptDataError(f"host copy of {self.key!r}: checksum mismatch at page {i}")
                 i += 1
@@ -426,7 +426,7 @@ class HostTier(StorageTier):
             for d, s, n in runs:
                 src = pages[s:s + n]
                 if src.is_contiguous() and sums is not None:
-                    sums.extend(_copy_and_digest(_rows(view[d:d + n]), _rows(src)))
+                    sums.extend(copy_and_digest(page_rows_of(view[d:d + n]), page_rows_of(src)))
                 else:
                     view[d:d + n].copy_(src)
                     sums = None                # taken at commit, from the slab
@@ -450,29 +450,6 @@ class HostTier(StorageTier):
                 stream = torch.cuda.Stream(device=index)
                 self._streams[index] = stream
             return stream
-
-
-_CHUNK = 256 << 10      # copied, then hashed while it sits in the CPU's cache
-
-
-def _copy_and_digest(dst: np.ndarray, src: np.ndarray) -> list[int]:
-    """Copy ``src`` rows (pages, uint8) into ``dst`` chunk by chunk (libc's memcpy) and return
-    each destination page's xxh3, each chunk hashed right after it landed: one pass over
-    memory for the copy and the digest together, instead of two."""
-    out = []
-    for dst_row, src_row in zip(dst, src):
-        h = xxhash.xxh3_64()
-        for at in range(0, dst_row.shape[0], _CHUNK):
-            part = dst_row[at:at + _CHUNK]
-            np.copyto(part, src_row[at:at + _CHUNK])
-            h.update(part)
-        out.append(h.intdigest())
-    return out
-
-
-def _rows(run: torch.Tensor) -> np.ndarray:
-    """A run of pages as ``[pages, page_bytes]`` uint8 rows (a view of the slab)."""
-    return run.reshape(run.shape[0], -1).view(torch.uint8).numpy()
 
 
 def _check_pages(spec: ModalitySpec, n: int, pages: torch.Tensor, page_ids: Sequence[int] | None) -> None:
