@@ -186,7 +186,7 @@ def test_host_entry_checksum_mismatch_is_an_error_never_data(tmp_path):
     host.close()
 
 
-@pytest.mark.parametrize("page", [0, 3, 4])         # first, middle, last (checked after the loop)
+@pytest.mark.parametrize("page", [0, 3, 4])         # first, middle, last
 def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
     with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]

@@ -26,8 +26,9 @@ Interface (mechanism only; the cache decides what lives here)::
     host.remove(key); host.close()
 
 Verified reads: every entry keeps the xxh3 of each of its pages (``entry.sums``), taken from
-the slab right after the copy into it landed (the disk files keep the same digests). Reads
-that copy a group *out* (``gather``, ``copy_to``, ``read_into``) check every page against them
+the slab as the copy into it lands (``page_digests.copy_and_digest``: each chunk hashed right
+after it landed, while cache-hot; the disk files keep the same digests). Reads that copy a
+group *out* (``gather``, ``copy_to``, the cache's ``read_group``) check every page against them
 first (``verify``): a mismatch is ``CorruptDataError`` (the owner treats it as a miss) and
 counted (``corrupt_reads``), never wrong KV. In-place CPU attention over ``view()`` reads the
 slab as it is (one check per attention call would cost more than the attention).
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -177,22 +178,6 @@ class HostEntry:
     def page_sums(self) -> list[int]:
         """The xxh3 of each page as the slab holds it now."""
         return [xxhash.xxh3_64_intdigest(row) for run in self.runs() for row in page_rows_of(run)]
-
-    def checked_pages(self) -> Iterator[torch.Tensor]:
-        """Each page in order as a ``[1, *page_shape]`` slab view; once the caller has read it
-        (when the iteration resumes), its digest is checked while its bytes are still in the
-        CPU's cache: the check costs little beyond the caller's own copy. A mismatch raises
-        ``CorruptDataError`` (counted) at that point: what the caller copied is then garbage."""
-        self.wait()
-        i = 0
-        for run in self.runs():
-            for j in range(run.shape[0]):
-                page = run[j:j + 1]
-                yield page
-                if self.sums is not None and xxhash.xxh3_64_intdigest(page_rows_of(page)[0]) != self.sums[i]:
-                    self._slab.corrupt_reads += 1
-                    raise CorruptDataError(f"host copy of {self.key!r}: checksum mismatch at page {i}")
-                i += 1
 
     def verify(self) -> None:
         """Wait for the copy in, then check every page against its digest: ``CorruptDataError``
