@@ -244,6 +244,25 @@ def test_transfer_checksum_mismatch_is_refused_and_counted(tmp_path):
         assert torch.equal(k2, k) and torch.equal(v2, v)
 
 
+def test_export_from_a_lower_tier_zeroes_the_last_page_past_the_group(tmp_path):
+    """A 37-token group (5 pages, the last one 5 tokens): whatever its pages held before, the
+    bytes an export ships past token 37 are zeros, and its checksums match what it ships."""
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        for i in range(3):                               # the pool's pages get written first
+            cache.put(cache.content_key("text", b"filler%d" % i), *kv(40))
+        key = cache.content_key("text", b"short")
+        cache.put(key, *kv(37))
+        for i in range(3):                               # push it down to the host tier
+            cache.put(cache.content_key("text", b"more%d" % i), *kv(40))
+        assert cache._groups[key].tier == Tier.HOST
+        meta, buf = export_pages(cache, key)
+        pages = torch.from_numpy(buf).view(torch.float32).view(5, L, 2, P, H, D)
+        assert (pages[-1, :, :, 37 - 4 * P:] == 0).all()
+        dst = TieredKVCache(cfg(tmp_path / "b", disk=False, key_secret=cache.cfg.key_secret))
+        assert import_pages(dst, key, meta, buf)        # the checksums are of what was shipped
+        dst.close()
+
+
 def test_transfer_from_host_and_disk_tiers_carries_checksums(tmp_path):
     with TieredKVCache(cfg(tmp_path)) as src, \
             TieredKVCache(cfg(tmp_path / "b", disk=False, key_secret=src.cfg.key_secret)) as dst:

@@ -39,6 +39,7 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..groups import Tier
+from ..storage.arrow_format import page_sums
 from ..table import SequenceHandle
 from .transfer_sums import check_pages, expected_sums, with_sums
 
@@ -291,6 +292,11 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
         group.hits += 1
         cache.policy.on_access(group)
         cache.counters.add("exports", key.modality)
+    rest = num_tokens % spec.page_size
+    if rest:                 # the last page's unused slots may hold an earlier owner's bytes: zeros
+        pages[-1, :, :, rest:] = 0
+        if sums is not None:
+            sums[-1] = int(page_sums([pages[-1:].reshape(1, -1).view(torch.uint8).numpy()])[0])
     return with_sums({"num_tokens": num_tokens}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes, sums)
 
 
