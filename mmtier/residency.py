@@ -104,6 +104,7 @@ class LowerTiers:
         self.staging = StagingPool(cfg.stream_buffer_bytes)
         self._done: collections.deque = collections.deque()
         self._spilling: dict[int, Future] = {}
+        self._spill_bytes: dict[int, int] = {}  # gid -> bytes of a host -> disk spill not yet applied
         self._private_keys: dict[int, ContentKey] = {}
         self._lock = threading.Lock()
 
@@ -156,6 +157,7 @@ class LowerTiers:
         while self._done:
             kind, group, key, fut = self._done.popleft()
             self._spilling.pop(group.gid, None)
+            self._spill_bytes.pop(group.gid, None)
             group.busy -= 1
             if kind == "spill":
                 self._finish_spill(group, key, fut)
@@ -283,11 +285,13 @@ class LowerTiers:
         return host.free_bytes >= nbytes
 
     def _disk_room(self, nbytes: int) -> bool:
-        """Make room in the disk budget by dropping its policy's victims (the cascade's end)."""
+        """Make room in the disk budget by dropping its policy's victims (the cascade's end),
+        counting the spills already started (their bytes are not on disk yet: without them,
+        background spills running side by side overcommit the budget and fail)."""
         disk = self.disk
         if disk is None or nbytes > disk.capacity_bytes:
             return False
-        need = disk.used_bytes + nbytes - disk.capacity_bytes
+        need = disk.used_bytes + sum(self._spill_bytes.values()) + nbytes - disk.capacity_bytes
         if need > 0:
             victims = self.policy.victims(Tier.DISK, need)
             if sum(g.nbytes for g in victims) < need:
@@ -303,6 +307,7 @@ class LowerTiers:
             return None
         key = self.storage_key(group)
         fut = self.mover.spill(key, group.spec, group.num_tokens)   # the host copy goes in the completion
+        self._spill_bytes[group.gid] = group.nbytes
         self._queue("spill", group, key, fut)
         return fut
 

@@ -277,3 +277,26 @@ def test_transfer_from_host_and_disk_tiers_carries_checksums(tmp_path):
             assert import_pages(dst, key, meta, buf)
             k, v = dst.read_group(key)
             assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+
+
+# ---------------------------------------------------------------------------- the disk budget
+def test_background_spills_side_by_side_respect_a_tight_disk_budget(tmp_path):
+    """A disk budget of six groups and many puts: the background spills that run side by side
+    make room for each other (the victims dropped first), so none is refused for budget, and
+    every group still held reads back equal."""
+    page = L * 2 * P * H * D * 4
+    with TieredKVCache(cfg(tmp_path, host_groups=4, disk_bytes=6 * (5 * page + 4096))) as cache:
+        data = {}
+        for i in range(30):
+            key = cache.content_key("text", b"g%d" % i)
+            data[key] = kv()
+            cache.put(key, *data[key])
+        cache.flush()
+        c = cache.stats().counters
+        assert c.get("spill_failures", 0) == 0 and cache.lower.disk.stats()["budget_refusals"] == 0
+        assert c["spills_to_disk"] > 6                   # the budget was the limit, many times over
+        held = [k for k in data if cache.holds([k])[0]]
+        assert len(held) >= 6
+        for key in held:
+            k, v = cache.read_group(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
