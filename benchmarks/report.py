@@ -33,6 +33,8 @@ COMMANDS = {
     "demo": "mmtier demo (./run demo)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
+    "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
+                    "in .venv-lmcache from benchmarks/peers_env.sh)",
 }
 
 OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG
@@ -77,8 +79,17 @@ HEADLINES = [
     ("vllm_engine", "mmtier_device_over_recompute", "(reported; < 1: mmtier's hit is faster than prefill)", None),
     ("vllm_engine", "mmtier_device_over_vllm_prefix", "(reported; vLLM's own prefix cache, same process)", None),
     ("vllm_engine", "mmtier_disk_restart_over_recompute", "(reported; a new engine, groups from disk)", None),
-    ("connector_copy", "save_over_plain_copy", "(reported)", None),
-    ("connector_copy", "load_over_plain_copy", "(reported)", None),
+    ("connector_copy", "save_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
+    ("connector_copy", "load_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
+    ("peer_lmcache", "cache_put_host_over_raw_copies", "<= 1.2 (time)", lambda v: v <= 1.2),
+    ("peer_lmcache", "cache_get_host_over_raw_copy", "<= 1.2 (time)", lambda v: v <= 1.2),
+    ("peer_lmcache", "cache_durable_write_over_lmcache_fsynced", ">= 1.0 (speed)", lambda v: v >= 1.0),
+    ("peer_lmcache", "cache_cold_read_over_lmcache", ">= 1.0 (speed)", lambda v: v >= 1.0),
+    ("peer_lmcache", "tier_durable_write_over_lmcache_fsynced", "(reported; speed)", None),
+    ("peer_lmcache", "tier_cold_read_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_put_host_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_get_host_over_lmcache", "(reported; speed)", None),
+    ("peer_lmcache", "cache_put_host_checksum_share", "(reported: the host checksums' share of a put)", None),
 ]
 
 

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
+from benchmarks.file_faults import drop_cache
 from mmtier.config import CacheConfig
 from mmtier.content import KeyMaker
 from mmtier.storage import DiskTier, HostTier, Mover
@@ -63,22 +64,6 @@ def key(modality: str, i: int):
     spec = CFG.spec(modality)
     return KEYS.derive(modality=modality, layout=spec.layout_fields(),
                        media=hashlib.sha256(i.to_bytes(8, "big")).digest(), tenant_salt=b"b" * 32)
-
-
-def drop_cache(paths: list[Path]) -> str:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise_dontneed"
 
 
 def raw_write(d: Path, arrays: list[np.ndarray]) -> tuple[float, list[Path]]:

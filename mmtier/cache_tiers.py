@@ -7,15 +7,16 @@ its bases), kept in its own file.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 
 import torch
 
 from .content import ContentKey
-from .errors import CapacityError, CorruptDataError
+from .errors import CapacityError, CorruptDataError, ShapeError
 from .groups import ModalityGroup, Tier
 from .leases import Lease
+from .page_copies import check_out_kv, pages_into_kv, view_runs
 from .pool import PagePool
 from .residency import WAIT_S
 
@@ -87,28 +88,118 @@ class TierAPI:
         with self._lock:
             self.leases.release(lease)
 
-    def read_group(self, key: ContentKey, *, lease: Lease | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A copy of a stored group's ``(k, v)`` ``[num_layers, n, num_kv_heads, head_dim]`` on
-        the CPU, from whichever tier holds it (export, transfer to another node). With a
-        ``lease``, the copy is returned only if the lease was still live when it finished
-        (``LeaseExpiredError`` otherwise): memory reused meanwhile is never returned."""
-        spec = self._check_key(key, "kv")
+    def read_group(self, key: ContentKey, *, lease: Lease | None = None,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stored group's ``(k, v)`` ``[num_layers, n, num_kv_heads, head_dim]``, from whichever
+        tier holds it (export, transfer to another node): new CPU tensors, or ``out`` (two
+        tensors of that shape and dtype, any device and strides), which is returned. The pages
+        are copied once, run by run, straight into the result (a disk group is read into a
+        reused staging buffer first). With a ``lease``, the copy is returned only if the lease
+        was still live when it finished (``LeaseExpiredError`` otherwise): memory reused
+        meanwhile is never returned."""
+        return self._export([key], [out] if out is not None else None, lease)[0]
+
+    def read_groups(self, keys: Sequence[ContentKey], *,
+                    out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``read_group`` of several groups in one call: the disk reads all start first and run
+        side by side (the mover's workers, up to ``max_inflight_bytes``), the groups in memory
+        are copied meanwhile. ``out``: one ``(k, v)`` pair per key, or ``None``."""
+        if out is not None and len(out) != len(keys):
+            raise ShapeError(f"{len(out)} out pairs for {len(keys)} keys")
+        return self._export(list(keys), list(out) if out is not None else None, None)
+
+    def _export(self, keys: list[ContentKey], out: list | None, lease: Lease | None) -> list:
+        specs = [self._check_key(key, "kv") for key in keys]
         with self._lock:
             self._open()
             self.lower.apply_completions()
-            group = self._require(key)
+            groups = [self._require(key) for key in keys]
             if lease is not None:
                 self.leases.check(lease)
-            pages = self._read_pages(group).cpu()      # a disk read lets go of the lock
+            shapes = [(s.num_layers, g.num_tokens, s.num_kv_heads, s.head_dim) for s, g in zip(specs, groups)]
+            if out is not None:            # all checked before anything is read or counted
+                dests = [check_out_kv(o, shape, s.torch_dtype) for o, shape, s in zip(out, shapes, specs)]
+            else:
+                dests = [(torch.empty(shape, dtype=s.torch_dtype), torch.empty(shape, dtype=s.torch_dtype))
+                         for shape, s in zip(shapes, specs)]
+            on_disk = [i for i, g in enumerate(groups) if g.tier == Tier.DISK]
+            for i in on_disk:
+                groups[i].pins += 1        # nothing removes their files while they are read
+            reads: dict[int, tuple] = {}
+            try:
+                for i in on_disk:
+                    reads[i] = self._start_disk_read(groups[i])
+                for i, g in enumerate(groups):           # the lock is held throughout: in place
+                    if i in reads:
+                        continue
+                    if g.tier == Tier.DEVICE:
+                        pages_into_kv(view_runs(self.pools[g.modality].view, g.pages), *dests[i])
+                    else:
+                        self._copy_host_checked(g, *dests[i])
+                for i in on_disk:
+                    buf, pages, fut = reads[i]
+                    if self.wait(fut) is None:           # lets go of the lock while it waits
+                        self.counters.add("corrupt_reads", groups[i].modality)
+                        self._forget_corrupt(groups[i])
+                        raise CorruptDataError(f"{groups[i]!r}: stored copy missing or failed verification "
+                                               "(a miss)")
+                    pages_into_kv([pages], *dests[i])
+            finally:
+                for buf, _, fut in reads.values():
+                    if fut.done():
+                        self.lower.staging.give(buf)
+                    else:                                # a failed wait: the read may still land
+                        fut.add_done_callback(lambda _f, b=buf: self.lower.staging.give(b))
+                for i in on_disk:
+                    groups[i].pins -= 1
+                    self._settle(groups[i])
             if lease is not None:
                 self.leases.check(lease)
-            group.hits += 1
-            self.policy.on_access(group)
-            self.counters.add("exports", key.modality)
-        n = group.num_tokens
-        flat = pages.permute(1, 2, 0, 3, 4, 5).reshape(spec.num_layers, 2, -1, spec.num_kv_heads, spec.head_dim)
-        return flat[:, 0, :n].contiguous(), flat[:, 1, :n].contiguous()
+            for key, g in zip(keys, groups):
+                g.hits += 1
+                self.policy.on_access(g)
+                self.counters.add("exports", key.modality)
+        return dests
+
+    def _copy_host_checked(self, group: ModalityGroup, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A host group's tokens into ``k, v``: every page checked first (``_verified_host``),
+        then one strided copy per run. (Checking each page right after copying it, while it is
+        cache-hot, measured slower: 1.55x the bare copy against 1.29x, since the copy then goes
+        page by page.)"""
+        pages_into_kv(self._verified_host(group).runs(), k, v)
+
+    def _verified_host(self, group: ModalityGroup):
+        """The group's host entry after checking every page against its digest; on a
+        mismatch the group is a miss from now on (``_host_corrupt``) and ``CorruptDataError``
+        is raised, never wrong KV."""
+        entry = group.location
+        try:
+            entry.verify()
+        except CorruptDataError:
+            self._host_corrupt(group)
+            raise
+        return entry
+
+    def _host_corrupt(self, group: ModalityGroup) -> None:
+        """The host copy failed its checksums: counted, dropped, the group forgotten."""
+        self.counters.add("corrupt_reads", group.modality)
+        self.counters.add("host_corrupt_reads", group.modality)
+        if self.lower.host is not None:
+            self.lower.host.remove(self.lower.storage_key(group))
+        self._forget_corrupt(group)
+
+    def _start_disk_read(self, group: ModalityGroup) -> tuple:
+        """Start reading a (pinned) disk group's verified pages into a staging buffer:
+        ``(buffer, pages view, future)``; the future resolves to the pages or ``None``."""
+        spec, n = group.spec, group.num_pages
+        buf = self.lower.staging.take(n * spec.page_bytes)
+        pages = self.lower.staging.pages(buf, n, tuple(spec.page_shape), spec.torch_dtype)
+        try:
+            return buf, pages, self.lower.read_disk_async(group, out=pages)
+        except BaseException:
+            self.lower.staging.give(buf)
+            raise
 
     def inventory(self) -> list[tuple[ContentKey, str, int]]:
         """Every stored shared group: ``(key, tier name, bytes)`` (registries rebuild from it)."""
@@ -176,6 +267,8 @@ class TierAPI:
         pages = pool.allocate(need)
         src = None
         try:
+            if group.tier == Tier.HOST:
+                self._verified_host(group)
             if group.tier == Tier.DISK:
                 src = self._read_pinned(group)
                 if group.pins or group.busy or group.freed or group.tier != Tier.DISK:
@@ -193,10 +286,11 @@ class TierAPI:
         """A copy of the group's pages ``[n, *page_shape]`` from whichever tier holds it (a
         disk read lets go of the lock)."""
         if group.tier == Tier.DEVICE:
-            pool = self.pools[group.modality]
-            return pool.view[torch.tensor(group.pages, device=pool.device)]
+            runs = view_runs(self.pools[group.modality].view, group.pages)
+            return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
         if group.tier == Tier.HOST:
-            return group.location.gather()
+            runs = self._verified_host(group).runs()
+            return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
         return self._read_pinned(group)
 
     def _read_pinned(self, group: ModalityGroup) -> torch.Tensor:

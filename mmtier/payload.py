@@ -11,6 +11,7 @@ from .config import ModalitySpec
 from .errors import DTypeError, ShapeError
 from .kernels import write_kv
 from .kernels.layout import INDEX_DTYPE
+from .page_copies import kv_into_pages
 from .pool import PagePool
 
 
@@ -41,23 +42,10 @@ def check_payload(spec: ModalitySpec, t: torch.Tensor) -> None:
 
 
 def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> None:
-    """Fill new pages from token 0: whole pages in one indexed copy each for K and V, the
-    partial last page through the slot-mapped write."""
-    size = pool.spec.page_size
-    n = k.shape[1]
-    full = n // size
-    dev = pool.device
-    if full:
-        layers, _, heads, dim = k.shape
-        idx = torch.tensor(pages[:full], dtype=torch.int64, device=dev)
-        for j, t in ((0, k), (1, v)):
-            block = t[:, : full * size].to(dev).reshape(layers, full, size, heads, dim)
-            pool.view[idx, :, j] = block.transpose(0, 1).to(pool.view.dtype)
-    if n > full * size:
-        rest = n - full * size
-        page_ids = torch.full((rest,), pages[full], dtype=INDEX_DTYPE)
-        write_slots(pool, k[:, full * size:], v[:, full * size:], page_ids,
-                    torch.arange(rest, dtype=INDEX_DTYPE), backend)
+    """Fill new pages from token 0, run by run of consecutive pages (``kv_into_pages``: one
+    strided copy per run for K and for V, the partial last page sliced; no index tensor)."""
+    del backend                                   # slices need no kernel
+    kv_into_pages(pool.view, pages, k, v)
 
 
 def write_embedding(pool: PagePool, x: torch.Tensor, pages: list[int]) -> None:

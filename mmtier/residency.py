@@ -51,6 +51,7 @@ from .errors import CapacityError, CorruptDataError, MMTierError
 from .eviction import EvictionPolicy
 from .groups import ModalityGroup, Tier
 from .kernels.layout import PagedKV
+from .page_copies import view_runs
 from .pool import PagePool
 from .stats import Counters, TierUsage
 from .storage import DiskTier, HostTier, Mover
@@ -103,6 +104,7 @@ class LowerTiers:
         self.staging = StagingPool(cfg.stream_buffer_bytes)
         self._done: collections.deque = collections.deque()
         self._spilling: dict[int, Future] = {}
+        self._spill_bytes: dict[int, int] = {}  # gid -> bytes of a host -> disk spill not yet applied
         self._private_keys: dict[int, ContentKey] = {}
         self._lock = threading.Lock()
 
@@ -155,6 +157,7 @@ class LowerTiers:
         while self._done:
             kind, group, key, fut = self._done.popleft()
             self._spilling.pop(group.gid, None)
+            self._spill_bytes.pop(group.gid, None)
             group.busy -= 1
             if kind == "spill":
                 self._finish_spill(group, key, fut)
@@ -164,7 +167,15 @@ class LowerTiers:
     def _finish_spill(self, group: ModalityGroup, key: ContentKey, fut: Future) -> None:
         """A host -> disk spill landed: the group moves to disk and its host copy goes, unless
         it left the host meanwhile, left the cache, or is read right now (then the file goes)."""
-        if fut.exception() is not None:
+        exc = fut.exception()
+        if isinstance(exc, CorruptDataError) and not group.freed and group.tier == Tier.HOST:
+            self.counters.add("corrupt_reads", group.modality)   # the host copy failed its checksums
+            self.counters.add("host_corrupt_reads", group.modality)
+            if self.host is not None:
+                self.host.remove(key)
+            self.owner.forget_corrupt(group)
+            return
+        if exc is not None:
             self.counters.add("spill_failures", group.modality)
             return
         entry = fut.result()
@@ -223,7 +234,7 @@ class LowerTiers:
                 entry.wait()                              # the device pages are read
                 return StagedCopy(key, Tier.HOST, entry)
         if self.mover is not None and not group.freed and self._disk_room(group.nbytes):
-            pages = pool.view[torch.tensor(group.pages, device=pool.device)].cpu()
+            pages = view_runs(pool.view, group.pages)     # written from the pool's own memory
             try:
                 entry = self.owner.wait(self.mover.spill(key, group.spec, group.num_tokens, pages))
             except (MMTierError, OSError):
@@ -274,11 +285,13 @@ class LowerTiers:
         return host.free_bytes >= nbytes
 
     def _disk_room(self, nbytes: int) -> bool:
-        """Make room in the disk budget by dropping its policy's victims (the cascade's end)."""
+        """Make room in the disk budget by dropping its policy's victims (the cascade's end),
+        counting the spills already started (their bytes are not on disk yet: without them,
+        background spills running side by side overcommit the budget and fail)."""
         disk = self.disk
         if disk is None or nbytes > disk.capacity_bytes:
             return False
-        need = disk.used_bytes + nbytes - disk.capacity_bytes
+        need = disk.used_bytes + sum(self._spill_bytes.values()) + nbytes - disk.capacity_bytes
         if need > 0:
             victims = self.policy.victims(Tier.DISK, need)
             if sum(g.nbytes for g in victims) < need:
@@ -294,6 +307,7 @@ class LowerTiers:
             return None
         key = self.storage_key(group)
         fut = self.mover.spill(key, group.spec, group.num_tokens)   # the host copy goes in the completion
+        self._spill_bytes[group.gid] = group.nbytes
         self._queue("spill", group, key, fut)
         return fut
 
@@ -320,10 +334,11 @@ class LowerTiers:
         group.location = None
 
     # ------------------------------------------------------------------ promotion
-    def read_disk_async(self, group: ModalityGroup) -> Future:
-        """Start reading the group's verified pages from disk (resolves to them or ``None``)."""
+    def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | None = None) -> Future:
+        """Start reading the group's verified pages from disk, into ``out`` (``[n,
+        *page_shape]``) when given; resolves to them or ``None``."""
         assert self.mover is not None
-        return self.mover.fetch(self.storage_key(group), group.spec)
+        return self.mover.fetch(self.storage_key(group), group.spec, out=out)
 
     def promote_into(self, group: ModalityGroup, pool: PagePool, pages: list[int],
                      src: torch.Tensor | None) -> None:
@@ -332,10 +347,13 @@ class LowerTiers:
         key = self.storage_key(group)
         if group.tier == Tier.DISK:
             assert src is not None and self.disk is not None
-            pool.view[torch.tensor(pages, device=pool.device)] = src.to(pool.device)
+            at = 0
+            for run in view_runs(pool.view, pages):
+                run.copy_(src[at:at + run.shape[0]])
+                at += run.shape[0]
             self.disk.remove(key)
         else:
-            group.location.copy_to(pool.view, pages)
+            group.location.copy_to(pool.view, pages, check=False)   # the owner verified it
             assert self.host is not None
             self.host.remove(key)
         group.pages = pages

@@ -465,12 +465,19 @@ def test_a_write_that_fails_midway_changes_nothing(backend, monkeypatch):
         def broken(*a, **kw):
             raise RuntimeError("injected launch failure")
 
+        real_pages = payload.kv_into_pages
+
+        def broken_midway(view, ids, k, v):             # the first pages land, then it fails
+            real_pages(view, ids[:1], k[:, :view.shape[3]], v[:, :view.shape[3]])
+            raise RuntimeError("injected copy failure")
+
         monkeypatch.setattr(payload, "write_kv", broken)
+        monkeypatch.setattr(payload, "kv_into_pages", broken_midway)
         key = cache.content_key("vision", b"img", tenant="acme")
         with pytest.raises(RuntimeError):
             cache.append(seq, "text", *kv(30))          # extends the run and needs a new page
         with pytest.raises(RuntimeError):
-            cache.put(key, *kv(70))                      # the partial last page fails
+            cache.put(key, *kv(70))                      # fails after its first page
         assert {m: p.num_used for m, p in cache.pools.items()} == used
         assert (cache.sequence(seq).length, cache.prefix_key(seq)) == before
         assert not cache.contains(key)

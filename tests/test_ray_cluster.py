@@ -515,7 +515,8 @@ def test_store_spills_host_to_disk_serves_and_adopts_after_restart(tmp_path):
     _store_check(store, [groups[0][:3]])                           # disk, streamed
     _store_check(store, [groups[1][:3], groups[3][:3]], n_q=5)     # disk + host, merged
     meta, buf = store.export(groups[0][0].to_wire())
-    assert meta == {"num_tokens": 16} and (buf == groups[0][3]).all()
+    assert meta["num_tokens"] == 16 and (buf == groups[0][3]).all()
+    assert meta["xxh3"] == _exported(groups[0][0], *groups[0][1:3])[0]["xxh3"]   # the checksums travel
     big = maker.content_key("vision", b"too-big-for-host", tenant="acme")
     kb, vb = kv(48)                                      # 6 pages > the host budget: to disk
     item, evicted = store.import_group(big.to_wire(), *_exported(big, kb, vb))

@@ -38,6 +38,7 @@ from ..kernels.layout import build_paged_kv
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
 from .pool_actor import group_item
+from .transfer_sums import check_pages, expected_sums, with_sums
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class NodeStoreService:
         self._lock = threading.RLock()
         self._lru: OrderedDict[ContentKey, int] = OrderedDict()     # host: key -> num_tokens
         self._disk: OrderedDict[ContentKey, int] = OrderedDict()    # disk: key -> num_tokens
-        self.counters = {"puts": 0, "exports": 0, "attentions": 0, "evictions": 0, "spills": 0,
+        self.counters = {"transfer_corrupt_reads": 0, "puts": 0, "exports": 0, "attentions": 0, "evictions": 0, "spills": 0,
                          "spill_failures": 0, "disk_reads": 0, "corrupt_reads": 0,
                          "adopted_from_disk": 0, "foreign_files": 0}
         self.on_lost: Callable[[list[str]], None] | None = None     # the actor tells the registry
@@ -118,6 +119,12 @@ class NodeStoreService:
             raise ShapeError(f"{key.modality}: buffer of {buf.size} bytes for {n} tokens")
         if nbytes > self.host.capacity_bytes and self.disk is None:
             raise CapacityError(f"group of {nbytes} bytes exceeds the store")
+        want = expected_sums(meta, n_pages, key.modality)
+        try:                                 # the transfer is verified before anything is kept
+            check_pages(buf.reshape(n_pages, spec.page_bytes), want, repr(key))
+        except CorruptDataError:
+            self.counters["transfer_corrupt_reads"] += 1
+            raise
         with warnings.catch_warnings():    # read-only object-store buffer: only read from
             warnings.simplefilter("ignore", UserWarning)
             pages = torch.from_numpy(buf).view(spec.torch_dtype).view(n_pages, *spec.page_shape)
@@ -236,9 +243,10 @@ class NodeStoreService:
         with self._lock:
             view, ids, n, entry = self._read(key)
             try:
-                data = view if entry is None else entry.gather()
+                data = view if entry is None else entry.gather()       # a host copy: verified
                 self.counters["exports"] += 1
-                return {"num_tokens": n}, data.contiguous().view(torch.uint8).reshape(-1).numpy()
+                return with_sums({"num_tokens": n}, data.contiguous().view(torch.uint8).reshape(-1).numpy(),
+                                 self.cfg.spec(key.modality).page_bytes, entry.sums if entry is not None else None)
             finally:
                 if entry is not None:
                     self.host.release(entry)

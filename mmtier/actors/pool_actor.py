@@ -39,7 +39,9 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..groups import Tier
+from ..storage.arrow_format import page_sums
 from ..table import SequenceHandle
+from .transfer_sums import check_pages, expected_sums, with_sums
 
 _TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
 
@@ -252,12 +254,24 @@ class PoolService:
 
 # ---------------------------------------------------------------------- page I/O (cache internals)
 def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) -> tuple[dict, np.ndarray]:
-    """``({"num_tokens"}, pages as uint8 [n_pages * page_bytes])``, page-major: one copy when
-    the group is on the device, else through ``read_group`` from whichever tier holds it.
-    ``copy=False`` returns a CPU device group whose pages are one run as a *view* of the
-    arena (no copy): the caller holds a lease on the group until it is done reading. Scattered
-    pages, or pages on a GPU, are copied run by run straight into one host buffer."""
+    """``({"num_tokens", "xxh3"}, pages as uint8 [n_pages * page_bytes])``, page-major, with the
+    xxh3 of each page (``import_pages`` checks them: a transfer is a verified read like a disk
+    or host one). One copy when the group is on the device; from the host tier its verified
+    pages (their digests are the entry's own); from disk one verified read. ``copy=False``
+    returns a CPU device group whose pages are one run as a *view* of the arena (no copy): the
+    caller holds a lease on the group until it is done reading. Scattered pages, or pages on a
+    GPU, are copied run by run straight into one host buffer."""
     spec = cache._check_key(key)
+    if spec.kind == "embedding":             # encoder outputs: padded to pages
+        with cache._lock:
+            group = cache._groups.get(key)
+            on_device = group is not None and group.tier == Tier.DEVICE
+        if not on_device:
+            x = cache.get_embedding(key)
+            n = x.shape[0]
+            pages = torch.zeros(spec.pages_for(n) * spec.page_size, spec.width, dtype=x.dtype)
+            pages[:n] = x
+            return with_sums({"num_tokens": n}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes)
     with cache._lock:
         group = cache._groups.get(key)
         if group is None:
@@ -271,22 +285,20 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
                 data = torch.empty((len(group.pages), *view.shape[1:]), dtype=view.dtype)
                 for page, at, n in runs:
                     data[at:at + n].copy_(view[page:page + n])
-            return {"num_tokens": group.num_tokens}, data.view(torch.uint8).reshape(-1).numpy()
-    if spec.kind == "embedding":             # encoder outputs in a lower tier: padded to pages
-        x = cache.get_embedding(key)
-        n = x.shape[0]
-        pages = torch.zeros(spec.pages_for(n) * spec.page_size, spec.width, dtype=x.dtype)
-        pages[:n] = x
-        return {"num_tokens": n}, pages.view(torch.uint8).reshape(-1).numpy()
-    k, v = cache.read_group(key)
-    n = k.shape[1]
-    n_pages = spec.pages_for(n)
-    kv = torch.zeros(spec.num_layers, 2, n_pages * spec.page_size, spec.num_kv_heads, spec.head_dim,
-                     dtype=k.dtype)
-    kv[:, 0, :n], kv[:, 1, :n] = k, v
-    pages = kv.view(spec.num_layers, 2, n_pages, spec.page_size, spec.num_kv_heads, spec.head_dim)
-    flat = pages.permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8).reshape(-1)
-    return {"num_tokens": n}, flat.numpy()
+            return with_sums({"num_tokens": group.num_tokens}, data.view(torch.uint8).reshape(-1).numpy(),
+                              spec.page_bytes)
+        sums = list(group.location.sums) if group.tier == Tier.HOST and group.location.sums else None
+        pages = cache._read_pages(group)      # verified (a disk read lets go of the lock)
+        num_tokens = group.num_tokens
+        group.hits += 1
+        cache.policy.on_access(group)
+        cache.counters.add("exports", key.modality)
+    rest = num_tokens % spec.page_size
+    if rest:                 # the last page's unused slots may hold an earlier owner's bytes: zeros
+        pages[-1, :, :, rest:] = 0
+        if sums is not None:
+            sums[-1] = int(page_sums([pages[-1:].reshape(1, -1).view(torch.uint8).numpy()])[0])
+    return with_sums({"num_tokens": num_tokens}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes, sums)
 
 
 def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndarray) -> bool:
@@ -302,6 +314,7 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
     if buf.dtype != np.uint8 or buf.size != n_pages * spec.page_bytes or n <= 0:
         raise ShapeError(f"{key.modality}: buffer of {buf.size} bytes for {n} tokens "
                          f"({n_pages} pages of {spec.page_bytes} bytes)")
+    sums = expected_sums(meta, n_pages, key.modality)
     with warnings.catch_warnings():        # a read-only object-store buffer: only read from
         warnings.simplefilter("ignore", UserWarning)
         src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
@@ -316,10 +329,19 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
     try:
         for page, at, count in page_runs(pages):   # from the buffer into the pages: the one copy
             dst = pool.view[page:page + count].view(-1).view(torch.uint8)
+            part = buf[at * pb:(at + count) * pb]
             if on_host:     # libc's memcpy (non-temporal stores past the cache): ~1.3x torch's copy
-                np.copyto(dst.numpy(), buf[at * pb:(at + count) * pb])
+                np.copyto(dst.numpy(), part)
+                landed = dst.numpy()                 # what the pages hold now is what is checked
             else:
                 dst.copy_(src[at * pb:(at + count) * pb])
+                landed = part                        # checked in host memory, not on the device
+            try:
+                check_pages(landed.reshape(count, pb), sums[at:at + count], repr(key))
+            except CorruptDataError:
+                cache.counters.add("corrupt_reads", key.modality)
+                cache.counters.add("transfer_corrupt_reads", key.modality)
+                raise
         with cache._lock:
             if key not in cache._groups:
                 cache._insert_group(key, spec, n, pages)

@@ -130,6 +130,32 @@ def layer_digests(arrays: Sequence[np.ndarray], num_layers: int) -> tuple[int, .
     return tuple(out)
 
 
+def write_digests(chunks: list[list[np.ndarray]], layers: int
+             ) -> list[tuple[np.ndarray, list[int], list[tuple[int, ...]]]]:
+    """Per file chunk (its row blocks): the xxh3 of each page, of each block, and per block of
+    each layer's slices, in one pass over memory: each page is read once from memory and hashed
+    whole, then fed, while it sits in the CPU's cache, to its block's and its layers' running
+    digests (the same digests ``digest_of`` / ``layer_digests`` give over the same bytes)."""
+    out = []
+    for rows in chunks:
+        pages: list[int] = []
+        blocks: list[int] = []
+        per_layer: list[tuple[int, ...]] = []
+        for r in rows:
+            hb = xxhash.xxh3_64()
+            hl = [xxhash.xxh3_64() for _ in range(layers)] if layers > 1 else []
+            lb = r.shape[1] // layers
+            for row in r:
+                pages.append(xxhash.xxh3_64_intdigest(row))
+                hb.update(row)
+                for layer, h in enumerate(hl):
+                    h.update(row[layer * lb:(layer + 1) * lb])
+            blocks.append(hb.intdigest())
+            per_layer.append(tuple(h.intdigest() for h in hl) if hl else (blocks[-1],))
+        out.append((np.array(pages, dtype=np.uint64), blocks, per_layer))
+    return out
+
+
 def read_layer(path: str, extent: FileExtent, layer: int, dest: DestPages) -> int:
     """Layer ``layer`` of every page of a file whose layout is known, read straight into
     ``dest`` (one-layer pages): one read per page slice, or one ``preadv`` per block when a

@@ -59,10 +59,9 @@ from ..errors import (
 from . import writers
 from .arrow_extent import (
     FileExtent,
-    digest_of,
     frame_digest,
     frame_gaps,
-    layer_digests,
+    write_digests,
 )
 from .arrow_format import (
     FILE_OVERHEAD,
@@ -72,7 +71,6 @@ from .arrow_format import (
     group_fields,
     layout_of,
     page_rows,
-    page_sums,
     scan_file,
     serialize,
     slice_rows,
@@ -135,7 +133,7 @@ class DiskTier(DiskReads, StorageTier):
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
-                 scan_threads: int = 16):
+                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +143,9 @@ class DiskTier(DiskReads, StorageTier):
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.scan_threads = scan_threads
+        self.write_concurrency = write_concurrency
+        self.read_threads = read_threads
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -196,8 +197,41 @@ class DiskTier(DiskReads, StorageTier):
                 self._loop = asyncio.new_event_loop()
             return self._loop.run_until_complete(self.put_async(key, spec, num_tokens, pages))
 
+    def put_many(self, items: Sequence[tuple[ContentKey, ModalitySpec, int, torch.Tensor | Sequence[torch.Tensor]]]
+                 ) -> list[DiskEntry]:
+        """Several groups ``(key, spec, num_tokens, pages)`` at once (blocking): their writes run
+        side by side (``write_concurrency`` at a time, on aiofiles' threads), each file fsynced
+        as ``put`` does, and the directory fsynced once for all of them at the end, so every
+        group is durable when this returns. A group that fails does not stop the others: the
+        first error is raised once all have finished, the groups written are kept."""
+        with self._sync_lock:
+            if self._closed:
+                raise ClosedError("disk tier is closed")
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(self._put_many(items))
+
+    async def _put_many(self, items) -> list[DiskEntry]:
+        gate = asyncio.Semaphore(self.write_concurrency)
+
+        async def one(item) -> DiskEntry:
+            async with gate:
+                return await self.put_async(*item, sync_dir=False)
+
+        results = await asyncio.gather(*(one(it) for it in items), return_exceptions=True)
+        await _fsync_dir(self.dir)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return list(results)  # type: ignore[arg-type]
+
     async def put_async(self, key: ContentKey, spec: ModalitySpec, num_tokens: int,
-                        pages: torch.Tensor | Sequence[torch.Tensor]) -> DiskEntry:
+                        pages: torch.Tensor | Sequence[torch.Tensor], *, sync_dir: bool = True,
+                        expected_sums: Sequence[int] | None = None) -> DiskEntry:
+        """``put`` on the caller's event loop. ``sync_dir=False`` leaves the directory fsync
+        to the caller (``put_many`` makes one for many groups): the group is durable only after it.
+        ``expected_sums``: the xxh3 each page should have (a host copy's digests); the write
+        computes them anyway, and a difference raises ``CorruptDataError``, nothing written."""
         if spec.name != key.modality:
             raise UnknownModalityError(f"key of modality {key.modality!r} with spec {spec.name!r}")
         n = spec.pages_for(num_tokens)
@@ -234,7 +268,7 @@ class DiskTier(DiskReads, StorageTier):
         written: list[Path] = []
         try:
             entry = await self._write_group(key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                                            written)
+                                            written, sync_dir, expected_sums)
         except OSError as exc:
             await self._cleanup(written)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -275,6 +309,9 @@ class DiskTier(DiskReads, StorageTier):
     def close(self) -> None:
         with self._sync_lock:
             self._closed = True
+            if self._readers is not None:
+                self._readers.shutdown(wait=True)
+                self._readers = None
             if self._loop is not None:
                 self._loop.run_until_complete(self._loop.shutdown_default_executor())
                 self._loop.close()
@@ -282,7 +319,8 @@ class DiskTier(DiskReads, StorageTier):
 
     # ---- writing ----
     async def _write_group(self, key, spec, num_tokens, n, rows, per_file, num_chunks, need,
-                           written: list[Path]) -> DiskEntry:
+                           written: list[Path], sync_dir: bool = True,
+                           expected_sums: Sequence[int] | None = None) -> DiskEntry:
         st = await aiofiles.os.statvfs(self.dir) if self.free_floor_bytes > 0 else None
         with self._lock:   # every write in flight (this one included) may still need its bytes
             inflight = self._reserved
@@ -291,16 +329,19 @@ class DiskTier(DiskReads, StorageTier):
             raise StorageFullError(f"disk tier: writing {need} bytes would cross the free-space floor "
                                    f"({self.free_floor_bytes} bytes; {st.f_bavail * st.f_frsize} free)")
         loop = asyncio.get_running_loop()
-        sums = await loop.run_in_executor(None, page_sums, rows)
+        bounds = [(c * per_file, min(n, (c + 1) * per_file)) for c in range(num_chunks)]
+        chunks = [slice_rows(rows, lo, hi) for lo, hi in bounds]
+        digests = await loop.run_in_executor(None, write_digests, chunks, spec.page_layers)
+        sums = np.concatenate([d[0] for d in digests])
+        if expected_sums is not None and sums.tolist() != list(expected_sums):
+            raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks, "writer": writers.this_writer()}
         files, extents, total = [], [], 0
-        for c in range(num_chunks):
-            lo, hi = c * per_file, min(n, (c + 1) * per_file)
+        for c, ((lo, hi), chunk_rows) in enumerate(zip(bounds, chunks)):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            chunk_rows = slice_rows(rows, lo, hi)
-            block_sums, layer_sums = await loop.run_in_executor(None, _block_digests, chunk_rows, spec.page_layers)
+            _, block_sums, layer_sums = digests[c]
             parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
@@ -314,9 +355,10 @@ class DiskTier(DiskReads, StorageTier):
                 extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
             else:
                 extents = None
-        await _fsync_dir(self.dir)
-        if _CRASH_STEP:
-            _crash_point("after_dir_fsync")
+        if sync_dir:
+            await _fsync_dir(self.dir)
+            if _CRASH_STEP:
+                _crash_point("after_dir_fsync")
         return DiskEntry(key, self.model, layout_of(spec), num_tokens, n, total, tuple(files),
                          tuple(extents) if extents is not None else None)
 
@@ -459,15 +501,6 @@ class DiskTier(DiskReads, StorageTier):
                 self._counts["borrowed_at_start"] += 1
             else:                            # its writer is gone: this tier takes the files over
                 self._used += nbytes
-
-
-def _block_digests(rows: list[np.ndarray], layers: int) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Per row block: the xxh3 of its bytes and, per layer, of that layer's bytes (the same
-    single digest when a page holds one layer: one pass over the data, not two)."""
-    blocks = [digest_of([r]) for r in rows]
-    if layers == 1:
-        return blocks, [(d,) for d in blocks]
-    return blocks, [layer_digests([r], layers) for r in rows]
 
 
 async def _fsync_dir(path: Path) -> None:

@@ -17,7 +17,9 @@ Any failure is a miss: counted, the group's files quarantined, ``None``; never w
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import itertools
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -66,33 +68,45 @@ class DiskReads:
         dest = DestPages(spec, out, int(sum(sizes)))
         with self._lock:
             found = [self._index.get(k.digest) for k in keys]
-        ok, first, hits, nbytes = [], 0, 0, 0
-        for key, e, n in zip(keys, found, sizes):
-            lean = (e is not None and e.key == key and e.extents is not None and e.num_pages == n
-                    and e.model == expected_model and layout_matches(e.layout, spec))
-            done = False
-            if lean:
+        firsts = [int(f) for f in itertools.accumulate([0, *sizes[:-1]])] if len(sizes) else []
+
+        def one(i: int) -> tuple[bool, int]:
+            """(read, bytes) of group ``i``: lean, else ``get`` (a full read, or a counted miss)."""
+            key, e, n, first = keys[i], found[i], sizes[i], firsts[i]
+            if (e is not None and e.key == key and e.extents is not None and e.num_pages == n
+                    and e.model == expected_model and layout_matches(e.layout, spec)):
                 try:
                     part = dest.sub(first, n)
                     at = 0
                     for extent in e.extents:  # type: ignore[union-attr]
                         at += read_extent(os.path.join(self._dir_str, extent.name), extent, part)
-                    done = at == n
+                    if at == n:
+                        return True, sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
                 except (OSError, CorruptDataError, ValueError):
-                    done = False
-            if done:
-                hits += 1
-                nbytes += sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
-            elif n == 0:                      # not on disk when the batch was formed: a miss
+                    pass
+            if n == 0:                        # not on disk when the batch was formed: a miss
                 self._count("misses")
-            else:
-                done = self.get(key, spec, expected_model, out=out[first:first + n]) is not None
-            ok.append(done)
-            first += n
+                return False, 0
+            return self.get(key, spec, expected_model, out=out[first:first + n]) is not None, -1
+
+        # Reads run side by side (``read_threads``): preadv and the checksums release the GIL
+        # for most of their time, and the disk serves several requests at once.
+        if len(keys) > 1 and self.read_threads > 1:
+            results = list(self._reader_pool().map(one, range(len(keys))))
+        else:
+            results = [one(i) for i in range(len(keys))]
+        hits = sum(1 for done, nbytes in results if done and nbytes >= 0)
         with self._lock:
             self._counts["hits"] += hits
-            self._counts["read_bytes"] += nbytes
-        return ok
+            self._counts["read_bytes"] += sum(nbytes for done, nbytes in results if done and nbytes > 0)
+        return [done for done, _ in results]
+
+    def _reader_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        with self._lock:
+            if self._readers is None:
+                self._readers = concurrent.futures.ThreadPoolExecutor(self.read_threads,
+                                                                      thread_name_prefix="mmtier-disk-read")
+            return self._readers
 
     def get_layer(self, key: ContentKey, spec: ModalitySpec, expected_model: str, layer: int,
                   out: torch.Tensor | Sequence[torch.Tensor] | None = None

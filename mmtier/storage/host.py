@@ -25,6 +25,14 @@ Interface (mechanism only; the cache decides what lives here)::
     entry.gather()                                          # [n, *page_shape] copy
     host.remove(key); host.close()
 
+Verified reads: every entry keeps the xxh3 of each of its pages (``entry.sums``), taken from
+the slab as the copy into it lands (``page_digests.copy_and_digest``: each chunk hashed right
+after it landed, while cache-hot; the disk files keep the same digests). Reads that copy a
+group *out* (``gather``, ``copy_to``, the cache's ``read_group``) check every page against them
+first (``verify``): a mismatch is ``CorruptDataError`` (the owner treats it as a miss) and
+counted (``corrupt_reads``), never wrong KV. In-place CPU attention over ``view()`` reads the
+slab as it is (one check per attention call would cost more than the attention).
+
 A put that lacks room raises ``CapacityError`` and changes nothing. Readers that copy *out of*
 an entry while the owner may remove it take a hold (``hold(key)`` / ``release(entry)``): a held
 entry leaves the index on ``remove`` but its slots return to the free stack only when the last
@@ -40,31 +48,24 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import (
     CapacityError,
     ClosedError,
+    CorruptDataError,
     DTypeError,
     MMTierError,
     ShapeError,
     UnknownModalityError,
 )
+from ..page_copies import contiguous_runs
+from .page_digests import copy_and_digest, page_rows_of
 from .tier import StorageTier
 
 _PIN_STEP = 64 << 20
-
-
-def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:
-    """``[(start, length)]`` of maximal runs of consecutive ids, in order."""
-    runs: list[tuple[int, int]] = []
-    for i in ids:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
 
 
 def paired_runs(dst: Sequence[int], src: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -90,6 +91,7 @@ class _Slab:
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() yields 0, 1, 2, ...
         self.pin = pin
         self.pinned_bytes = 0
+        self.corrupt_reads = 0
 
     def take(self, n: int) -> list[int]:
         ids = self.free[-n:] if n else []
@@ -143,6 +145,7 @@ class HostEntry:
     slots: tuple[int, ...]
     _slab: _Slab = field(repr=False)
     ready: object | None = field(default=None, repr=False)  # torch.cuda.Event of an async copy
+    sums: tuple[int, ...] | None = field(default=None, repr=False)  # xxh3 of each page, once landed
     _holds: int = field(default=0, repr=False)
     _removed: bool = field(default=False, repr=False)
 
@@ -167,25 +170,44 @@ class HostEntry:
         return [self._slab.view[s:s + n] for s, n in contiguous_runs(self.slots)]
 
     def gather(self) -> torch.Tensor:
-        """A copy of the group's pages, ``[n, *page_shape]``."""
-        self.wait()
+        """A verified copy of the group's pages, ``[n, *page_shape]``."""
+        self.verify()
         runs = self.runs()
         return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
 
-    def copy_to(self, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> None:
-        """Copy the pages into rows ``dst_ids`` of a page-major view (e.g. a device pool);
-        asynchronous (``non_blocking``) from pinned slabs to a CUDA view."""
+    def page_sums(self) -> list[int]:
+        """The xxh3 of each page as the slab holds it now."""
+        return [xxhash.xxh3_64_intdigest(row) for run in self.runs() for row in page_rows_of(run)]
+
+    def verify(self) -> None:
+        """Wait for the copy in, then check every page against its digest: ``CorruptDataError``
+        (counted by the tier) when any differs."""
+        self.wait()
+        if self.sums is not None and self.page_sums() != list(self.sums):
+            self._slab.corrupt_reads += 1
+            raise CorruptDataError(f"host copy of {self.key!r}: page checksum mismatch")
+
+    def copy_to(self, dst_view: torch.Tensor, dst_ids: Sequence[int], *, check: bool = True) -> None:
+        """Copy the verified pages into rows ``dst_ids`` of a page-major view (e.g. a device
+        pool); asynchronous (``non_blocking``) from pinned slabs to a CUDA view. ``check=False``:
+        the caller has just verified the entry itself."""
         if len(dst_ids) != len(self.slots):
             raise ShapeError(f"{len(dst_ids)} destination pages for a group of {len(self.slots)}")
-        self.wait()
+        if check:
+            self.verify()
+        else:
+            self.wait()
         blocking = not (dst_view.is_cuda and self._slab.pin)
         for d, s, n in paired_runs(list(dst_ids), self.slots):
             dst_view[d:d + n].copy_(self._slab.view[s:s + n], non_blocking=not blocking)
 
     def wait(self) -> None:
-        """Block until the copy into the slots (if asynchronous) has landed."""
+        """Block until the copy into the slots (if asynchronous) has landed; the pages'
+        digests are taken then (from the slab, once)."""
         if self.ready is not None:
             self.ready.synchronize()  # type: ignore[attr-defined]
+        if self.sums is None:
+            self.sums = tuple(self.page_sums())
 
     @property
     def is_ready(self) -> bool:
@@ -226,6 +248,7 @@ class HostTier(StorageTier):
                 pages[e.spec.name or "?"] = pages.get(e.spec.name or "?", 0) + e.num_pages
                 groups[e.spec.name or "?"] = groups.get(e.spec.name or "?", 0) + 1
             return {"capacity_bytes": self.capacity_bytes, "used_bytes": self._used,
+                    "corrupt_reads": sum(slab.corrupt_reads for slab in self._slabs.values()),
                     "free_bytes": self.capacity_bytes - self._used, "groups": len(self._index),
                     "pages_by_modality": pages, "groups_by_modality": groups,
                     "pinned": self.pin_memory, **self._counts}
@@ -335,6 +358,8 @@ class HostTier(StorageTier):
             return entry
 
     def commit(self, entry: HostEntry) -> HostEntry:
+        if entry.ready is None and entry.sums is None:     # filled synchronously: digests now
+            entry.sums = tuple(entry.page_sums())
         with self._lock:
             if self._closed:
                 raise ClosedError("host tier is closed")
@@ -382,8 +407,15 @@ class HostTier(StorageTier):
         src_ids = list(page_ids) if page_ids is not None else list(range(entry.num_pages))
         runs = paired_runs(list(entry.slots), src_ids)
         if not pages.is_cuda:
+            sums: list[int] | None = []
             for d, s, n in runs:
-                view[d:d + n].copy_(pages[s:s + n])
+                src = pages[s:s + n]
+                if src.is_contiguous() and sums is not None:
+                    sums.extend(copy_and_digest(page_rows_of(view[d:d + n]), page_rows_of(src)))
+                else:
+                    view[d:d + n].copy_(src)
+                    sums = None                # taken at commit, from the slab
+            entry.sums = tuple(sums) if sums else None
             return
         stream = self._side_stream(pages.device)
         stream.wait_stream(torch.cuda.current_stream(pages.device))

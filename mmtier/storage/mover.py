@@ -127,7 +127,10 @@ class Mover:
             if entry is not None and not entry.is_ready:
                 await asyncio.get_running_loop().run_in_executor(None, entry.wait)
             src = entry.runs() if entry is not None else pages
-            written = await disk.put_async(key, spec, num_tokens, src)  # type: ignore[arg-type]
+            # from the host tier: the write checks the pages against the entry's digests
+            expected = entry.sums if entry is not None else None
+            written = await disk.put_async(key, spec, num_tokens, src,  # type: ignore[arg-type]
+                                           expected_sums=expected)
             if remove_from_host and host is not None:
                 host.remove(key)
             return written

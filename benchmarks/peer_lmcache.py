@@ -1,0 +1,220 @@
+"""mmtier's data path side by side with LMCache's, on the same Llama-3-8B-shaped bf16 KV.
+
+``python -m benchmarks.peer_lmcache [--groups 16] [--rounds 5] [--peer-python .venv-lmcache/bin/python]``
+
+LMCache (0.5.6 from PyPI) runs in its own environment (``benchmarks/peers_env.sh``; ``./run peers``)
+as a subprocess, ``peer_lmcache_worker.py``, that answers JSON on stdout (no pickle); mmtier runs
+here (``peer_lmcache_mmtier.py``). Both make the same KV from the same seeds: groups (LMCache's
+chunks) of 256 tokens of 32 layers x 8 KV heads x head dim 128, bf16, 32 MiB each (the issue
+measured 40; ``--groups`` defaults to 16, 512 MiB, so that a run stays within a few minutes and a
+few GiB on a shared 2-core machine). Every read is compared bitwise with the source; cold reads
+come after dropping the page cache (``/proc/sys/vm/drop_caches`` as root, else
+``posix_fadvise(DONTNEED)`` of each file after an fsync).
+
+Storage level (``HostTier``, ``DiskTier`` against ``LocalCPUBackend``, ``LocalDiskBackend``):
+- host put / get: each group's 32 MiB into the tier / out into a caller's buffer;
+- durable write: every group to disk; LMCache writes with its 4 threads and never fsyncs, so
+  its figure adds one fsync of each file and of the directory afterwards (``_fsynced``); its
+  time without them is reported too (``_as_it_runs``); mmtier's writes are durable when they
+  return (tmp file, fsync, rename, directory fsync);
+- cold read: every group back (``DiskTier.get_many`` against ``batched_get_blocking``).
+
+Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of 30 lines):
+- put into host memory: ``put`` of every group into a device pool (here a CPU pool) that holds
+  two, so each put past them pushes the oldest group down into the host tier, against
+  ``store`` of the same tokens into LMCache's CPU backend; and against the raw copies the puts
+  must make (K and V into page-major pages, one group's pages into host memory per demotion);
+- get from host memory: ``read_group(key, out=(k, v))`` of the host-resident groups against
+  ``retrieve``, and against the raw copy (pages into ``[layers, n, heads, head_dim]``);
+- durable write to disk: ``put`` of every group through a small host tier that spills to
+  disk, then ``flush`` (every spill durable), against ``store`` into LMCache's disk backend
+  plus the fsyncs; compared per byte that reached the disk;
+- cold read: ``read_groups`` of the disk-resident groups against ``retrieve`` from disk.
+
+Every pair (and triple, with the raw copies) runs once per round, ``--rounds`` (>= 5) rounds,
+the order rotated each round; each ratio is the median of the per-round ratios, best, worst and
+every pair beside it, with ``os.getloadavg()`` per round. ``*_over_raw_*``: the cache's seconds
+over the raw copies' (target <= 1.2); ``*_over_lmcache*``: the cache's speed over LMCache's
+(bytes per second; target >= 1.0). Then the reliability probes on both: a flipped byte, a file
+truncated to half, a restart over the same directory, and the disk budget after ``remove()``.
+Writes ``benchmarks/results/peer_lmcache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
+from benchmarks.peer_lmcache_mmtier import MMTierSide
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "peer_lmcache_worker.py"
+
+# (figure, mmtier op, LMCache op or None, raw op or None)
+PAIRS = [
+    ("tier_host_put", "tier_host_put", "tier_host_put", None),
+    ("tier_host_get", "tier_host_get", "tier_host_get", None),
+    ("tier_durable_write", "tier_disk_put", "tier_disk_put", None),
+    ("tier_cold_read", "tier_disk_cold_read", "tier_disk_cold_read", None),
+    ("cache_put_host", "cache_put_host", "cache_put_host", "raw_put_copies"),
+    ("cache_get_host", "cache_get_host", "cache_get_host", "raw_get_copy"),
+    ("cache_durable_write", "cache_put_disk", "cache_put_disk", None),
+    ("cache_cold_read", "cache_cold_read", "cache_cold_read", None),
+    ("host_checksums", "checksums", None, None),          # what the verified reads cost
+]
+
+
+class Peer:
+    """The LMCache worker process: one JSON command a line in, one JSON answer a line out."""
+
+    def __init__(self, python: str, log: Path):
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, text=True, cwd=str(ROOT))
+
+    def call(self, op: str, **kw) -> dict:
+        self.proc.stdin.write(json.dumps({"op": op, **kw}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"LMCache worker died during {op!r} (see {self._log.name})")
+        ans = json.loads(line)
+        if not ans.get("ok"):
+            raise RuntimeError(f"LMCache worker: {op}: {ans.get('error')}")
+        return ans
+
+    def close(self) -> None:
+        try:
+            self.call("quit")
+            self.proc.wait(timeout=60)
+        finally:
+            self._log.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--groups", type=int, default=16, help="32 MiB groups (the issue: 40)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--peer-python", default=str(ROOT / ".venv-lmcache" / "bin" / "python"))
+    ap.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    if args.rounds < 5:
+        ap.error("--rounds must be >= 5 (medians of at least five paired rounds)")
+    if not Path(args.peer_python).exists():
+        ap.error(f"no LMCache environment at {args.peer_python}: run benchmarks/peers_env.sh (./run peers)")
+    torch.set_num_threads(args.threads)
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peer-lmcache-", dir=ROOT / "benchmarks"))
+    work.mkdir(parents=True, exist_ok=True)
+    shape = dict(groups=args.groups, layers=32, heads=8, head_dim=128, chunk=256, seed=7)
+    peer = Peer(args.peer_python, work / "lmcache-worker.log")
+    mine = None
+    try:
+        info = peer.call("init", **shape, workdir=str(work))
+        mine = MMTierSide(**shape, workdir=str(work))
+        run = {"mmtier": lambda op: getattr(mine, op)(), "lmcache": lambda op: peer.call(op),
+               "raw": lambda op: getattr(mine, op)()}
+        # one untimed round: first-touch of every buffer on both sides
+        for _, m_op, l_op, r_op in PAIRS:
+            run["mmtier"](m_op)
+            if l_op:
+                run["lmcache"](l_op)
+            if r_op:
+                run["raw"](r_op)
+        got: dict[str, dict[str, list[dict]]] = {name: {"mmtier": [], "lmcache": [], "raw": []}
+                                                  for name, *_ in PAIRS}
+        loads = []
+        for r in range(args.rounds):
+            loads.append(os.getloadavg()[0])
+            for name, m_op, l_op, r_op in PAIRS:
+                order = [("mmtier", m_op)] + ([("lmcache", l_op)] if l_op else []) + ([("raw", r_op)] if r_op else [])
+                k = r % len(order)
+                # the raw copies are sized by what this round's put did: run them after it
+                seq = order[k:] + order[:k]
+                if r_op and seq.index(("raw", r_op)) < seq.index(("mmtier", m_op)):
+                    seq.remove(("raw", r_op))
+                    seq.insert(seq.index(("mmtier", m_op)) + 1, ("raw", r_op))
+                for side, op in seq:
+                    ans = run[side](op)
+                    if ans.get("equal") is False:
+                        raise AssertionError(f"{side} {op}: the bytes read back differ from the source")
+                    got[name][side].append(ans)
+        probes = {**mine.probes(), **{k: v for k, v in peer.call("probes").items() if k.startswith("lmcache_")}}
+    finally:
+        if mine is not None:
+            mine.close()
+        peer.close()
+        if not args.dir:
+            shutil.rmtree(work, ignore_errors=True)
+    fig = figures(got, mine, args, info, loads, probes)
+    print_table(f"mmtier vs LMCache {info['version']}, {args.groups} groups of 32 MiB bf16 "
+                f"(medians of {args.rounds} paired rounds)",
+                [(k, v) for k, v in fig.items() if not k.endswith(("_pairs", "_n"))])
+    write_results("peer_lmcache", fig, args.out)
+    return fig
+
+
+def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes: dict) -> dict:
+    gb = mine.group_bytes
+    n = args.groups
+    fig: dict[str, object] = {"groups": n, "group_bytes": gb, "bytes": n * gb, "rounds": args.rounds,
+                              "lmcache_version": info["version"], "lmcache_torch": info["torch"],
+                              "threads": args.threads, "drop_cache": got["tier_cold_read"]["mmtier"][0]["drop"],
+                              "round_loads": "; ".join(f"{x:.2f}" for x in loads)}
+
+    def bytes_of(name: str, side: str, ans: dict) -> float:
+        """Bytes the op moved: a cache op only over the groups it touched on that tier."""
+        if side == "lmcache":
+            return n * gb
+        if name == "cache_get_host":
+            return ans["groups"] * gb
+        if name == "cache_cold_read":
+            return ans["groups"] * gb
+        if name == "cache_durable_write":
+            return ans["disk_bytes"]
+        return n * gb
+
+    sums = [a["s"] for a in got["host_checksums"]["mmtier"]]
+    t_sum = sorted(sums)[len(sums) // 2] / n               # seconds per group
+    fig["host_checksum_gbs"] = gb / t_sum / 1e9
+    put = got["cache_put_host"]["mmtier"]
+    fig["cache_put_host_checksum_share"] = sorted(a["demotions"] * t_sum / a["s"] for a in put)[len(put) // 2]
+    get = got["cache_get_host"]["mmtier"]
+    fig["cache_get_host_checksum_share"] = sorted(a["groups"] * t_sum / a["s"] for a in get)[len(get) // 2]
+    for name, _, l_op, _ in PAIRS:
+        if l_op is None:
+            continue
+        m, lm = got[name]["mmtier"], got[name]["lmcache"]
+        m_speed = [bytes_of(name, "mmtier", a) / a["s"] for a in m]
+        l_speed = [bytes_of(name, "lmcache", a) / a["s"] for a in lm]
+        fig[f"{name}_gbs"] = sorted(m_speed)[len(m_speed) // 2] / 1e9
+        fig[f"lmcache_{name}_gbs"] = sorted(l_speed)[len(l_speed) // 2] / 1e9
+        label = {"tier_durable_write": "tier_durable_write_over_lmcache_fsynced",
+                 "cache_durable_write": "cache_durable_write_over_lmcache_fsynced"}.get(name, f"{name}_over_lmcache")
+        fig.update(ratio_figures(label, m_speed, l_speed, higher_is_better=True))
+        if "s_no_fsync" in lm[0]:
+            l_run = [bytes_of(name, "lmcache", a) / a["s_no_fsync"] for a in lm]
+            fig.update(ratio_figures(label.replace("_fsynced", "_as_it_runs"), m_speed, l_run, higher_is_better=True))
+        if got[name]["raw"]:
+            raw = got[name]["raw"]
+            fig.update(ratio_figures(f"{name}_over_raw_{'copies' if 'put' in name else 'copy'}",
+                                     [a["s"] for a in m], [a["s"] for a in raw], higher_is_better=False))
+    fig["cache_put_host_demotions_per_round"] = got["cache_put_host"]["mmtier"][-1]["demotions"]
+    fig["cache_get_host_groups"] = got["cache_get_host"]["mmtier"][-1]["groups"]
+    fig["cache_cold_read_groups"] = got["cache_cold_read"]["mmtier"][-1]["groups"]
+    fig.update(probes)
+    return fig
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)

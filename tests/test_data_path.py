@@ -1,0 +1,302 @@
+"""The data path between tiers: page runs moved by slices, ``read_group(out=)`` / ``read_groups``
+with one copy per group from each tier, ``DiskTier.put_many`` and parallel ``get_many``, and
+verified reads of host copies and transfers (real corruption of the real bytes: a miss plus a
+counter, never wrong KV)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+
+from mmtier import CacheConfig, ModalitySpec, TieredKVCache
+from mmtier.actors.pool_actor import export_pages, import_pages
+from mmtier.content import KeyMaker
+from mmtier.errors import CapacityError, CorruptDataError, DTypeError, ShapeError
+from mmtier.groups import Tier
+from mmtier.page_copies import kv_into_pages, pages_into_kv
+from mmtier.storage import DiskTier, HostTier, Mover
+
+L, H, D, P = 3, 2, 16, 8
+
+
+def cfg(tmp_path, device_groups=2, host_groups=2, disk=True, **over):
+    """One ``text`` modality of 8-token pages, float32; groups of 40 tokens (5 pages)."""
+    page = L * 2 * P * H * D * 4
+    base = dict(model="tiny-path", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+                modalities={"text": ModalitySpec(page_size=P)}, device="cpu",
+                device_bytes=device_groups * 5 * page + 64, host_bytes=host_groups * 5 * page,
+                disk_dir=(tmp_path / "spill") if disk else None, disk_bytes=64 << 20,
+                disk_free_floor_bytes=0)
+    base.update(over)
+    return CacheConfig(**base)
+
+
+def kv(n=40):
+    return torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+
+
+def in_three_tiers(cache, keys):
+    """After the puts: flush the spills; when the background spills left no group in host
+    memory (their timing varies), bring one disk group up (a prefetch), so each tier holds one."""
+    cache.flush()
+    if not any(cache._groups[k].tier == Tier.HOST for k in keys):
+        cache.prefetch(next(k for k in keys if cache._groups[k].tier == Tier.DISK))
+        cache.flush()
+    assert {cache._groups[k].tier for k in keys} == {Tier.DEVICE, Tier.HOST, Tier.DISK}
+
+
+def poisoned(n=40):
+    return torch.full((L, n, H, D), float("nan")), torch.full((L, n, H, D), float("nan"))
+
+
+# ---------------------------------------------------------------------------- page copies
+@pytest.mark.parametrize("n", [8, 37, 40, 41])
+def test_kv_into_pages_and_back_over_shuffled_runs(n):
+    """Scattered page ids (runs of 1, 2 and 3 pages, out of order), a partial last page: every
+    token lands at its page and slot, and comes back equal; untouched pages stay poisoned."""
+    view = torch.full((16, L, 2, P, H, D), float("nan"))
+    ids = [9, 10, 11, 3, 0, 1][: -(-n // P)]
+    k, v = kv(n)
+    kv_into_pages(view, ids, k, v)
+    for t in range(n):
+        p, s = ids[t // P], t % P
+        assert torch.equal(view[p, :, 0, s], k[:, t]) and torch.equal(view[p, :, 1, s], v[:, t])
+    others = [i for i in range(16) if i not in ids]
+    assert torch.isnan(view[others]).all()
+    out_k, out_v = poisoned(n)
+    pages_into_kv([view[i:i + 1] for i in ids], out_k, out_v)
+    assert torch.equal(out_k, k) and torch.equal(out_v, v)
+
+
+def test_kv_into_pages_refuses_too_few_pages():
+    view = torch.zeros(4, L, 2, P, H, D)
+    with pytest.raises(ShapeError):
+        kv_into_pages(view, [0, 1], *kv(24))
+
+
+# ---------------------------------------------------------------------------- read_group(out=)
+def test_read_group_into_out_from_every_tier(tmp_path):
+    """Groups on the device, in host memory and on disk, read into the caller's tensors
+    (strided ones too): equal to what was put, and the very tensors given are returned."""
+    with TieredKVCache(cfg(tmp_path)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(6)]
+        data = {key: kv() for key in keys}
+        for key in keys:
+            cache.put(key, *data[key])
+        in_three_tiers(cache, keys)
+        for key in keys:
+            base_k = torch.full((L, H, 40, D), float("nan"))        # [L, n, H, D] as a strided view
+            out = (base_k.transpose(1, 2), torch.full((L, 40, H, D), float("nan")))
+            got = cache.read_group(key, out=out)
+            assert got[0] is out[0] and got[1] is out[1]
+            assert torch.equal(out[0], data[key][0]) and torch.equal(out[1], data[key][1])
+            k2, v2 = cache.read_group(key)                           # and new tensors
+            assert torch.equal(k2, data[key][0]) and torch.equal(v2, data[key][1])
+        outs = [poisoned() for _ in keys]
+        cache.read_groups(keys, out=outs)                            # disk reads side by side
+        for key, (ok, ov) in zip(keys, outs):
+            assert torch.equal(ok, data[key][0]) and torch.equal(ov, data[key][1])
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "not_a_pair", "shared"])
+def test_read_group_refuses_a_bad_out_and_changes_nothing(tmp_path, bad):
+    with TieredKVCache(cfg(tmp_path, disk=False)) as cache:
+        key = cache.content_key("text", b"g")
+        cache.put(key, *kv())
+        before = cache.stats().counters.get("exports", 0)
+        good = poisoned()
+        out = {"shape": (torch.zeros(L, 39, H, D), good[1]),
+               "dtype": (good[0].double(), good[1]),
+               "not_a_pair": good[0],
+               "shared": (good[0], good[0])}[bad]
+        with pytest.raises((ShapeError, DTypeError)):
+            cache.read_group(key, out=out)
+        assert cache.stats().counters.get("exports", 0) == before
+        assert torch.isnan(good[1]).all()
+
+
+# ---------------------------------------------------------------------------- disk put_many / get_many
+def _tier_keys(spec, n):
+    maker = KeyMaker("tiny-path", "s")
+    return [maker.derive(modality="text", layout=spec.layout_fields(), media=hashlib.sha256(b"%d" % i).digest(),
+                         tenant_salt=b"t" * 32) for i in range(n)]
+
+
+def test_put_many_is_durable_and_get_many_reads_side_by_side(tmp_path):
+    spec = cfg(tmp_path).spec("text")
+    keys = _tier_keys(spec, 6)
+    pages = [torch.randn(5, *spec.page_shape) for _ in keys]
+    with DiskTier(tmp_path / "d", model="tiny-path", capacity_bytes=64 << 20) as disk:
+        entries = disk.put_many([(k, spec, 40, p) for k, p in zip(keys, pages)])
+        assert [e.key for e in entries] == keys and disk.stats()["writes"] == 6
+        out = torch.full((30, *spec.page_shape), float("nan"))
+        assert disk.get_many(keys, spec, "tiny-path", out, [5] * 6) == [True] * 6
+        assert torch.equal(out, torch.cat(pages))
+        assert disk.stats()["hits"] == 6
+    with DiskTier(tmp_path / "d", model="tiny-path", capacity_bytes=64 << 20) as again:   # warm restart
+        out = torch.full((30, *spec.page_shape), float("nan"))
+        assert again.get_many(keys, spec, "tiny-path", out, [5] * 6) == [True] * 6   # full reads
+        assert torch.equal(out, torch.cat(pages))
+
+
+def test_put_many_raises_the_first_failure_after_writing_the_rest(tmp_path):
+    spec = cfg(tmp_path).spec("text")
+    keys = _tier_keys(spec, 3)
+    pages = [torch.randn(5, *spec.page_shape) for _ in keys]
+    budget = 2 * (5 * spec.page_bytes + 4096)
+    with DiskTier(tmp_path / "d", model="tiny-path", capacity_bytes=budget) as disk:
+        with pytest.raises(CapacityError):
+            disk.put_many([(k, spec, 40, p) for k, p in zip(keys, pages)])
+        held = [k for k in keys if disk.contains(k)]
+        assert len(held) == 2
+        for k in held:
+            assert torch.equal(disk.get(k, spec, "tiny-path"), pages[keys.index(k)])
+
+
+# ---------------------------------------------------------------------------- verified host reads
+def _flip_slab_byte(entry, page=1):
+    """Flip one byte of a page of a host entry, in the slab itself."""
+    row = entry._slab.view[entry.slots[page]].view(-1).view(torch.uint8)
+    row[row.numel() // 2] ^= 0xFF
+
+
+def test_host_entry_checksum_mismatch_is_an_error_never_data(tmp_path):
+    spec = cfg(tmp_path).spec("text")
+    key = _tier_keys(spec, 1)[0]
+    pages = torch.randn(5, *spec.page_shape)
+    host = HostTier(8 << 20)
+    entry = host.put(key, spec, 40, pages)
+    assert len(entry.sums) == 5 and torch.equal(entry.gather(), pages)
+    _flip_slab_byte(entry)
+    with pytest.raises(CorruptDataError):
+        entry.gather()
+    with pytest.raises(CorruptDataError):
+        entry.copy_to(torch.zeros(5, *spec.page_shape), range(5))
+    assert host.stats()["corrupt_reads"] == 2
+    # a spill of the corrupt copy writes nothing
+    disk = DiskTier(tmp_path / "d", model="tiny-path", capacity_bytes=64 << 20)
+    with Mover(host, disk, model="tiny-path", max_inflight_bytes=8 << 20) as mover:
+        with pytest.raises(CorruptDataError):
+            mover.spill(key, spec, 40).result(timeout=30)
+    assert not disk.contains(key) and not list((tmp_path / "d").glob("*.arrow"))
+    disk.close()
+    host.close()
+
+
+@pytest.mark.parametrize("page", [0, 3, 4])         # first, middle, last
+def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
+        for key in keys:
+            cache.put(key, *kv())
+        g = cache._groups[keys[0]]
+        assert g.tier == Tier.HOST
+        assert list(g.location.sums) == g.location.page_sums()   # the digests the fused copy took
+        _flip_slab_byte(g.location, page=page)
+        with pytest.raises(CorruptDataError):
+            cache.read_group(keys[0], out=poisoned())
+        c = cache.stats().counters
+        assert c["host_corrupt_reads"] == 1 and c["corrupt_reads"] == 1
+        assert not cache.contains(keys[0])                 # a miss from now on
+        assert cache.lower.host.get(keys[0]) is None       # the bad copy is gone
+        k, v = cache.read_group(keys[1])                   # the others are untouched
+        assert k.shape == (L, 40, H, D)
+
+
+def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
+        for key in keys:
+            cache.put(key, *kv())
+        _flip_slab_byte(cache._groups[keys[0]].location)
+        seq = cache.create_sequence()
+        with pytest.raises(Exception) as info:             # attach promotes it: the copy fails its check
+            cache.attach(seq, keys[0])
+        assert type(info.value).__name__ == "UnknownKeyError"
+        assert cache.stats().counters["host_corrupt_reads"] == 1
+
+
+# ---------------------------------------------------------------------------- verified transfers
+def test_transfer_checksum_mismatch_is_refused_and_counted(tmp_path):
+    """A group exported (meta with one xxh3 per page) and imported elsewhere; one byte of the
+    shipped buffer flipped: the import raises, counts, keeps nothing and frees its pages."""
+    with TieredKVCache(cfg(tmp_path, disk=False)) as src, \
+            TieredKVCache(cfg(tmp_path, disk=False, key_secret=src.cfg.key_secret)) as dst:
+        key = src.content_key("text", b"shipped")
+        k, v = kv()
+        src.put(key, k, v)
+        meta, buf = export_pages(src, key)
+        assert len(meta["xxh3"]) == 5
+        bad = np.array(buf, copy=True)
+        bad[bad.size // 3] ^= 0xFF
+        used = dst.pools["text"].num_used
+        with pytest.raises(CorruptDataError):
+            import_pages(dst, key, meta, bad)
+        assert dst.stats().counters["transfer_corrupt_reads"] == 1
+        assert not dst.holds([key])[0] and dst.pools["text"].num_used == used
+        with pytest.raises(ShapeError):                    # no checksums: refused up front
+            import_pages(dst, key, {"num_tokens": 40}, buf)
+        assert import_pages(dst, key, meta, buf)           # the intact buffer is stored
+        k2, v2 = dst.read_group(key)
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_export_from_a_lower_tier_zeroes_the_last_page_past_the_group(tmp_path):
+    """A 37-token group (5 pages, the last one 5 tokens): whatever its pages held before, the
+    bytes an export ships past token 37 are zeros, and its checksums match what it ships."""
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        for i in range(3):                               # the pool's pages get written first
+            cache.put(cache.content_key("text", b"filler%d" % i), *kv(40))
+        key = cache.content_key("text", b"short")
+        cache.put(key, *kv(37))
+        for i in range(3):                               # push it down to the host tier
+            cache.put(cache.content_key("text", b"more%d" % i), *kv(40))
+        assert cache._groups[key].tier == Tier.HOST
+        meta, buf = export_pages(cache, key)
+        pages = torch.from_numpy(buf).view(torch.float32).view(5, L, 2, P, H, D)
+        assert (pages[-1, :, :, 37 - 4 * P:] == 0).all()
+        dst = TieredKVCache(cfg(tmp_path / "b", disk=False, key_secret=cache.cfg.key_secret))
+        assert import_pages(dst, key, meta, buf)        # the checksums are of what was shipped
+        dst.close()
+
+
+def test_transfer_from_host_and_disk_tiers_carries_checksums(tmp_path):
+    with TieredKVCache(cfg(tmp_path)) as src, \
+            TieredKVCache(cfg(tmp_path / "b", disk=False, key_secret=src.cfg.key_secret)) as dst:
+        keys = [src.content_key("text", b"g%d" % i) for i in range(6)]
+        data = {key: kv() for key in keys}
+        for key in keys:
+            src.put(key, *data[key])
+        in_three_tiers(src, keys)
+        where = {tier: next(k for k in keys if src._groups[k].tier == tier) for tier in (Tier.HOST, Tier.DISK)}
+        for key in where.values():
+            meta, buf = export_pages(src, key)
+            assert import_pages(dst, key, meta, buf)
+            k, v = dst.read_group(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+
+
+# ---------------------------------------------------------------------------- the disk budget
+def test_background_spills_side_by_side_respect_a_tight_disk_budget(tmp_path):
+    """A disk budget of six groups and many puts: the background spills that run side by side
+    make room for each other (the victims dropped first), so none is refused for budget, and
+    every group still held reads back equal."""
+    page = L * 2 * P * H * D * 4
+    with TieredKVCache(cfg(tmp_path, host_groups=4, disk_bytes=6 * (5 * page + 4096))) as cache:
+        data = {}
+        for i in range(30):
+            key = cache.content_key("text", b"g%d" % i)
+            data[key] = kv()
+            cache.put(key, *data[key])
+        cache.flush()
+        c = cache.stats().counters
+        assert c.get("spill_failures", 0) == 0 and cache.lower.disk.stats()["budget_refusals"] == 0
+        assert c["spills_to_disk"] > 6                   # the budget was the limit, many times over
+        held = [k for k in data if cache.holds([k])[0]]
+        assert len(held) >= 6
+        for key in held:
+            k, v = cache.read_group(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
