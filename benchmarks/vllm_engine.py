@@ -194,8 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     def ratio(a: list[float], b: list[float]) -> float:
         return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
+    image_tokens = None
     if not args.no_image:
         rows.update(image_rounds(work, args.rounds))
+        image_tokens = rows.pop("image_prompt_tokens")[0]
 
     figures = {
         "rounds": args.rounds, "prompt_tokens": args.prompt, "dtype": args.dtype,
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         **({} if args.no_image else {
             "image_mmtier_over_recompute": ratio(rows["image_mmtier"], rows["image_recompute"]),
             "image_vllm_prefix_over_recompute": ratio(rows["image_vllm_prefix"], rows["image_recompute"]),
-            "image_prompt_tokens": rows.pop("image_prompt_tokens")[0]}),
+            "image_prompt_tokens": image_tokens}),
         "wall_s": time.perf_counter() - t_start,
     }
     for k, v in figures.items():
