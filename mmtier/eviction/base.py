@@ -46,6 +46,7 @@ from ..groups import ModalityGroup, Tier
 Clock = Callable[[], float]
 MAX_BUNDLE = 64                              # descendants evicted with a parent in one bundle
 _HeapItem = tuple[float, int, int]          # (key, seq, gid)
+_HeapKey = tuple[Tier, str, int]            # (tier, modality, lane)
 
 
 @dataclass
@@ -59,6 +60,7 @@ class _Entry:
     kids: list[int] = field(default_factory=lambda: [0] * len(Tier))   # children per tier
     children: set[int] = field(default_factory=set)                    # their gids
     parked: bool = False                     # out of its heap while a same-pool child holds it
+    lane: int = 0                            # the policy's queue within (tier, modality)
 
     def kids_at_or_above(self, tier: Tier) -> int:
         """Children in ``tier`` or a faster one: they need this group to stay."""
@@ -75,7 +77,7 @@ class EvictionPolicy:
         self.clock: Clock = clock or time.monotonic
         self.tick = 0                         # logical clock: one per insert / access / release
         self._entries: dict[int, _Entry] = {}
-        self._heaps: dict[tuple[Tier, str], list[_HeapItem]] = {}
+        self._heaps: dict[_HeapKey, list[_HeapItem]] = {}
         self._seq = itertools.count()
         self._items = 0                       # heap items, live and stale
         self._watch: set[int] = set()         # gids whose tier may have changed without on_move
@@ -85,7 +87,7 @@ class EvictionPolicy:
     def on_insert(self, group: ModalityGroup) -> None:
         """A new group exists (in ``group.tier``)."""
         self.tick += 1
-        entry = _Entry(group, freq=1, tier=group.tier)
+        entry = _Entry(group, freq=1, tier=group.tier, lane=self._new_lane(group))
         parent = group.parent
         if parent is not None and parent.gid in self._entries and parent.gid != group.gid:
             entry.parent = parent.gid
@@ -138,13 +140,13 @@ class EvictionPolicy:
             return out
         self._flush_watch()
         self._scanning = True
-        held: list[tuple[tuple[Tier, str], _HeapItem]] = []
+        held: list[tuple[_HeapKey, _HeapItem]] = []
         try:
             now = self.clock()
-            mods = [modality] if modality is not None else [m for (t, m) in self._heaps if t == tier]
+            hkeys = [h for h in self._heaps if h[0] == tier and modality in (None, h[1])]
             blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
             taken: dict[int, int] = {}          # parent gid -> children chosen in this call
-            scans = [self._scan(tier, m, now, held, blocked, taken) for m in mods]
+            scans = [self._scan(h, now, held, blocked, taken) for h in hkeys]
             merge: list[tuple[float, int, int, list[ModalityGroup]]] = []
             for i, scan in enumerate(scans):
                 self._advance(merge, scans, i, scan)
@@ -182,9 +184,25 @@ class EvictionPolicy:
         """Static key of a group at its latest touch: smaller goes first."""
         raise NotImplementedError
 
-    def _rank(self, key: float, modality: str) -> float:
-        """Merge rank across modalities at this moment; must increase with ``key``."""
+    def _rank(self, key: float, modality: str, lane: int = 0) -> float:
+        """Merge rank across modalities (and a policy's lanes) at this moment; must increase
+        with ``key`` for a fixed modality and lane."""
         return key
+
+    def _new_lane(self, group: ModalityGroup) -> int:
+        """The lane a new group starts in (policies with one queue: 0)."""
+        return 0
+
+    def _second_chance(self, entry: _Entry) -> bool:
+        """An evictable group reached the head of its lane: ``True`` when the policy re-files
+        it instead (moved to another lane or back to the tail, by ``_refile``), as CLOCK-style
+        policies do at eviction time. Must not return ``True`` forever for the same group."""
+        return False
+
+    def _refile(self, entry: _Entry, key: float, lane: int) -> None:
+        """Put ``entry`` in ``lane`` with ``key`` (its old heap item becomes stale)."""
+        entry.lane = lane
+        self._file(entry, key)
 
     def _left(self, tier: Tier, entry: _Entry) -> None:
         """The group left ``tier`` (demoted or dropped)."""
@@ -222,8 +240,8 @@ class EvictionPolicy:
                 entry = blocked[gid] = parked
         if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
             del blocked[gid]
-            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, -1,
-                                   [entry.group]))
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane),
+                                   entry.seq, -1, [entry.group]))
 
     def _file(self, entry: _Entry, key: float) -> None:
         entry.parked = False
@@ -231,7 +249,7 @@ class EvictionPolicy:
         entry.seq = next(self._seq)
         self._count_kid(entry, entry.tier, entry.group.tier)
         entry.tier = entry.group.tier
-        heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality), []),
+        heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []),
                        (key, entry.seq, entry.group.gid))
         self._items += 1
         if self._items > 4 * len(self._entries) + 1024 and not self._scanning:
@@ -257,21 +275,20 @@ class EvictionPolicy:
                 self._left(entry.tier, entry)
                 self._count_kid(entry, entry.tier, entry.group.tier)
                 entry.tier = entry.group.tier
-            self._heaps.setdefault((entry.tier, entry.group.modality), []).append(
+            self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []).append(
                 (entry.key, entry.seq, entry.group.gid))
         for heap in self._heaps.values():
             heapq.heapify(heap)
         self._items = len(self._entries)
 
-    def _scan(self, tier: Tier, modality: str, now: float,
-              held: list[tuple[tuple[Tier, str], _HeapItem]],
+    def _scan(self, hkey: _HeapKey, now: float, held: list[tuple[_HeapKey, _HeapItem]],
               blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[list[ModalityGroup]]:
         """Evictable groups of one heap in key order, each as a bundle: the group alone, or,
         when only cached children of other modalities (other pools, which this scan never
         reaches) hold it back and they can all go, its subtree leaves first, then the group.
         Popped items are kept in ``held``; groups held back by children go to ``blocked`` (and,
         when a child in the same pool holds them, are parked out of the heap)."""
-        hkey = (tier, modality)
+        tier = hkey[0]
         heap = self._heaps.get(hkey, [])
         while heap:
             item = heapq.heappop(heap)
@@ -287,6 +304,9 @@ class EvictionPolicy:
                 held.append((hkey, item))
                 continue
             if entry.kids_at_or_above(tier) <= taken.get(entry.group.gid, 0):
+                if self._second_chance(entry):
+                    self._items -= 1          # re-filed: this item is stale now
+                    continue
                 held.append((hkey, item))
                 yield [entry.group]
                 continue
@@ -337,4 +357,5 @@ class EvictionPolicy:
         bundle = next(scan, None)
         if bundle is not None:
             entry = self._entries[bundle[-1].gid]
-            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, i, bundle))
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane), entry.seq, i,
+                                   bundle))
