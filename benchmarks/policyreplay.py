@@ -14,7 +14,9 @@ of policies x traces x capacities runs in minutes:
   calls ``on_release`` at zero; outputs are stored after the release.
 
 Keys are the cache's own (``content_key`` of a ``TieredKVCache`` over the same config), so
-hash-dependent policies decide alike. ``tests/test_eviction_replay.py`` checks that this replay and
+hash-dependent policies decide alike (``page_lru`` runs LRU, which reads no key: its one-page
+groups get stand-in digests). ``ops`` counts the policy calls (hooks and ``victims``), for the
+cost per operation. ``tests/test_eviction_replay.py`` checks that this replay and
 ``cachereplay.replay`` give the same hits, puts and evictions for every policy.
 """
 
@@ -25,11 +27,11 @@ import time
 from mmtier.cache import TieredKVCache
 from mmtier.config import CacheConfig
 from mmtier.content import ContentKey
-from mmtier.eviction import EvictionPolicy, make_policy
+from mmtier.eviction import POLICIES, EvictionPolicy, make_policy
 from mmtier.groups import ModalityGroup, Tier
 
 from .belady import BeladyPolicy
-from .cachereplay import TENANT, ReplayResult, _NextUse, _score, bench_config
+from .cachereplay import TENANT, ReplayResult, _NextUse, _score, bench_config, split_pages
 from .chains import ChainTrace
 
 MAX_HOPS = 4                          # as mmtier.lineage
@@ -76,7 +78,7 @@ class PolicyReplay:
         self.groups: dict[int, ModalityGroup] = {}
         self.uid_of: dict[int, int] = {}        # gid -> uid
         self._gid = 0
-        self.puts = self.evictions = 0
+        self.puts = self.evictions = self.ops = 0
 
     def store(self, uid: int) -> ModalityGroup:
         it = self.trace.items[uid]
@@ -92,6 +94,7 @@ class PolicyReplay:
         self.uid_of[g.gid] = uid
         self.policy.on_insert(g)
         self.puts += 1
+        self.ops += 1
         return g
 
     def _parent(self, uid: int) -> ModalityGroup | None:
@@ -108,6 +111,7 @@ class PolicyReplay:
     def _make_room(self, mod: str, pages_needed: int) -> None:
         spec = self.cfg.modalities[mod]
         chosen, got = [], 0
+        self.ops += 1
         for g in self.policy.victims(Tier.DEVICE, pages_needed * spec.page_bytes, mod):
             if got >= pages_needed:
                 break
@@ -119,16 +123,28 @@ class PolicyReplay:
             del self.groups[self.uid_of.pop(g.gid)]
             self.free[g.modality] += g.num_pages
             self.evictions += 1
+            self.ops += 1
             self.policy.on_remove(g)
+
+
+def stand_in_keys(trace: ChainTrace) -> dict[int, ContentKey]:
+    """Distinct keys that no policy hashes (for LRU over one-page groups)."""
+    return {uid: ContentKey(uid.to_bytes(32, "little"), it.modality, "prefix", bytes(16), bytes(32))
+            for uid, it in trace.items.items()}
 
 
 def replay_policy(trace: ChainTrace, policy: str, pages: dict[str, int], costs: dict[str, float],
                   page_size: int, keys: dict[int, ContentKey] | None = None) -> ReplayResult:
-    """One replay of ``trace`` (a name in ``mmtier.eviction.POLICIES`` or ``belady``); the same
-    result ``cachereplay.replay`` gives, without the cache's key checks and payload writes."""
+    """One replay of ``trace`` (a name in ``mmtier.eviction.POLICIES``, ``belady`` or
+    ``page_lru``); the same result ``cachereplay.replay`` gives, without the cache's key checks
+    and payload writes. ``res.ops`` counts the policy calls."""
     t0 = time.perf_counter()
     res = ReplayResult(policy)
-    cfg = bench_config(trace, pages, page_size, "lru" if policy == "belady" else policy, costs)
+    cfg = bench_config(trace, pages, page_size, policy if policy in POLICIES else "lru", costs)
+    source, groups_of = trace, None
+    if policy == "page_lru":
+        trace, groups_of = split_pages(trace, page_size)
+        keys = stand_in_keys(trace)
     keys = keys if keys is not None else trace_keys(trace, cfg)
     oracle = _NextUse(trace) if policy == "belady" else None
     if oracle is not None:
@@ -156,18 +172,20 @@ def replay_policy(trace: ChainTrace, policy: str, pages: dict[str, int], costs: 
                     g.refs += 1
                     held.append(g)
                     pol.on_access(g)
+                    run.ops += 1
             finally:
                 for g in held:
                     g.refs -= 1
                     if g.refs == 0 and run.groups.get(run.uid_of.get(g.gid, -1)) is g:
                         pol.on_release(g)
+                        run.ops += 1
             for uid in r.outputs:
                 if uid not in run.groups:
                     run.store(uid)
         except _Capacity as exc:
             res.overflow += 1
             res.last_error = str(exc)
-        _score(trace, r, present, None, trace, costs, res)
-    res.puts, res.evictions = run.puts, run.evictions
+        _score(source, source.requests[i], present, groups_of, trace, costs, res)
+    res.puts, res.evictions, res.ops = run.puts, run.evictions, run.ops
     res.wall_s = time.perf_counter() - t0
     return res

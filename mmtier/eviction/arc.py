@@ -20,9 +20,9 @@ class ARCPolicy(EvictionPolicy):
     while its digest was in a ghost); each lane is LRU. Victims come from ``T1`` while ``T1``
     holds more than the fraction ``target`` of the two lanes' bytes, else from ``T2``. A group
     that leaves ``T1`` (``T2``) leaves its digest in ghost ``B1`` (``B2``), each bounded by the
-    bytes the policy tracks. ``target`` is learned: a group stored again while in ``B1`` (recency
+    most bytes the policy has tracked at once (``LaneBytes.peak``: the tiers' size once full). ``target`` is learned: a group stored again while in ``B1`` (recency
     was cut too short) raises it, one in ``B2`` lowers it, by the group's bytes times its
-    recompute cost per byte (``lanes.density``) over the tracked bytes, scaled by the ghosts'
+    recompute cost per byte (``lanes.density``) over that peak, scaled by the ghosts'
     size ratio as in ARC. Leaf-first, pins and leases are the mechanism's."""
 
     name = "arc"
@@ -40,7 +40,7 @@ class ARCPolicy(EvictionPolicy):
         self._seen[group.gid] = group.hits
         if group.key is not None:
             d = group.key.digest
-            total = max(self._lanes.total(), group.nbytes)
+            total = max(self._lanes.peak, group.nbytes)
             step = group.nbytes * density(self.cfg, group) / total
             if d in self._b1:
                 ratio = max(1.0, self._b2.nbytes / max(self._b1.nbytes, 1))
@@ -78,6 +78,8 @@ class ARCPolicy(EvictionPolicy):
     def victims(self, tier: Tier, bytes_needed: int, modality: str | None = None) -> list[ModalityGroup]:
         self._over = {}
         for m in self.cfg.modalities:
+            if (tier, m, RECENT) in self._heaps:    # a group may move lanes while scanned: both lanes' heaps
+                self._heaps.setdefault((tier, m, FREQUENT), [])
             t1, t2 = self._lanes.of(tier, m, RECENT), self._lanes.of(tier, m, FREQUENT)
             self._over[m] = t1 > self.target * (t1 + t2)
         return super().victims(tier, bytes_needed, modality)
@@ -89,7 +91,7 @@ class ARCPolicy(EvictionPolicy):
     def on_remove(self, group: ModalityGroup) -> None:
         entry = self._entries.get(group.gid)
         if entry is not None and group.key is not None:
-            limit = max(self._lanes.total(), group.nbytes)
+            limit = max(self._lanes.peak, group.nbytes)
             (self._b1 if entry.lane == RECENT else self._b2).add(group.key.digest, group.nbytes, limit)
         super().on_remove(group)
         self._lanes.drop(group.gid)

@@ -240,6 +240,8 @@ class EvictionPolicy:
                 entry = blocked[gid] = parked
         if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
             del blocked[gid]
+            if self._second_chance(entry):
+                return                          # re-filed by the policy: not a victim now
             heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane),
                                    entry.seq, -1, [entry.group]))
 

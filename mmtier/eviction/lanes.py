@@ -1,7 +1,8 @@
 """What the two-queue policies (S3-FIFO, ARC) share: bytes per lane, ghosts, cost density.
 
 ``LaneBytes`` counts the bytes of the groups in each ``(tier, modality, lane)`` (the policy
-calls ``place`` after every filing and ``drop`` on removal); ``Ghosts`` remembers the digests of
+calls ``place`` after every filing and ``drop`` on removal), their total and its high-water mark
+(``peak``: the tiers' size once they have filled, what ghosts and targets are measured against); ``Ghosts`` remembers the digests of
 groups a lane lost, with their bytes, first in first out, bounded in bytes; ``density`` is a
 group's recompute cost per byte relative to the config's cheapest modality (a page of image KV
 costs more to recompute than a page of text; a half-empty page of a 16-token chunk less).
@@ -20,6 +21,8 @@ Place = tuple[Tier, str, int]
 class LaneBytes:
     def __init__(self) -> None:
         self.bytes: dict[Place, int] = {}
+        self.sum = 0
+        self.peak = 0
         self._at: dict[int, tuple[Place, int]] = {}         # gid -> (where it is counted, bytes)
 
     def place(self, gid: int, where: Place, nbytes: int) -> None:
@@ -28,19 +31,21 @@ class LaneBytes:
             return
         if old is not None:
             self.bytes[old[0]] -= old[1]
+            self.sum -= old[1]
         self._at[gid] = (where, nbytes)
         self.bytes[where] = self.bytes.get(where, 0) + nbytes
+        self.sum += nbytes
+        self.peak = max(self.peak, self.sum)
 
     def drop(self, gid: int) -> None:
         old = self._at.pop(gid, None)
         if old is not None:
             self.bytes[old[0]] -= old[1]
+            self.sum -= old[1]
 
     def of(self, tier: Tier, modality: str, lane: int) -> int:
         return self.bytes.get((tier, modality, lane), 0)
 
-    def total(self) -> int:
-        return sum(self.bytes.values())
 
 
 class Ghosts:

@@ -29,7 +29,8 @@ class S3FIFOPolicy(EvictionPolicy):
     while ``S`` holds more than ``small_fraction`` of the bytes of the two queues, else from
     ``M``; a group at the head of ``S`` that was reused moves to ``M`` instead of going (the
     one-hit wonders, most groups of prefix traces, never reach ``M``), and a group dropped from
-    ``S`` leaves its digest in the ghost (bounded by the bytes of ``M``). At the head of ``M``
+    ``S`` leaves its digest in the ghost (bounded by the bytes ``M`` may hold: ``1 -
+    small_fraction`` of the most bytes the policy has tracked at once, ``LaneBytes.peak``). At the head of ``M``
     a group with credit goes back to the tail with one credit less (CLOCK); each reuse earns
     ``max(1, round(density))`` credits, at most three reuses' worth, where ``density`` is its
     recompute cost per byte over the cheapest modality's (``lanes.density``): a page of image
@@ -66,6 +67,8 @@ class S3FIFOPolicy(EvictionPolicy):
     def victims(self, tier: Tier, bytes_needed: int, modality: str | None = None) -> list[ModalityGroup]:
         self._over = {}
         for m in self.cfg.modalities:
+            if (tier, m, SMALL) in self._heaps:    # a group may move lanes while scanned: both lanes' heaps
+                self._heaps.setdefault((tier, m, MAIN), [])
             small, main = self._lanes.of(tier, m, SMALL), self._lanes.of(tier, m, MAIN)
             self._over[m] = small > self.small_fraction * (small + main)
         return super().victims(tier, bytes_needed, modality)
@@ -96,8 +99,8 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_remove(self, group: ModalityGroup) -> None:
         entry = self._entries.get(group.gid)
         if entry is not None and entry.lane == SMALL and group.key is not None:
-            main = sum(v for (_, _, lane), v in self._lanes.bytes.items() if lane == MAIN)
-            self._ghost.add(group.key.digest, group.nbytes, max(main, group.nbytes))
+            limit = int((1 - self.small_fraction) * self._lanes.peak)
+            self._ghost.add(group.key.digest, group.nbytes, max(limit, group.nbytes))
         super().on_remove(group)
         self._lanes.drop(group.gid)
         self._state.pop(group.gid, None)
