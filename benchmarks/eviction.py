@@ -20,8 +20,9 @@ give the same hits, puts and evictions (``cache_parity_mismatches``: 0). Traces:
   prefix-hash form, through the JSONL importer (``chains.py``);
 - ``heavytail``: the heavy-tailed generator (``heavytail.py``), written as JSONL and imported;
 - ``mooncake``: Mooncake's public trace (``timestamp``, ``input_length``, ``output_length``,
-  ``hash_ids`` of 512-token blocks), read from ``../shared/traces/`` beside the repository when
-  present (skipped, and said so in ``mooncake_skipped``, when not); ``--jsonl`` adds any such file.
+  ``hash_ids`` of 512-token blocks): ``--mooncake PATH``, else ``$MMTIER_MOONCAKE_TRACE``, else
+  ``shared/traces/mooncake_synthetic_trace.jsonl`` in the folder that holds the repository; skipped,
+  and said so in ``mooncake_skipped``, when absent. ``--jsonl`` adds any file of that form.
 
 ``sample`` and ``heavytail`` are the heavy-tailed traces (``HEAVY``). Policies: every entry of
 ``POLICIES``, ``page_lru`` (a per-page baseline: every group split into chained one-page groups
@@ -42,6 +43,7 @@ per call at 20% over 5% (four times the groups: flat for O(log n) decisions).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -62,7 +64,8 @@ from .workloads import generate as generate_dialogue
 
 TRACES = Path(__file__).resolve().parent / "traces"
 SAMPLE = TRACES / "heavytail_sample.jsonl"
-MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+MOONCAKE = Path(os.environ.get("MMTIER_MOONCAKE_TRACE") or
+                Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
 FRACTIONS = (0.05, 0.1, 0.2)
 TARGET_FRACTIONS = (0.05, 0.1)
 HEAVY = ("sample", "heavytail")
@@ -120,7 +123,7 @@ def parity(trace: ChainTrace, costs: dict[str, float], names: list[str]) -> int:
     """(policy, capacity) pairs where the policy replay and the whole cache disagree."""
     short = ChainTrace(trace.name, trace.items, trace.requests[:PARITY_REQUESTS])
     bad = 0
-    for frac in TARGET_FRACTIONS:
+    for frac in [f for f in FRACTIONS if f in TARGET_FRACTIONS]:
         pages, _ = pages_for(short, frac)
         for name in names:
             a = replay(short, name, pages, costs, PAGE)
@@ -193,9 +196,9 @@ def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0, out:
             ratios(fig, tag, names)
     tnames = [t.name for t in all_traces]
     targets(fig, tnames)
-    fig["cache_parity_mismatches"] = parity(all_traces[2], costs, names)
-    heavy = next(t for t in all_traces if t.name == "heavytail")
-    fig.update(op_costs(heavy, costs, 1 if quick else 3))
+    by_name = {t.name: t for t in all_traces}
+    fig["cache_parity_mismatches"] = parity(by_name.get("sample", all_traces[0]), costs, names)
+    fig.update(op_costs(by_name.get("heavytail", all_traces[-1]), costs, 1 if quick else 3))
     fig["wall_s"] = time.perf_counter() - t_start
     report(fig, tnames)
     plot(fig, tnames, names, out)
@@ -216,14 +219,15 @@ def ratios(fig: dict, tag: str, names: list[str]) -> None:
 def targets(fig: dict, tnames: list[str]) -> None:
     """Worst ratios to LRU per policy, and which policy meets both targets."""
     heavy = [t for t in tnames if t in HEAVY]
+    caps = [f for f in FRACTIONS if f in TARGET_FRACTIONS]
     meets = []
     for name in POLICIES:
         fig[f"min_avoided_over_lru__{name}"] = min(
             fig[f"avoided_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
         fig[f"min_hit_over_lru__{name}"] = min(
             fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
-        floor = min(fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in TARGET_FRACTIONS)
-        lift = min(fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in heavy for f in TARGET_FRACTIONS)
+        floor = min(fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in caps)
+        lift = min((fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in heavy for f in caps), default=0.0)
         fig[f"target_min_hit_over_lru__{name}"] = floor
         fig[f"target_min_heavy_hit_over_lru__{name}"] = lift
         fig[f"meets_targets__{name}"] = ok = floor >= FLOOR and lift >= HEAVY_FLOOR and name != "lru"

@@ -7,12 +7,17 @@ enough can go; the caller decides what that means). A new policy is one class pl
 ``POLICIES``.
 
 Mechanism shared by every policy: each group has a static *key* computed whenever it is
-touched (insert, access, release); groups sit in one min-heap per ``(tier, modality)`` ordered
-by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up. Within
-one modality the eviction order is the key order; across modalities ``victims`` merges the
-heaps' heads by ``_rank(key, modality)``, which a policy may make depend on the current
-time as long as it is increasing in the key for a fixed modality. So ``victims`` costs
-O((k + s) log n) for k victims and s skipped (pinned, leased, busy) groups, not O(n).
+touched (insert, access, release); groups sit in one min-heap per ``(tier, modality, lane)``
+ordered by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up.
+A *lane* is a policy's queue (one for most; S3-FIFO's small and main queues, ARC's recent and
+frequent lists: ``_new_lane`` places a new group, ``_refile`` moves one). Within one lane the
+eviction order is the key order; across modalities and lanes ``victims`` merges the heaps' heads
+by ``_rank(key, modality, lane)``, which a policy may make depend on the current time or state
+as long as it is increasing in the key for a fixed modality and lane. A group that reaches the
+head of its lane evictable is offered to ``_second_chance`` first: a CLOCK-style policy may
+re-file it (to another lane, or back with a new key) instead of handing it out, and does so at
+most a bounded number of times per touch. So ``victims`` costs O((k + s + r) log n) for k
+victims, s skipped (pinned, leased, busy) groups and r second chances, not O(n).
 
 Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``), no
 live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``), and
