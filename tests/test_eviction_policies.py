@@ -195,3 +195,28 @@ def test_new_policies_go_leaf_first_and_respect_pins_and_leases(cls):
     b.pins = 0
     assert gs.order(D, "text") == ["x", "c", "b", "a"]
     del c
+
+
+# ---------------------------------------------------------------------------------- presets
+def test_presets_default_to_the_policy_that_meets_the_targets_and_only_then():
+    """``benchmarks/results/eviction.json`` names the policy meeting both targets (or none);
+    every cache preset and the config default use it, else LRU."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from mmtier.config import CacheConfig
+    from mmtier.serve.config import CacheArgs
+
+    root = Path(__file__).resolve().parents[1]
+    result = json.loads((root / "benchmarks" / "results" / "eviction.json").read_text())
+    want = "lru" if result["target_policy"] == "none" else result["target_policy"]
+    assert result["target_policy"] == "none" or result[f"meets_targets__{want}"] is True
+    assert CacheConfig.model_fields["eviction_policy"].default == want
+    assert CacheArgs.model_fields["eviction_policy"].default == want
+    presets = [p for p in sorted((root / "configs").glob("*.yaml"))
+               if "eviction_policy" in (yaml.safe_load(p.read_text()) or {})]
+    assert len(presets) >= 5
+    for p in presets:
+        assert CacheConfig.from_yaml(p).eviction_policy == want, p.name
