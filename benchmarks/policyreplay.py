@@ -31,7 +31,15 @@ from mmtier.eviction import POLICIES, EvictionPolicy, make_policy
 from mmtier.groups import ModalityGroup, Tier
 
 from .belady import BeladyPolicy
-from .cachereplay import TENANT, ReplayResult, _NextUse, _score, bench_config, split_pages
+from .cachereplay import (
+    TENANT,
+    ReplayResult,
+    _NextUse,
+    _score,
+    _topological,
+    bench_config,
+    split_pages,
+)
 from .chains import ChainTrace
 
 MAX_HOPS = 4                          # as mmtier.lineage
@@ -41,27 +49,12 @@ def trace_keys(trace: ChainTrace, cfg: CacheConfig) -> dict[int, ContentKey]:
     """Every group's key as the cache derives it (chained to its parent's key)."""
     keys: dict[int, ContentKey] = {}
     with TieredKVCache(cfg) as cache:
-        for uid in _order(trace):
+        for uid in _topological(trace):
             it = trace.items[uid]
             parent = keys[it.parent] if it.parent is not None else None
             keys[uid] = cache.content_key(it.modality, uid.to_bytes(8, "little"), tenant=TENANT,
                                           parent=parent)
     return keys
-
-
-def _order(trace: ChainTrace) -> list[int]:
-    """Uids, parents before children."""
-    out, seen = [], set()
-    for uid in trace.items:
-        stack = []
-        u: int | None = uid
-        while u is not None and u not in seen:
-            stack.append(u)
-            u = trace.items[u].parent
-        for v in reversed(stack):
-            seen.add(v)
-            out.append(v)
-    return out
 
 
 class _Capacity(Exception):

@@ -93,17 +93,17 @@ def test_s3fifo_small_share_counts_bytes_not_groups():
 
 
 def test_s3fifo_main_credit_weighs_recompute_cost_per_byte():
-    def run(first_mod: str) -> list[str]:
+    def run(first_tokens: int) -> list[str]:
         gs = Groups(S3FIFOPolicy(CFG))
-        add(gs, "v", first_mod)                 # inserted first
-        add(gs, "t", "text")
-        reuse(gs, "v", "t")
-        assert gs.order() == ["v", "t"]          # both moved to main (in FIFO order)
-        reuse(gs, "v", "t")                      # reused again in main: credit per reuse
+        add(gs, "first", "vision", first_tokens)   # one page either way: the same bytes
+        add(gs, "second", "vision", 1)             # a page holding one token: a quarter the cost
+        reuse(gs, "first", "second")
+        assert gs.order() == ["first", "second"]   # both moved to main, in FIFO order
+        reuse(gs, "first", "second")               # reused again in main: credit per reuse
         return gs.order()
 
-    assert run("text") == ["v", "t"]             # one credit each: FIFO kept
-    assert run("vision") == ["t", "v"]           # an image page costs twice a text page: two
+    assert run(1) == ["first", "second"]           # equal cost per byte: one credit each, FIFO
+    assert run(4) == ["second", "first"]           # a full image page (density 2): two credits
 
 
 # ---------------------------------------------------------------------------------- ARC

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..config import CacheConfig
 from ..groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy, _Entry
-from .lanes import Ghosts, LaneBytes, density
+from .lanes import Ghosts, density
 
 RECENT, FREQUENT = 0, 1
 _FIRST = float(1 << 40)          # rank offset: the lane over its target goes first
@@ -26,12 +26,12 @@ class ARCPolicy(EvictionPolicy):
     size ratio as in ARC. Leaf-first, pins and leases are the mechanism's."""
 
     name = "arc"
+    lanes = 2
 
     def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         super().__init__(cfg, clock)
         self.target = 0.5
         self._seen: dict[int, int] = {}
-        self._lanes = LaneBytes()
         self._b1, self._b2 = Ghosts(), Ghosts()
         self._over: dict[str, bool] = {}
 
@@ -40,7 +40,7 @@ class ARCPolicy(EvictionPolicy):
         self._seen[group.gid] = group.hits
         if group.key is not None:
             d = group.key.digest
-            total = max(self._lanes.peak, group.nbytes)
+            total = max(self.lane_bytes.peak, group.nbytes)
             step = group.nbytes * density(self.cfg, group) / total
             if d in self._b1:
                 ratio = max(1.0, self._b2.nbytes / max(self._b1.nbytes, 1))
@@ -64,25 +64,11 @@ class ARCPolicy(EvictionPolicy):
     def _key(self, entry: _Entry) -> float:
         return float(self.tick)
 
-    def _file(self, entry: _Entry, key: float) -> None:
-        super()._file(entry, key)
-        g = entry.group
-        self._lanes.place(g.gid, (entry.tier, g.modality, entry.lane), g.nbytes)
-
-    def _rebuild(self) -> None:
-        super()._rebuild()
-        for e in self._entries.values():
-            self._lanes.place(e.group.gid, (e.tier, e.group.modality, e.lane), e.group.nbytes)
-
     # -- victims
-    def victims(self, tier: Tier, bytes_needed: int, modality: str | None = None) -> list[ModalityGroup]:
-        self._over = {}
-        for m in self.cfg.modalities:
-            if (tier, m, RECENT) in self._heaps:    # a group may move lanes while scanned: both lanes' heaps
-                self._heaps.setdefault((tier, m, FREQUENT), [])
-            t1, t2 = self._lanes.of(tier, m, RECENT), self._lanes.of(tier, m, FREQUENT)
-            self._over[m] = t1 > self.target * (t1 + t2)
-        return super().victims(tier, bytes_needed, modality)
+    def _plan(self, tier: Tier) -> None:
+        lb = self.lane_bytes
+        self._over = {m: lb.of(tier, m, RECENT) > self.target * (lb.of(tier, m, RECENT) + lb.of(tier, m, FREQUENT))
+                      for m in self.cfg.modalities}
 
     def _rank(self, key: float, modality: str, lane: int = 0) -> float:
         first = self._over.get(modality, True) == (lane == RECENT)
@@ -91,8 +77,7 @@ class ARCPolicy(EvictionPolicy):
     def on_remove(self, group: ModalityGroup) -> None:
         entry = self._entries.get(group.gid)
         if entry is not None and group.key is not None:
-            limit = max(self._lanes.peak, group.nbytes)
+            limit = max(self.lane_bytes.peak, group.nbytes)
             (self._b1 if entry.lane == RECENT else self._b2).add(group.key.digest, group.nbytes, limit)
         super().on_remove(group)
-        self._lanes.drop(group.gid)
         self._seen.pop(group.gid, None)

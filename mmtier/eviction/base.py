@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ..config import CacheConfig
 from ..groups import ModalityGroup, Tier
+from .lanes import LaneBytes
 
 Clock = Callable[[], float]
 MAX_BUNDLE = 64                              # descendants evicted with a parent in one bundle
@@ -76,6 +77,7 @@ class EvictionPolicy:
     """Base: heap-per-(tier, modality) mechanism. Subclasses define ``_key`` (and ``_rank``)."""
 
     name = "base"
+    lanes = 1                                 # queues per (tier, modality); > 1: bytes counted per lane
 
     def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         self.cfg = cfg
@@ -87,6 +89,7 @@ class EvictionPolicy:
         self._items = 0                       # heap items, live and stale
         self._watch: set[int] = set()         # gids whose tier may have changed without on_move
         self._scanning = False                # no heap rebuild while victims() holds popped items
+        self.lane_bytes = LaneBytes()         # bytes per (tier, modality, lane), when lanes > 1
 
     # ------------------------------------------------------------------ hooks
     def on_insert(self, group: ModalityGroup) -> None:
@@ -130,6 +133,7 @@ class EvictionPolicy:
     def on_remove(self, group: ModalityGroup) -> None:
         """The group was freed (dropped at the bottom, or deleted)."""
         entry = self._entries.pop(group.gid, None)
+        self.lane_bytes.drop(group.gid)
         if entry is not None:
             self._left(entry.tier, entry)
             self._count_kid(entry, entry.tier, None)
@@ -144,10 +148,15 @@ class EvictionPolicy:
         if bytes_needed <= 0:
             return out
         self._flush_watch()
+        self._plan(tier)
         self._scanning = True
         held: list[tuple[_HeapKey, _HeapItem]] = []
         try:
             now = self.clock()
+            if self.lanes > 1:                  # a group may change lanes while scanned
+                for m in [m for (t, m, lane) in self._heaps if t == tier and lane == 0]:
+                    for lane in range(1, self.lanes):
+                        self._heaps.setdefault((tier, m, lane), [])
             hkeys = [h for h in self._heaps if h[0] == tier and modality in (None, h[1])]
             blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
             taken: dict[int, int] = {}          # parent gid -> children chosen in this call
@@ -193,6 +202,9 @@ class EvictionPolicy:
         """Merge rank across modalities (and a policy's lanes) at this moment; must increase
         with ``key`` for a fixed modality and lane."""
         return key
+
+    def _plan(self, tier: Tier) -> None:
+        """A ``victims`` call on ``tier`` starts: fix what ``_rank`` needs for it."""
 
     def _new_lane(self, group: ModalityGroup) -> int:
         """The lane a new group starts in (policies with one queue: 0)."""
@@ -258,6 +270,9 @@ class EvictionPolicy:
         entry.tier = entry.group.tier
         heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []),
                        (key, entry.seq, entry.group.gid))
+        if self.lanes > 1:
+            self.lane_bytes.place(entry.group.gid, (entry.tier, entry.group.modality, entry.lane),
+                                  entry.group.nbytes)
         self._items += 1
         if self._items > 4 * len(self._entries) + 1024 and not self._scanning:
             self._rebuild()
@@ -284,6 +299,9 @@ class EvictionPolicy:
                 entry.tier = entry.group.tier
             self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []).append(
                 (entry.key, entry.seq, entry.group.gid))
+            if self.lanes > 1:
+                self.lane_bytes.place(entry.group.gid, (entry.tier, entry.group.modality, entry.lane),
+                                      entry.group.nbytes)
         for heap in self._heaps.values():
             heapq.heapify(heap)
         self._items = len(self._entries)

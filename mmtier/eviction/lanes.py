@@ -1,7 +1,7 @@
 """What the two-queue policies (S3-FIFO, ARC) share: bytes per lane, ghosts, cost density.
 
-``LaneBytes`` counts the bytes of the groups in each ``(tier, modality, lane)`` (the policy
-calls ``place`` after every filing and ``drop`` on removal), their total and its high-water mark
+``LaneBytes`` counts the bytes of the groups in each ``(tier, modality, lane)`` (the mechanism
+keeps it, in ``EvictionPolicy.lane_bytes``, for policies with more than one lane), their total and its high-water mark
 (``peak``: the tiers' size once they have filled, what ghosts and targets are measured against); ``Ghosts`` remembers the digests of
 groups a lane lost, with their bytes, first in first out, bounded in bytes; ``density`` is a
 group's recompute cost per byte relative to the config's cheapest modality (a page of image KV

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ..config import CacheConfig
 from ..groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy, _Entry
-from .lanes import Ghosts, LaneBytes, density
+from .lanes import Ghosts, density
 
 SMALL, MAIN = 0, 1
 _FIRST = float(1 << 40)          # rank offset: the lane that must give up bytes goes first
@@ -38,12 +38,12 @@ class S3FIFOPolicy(EvictionPolicy):
     leases are the mechanism's (a child always goes before its parent)."""
 
     name = "s3fifo"
+    lanes = 2
     small_fraction = 0.1
 
     def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         super().__init__(cfg, clock)
         self._state: dict[int, _State] = {}
-        self._lanes = LaneBytes()
         self._ghost = Ghosts()
         self._over: dict[str, bool] = {}
 
@@ -54,24 +54,10 @@ class S3FIFOPolicy(EvictionPolicy):
     def _key(self, entry: _Entry) -> float:
         return entry.key if entry.seq >= 0 else float(self.tick)    # FIFO: insertion order
 
-    def _file(self, entry: _Entry, key: float) -> None:
-        super()._file(entry, key)
-        g = entry.group
-        self._lanes.place(g.gid, (entry.tier, g.modality, entry.lane), g.nbytes)
-
-    def _rebuild(self) -> None:
-        super()._rebuild()
-        for e in self._entries.values():
-            self._lanes.place(e.group.gid, (e.tier, e.group.modality, e.lane), e.group.nbytes)
-
-    def victims(self, tier: Tier, bytes_needed: int, modality: str | None = None) -> list[ModalityGroup]:
-        self._over = {}
-        for m in self.cfg.modalities:
-            if (tier, m, SMALL) in self._heaps:    # a group may move lanes while scanned: both lanes' heaps
-                self._heaps.setdefault((tier, m, MAIN), [])
-            small, main = self._lanes.of(tier, m, SMALL), self._lanes.of(tier, m, MAIN)
-            self._over[m] = small > self.small_fraction * (small + main)
-        return super().victims(tier, bytes_needed, modality)
+    def _plan(self, tier: Tier) -> None:
+        lb = self.lane_bytes
+        self._over = {m: lb.of(tier, m, SMALL) > self.small_fraction * (lb.of(tier, m, SMALL) + lb.of(tier, m, MAIN))
+                      for m in self.cfg.modalities}
 
     def _rank(self, key: float, modality: str, lane: int = 0) -> float:
         if lane == MAIN:
@@ -99,8 +85,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def on_remove(self, group: ModalityGroup) -> None:
         entry = self._entries.get(group.gid)
         if entry is not None and entry.lane == SMALL and group.key is not None:
-            limit = int((1 - self.small_fraction) * self._lanes.peak)
+            limit = int((1 - self.small_fraction) * self.lane_bytes.peak)
             self._ghost.add(group.key.digest, group.nbytes, max(limit, group.nbytes))
         super().on_remove(group)
-        self._lanes.drop(group.gid)
         self._state.pop(group.gid, None)
