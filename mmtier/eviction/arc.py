@@ -20,10 +20,11 @@ class ARCPolicy(EvictionPolicy):
     while its digest was in a ghost); each lane is LRU. Victims come from ``T1`` while ``T1``
     holds more than the fraction ``target`` of the two lanes' bytes, else from ``T2``. A group
     that leaves ``T1`` (``T2``) leaves its digest in ghost ``B1`` (``B2``), each bounded by the
-    most bytes the policy has tracked at once (``LaneBytes.peak``: the tiers' size once full). ``target`` is learned: a group stored again while in ``B1`` (recency
-    was cut too short) raises it, one in ``B2`` lowers it, by the group's bytes times its
-    recompute cost per byte (``lanes.density``) over that peak, scaled by the ghosts'
-    size ratio as in ARC. Leaf-first, pins and leases are the mechanism's."""
+    most bytes the policy has tracked at once (``LaneBytes.peak``: the tiers' size once full).
+    ``target`` is learned: a group stored again while in ``B1`` (recency was cut too short)
+    raises it, one in ``B2`` lowers it, by the group's bytes times its recompute cost per byte
+    (``lanes.density``) over that peak, scaled by the ghosts' size ratio as in ARC. Leaf-first,
+    pins and leases are the mechanism's."""
 
     name = "arc"
     lanes = 2
@@ -66,9 +67,7 @@ class ARCPolicy(EvictionPolicy):
 
     # -- victims
     def _plan(self, tier: Tier) -> None:
-        lb = self.lane_bytes
-        self._over = {m: lb.of(tier, m, RECENT) > self.target * (lb.of(tier, m, RECENT) + lb.of(tier, m, FREQUENT))
-                      for m in self.cfg.modalities}
+        self._over = {m: self.lane_bytes.over(tier, m, RECENT, self.target) for m in self.cfg.modalities}
 
     def _rank(self, key: float, modality: str, lane: int = 0) -> float:
         first = self._over.get(modality, True) == (lane == RECENT)

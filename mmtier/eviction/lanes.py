@@ -1,11 +1,12 @@
 """What the two-queue policies (S3-FIFO, ARC) share: bytes per lane, ghosts, cost density.
 
 ``LaneBytes`` counts the bytes of the groups in each ``(tier, modality, lane)`` (the mechanism
-keeps it, in ``EvictionPolicy.lane_bytes``, for policies with more than one lane), their total and its high-water mark
-(``peak``: the tiers' size once they have filled, what ghosts and targets are measured against); ``Ghosts`` remembers the digests of
-groups a lane lost, with their bytes, first in first out, bounded in bytes; ``density`` is a
-group's recompute cost per byte relative to the config's cheapest modality (a page of image KV
-costs more to recompute than a page of text; a half-empty page of a 16-token chunk less).
+keeps one, ``EvictionPolicy.lane_bytes``, for policies with more than one lane), their total and
+its high-water mark (``peak``: the tiers' size once they have filled, what ghosts and targets
+are measured against); ``Ghosts`` remembers the digests of groups a lane lost, with their
+bytes, first in first out, bounded in bytes; ``density`` is a group's recompute cost per byte
+relative to the config's cheapest modality (a page of image KV costs more to recompute than a
+page of text; a half-empty page of a 16-token chunk less).
 """
 
 from __future__ import annotations
@@ -45,6 +46,12 @@ class LaneBytes:
 
     def of(self, tier: Tier, modality: str, lane: int) -> int:
         return self.bytes.get((tier, modality, lane), 0)
+
+    def over(self, tier: Tier, modality: str, lane: int, fraction: float, lanes: int = 2) -> bool:
+        """Whether ``lane`` holds more than ``fraction`` of the bytes of the ``lanes`` lanes of
+        ``(tier, modality)``."""
+        mine = self.of(tier, modality, lane)
+        return mine > fraction * sum(self.of(tier, modality, j) for j in range(lanes))
 
 
 

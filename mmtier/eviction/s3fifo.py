@@ -30,8 +30,10 @@ class S3FIFOPolicy(EvictionPolicy):
     ``M``; a group at the head of ``S`` that was reused moves to ``M`` instead of going (the
     one-hit wonders, most groups of prefix traces, never reach ``M``), and a group dropped from
     ``S`` leaves its digest in the ghost (bounded by the bytes ``M`` may hold: ``1 -
-    small_fraction`` of the most bytes the policy has tracked at once, ``LaneBytes.peak``). At the head of ``M``
-    a group with credit goes back to the tail with one credit less (CLOCK); each reuse earns
+    small_fraction`` of the most bytes the policy has tracked at once, ``LaneBytes.peak``). At
+    the head of ``M`` a group with credit goes back to the tail with one credit less (CLOCK);
+    across pools (host and disk tiers) groups re-filed in one call keep the order in which the
+    scans reach them. Each reuse earns
     ``max(1, round(density))`` credits, at most three reuses' worth, where ``density`` is its
     recompute cost per byte over the cheapest modality's (``lanes.density``): a page of image
     KV outlives a page of text as often as it costs more to recompute. Leaf-first, pins and
@@ -55,9 +57,7 @@ class S3FIFOPolicy(EvictionPolicy):
         return entry.key if entry.seq >= 0 else float(self.tick)    # FIFO: insertion order
 
     def _plan(self, tier: Tier) -> None:
-        lb = self.lane_bytes
-        self._over = {m: lb.of(tier, m, SMALL) > self.small_fraction * (lb.of(tier, m, SMALL) + lb.of(tier, m, MAIN))
-                      for m in self.cfg.modalities}
+        self._over = {m: self.lane_bytes.over(tier, m, SMALL, self.small_fraction) for m in self.cfg.modalities}
 
     def _rank(self, key: float, modality: str, lane: int = 0) -> float:
         if lane == MAIN:
