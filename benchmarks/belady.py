@@ -44,7 +44,7 @@ class SizeAwareBeladyPolicy(BeladyPolicy):
 
     name = "belady_size"
 
-    def _rank(self, key: float, modality: str) -> float:
+    def _rank(self, key: float, modality: str, lane: int = 0) -> float:
         spec = self.cfg.modalities[modality]
         weight = spec.token_bytes / max(spec.recompute_cost, 1e-9)
         return (key + self.now) * weight

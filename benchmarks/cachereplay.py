@@ -54,6 +54,7 @@ class ReplayResult:
     puts: int = 0
     evictions: int = 0
     overflow: int = 0                    # requests whose chain did not fit (CapacityError)
+    ops: int = 0                         # policy calls (``policyreplay`` counts them)
     last_error: str = ""
     wall_s: float = 0.0
 

@@ -1,39 +1,64 @@
-"""Eviction on the cache's own code: prefix hit ratio and recompute time avoided, per policy.
+"""Eviction on the cache's own policy code: prefix hit ratio, recompute avoided and cost per
+operation, per policy, trace and capacity.
 
-``python -m benchmarks.eviction [--quick] [--jsonl PATH ...]`` replays chain traces through
-``TieredKVCache`` (``benchmarks/cachereplay.py``: real keys, contains / put / attach / release,
-the cache's ``_make_room -> policy.victims`` path, tiny payloads) with a device tier sized to
+``python -m benchmarks.eviction [--quick] [--jsonl PATH ...] [--mooncake PATH]`` replays chain
+traces through each policy class of ``mmtier.eviction.POLICIES`` as ``TieredKVCache`` drives it
+(``benchmarks/policyreplay.py``: contains / put / attach / release, room made by
+``policy.victims`` as ``Room.make_room`` does, the cache's own keys), with a device tier sized to
 5%, 10% and 20% of the trace's distinct bytes (each pool raised, where needed, to the largest
 request's chain plus its largest group, which stay attached while the request runs; the JSON
-records the effective fraction). Traces:
+records the effective fraction). The same replay through the whole cache
+(``cachereplay.replay``) is run for every policy on the first requests of ``sample`` and must
+give the same hits, puts and evictions (``cache_parity_mismatches``: 0). Traces:
 
 - ``dialogue``: the multi-turn multimodal generator (``workloads.py``) through ``tracesim.plan``;
+- ``multimodal``: the same generator, seeded, with images, video and audio as content-only
+  groups (cross-attention / encoder KV) from Zipf catalogues re-sent across conversations and
+  by several tenants (whose keys differ: nothing is shared across tenants), 24 conversations
+  open at once;
 - ``sample``: ``benchmarks/traces/heavytail_sample.jsonl``, a checked-in file in the published
-  prefix-hash form, through the JSONL importer (``chains.py``); ``--jsonl`` adds any such file
-  (e.g. a published production trace);
-- ``heavytail``: the heavy-tailed generator (``heavytail.py``), written as JSONL and imported.
+  prefix-hash form, through the JSONL importer (``chains.py``);
+- ``heavytail``: the heavy-tailed generator (``heavytail.py``), written as JSONL and imported;
+- ``mooncake``: Mooncake's public trace (``timestamp``, ``input_length``, ``output_length``,
+  ``hash_ids`` of 512-token blocks): ``--mooncake PATH``, else ``$MMTIER_MOONCAKE_TRACE``, else
+  ``shared/traces/mooncake_synthetic_trace.jsonl`` in the folder that holds the repository; skipped,
+  and said so in ``mooncake_skipped``, when absent. ``--jsonl`` adds any file of that form.
 
-Policies: every entry of ``mmtier.eviction.POLICIES``, ``page_lru`` (a per-page baseline: every
-group split into chained one-page groups under LRU) and ``belady`` (offline: furthest next use,
-leaf-first). A request's hit is the longest cached prefix of its chain; recompute time avoided
-weighs hit tokens by the measured seconds per token of their modality
-(``benchmarks/traces/recompute_costs.json``, from ``python -m benchmarks.recompute``). Replays
-are deterministic (one run each); ``wall_s`` is reported, not compared.
+``sample`` and ``heavytail`` are the heavy-tailed traces (``HEAVY``). Policies: every entry of
+``POLICIES``, ``page_lru`` (a per-page baseline: every group split into chained one-page groups
+under LRU) and ``belady`` (offline: furthest next use, leaf-first). A request's hit is the
+longest cached prefix of its chain; recompute time avoided weighs hit tokens by the measured
+seconds per token of their modality (``benchmarks/traces/recompute_costs.json``).
+
+Targets (``TARGET_FRACTIONS``, 5% and 10%): a policy ``meets_targets__NAME`` when its hits are at
+least 0.99x LRU's on every trace and at least 1.3x LRU's on each heavy-tailed one;
+``target_policy`` names the best that does (``none`` when none does), ``default_policy`` the
+presets' default (``CacheConfig``'s). Replays are deterministic (one run each). Cost per
+operation: ``op_us__NAME`` is the replay's wall time over its policy calls (hooks and
+``victims``) on ``heavytail`` at 5% and 20%, ``op_cost_over_lru__NAME`` the median over 5 paired
+rounds (the two in turn first) of its time per call over LRU's at 5%, ``op_cost_growth__NAME``
+that ratio at 20% (four times the groups) over the one at 5%: about 1 for a policy whose
+decisions cost what LRU's heaps do, O(log n); ``op_cost_growth_lru_alone`` LRU's own time per
+call at 20% over 5%.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from mmtier.config import CacheConfig
 from mmtier.eviction import POLICIES
 
 from ._common import RESULTS, add_out_arg, print_table, write_results
-from .cachereplay import pool_floor, replay
+from .cachereplay import bench_config, pool_floor, replay
 from .chains import ChainTrace, from_plan, load_jsonl, write_jsonl
 from .heavytail import HeavyTailConfig, generate
+from .policyreplay import replay_policy, trace_keys
 from .recompute import load_costs
 from .tracesim import plan
 from .workloads import WorkloadConfig
@@ -41,9 +66,15 @@ from .workloads import generate as generate_dialogue
 
 TRACES = Path(__file__).resolve().parent / "traces"
 SAMPLE = TRACES / "heavytail_sample.jsonl"
+MOONCAKE = Path(os.environ.get("MMTIER_MOONCAKE_TRACE") or
+                Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
 FRACTIONS = (0.05, 0.1, 0.2)
+TARGET_FRACTIONS = (0.05, 0.1)
+HEAVY = ("sample", "heavytail")
 REFERENCE = ("page_lru", "belady")
 PAGE = 128                       # tokens per page of the replay (a 512-token block: 4 pages)
+PARITY_REQUESTS = 150
+FLOOR, HEAVY_FLOOR = 0.99, 1.3
 
 
 def sample_config() -> HeavyTailConfig:
@@ -51,20 +82,30 @@ def sample_config() -> HeavyTailConfig:
     return HeavyTailConfig(seed=7, requests=300, duration_s=540.0)
 
 
-def traces(quick: bool, jsonl: list[str], seed: int) -> list[ChainTrace]:
-    """The three traces (``quick``: a few dozen requests each, a check that it runs)."""
+def multimodal_config(seed: int, turns: int) -> WorkloadConfig:
+    """Content-only media (images, video, audio) re-sent across conversations and tenants."""
+    return WorkloadConfig(seed=seed + 1, turns=turns, tenants=4, active=24,
+                          vision_sharing="content", audio_sharing="content")
+
+
+def traces(quick: bool, jsonl: list[str], seed: int, mooncake: Path | None) -> list[ChainTrace]:
+    """The traces (``quick``: a few dozen requests each, a check that it runs)."""
     n = 40 if quick else 600
-    dialogue = from_plan(plan(generate_dialogue(WorkloadConfig(seed=seed, turns=40 if quick else 300)), 16),
-                         "dialogue")
-    sample = load_jsonl(SAMPLE, name="sample")
-    if quick:
-        sample.requests = sample.requests[:40]
-    out = [dialogue, sample]
+    out = [from_plan(plan(generate_dialogue(WorkloadConfig(seed=seed, turns=40 if quick else 300)), 16),
+                     "dialogue"),
+           from_plan(plan(generate_dialogue(multimodal_config(seed, 60 if quick else 1500)), 16),
+                     "multimodal")]
+    out.append(load_jsonl(SAMPLE, name="sample"))
     cfg = HeavyTailConfig(seed=seed, requests=n, duration_s=n * 1.8)
     with tempfile.TemporaryDirectory() as tmp:      # through the file, as a published trace
         path = write_jsonl(generate(cfg), Path(tmp) / "heavytail.jsonl")
         out.append(load_jsonl(path, name="heavytail"))
+    if mooncake is not None and mooncake.exists():
+        out.append(load_jsonl(mooncake, name="mooncake"))
     out += [load_jsonl(p) for p in jsonl]
+    if quick:
+        for t in out:
+            t.requests = t.requests[:40]
     return out
 
 
@@ -80,66 +121,153 @@ def pages_for(trace: ChainTrace, frac: float) -> tuple[dict[str, int], float]:
     return pages, sum(pages.values()) / distinct
 
 
-def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0,
-        out: Path = RESULTS) -> dict:
+def parity(trace: ChainTrace, costs: dict[str, float], names: list[str]) -> int:
+    """(policy, capacity) pairs where the policy replay and the whole cache disagree."""
+    short = ChainTrace(trace.name, trace.items, trace.requests[:PARITY_REQUESTS])
+    bad = 0
+    for frac in [f for f in FRACTIONS if f in TARGET_FRACTIONS]:
+        pages, _ = pages_for(short, frac)
+        for name in names:
+            a = replay(short, name, pages, costs, PAGE)
+            b = replay_policy(short, name, pages, costs, PAGE)
+            bad += (a.hit_tokens, a.puts, a.evictions) != (b.hit_tokens, b.puts, b.evictions)
+    return bad
+
+
+def op_costs(trace: ChainTrace, costs: dict[str, float], rounds: int) -> dict[str, float]:
+    """Seconds per policy call, paired with LRU (the two in turn first), at 5% and 20%."""
+    fig: dict[str, float] = {}
+    ratio: dict[tuple[str, float], list[float]] = {}
+    alone: dict[tuple[str, float], list[float]] = {}
+    for frac in (0.05, 0.2):
+        pages, _ = pages_for(trace, frac)
+        keys = trace_keys(trace, bench_config(trace, pages, PAGE, "lru", costs))
+        for name in POLICIES:
+            for r in range(rounds):
+                got = {}
+                for p in (["lru", name] if r % 2 == 0 else [name, "lru"]):
+                    res = replay_policy(trace, p, pages, costs, PAGE, keys)
+                    got[p] = res.wall_s / max(res.ops, 1)
+                ratio.setdefault((name, frac), []).append(got[name] / got["lru"])
+                alone.setdefault((name, frac), []).append(got[name])
+    for name in POLICIES:
+        pairs = ratio[(name, 0.05)]
+        fig[f"op_cost_over_lru__{name}"] = statistics.median(pairs)
+        fig[f"op_cost_over_lru__{name}_n"] = rounds
+        fig[f"op_cost_over_lru__{name}_best"] = min(pairs)
+        fig[f"op_cost_over_lru__{name}_worst"] = max(pairs)
+        fig[f"op_cost_over_lru_cap0.2__{name}"] = statistics.median(ratio[(name, 0.2)])
+        for frac in (0.05, 0.2):
+            fig[f"op_us__cap{frac}__{name}"] = 1e6 * statistics.median(alone[(name, frac)])
+        # four times the groups: the policy's time per call over LRU's there, over the same at 5%
+        fig[f"op_cost_growth__{name}"] = fig[f"op_cost_over_lru_cap0.2__{name}"] / fig[f"op_cost_over_lru__{name}"]
+    fig["op_cost_growth_lru_alone"] = fig["op_us__cap0.2__lru"] / fig["op_us__cap0.05__lru"]
+    return fig
+
+
+def run(quick: bool = False, jsonl: list[str] | None = None, seed: int = 0, out: Path = RESULTS,
+        mooncake: Path | None = MOONCAKE) -> dict:
     t_start = time.perf_counter()
     costs = load_costs()
     names = [*POLICIES, *REFERENCE]
     fig: dict = {"page_tokens": PAGE, "payload_bytes_per_token": 8, "device_only": True,
                  **{f"recompute_s_per_token__{m}": costs[m] for m in ("text", "vision", "audio")}}
+    if mooncake is None or not mooncake.exists():
+        fig["mooncake_skipped"] = f"not found: {mooncake}"
     rows = []
-    for trace in traces(quick, jsonl or [], seed):
+    all_traces = traces(quick, jsonl or [], seed, mooncake)
+    for trace in all_traces:
         t = trace.name
         fig[f"requests__{t}"] = len(trace.requests)
         fig[f"distinct_groups__{t}"] = len(trace.items)
         fig[f"first_reference_fraction__{t}"] = trace.first_reference_fraction()
         fig[f"max_chain_groups__{t}"] = max(len(r.chain) for r in trace.requests)
+        keys = None
         for frac in FRACTIONS:
             pages, eff = pages_for(trace, frac)
+            keys = keys or trace_keys(trace, bench_config(trace, pages, PAGE, "lru", costs))
             tag = f"{t}__cap{frac}"
             fig[f"effective_fraction__{tag}"] = eff
             for name in names:
-                r = replay(trace, name, pages, costs, PAGE)
+                r = replay_policy(trace, name, pages, costs, PAGE, keys)
                 fig[f"hit__{tag}__{name}"] = r.hit_ratio
                 fig[f"avoided_s__{tag}__{name}"] = r.avoided_s
                 fig[f"avoided_fraction__{tag}__{name}"] = r.avoided_s / r.recompute_s
                 fig[f"overflow__{tag}__{name}"] = r.overflow
                 fig[f"wall_s__{tag}__{name}"] = r.wall_s
-                rows.append((t, frac, eff, name, r))
+                rows.append((t, frac, name, r))
                 print(f"{t:<10} {frac:>5} {eff:>6.3f} {name:<13} hit {r.hit_ratio:.4f} "
-                      f"avoided {r.avoided_s:9.1f} s ({r.avoided_s / r.recompute_s:.4f}) "
-                      f"overflow {r.overflow} wall {r.wall_s:.1f} s", flush=True)
-            lru = fig[f"avoided_s__{tag}__lru"]
-            best = max(POLICIES, key=lambda n: fig[f"avoided_s__{tag}__{n}"])
-            fig[f"best_policy__{tag}"] = best
-            for name in names:
-                fig[f"avoided_over_lru__{tag}__{name}"] = fig[f"avoided_s__{tag}__{name}"] / lru if lru else 0.0
-                hl = fig[f"hit__{tag}__lru"]
-                fig[f"hit_over_lru__{tag}__{name}"] = fig[f"hit__{tag}__{name}"] / hl if hl else 0.0
-            bel = fig[f"hit__{tag}__belady"]
-            fig[f"lru_hit_over_belady__{tag}"] = fig[f"hit__{tag}__lru"] / bel if bel else 0.0
-    tnames = sorted({t for t, *_ in rows})
-    for name in POLICIES:      # a policy's worst ratio to LRU over every trace and capacity
-        fig[f"min_avoided_over_lru__{name}"] = min(
-            fig[f"avoided_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
-        fig[f"min_hit_over_lru__{name}"] = min(
-            fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
-    fig["heavytail_best_avoided_over_lru_cap0.05"] = max(
-        fig[f"avoided_over_lru__heavytail__cap0.05__{n}"] for n in POLICIES)
-    fig["heavytail_lru_hit_over_belady_cap0.05"] = fig["lru_hit_over_belady__heavytail__cap0.05"]
+                      f"avoided {r.avoided_s / r.recompute_s:.4f} overflow {r.overflow} "
+                      f"wall {r.wall_s:.1f} s", flush=True)
+            ratios(fig, tag, names)
+    tnames = [t.name for t in all_traces]
+    targets(fig, tnames)
+    by_name = {t.name: t for t in all_traces}
+    fig["cache_parity_mismatches"] = parity(by_name.get("sample", all_traces[0]), costs, names)
+    fig.update(op_costs(by_name.get("heavytail", all_traces[-1]), costs, 1 if quick else 5))
     fig["wall_s"] = time.perf_counter() - t_start
-    report(fig)
+    report(fig, tnames)
     plot(fig, tnames, names, out)
     write_results("eviction", fig, out)
     return fig
 
 
-def report(fig: dict) -> None:
-    keys = ["heavytail_best_avoided_over_lru_cap0.05", "heavytail_lru_hit_over_belady_cap0.05",
-            *(f"min_avoided_over_lru__{n}" for n in POLICIES),
-            *(f"min_hit_over_lru__{n}" for n in POLICIES),
+def ratios(fig: dict, tag: str, names: list[str]) -> None:
+    lru, hl, bel = (fig[f"avoided_s__{tag}__lru"], fig[f"hit__{tag}__lru"], fig[f"hit__{tag}__belady"])
+    fig[f"best_policy__{tag}"] = max(POLICIES, key=lambda n: fig[f"hit__{tag}__{n}"])
+    for name in names:
+        fig[f"avoided_over_lru__{tag}__{name}"] = fig[f"avoided_s__{tag}__{name}"] / lru if lru else 0.0
+        fig[f"hit_over_lru__{tag}__{name}"] = fig[f"hit__{tag}__{name}"] / hl if hl else 0.0
+        fig[f"hit_over_belady__{tag}__{name}"] = fig[f"hit__{tag}__{name}"] / bel if bel else 0.0
+    fig[f"lru_hit_over_belady__{tag}"] = hl / bel if bel else 0.0
+
+
+def targets(fig: dict, tnames: list[str]) -> None:
+    """Worst ratios to LRU per policy, and which policy meets both targets."""
+    heavy = [t for t in tnames if t in HEAVY]
+    caps = [f for f in FRACTIONS if f in TARGET_FRACTIONS]
+    meets = []
+    for name in POLICIES:
+        fig[f"min_avoided_over_lru__{name}"] = min(
+            fig[f"avoided_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
+        fig[f"min_hit_over_lru__{name}"] = min(
+            fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in FRACTIONS)
+        floor = min(fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in tnames for f in caps)
+        lift = min((fig[f"hit_over_lru__{t}__cap{f}__{name}"] for t in heavy for f in caps), default=0.0)
+        fig[f"target_min_hit_over_lru__{name}"] = floor
+        fig[f"target_min_heavy_hit_over_lru__{name}"] = lift
+        fig[f"meets_targets__{name}"] = ok = floor >= FLOOR and lift >= HEAVY_FLOOR and name != "lru"
+        if ok:
+            meets.append(name)
+    fig["target_policy"] = max(meets, key=lambda n: fig[f"target_min_heavy_hit_over_lru__{n}"]) if meets else "none"
+    fig["default_policy"] = CacheConfig.model_fields["eviction_policy"].default
+    fig["heavytail_best_avoided_over_lru_cap0.05"] = max(
+        fig[f"avoided_over_lru__heavytail__cap0.05__{n}"] for n in POLICIES)
+    fig["heavytail_lru_hit_over_belady_cap0.05"] = fig["lru_hit_over_belady__heavytail__cap0.05"]
+
+
+def table(fig: dict, tnames: list[str]) -> str:
+    """Hit ratios, policy x trace x capacity (markdown), with the ratio to LRU."""
+    cols = [(t, f) for t in tnames for f in FRACTIONS]
+    head = "| policy | " + " | ".join(f"{t} {int(100 * f)}%" for t, f in cols) + " |"
+    lines = [head, "|" + " --- |" * (len(cols) + 1)]
+    for name in [*POLICIES, *REFERENCE]:
+        cells = [f"{fig[f'hit__{t}__cap{f}__{name}']:.3f} ({fig[f'hit_over_lru__{t}__cap{f}__{name}']:.2f}x)"
+                 for t, f in cols]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(fig: dict, tnames: list[str]) -> None:
+    keys = ["target_policy", "default_policy", "cache_parity_mismatches",
+            "heavytail_best_avoided_over_lru_cap0.05", "heavytail_lru_hit_over_belady_cap0.05",
+            *(f"target_min_hit_over_lru__{n}" for n in POLICIES),
+            *(f"target_min_heavy_hit_over_lru__{n}" for n in POLICIES),
+            *(f"op_cost_over_lru__{n}" for n in POLICIES),
+            *(f"op_cost_growth__{n}" for n in POLICIES),
             *(k for k in sorted(fig) if k.startswith("first_reference_fraction__")), "wall_s"]
     print_table("eviction figures", [(k, fig[k]) for k in keys])
+    print(table(fig, tnames))
 
 
 def plot(fig: dict, tnames: list[str], names: list[str], out: Path = RESULTS) -> None:
@@ -148,23 +276,23 @@ def plot(fig: dict, tnames: list[str], names: list[str], out: Path = RESULTS) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    f, axes = plt.subplots(2, len(tnames), figsize=(5 * len(tnames), 8), squeeze=False)
+    f, axes = plt.subplots(2, len(tnames), figsize=(4.5 * len(tnames), 8), squeeze=False)
     xs = [100 * c for c in FRACTIONS]
     for j, t in enumerate(tnames):
         for name in names:
             style = "--" if name in REFERENCE else "-"
             axes[0][j].plot(xs, [fig[f"hit__{t}__cap{c}__{name}"] for c in FRACTIONS], style,
                             marker="o", label=name)
-            axes[1][j].plot(xs, [fig[f"avoided_fraction__{t}__cap{c}__{name}"] for c in FRACTIONS],
+            axes[1][j].plot(xs, [fig[f"hit_over_lru__{t}__cap{c}__{name}"] for c in FRACTIONS],
                             style, marker="o", label=name)
         axes[0][j].set(title=t, xlabel="device tier (% of distinct bytes)", ylabel="prefix hit ratio")
-        axes[1][j].set(xlabel="device tier (% of distinct bytes)",
-                       ylabel="recompute time avoided (fraction)")
+        axes[1][j].set(xlabel="device tier (% of distinct bytes)", ylabel="hits over LRU's")
+        axes[1][j].axhline(FLOOR, color="grey", lw=0.8, ls=":")
     axes[0][0].legend(fontsize=7)
-    f.suptitle("mmtier eviction on TieredKVCache: prefix hits and recompute avoided")
+    f.suptitle("mmtier eviction policies on prefix traces: hits, and over LRU")
     f.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
-    f.savefig(out / "eviction.png", dpi=100)
+    f.savefig(out / "eviction.png", dpi=90)
     plt.close(f)
 
 
@@ -172,6 +300,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="short traces: seconds, a check that it runs")
     ap.add_argument("--jsonl", action="append", default=[], help="a prefix-hash trace to add")
+    ap.add_argument("--mooncake", type=Path, default=MOONCAKE, help="Mooncake's trace (skipped when absent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--write-sample", action="store_true",
                     help=f"regenerate {SAMPLE.name} from the generator and exit")
@@ -180,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     if a.write_sample:
         write_jsonl(generate(sample_config()), SAMPLE)
         return None
-    return run(a.quick, a.jsonl, a.seed, a.out)
+    return run(a.quick, a.jsonl, a.seed, a.out, a.mooncake)
 
 
 if __name__ == "__main__":

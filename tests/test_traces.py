@@ -172,7 +172,7 @@ def test_dialogue_plan_as_chains():
 
 def test_eviction_benchmark_end_to_end_small(tmp_path, monkeypatch):
     small = from_records(generate(HeavyTailConfig(seed=2, requests=15, duration_s=27.0)), B, "heavytail")
-    monkeypatch.setattr(bench, "traces", lambda quick, jsonl, seed: [tiny_trace(), small])
+    monkeypatch.setattr(bench, "traces", lambda quick, jsonl, seed, mooncake: [tiny_trace(), small])
     monkeypatch.setattr(bench, "FRACTIONS", (0.05, 0.2))
     written = {}
     monkeypatch.setattr(bench, "write_results", lambda name, fig, out: written.setdefault(name, (fig, out)))
@@ -183,3 +183,7 @@ def test_eviction_benchmark_end_to_end_small(tmp_path, monkeypatch):
             assert fig[f"hit__{t}__cap{c}__belady"] >= fig[f"hit__{t}__cap{c}__lru"] * 0.99
             assert fig[f"avoided_over_lru__{t}__cap{c}__lru"] in (0.0, 1.0)
     assert "heavytail_best_avoided_over_lru_cap0.05" in fig
+    assert fig["cache_parity_mismatches"] == 0
+    assert fig["target_policy"] in (*bench.POLICIES, "none")
+    for name in bench.POLICIES:
+        assert fig[f"op_cost_over_lru__{name}"] > 0 and fig[f"hit_over_belady__tiny__cap0.05__{name}"] <= 1.0

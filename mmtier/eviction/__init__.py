@@ -1,15 +1,19 @@
-"""Eviction: the mechanism (``base``: heaps per tier and modality, leaf-first over prefix chains)
-and the policies (``policies``: LRU, modality-priority LRU, bimodal LRU, cost-aware)."""
+"""Eviction: the mechanism (``base``: heaps per tier, modality and lane, leaf-first over prefix
+chains) and the policies (``policies``: LRU, modality-priority LRU, cost-aware, and the map;
+``bimodal``, ``s3fifo``, ``arc``, ``dip``: one policy each; ``lanes``: what two-queue policies share)."""
 
+from .arc import ARCPolicy
 from .base import MAX_BUNDLE, Clock, EvictionPolicy, _Entry
+from .bimodal import BimodalLRUPolicy
+from .dip import DIPPolicy
 from .policies import (
     POLICIES,
-    BimodalLRUPolicy,
     CostAwarePolicy,
     LRUPolicy,
     ModalityLRUPolicy,
     make_policy,
 )
+from .s3fifo import S3FIFOPolicy
 
-__all__ = ["MAX_BUNDLE", "POLICIES", "BimodalLRUPolicy", "Clock", "CostAwarePolicy", "EvictionPolicy",
-           "LRUPolicy", "ModalityLRUPolicy", "_Entry", "make_policy"]
+__all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "BimodalLRUPolicy", "Clock", "CostAwarePolicy", "DIPPolicy",
+           "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "S3FIFOPolicy", "_Entry", "make_policy"]

@@ -7,12 +7,17 @@ enough can go; the caller decides what that means). A new policy is one class pl
 ``POLICIES``.
 
 Mechanism shared by every policy: each group has a static *key* computed whenever it is
-touched (insert, access, release); groups sit in one min-heap per ``(tier, modality)`` ordered
-by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up. Within
-one modality the eviction order is the key order; across modalities ``victims`` merges the
-heaps' heads by ``_rank(key, modality)``, which a policy may make depend on the current
-time as long as it is increasing in the key for a fixed modality. So ``victims`` costs
-O((k + s) log n) for k victims and s skipped (pinned, leased, busy) groups, not O(n).
+touched (insert, access, release); groups sit in one min-heap per ``(tier, modality, lane)``
+ordered by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up.
+A *lane* is a policy's queue (one for most; S3-FIFO's small and main queues, ARC's recent and
+frequent lists: ``_new_lane`` places a new group, ``_refile`` moves one). Within one lane the
+eviction order is the key order; across modalities and lanes ``victims`` merges the heaps' heads
+by ``_rank(key, modality, lane)``, which a policy may make depend on the current time or state
+as long as it is increasing in the key for a fixed modality and lane. A group that reaches the
+head of its lane evictable is offered to ``_second_chance`` first: a CLOCK-style policy may
+re-file it (to another lane, or back with a new key) instead of handing it out, and does so at
+most a bounded number of times per touch. So ``victims`` costs O((k + s + r) log n) for k
+victims, s skipped (pinned, leased, busy) groups and r second chances, not O(n).
 
 Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``), no
 live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``), and
@@ -42,10 +47,12 @@ from dataclasses import dataclass, field
 
 from ..config import CacheConfig
 from ..groups import ModalityGroup, Tier
+from .lanes import LaneBytes
 
 Clock = Callable[[], float]
 MAX_BUNDLE = 64                              # descendants evicted with a parent in one bundle
 _HeapItem = tuple[float, int, int]          # (key, seq, gid)
+_HeapKey = tuple[Tier, str, int]            # (tier, modality, lane)
 
 
 @dataclass
@@ -59,6 +66,7 @@ class _Entry:
     kids: list[int] = field(default_factory=lambda: [0] * len(Tier))   # children per tier
     children: set[int] = field(default_factory=set)                    # their gids
     parked: bool = False                     # out of its heap while a same-pool child holds it
+    lane: int = 0                            # the policy's queue within (tier, modality)
 
     def kids_at_or_above(self, tier: Tier) -> int:
         """Children in ``tier`` or a faster one: they need this group to stay."""
@@ -69,23 +77,25 @@ class EvictionPolicy:
     """Base: heap-per-(tier, modality) mechanism. Subclasses define ``_key`` (and ``_rank``)."""
 
     name = "base"
+    lanes = 1                                 # queues per (tier, modality); > 1: bytes counted per lane
 
     def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         self.cfg = cfg
         self.clock: Clock = clock or time.monotonic
         self.tick = 0                         # logical clock: one per insert / access / release
         self._entries: dict[int, _Entry] = {}
-        self._heaps: dict[tuple[Tier, str], list[_HeapItem]] = {}
+        self._heaps: dict[_HeapKey, list[_HeapItem]] = {}
         self._seq = itertools.count()
         self._items = 0                       # heap items, live and stale
         self._watch: set[int] = set()         # gids whose tier may have changed without on_move
         self._scanning = False                # no heap rebuild while victims() holds popped items
+        self.lane_bytes = LaneBytes()         # bytes per (tier, modality, lane), when lanes > 1
 
     # ------------------------------------------------------------------ hooks
     def on_insert(self, group: ModalityGroup) -> None:
         """A new group exists (in ``group.tier``)."""
         self.tick += 1
-        entry = _Entry(group, freq=1, tier=group.tier)
+        entry = _Entry(group, freq=1, tier=group.tier, lane=self._new_lane(group))
         parent = group.parent
         if parent is not None and parent.gid in self._entries and parent.gid != group.gid:
             entry.parent = parent.gid
@@ -123,6 +133,7 @@ class EvictionPolicy:
     def on_remove(self, group: ModalityGroup) -> None:
         """The group was freed (dropped at the bottom, or deleted)."""
         entry = self._entries.pop(group.gid, None)
+        self.lane_bytes.drop(group.gid)
         if entry is not None:
             self._left(entry.tier, entry)
             self._count_kid(entry, entry.tier, None)
@@ -137,14 +148,19 @@ class EvictionPolicy:
         if bytes_needed <= 0:
             return out
         self._flush_watch()
+        self._plan(tier)
         self._scanning = True
-        held: list[tuple[tuple[Tier, str], _HeapItem]] = []
+        held: list[tuple[_HeapKey, _HeapItem]] = []
         try:
             now = self.clock()
-            mods = [modality] if modality is not None else [m for (t, m) in self._heaps if t == tier]
+            if self.lanes > 1:                  # a group may change lanes while scanned
+                for m in [m for (t, m, lane) in self._heaps if t == tier and lane == 0]:
+                    for lane in range(1, self.lanes):
+                        self._heaps.setdefault((tier, m, lane), [])
+            hkeys = [h for h in self._heaps if h[0] == tier and modality in (None, h[1])]
             blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
             taken: dict[int, int] = {}          # parent gid -> children chosen in this call
-            scans = [self._scan(tier, m, now, held, blocked, taken) for m in mods]
+            scans = [self._scan(h, now, held, blocked, taken) for h in hkeys]
             merge: list[tuple[float, int, int, list[ModalityGroup]]] = []
             for i, scan in enumerate(scans):
                 self._advance(merge, scans, i, scan)
@@ -182,9 +198,28 @@ class EvictionPolicy:
         """Static key of a group at its latest touch: smaller goes first."""
         raise NotImplementedError
 
-    def _rank(self, key: float, modality: str) -> float:
-        """Merge rank across modalities at this moment; must increase with ``key``."""
+    def _rank(self, key: float, modality: str, lane: int = 0) -> float:
+        """Merge rank across modalities (and a policy's lanes) at this moment; must increase
+        with ``key`` for a fixed modality and lane."""
         return key
+
+    def _plan(self, tier: Tier) -> None:
+        """A ``victims`` call on ``tier`` starts: fix what ``_rank`` needs for it."""
+
+    def _new_lane(self, group: ModalityGroup) -> int:
+        """The lane a new group starts in (policies with one queue: 0)."""
+        return 0
+
+    def _second_chance(self, entry: _Entry) -> bool:
+        """An evictable group reached the head of its lane: ``True`` when the policy re-files
+        it instead (moved to another lane or back to the tail, by ``_refile``), as CLOCK-style
+        policies do at eviction time. Must not return ``True`` forever for the same group."""
+        return False
+
+    def _refile(self, entry: _Entry, key: float, lane: int) -> None:
+        """Put ``entry`` in ``lane`` with ``key`` (its old heap item becomes stale)."""
+        entry.lane = lane
+        self._file(entry, key)
 
     def _left(self, tier: Tier, entry: _Entry) -> None:
         """The group left ``tier`` (demoted or dropped)."""
@@ -222,8 +257,10 @@ class EvictionPolicy:
                 entry = blocked[gid] = parked
         if entry is not None and entry.kids_at_or_above(tier) <= taken[gid]:
             del blocked[gid]
-            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, -1,
-                                   [entry.group]))
+            if self._second_chance(entry):
+                return                          # re-filed by the policy: not a victim now
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane),
+                                   entry.seq, -1, [entry.group]))
 
     def _file(self, entry: _Entry, key: float) -> None:
         entry.parked = False
@@ -231,8 +268,11 @@ class EvictionPolicy:
         entry.seq = next(self._seq)
         self._count_kid(entry, entry.tier, entry.group.tier)
         entry.tier = entry.group.tier
-        heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality), []),
+        heapq.heappush(self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []),
                        (key, entry.seq, entry.group.gid))
+        if self.lanes > 1:
+            self.lane_bytes.place(entry.group.gid, (entry.tier, entry.group.modality, entry.lane),
+                                  entry.group.nbytes)
         self._items += 1
         if self._items > 4 * len(self._entries) + 1024 and not self._scanning:
             self._rebuild()
@@ -257,21 +297,23 @@ class EvictionPolicy:
                 self._left(entry.tier, entry)
                 self._count_kid(entry, entry.tier, entry.group.tier)
                 entry.tier = entry.group.tier
-            self._heaps.setdefault((entry.tier, entry.group.modality), []).append(
+            self._heaps.setdefault((entry.tier, entry.group.modality, entry.lane), []).append(
                 (entry.key, entry.seq, entry.group.gid))
+            if self.lanes > 1:
+                self.lane_bytes.place(entry.group.gid, (entry.tier, entry.group.modality, entry.lane),
+                                      entry.group.nbytes)
         for heap in self._heaps.values():
             heapq.heapify(heap)
         self._items = len(self._entries)
 
-    def _scan(self, tier: Tier, modality: str, now: float,
-              held: list[tuple[tuple[Tier, str], _HeapItem]],
+    def _scan(self, hkey: _HeapKey, now: float, held: list[tuple[_HeapKey, _HeapItem]],
               blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[list[ModalityGroup]]:
         """Evictable groups of one heap in key order, each as a bundle: the group alone, or,
         when only cached children of other modalities (other pools, which this scan never
         reaches) hold it back and they can all go, its subtree leaves first, then the group.
         Popped items are kept in ``held``; groups held back by children go to ``blocked`` (and,
         when a child in the same pool holds them, are parked out of the heap)."""
-        hkey = (tier, modality)
+        tier = hkey[0]
         heap = self._heaps.get(hkey, [])
         while heap:
             item = heapq.heappop(heap)
@@ -287,6 +329,9 @@ class EvictionPolicy:
                 held.append((hkey, item))
                 continue
             if entry.kids_at_or_above(tier) <= taken.get(entry.group.gid, 0):
+                if self._second_chance(entry):
+                    self._items -= 1          # re-filed: this item is stale now
+                    continue
                 held.append((hkey, item))
                 yield [entry.group]
                 continue
@@ -337,4 +382,5 @@ class EvictionPolicy:
         bundle = next(scan, None)
         if bundle is not None:
             entry = self._entries[bundle[-1].gid]
-            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality), entry.seq, i, bundle))
+            heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane), entry.seq, i,
+                                   bundle))
