@@ -5,8 +5,8 @@ the default multiprocessing executor), four ways side by side:
 - ``vllm_prefix``: vLLM's own prefix cache (in its KV blocks; lost when the engine stops);
 - ``mmtier_device``: vLLM + mmtier's connector, the prompt's groups loaded from mmtier's pool;
 - ``mmtier_disk_restart``: a new engine process over the disk directory an earlier engine
-  spilled to (its warm restart), the groups read from Arrow files (page cache dropped for them
-  with ``posix_fadvise(DONTNEED)`` first).
+  spilled to (its warm restart), the groups read from Arrow files (the page cache dropped first:
+  ``benchmarks.file_faults.drop_cache``).
 
 The image part does the same with an image prompt on the engine tests' tiny LLaVA (CLIP tower,
 64 image tokens; text around it), the mmtier engine carrying both connectors (its KV connector
@@ -35,6 +35,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # spawned process imports this module: so they are installed here, at import.
 import tests.vllm_mm_scenarios  # noqa: E402, F401
 from benchmarks._common import add_out_arg, write_results  # noqa: E402
+from benchmarks.file_faults import drop_cache  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
@@ -90,16 +91,6 @@ def ttft(llm, tokens: list[int]) -> float:
     dt = time.perf_counter() - t0
     ttft.cached = out[0].num_cached_tokens or 0
     return dt
-
-
-def drop_page_cache(directory: Path) -> None:
-    for f in directory.glob("*.arrow"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def image_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
@@ -177,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     time.sleep(2.0)
     close(spill)
     restarted = engine(model, args.dtype, mmtier=cache_fields(disk, args.dtype, roomy))
-    drop_page_cache(disk)
+    drop_cache(sorted(disk.glob("*.arrow")))
     rows["mmtier_disk_restart"], cached["mmtier_disk_restart"], again = [], [], []
     for r, p in enumerate(prompts):
         pair = [("mmtier_disk_restart", restarted), ("recompute", engines["recompute"])]

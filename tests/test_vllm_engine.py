@@ -9,10 +9,6 @@ Needs the engines environment (``./run engines``); skipped with the reason other
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +16,8 @@ import pytest
 pytest.importorskip("vllm.entrypoints.llm", reason="no vLLM engine here: run ./run engines "
                     "(vLLM's CPU build in .venv-engines); ./run test then runs this file there")
 
+from tests import engine_runs  # noqa: E402
 from tests.vllm_models import BLOCK, build_llama  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-SCENARIO_TIMEOUT_S = 900
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +27,7 @@ def models(tmp_path_factory):
 
 
 def scenario(name: str, tmp: Path, **args) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               VLLM_CPU_KVCACHE_SPACE="1")
-    done = subprocess.run([sys.executable, "-m", "tests.vllm_scenarios", name,
-                           json.dumps({"tmp": str(tmp), **args})],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, (done.stdout[-2000:] + done.stderr[-6000:])
-    return json.loads(lines[-1][len("RESULT "):])
+    return engine_runs.scenario("tests.vllm_scenarios", name, tmp, **args)
 
 
 def tokens(rows: list[dict]) -> list[list[int]]:
