@@ -36,7 +36,8 @@ if ! has_gpu; then
     "$ENG/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
 fi
 "$ENG/bin/python" -m pip install -q -e ".[dev,hf]" >&2
-"$ENG/bin/python" -m pip install -q --no-deps sglang==0.5.23 orjson==3.13.0 ipython==9.18.1 >&2
+"$ENG/bin/python" -m pip install -q --no-deps sglang==0.5.23 >&2
+"$ENG/bin/python" -m pip install -q orjson==3.13.0 ipython==9.18.1 >&2    # what it imports (with theirs)
 "$ENG/bin/python" - <<'PY'
 import importlib
 for m in ("torch", "mmtier", "vllm", "vllm.distributed.kv_transfer.kv_connector.factory",
