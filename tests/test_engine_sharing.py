@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); "
+    pytest.skip("vLLM is not importable: run ./run engines (.venv-engines: a real vLLM engine, its CPU build here, and SGLang); "
                 "./run test then runs this file there", allow_module_level=True)
 
 ray = pytest.importorskip("ray")

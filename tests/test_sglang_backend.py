@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
-                    reason="SGLang is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
+                    reason="SGLang is not importable: run ./run engines (.venv-engines: a real vLLM engine, its CPU build here, and SGLang); ./run test then runs this file there")
 
 from mmtier.errors import ConfigError  # noqa: E402
 from mmtier.groups import Tier  # noqa: E402

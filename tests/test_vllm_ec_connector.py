@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm.distributed.ec_transfer.ec_connector.base",
-                    reason="vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
+                    reason="vLLM is not importable: run ./run engines (.venv-engines: a real vLLM engine, its CPU build here, and SGLang); ./run test then runs this file there")
 
 from vllm.config import DeviceConfig, ECTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole  # noqa: E402

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.metrics",
-                    reason="vLLM is not importable: run ./run engines (an overlay venv with vLLM and SGLang, no CUDA); ./run test then runs this file there")
+                    reason="vLLM is not importable: run ./run engines (.venv-engines: a real vLLM engine, its CPU build here, and SGLang); ./run test then runs this file there")
 
 import torch  # noqa: E402
 from prometheus_client import REGISTRY, generate_latest  # noqa: E402
