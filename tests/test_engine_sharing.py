@@ -233,8 +233,12 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
                                                                            ECConnectorRole.WORKER))
     assert not sched.split                     # on a GPU: the scheduler pulls the item itself
     try:
+        from tests.vllm_harness import image_inputs
+
         item = f"img-slow-{os.urandom(4).hex()}"
-        key, x = sched.key(item), torch.randn(16, EMBED_WIDTH)
+        mm = [MultiModalFeatureSpec(data=image_inputs(item), modality="image", identifier=item,
+                                    mm_position=PlaceholderRange(offset=2, length=16))]
+        key, x = sched.item_key(mm[0]), torch.randn(16, EMBED_WIDTH)    # keyed by the pixels
         cluster_cfg = sched.cache.cfg.model_copy(update={"disk_dir": None, "host_bytes": 1 << 20})
         with TieredKVCache(cluster_cfg) as elsewhere:           # the item, computed elsewhere
             elsewhere.put_embedding(key, x)
@@ -248,8 +252,6 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
         registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
         ray.get(registry.add.remote(name, [held], ray.get(slow.ping.remote(), timeout=30)), timeout=30)
 
-        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=item,
-                                    mm_position=PlaceholderRange(offset=2, length=16))]
         req = Request("slow-1", [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
         t0 = time.monotonic()
         ready = sched.ensure_cache_available(req, 0)

@@ -106,31 +106,48 @@ class VllmInstance:
             roles.append(ECConnectorFactory.create_connector(cfg, role))
         self.ec_sched, self.ec_worker = roles
 
-    def ec_save(self, identifier: str, x: torch.Tensor) -> None:
-        self.ec_worker.save_caches({identifier: x}, identifier)
-        self.ec_worker.link.wait()
-
-    def ec_load(self, rid: str, identifier: str) -> dict:
-        """Whether the scheduler has the item, and what the worker loads into vLLM's encoder cache."""
+    def _ec_request(self, rid: str, identifier: str):
+        """A request with one image item whose processed inputs are drawn from its name (the
+        connector keys its encoder output by their digest)."""
         from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        mm = [MultiModalFeatureSpec(data=None, modality="image", identifier=identifier,
-                                    mm_position=PlaceholderRange(offset=0, length=16))]
-        req = Request(rid, [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
+        mm = [MultiModalFeatureSpec(data=self.h.image_inputs(identifier), modality="image",
+                                    identifier=identifier, mm_position=PlaceholderRange(offset=0, length=16))]
+        return Request(rid, [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
+
+    def _ec_step(self, req, encoder_cache: dict[str, torch.Tensor], computed: torch.Tensor | None = None
+                 ) -> tuple[bool, int]:
+        """vLLM's calls for the request's item, one step: ``ensure_cache_available`` (deferred
+        while a cluster lookup runs), ``has_cache_item``, ``update_state_after_alloc``, the
+        worker's load, or its save of what the encoder ``computed``. Returns (held, deferrals)."""
+        identifier = req.mm_features[0].identifier
         deferred = 0
         while not self.ec_sched.ensure_cache_available(req, 0):   # vLLM defers it a step
             deferred += 1
             self.ec_sched.link.wait()
         has = self.ec_sched.has_cache_item(identifier)
-        if has:                             # vLLM's scheduler allocates only what the connector has
-            self.ec_sched.update_state_after_alloc(req, 0)
-        self.ec_sched.request_finished(req)
+        self.ec_sched.update_state_after_alloc(req, 0)
         self.ec_worker.bind_connector_metadata(self.ec_sched.build_connector_meta(None))
-        encoder_cache: dict[str, torch.Tensor] = {}
         self.ec_worker.start_load_caches(encoder_cache)
+        if not has and computed is not None:
+            encoder_cache[identifier] = computed
+            self.ec_worker.save_caches(encoder_cache, identifier)
         self.ec_worker.clear_connector_metadata()
+        self.ec_sched.request_finished(req)
+        return has, deferred
+
+    def ec_save(self, identifier: str, x: torch.Tensor) -> None:
+        """The encoder ran for the item (nothing held): the worker saves its output."""
+        has, _ = self._ec_step(self._ec_request("save-" + identifier, identifier), {}, computed=x)
+        assert not has
+        self.ec_worker.link.wait()
+
+    def ec_load(self, rid: str, identifier: str) -> dict:
+        """Whether the scheduler has the item, and what the worker loads into vLLM's encoder cache."""
+        encoder_cache: dict[str, torch.Tensor] = {}
+        has, deferred = self._ec_step(self._ec_request(rid, identifier), encoder_cache)
         return {"has": has, "deferred": deferred, "x": encoder_cache.get(identifier),
                 "calls": dict(self.ec_sched.link.calls),
                 "scheduler_groups": len(self.ec_sched.cache.inventory()),
