@@ -26,6 +26,7 @@ import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
@@ -196,3 +197,34 @@ class LookupClient:
     def close(self) -> None:
         with self._lock:
             self._drop()
+
+
+def held_run(cache: Any, keys: Sequence[ContentKey]) -> int:
+    """How many leading ``keys`` ``cache`` holds (it stops at the first miss)."""
+    n = 0
+    for key in keys:
+        if not cache.contains(key):
+            break
+        n += 1
+    return n
+
+
+class LookupChannel:
+    """One connector's end of the channel where vLLM's worker runs in a process of its own:
+    the worker's end serves its cache (``held_run``), the scheduler's end (``asks``) asks it."""
+
+    def __init__(self, name: str, rank: int, *, worker: bool, cache: Any):
+        path = socket_path(name, rank)
+        self.asks = not worker
+        self._server = None if self.asks else LookupServer(path, lambda keys: held_run(cache, keys))
+        self._client = LookupClient(path) if self.asks else None
+
+    def leading_held(self, keys: Sequence[ContentKey]) -> int:
+        """The worker's answer (the scheduler's end only)."""
+        assert self._client is not None, "the worker's end answers, it does not ask"
+        return self._client.leading_held(keys)
+
+    def close(self) -> None:
+        for end in (self._server, self._client):
+            if end is not None:
+                end.close()

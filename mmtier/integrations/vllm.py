@@ -63,7 +63,7 @@ from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
 from .engine_cache import open_shared, report_for, tenant_from_extra
-from .lookup_channel import LookupClient, LookupServer, socket_path
+from .lookup_channel import LookupChannel
 from .vllm_metrics import MMTierKVStats, MMTierPromMetrics
 from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
 
@@ -170,15 +170,8 @@ class MMTierConnector(KVConnectorBase_V1):
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
         self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
         self.report = report_for(self.cache)
-        self._lookup_server: LookupServer | None = None
-        self._lookup_client: LookupClient | None = None
-        if self.split:
-            path = socket_path(self._kv_transfer_config.engine_id or "engine",
-                               par.data_parallel_rank)
-            if worker:
-                self._lookup_server = LookupServer(path, self._leading_held)
-            else:
-                self._lookup_client = LookupClient(path)
+        self._channel = (LookupChannel(self._kv_transfer_config.engine_id or "engine", par.data_parallel_rank,
+                                       worker=worker, cache=self.cache) if self.split else None)
         # A group that fails to load (corrupt, evicted since the lookup) is recomputed by vLLM:
         # vLLM 0.32 defaults to failing the request instead ("fail"), which only this connector's
         # extra config may keep. vLLM's scheduler reads the policy after it built this connector.
@@ -234,8 +227,8 @@ class MMTierConnector(KVConnectorBase_V1):
                                    ) -> tuple[int | None, bool]:
         state = self._plan(request)
         keys = [s.key for s in state.plan.segments]
-        if self._lookup_client is not None:            # the worker's cache, in its process
-            n = self._lookup_client.leading_held(keys)
+        if self._channel is not None and self._channel.asks:   # the worker's cache, in its process
+            n = self._channel.leading_held(keys)
             held = [i < n for i in range(len(keys))]
         else:
             held = self._lookup(keys)
@@ -253,11 +246,6 @@ class MMTierConnector(KVConnectorBase_V1):
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         return max(0, state.hit - num_computed_tokens), False
-
-    def _leading_held(self, keys: list[ContentKey]) -> int:
-        """How many leading ``keys`` this process's cache holds (the lookup channel's answer)."""
-        held = self._lookup(keys)
-        return next((i for i, ok in enumerate(held) if not ok), len(held))
 
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""
@@ -447,10 +435,8 @@ class MMTierConnector(KVConnectorBase_V1):
         return MMTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._lookup_server is not None:
-            self._lookup_server.close()
-        if self._lookup_client is not None:
-            self._lookup_client.close()
+        if self._channel is not None:
+            self._channel.close()
         if self._reader is not None:
             self.wait_for_saves()
             self._reader.shutdown(wait=True)

@@ -55,7 +55,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from .engine_cache import open_shared, report_for, tenant_from_extra
-from .lookup_channel import LookupClient, LookupServer, socket_path
+from .lookup_channel import LookupChannel
 from .vllm import SPLIT_BACKENDS, inputs_digest
 from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
 
@@ -100,15 +100,9 @@ class MMTierECConnector(ECConnectorBase):
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
         self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
         self.report = report_for(self.cache)
-        self._lookup_server: LookupServer | None = None
-        self._lookup_client: LookupClient | None = None
-        if self.split:
-            path = socket_path("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
-                               par.data_parallel_rank)
-            if worker:
-                self._lookup_server = LookupServer(path, self._leading_held)
-            else:
-                self._lookup_client = LookupClient(path)
+        self._channel = (LookupChannel("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
+                                       par.data_parallel_rank, worker=worker, cache=self.cache)
+                         if self.split else None)
         self.tenant = tenant_from_extra(extra)
         self.modality = extra.get("mmtier_embed_modality", "vision_embed")
         if self.cache.cfg.spec(self.modality).kind != "embedding":
@@ -179,18 +173,9 @@ class MMTierECConnector(ECConnectorBase):
     def _held(self, key: ContentKey) -> bool:
         """Held by the cache that loads it: this process's, or the worker's (asked over the
         lookup channel) where the worker runs in a process of its own."""
-        if self._lookup_client is not None:
-            return self._lookup_client.leading_held([key]) == 1
+        if self._channel is not None and self._channel.asks:
+            return self._channel.leading_held([key]) == 1
         return self.cache.contains(key)
-
-    def _leading_held(self, keys: list[ContentKey]) -> int:
-        """The lookup channel's answer: how many leading ``keys`` this process's cache holds."""
-        n = 0
-        for key in keys:
-            if not self.cache.contains(key):
-                break
-            n += 1
-        return n
 
     def has_cache_item(self, identifier: str) -> bool:
         """Whether the item of the request being scheduled is held (here, by the worker, or
@@ -287,7 +272,5 @@ class MMTierECConnector(ECConnectorBase):
         return MMTierECPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._lookup_server is not None:
-            self._lookup_server.close()
-        if self._lookup_client is not None:
-            self._lookup_client.close()
+        if self._channel is not None:
+            self._channel.close()
