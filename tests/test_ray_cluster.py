@@ -24,7 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import mmtier.actors as mma  # noqa: E402
 from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, PrefixMismatchError, UnknownKeyError  # noqa: E402
 from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
-from tests.composed import check_composed  # noqa: E402
+from tests.composed import check_facade  # noqa: E402
 from tests.oracle import Logical as OracleLog  # noqa: E402
 from tests.oracle import oracle_attention, rel_err  # noqa: E402
 
@@ -108,12 +108,20 @@ class Logical(OracleLog):
 
 
 # ---------------------------------------------------------------------- start, names, pinning
-def test_the_client_parts_neither_shadow_one_another_nor_import_the_client():
-    """``ClusterCache`` is composed of bases, one file each (no cluster needed): no name defined
-    twice, no base importing ``client``; every operation keeps its async and blocking twins."""
+def test_the_client_is_a_facade_over_parts_that_do_not_import_it():
+    """``ClusterCache`` holds its parts, one file each (no cluster needed): no base classes, no
+    part importing ``client``; every operation keeps its async and blocking twins."""
+    from mmtier.actors.attacher import Attacher
     from mmtier.actors.client import ClusterCache
+    from mmtier.actors.cluster_attention import ClusterAttention
+    from mmtier.actors.cluster_keys import ClusterKeys
+    from mmtier.actors.group_copies import GroupCopier
+    from mmtier.actors.holders import Holders
+    from mmtier.actors.sequence_book import SequenceBook
+    from mmtier.actors.shared_groups import SharedGroups
 
-    check_composed(ClusterCache, min_parts=5)
+    check_facade(ClusterCache, [Holders, ClusterKeys, SequenceBook, Attacher, SharedGroups, GroupCopier,
+                                ClusterAttention], min_parts=7)
     for name in ("create_sequence", "append", "attach", "release", "contains", "contains_many",
                  "locate", "locate_many", "put", "put_embedding", "get_embedding", "offload",
                  "attention", "attention_state", "actor_stats", "stats", "leak_report",
@@ -656,7 +664,7 @@ def test_recreated_store_adopts_and_announces_its_disk_groups(cc):
                 break
             except HolderLostError:
                 pass
-        assert cc._actors[store]._actor_id == _actor(store)._actor_id
+        assert cc.holders.actors[store]._actor_id == _actor(store)._actor_id
         assert fresh.contains(disk_key)
         cc.release(old_seq)
         seq = fresh.create_sequence("acme", node=a)

@@ -23,70 +23,169 @@ Failures: every actor call has a timeout. An actor that died is reported to the 
 caller puts it again); a sequence whose home pool died, or whose remote part has no other
 holder, raises ``HolderLostError`` (an ``UnknownKeyError``): recompute, never a wrong answer.
 
-The surface is split by what it holds, each part a base class over this class's state: actor
-handles and calls (``client_calls``), keys and sequences (``client_sequences``), attaching
-(``client_attach``), shared groups (``client_groups``) and attention (``client_attention``). This
-file holds the state, stats, the life cycle, the blocking twins and ``connect``.
+``ClusterCache`` is a small facade over parts that each own their state: ``Holders`` (the
+actor handles and how to call them), ``ClusterKeys`` (keys as every node derives them),
+``SequenceBook`` (each sequence's state and home), ``Attacher`` (the copy-after-N rule and its
+counts), ``SharedGroups`` (content-keyed groups), ``GroupCopier`` (pages shipped between holders)
+and ``ClusterAttention`` (attention and fail-over). This file builds them, holds stats, the life
+cycle, the blocking twins and ``connect``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import secrets
 import threading
 from collections import Counter
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 import ray
+import torch
 
 from ..config import CacheConfig
-from ..content import KeyMaker
+from ..content import ContentKey
 from ..errors import HolderLostError
 from ..stats import CacheStats, TierUsage
-from .client_attach import AttachOps
-from .client_attention import AttentionOps
-from .client_calls import ActorCalls
-from .client_groups import GroupOps
-from .client_sequences import SequenceOps
-from .client_state import _Seq
+from ..table import SequenceHandle
+from .attacher import Attacher
+from .cluster_attention import ClusterAttention
+from .cluster_keys import ClusterKeys
+from .group_copies import GroupCopier
+from .holders import Holders
 from .metrics import ClientMetrics
-from .registry import HolderInfo
+from .registry import Location
+from .sequence_book import SequenceBook
+from .sequence_state import ClusterSequence, Transfer
 from .settings import ClusterSettings
+from .shared_groups import SharedGroups
 
 
-class ClusterCache(ActorCalls, SequenceOps, AttachOps, GroupOps, AttentionOps):
+class ClusterCache:
     """The cluster's cache: the same methods as ``TieredKVCache``, each with an async twin."""
 
     def __init__(self, settings: ClusterSettings | None = None):
         self.settings = settings or ClusterSettings()
         s = self.settings
-        self._registry = ray.get_actor(s.registry_name, namespace=s.namespace)
-        self.cfg = CacheConfig(**ray.get(self._registry.config.remote(), timeout=s.call_timeout_s))
-        self.keys = KeyMaker(self.cfg.model, self.cfg.key_secret)
+        registry = ray.get_actor(s.registry_name, namespace=s.namespace)
+        self.cfg = CacheConfig(**ray.get(registry.config.remote(), timeout=s.call_timeout_s))
+        self._keys = ClusterKeys(self.cfg)
+        self.keys = self._keys.maker
         self.metrics = ClientMetrics()
-        self._id = f"client-{secrets.token_hex(6)}"
-        self._seq_ids = itertools.count((secrets.randbits(30) << 32) + 1)
-        self._state_lock = threading.Lock()
-        self._seqs: dict[int, _Seq] = {}
-        self._homed: Counter[str] = Counter()
-        self._remote_uses: Counter[tuple[str, bytes]] = Counter()
         self.counters: Counter[str] = Counter()
-        self._actors: dict[str, Any] = {}
-        self._info: dict[str, HolderInfo] = {}
-        self._node = ray.get_runtime_context().get_node_id()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="mmtier-client", daemon=True)
         self._thread.start()
+        self.holders = Holders(s, registry, self._loop)
+        self.book = SequenceBook(self.cfg, self._keys, self.holders, ray.get_runtime_context().get_node_id())
+        copier = GroupCopier(self.holders, self.metrics, self.counters)
+        self.attacher = Attacher(self.book, self._keys, self.holders, copier, self.metrics,
+                                 s.copy_after_remote_uses)
+        self.groups = SharedGroups(s, self._keys, self.holders, self.book, copier, self.metrics,
+                                   f"client-{secrets.token_hex(6)}")
+        self.attention_parts = ClusterAttention(self.book, self._keys, self.holders, self.attacher,
+                                                self.metrics, self.counters)
         self.refresh()
+
+    # ------------------------------------------------------------------ holders and keys
+    def refresh(self) -> list[str]:
+        """Look the pool and store actors up again (after ``start()`` added nodes)."""
+        return self.holders.refresh()
+
+    def pools(self, node: str | None = None) -> list[str]:
+        return self.holders.pools(node)
+
+    def stores(self, node: str | None = None) -> list[str]:
+        return self.holders.stores(node)
+
+    def content_key(self, modality: str, media: bytes | bytearray | memoryview, *,
+                    tenant: str | None = None, parent: ContentKey | None = None,
+                    params: dict[str, object] | None = None) -> ContentKey:
+        """The key of a media item: the same bytes give the same key on every node."""
+        return self._keys.content_key(modality, media, tenant=tenant, parent=parent, params=params)
+
+    def prefix_key(self, seq: SequenceHandle) -> ContentKey:
+        return self.book.prefix_key(seq)
+
+    # ------------------------------------------------------------------ sequences
+    async def create_sequence_async(self, tenant: str | None = None, *,
+                                    hint_keys: Iterable[ContentKey] | None = None,
+                                    node: str | None = None) -> SequenceHandle:
+        """A new sequence: on ``node``'s pool, else near ``hint_keys``, else placed lazily."""
+        return await self.book.create(tenant, hint_keys=hint_keys, node=node)
+
+    def sequence(self, seq: SequenceHandle) -> ClusterSequence:
+        """What the client knows of a sequence: its length, home pool and attached keys."""
+        return self.book.view(seq)
+
+    def where(self, seq: SequenceHandle) -> str | None:
+        """The home pool of a sequence (``None`` until it is placed)."""
+        return self.book.get(seq).home
+
+    async def append_async(self, seq: SequenceHandle, modality: str, k: torch.Tensor, v: torch.Tensor,
+                           *, tokens: Sequence[int] | None = None) -> None:
+        await self.book.append(seq, modality, k, v, tokens=tokens)
+
+    async def attach_async(self, seq: SequenceHandle, key: ContentKey, *,
+                           transfer: Transfer | None = None) -> None:
+        """Reference a stored group at the sequence's next position, wherever it is held."""
+        await self.attacher.attach(seq, key, transfer=transfer)
+
+    async def release_async(self, seq: SequenceHandle) -> None:
+        await self.book.release(seq)
+
+    # ------------------------------------------------------------------ shared groups
+    async def contains_async(self, key: ContentKey) -> bool:
+        return await self.groups.contains(key)
+
+    async def contains_many_async(self, keys: Sequence[ContentKey]) -> list[bool]:
+        """One registry call for many keys."""
+        return await self.groups.contains_many(keys)
+
+    async def locate_async(self, key: ContentKey) -> Location | None:
+        return await self.groups.locate(key)
+
+    async def locate_many_async(self, keys: Sequence[ContentKey]) -> list[Location | None]:
+        """Where each group lives (``None``: nowhere), in one registry call."""
+        return await self.groups.locate_many(keys)
+
+    async def put_async(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor, *,
+                        node: str | None = None) -> bool:
+        """Store a group once in the cluster; ``False`` when some actor already holds it."""
+        return await self.groups.put(key, k, v, node=node)
+
+    async def put_embedding_async(self, key: ContentKey, x: torch.Tensor, *, node: str | None = None) -> bool:
+        return await self.groups.put_embedding(key, x, node=node)
+
+    async def get_embedding_async(self, key: ContentKey) -> torch.Tensor:
+        return await self.groups.get_embedding(key)
+
+    async def offload_async(self, key: ContentKey) -> bool:
+        """Move a group from its pools to their nodes' stores (outlives the pool actors)."""
+        return await self.groups.offload(key)
+
+    # ------------------------------------------------------------------ attention
+    async def attention_async(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
+                              groups: Iterable[ContentKey] | None = None, causal: bool = True,
+                              scale: float | None = None) -> torch.Tensor:
+        out, _ = await self.attention_parts.state(seq, layer, q, groups=groups, causal=causal, scale=scale)
+        return out
+
+    async def attention_state_async(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
+                                    groups: Iterable[ContentKey] | None = None, causal: bool = True,
+                                    scale: float | None = None, q_positions: torch.Tensor | None = None,
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse)`` over every part of the sequence, wherever it lives, merged exactly."""
+        return await self.attention_parts.state(seq, layer, q, groups=groups, causal=causal, scale=scale,
+                                                q_positions=q_positions)
 
     # ------------------------------------------------------------------ stats and life cycle
     async def actor_stats_async(self) -> dict[str, dict]:
         """Each live actor's stats (pools: ``CacheStats.to_dict()``; stores: tier usage)."""
-        names = list(self._actors)
-        res = await asyncio.gather(*(self._call(
-            (self._actors[n].stats if self._info[n].kind == "pool" else self._actors[n].tier_stats).remote(), n)
+        h = self.holders
+        names = list(h.actors)
+        res = await asyncio.gather(*(h.call(
+            (h.actors[n].stats if h.kind(n) == "pool" else h.actors[n].tier_stats).remote(), n)
             for n in names), return_exceptions=True)
         return {n: r for n, r in zip(names, res) if not isinstance(r, BaseException)}
 
@@ -109,21 +208,22 @@ class ClusterCache(ActorCalls, SequenceOps, AttachOps, GroupOps, AttentionOps):
                     m[name] = m.get(name, 0) + n
         for name, n in self.counters.items():
             total.counters[name] = total.counters.get(name, 0) + n
-        total.sequences = len(self._seqs)
+        total.sequences = len(self.book)
         return total
 
     async def leak_report_async(self) -> dict[str, dict[str, int]]:
-        names = list(self._actors)
-        res = await asyncio.gather(*(self._call(self._actors[n].leak_report.remote(), n) for n in names),
+        h = self.holders
+        names = list(h.actors)
+        res = await asyncio.gather(*(h.call(h.actors[n].leak_report.remote(), n) for n in names),
                                    return_exceptions=True)
         return {n: r for n, r in zip(names, res) if not isinstance(r, BaseException)}
 
     async def registry_stats_async(self) -> dict[str, int]:
-        return await self._call(self._registry.stats.remote())
+        return await self.holders.call(self.holders.registry.stats.remote())
 
     def close(self) -> None:
         """Release every sequence this client holds and stop its event loop."""
-        for st in list(self._seqs.values()):
+        for st in self.book.live():
             try:
                 self.release(st.handle)
             except HolderLostError:
@@ -143,7 +243,7 @@ def _twin(name: str):
 
     @functools.wraps(async_fn)
     def sync(self, *args, **kwargs):
-        return self._run(async_fn(self, *args, **kwargs))
+        return self.holders.run(async_fn(self, *args, **kwargs))
 
     sync.__name__ = name
     sync.__qualname__ = f"ClusterCache.{name}"

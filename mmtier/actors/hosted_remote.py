@@ -26,8 +26,8 @@ from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
 from ..table import SequenceHandle, naming
-from .client_state import ClusterSequence
 from .pool_actor import Part
+from .sequence_state import ClusterSequence
 
 
 @dataclass(frozen=True)

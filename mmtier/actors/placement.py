@@ -9,10 +9,10 @@ from collections.abc import Iterable
 
 from ..content import ContentKey
 from ..errors import HolderLostError
-from .client_state import Transfer, _Seq
 from .launch import STORE_PREFIX
 from .pool_actor import Part
 from .registry import HolderInfo, Location
+from .sequence_state import Transfer, _Seq
 
 
 def least_used(names: list[str], homed: Counter[str]) -> str:

@@ -41,5 +41,5 @@ class NodeCache:
         if own is not None:                       # the client grew its own: use it
             return own(self.cluster, seq)
         # ClusterCache keeps each sequence's length in its per-sequence state (validated by
-        # ``_seq``: an unknown or released handle raises UnknownKeyError, as in TieredKVCache).
-        return SequenceView(self.cluster._seq(seq).length)
+        # ``sequence``: an unknown or released handle raises UnknownKeyError, as in TieredKVCache).
+        return SequenceView(self.cluster.sequence(seq).length)
