@@ -344,13 +344,8 @@ def serve(config: Path, address: str, port: int | None, detach: bool) -> None:
                blocking=False)
         click.echo(f"deployed {app.get('name', 'default')} at http://{http.get('host', '127.0.0.1')}:"
                    f"{http.get('port', 8000)}{app.get('route_prefix', '/')}")
-    if detach:
-        return
-    click.echo("serving; Ctrl-C to stop")
-    try:
-        threading.Event().wait()           # until Ctrl-C
-    except KeyboardInterrupt:
-        rs.shutdown()
+    if not detach:
+        _serve_until_interrupted(rs.shutdown)
 
 
 def _serve_llm(doc: dict, address: str, port: int | None, detach: bool) -> None:
@@ -365,13 +360,16 @@ def _serve_llm(doc: dict, address: str, port: int | None, detach: bool) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(f"ready in {time.perf_counter() - t0:.0f} s: OpenAI API at {app.base_url} "
                f"(models: {', '.join(app.models)})")
-    if detach:
-        return
+    if not detach:
+        _serve_until_interrupted(lambda: stop_llm_app(app))
+
+
+def _serve_until_interrupted(stop) -> None:
     click.echo("serving; Ctrl-C to stop")
     try:
         threading.Event().wait()           # until Ctrl-C
     except KeyboardInterrupt:
-        stop_llm_app(app)
+        stop()
 
 
 if __name__ == "__main__":

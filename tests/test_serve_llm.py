@@ -266,3 +266,26 @@ def test_one_tenant_never_hits_anothers_content(app):
     assert cached(b2.usage) >= 96                                   # B's own, once B has sent it
     assert b1.choices[0].message.content == a1.choices[0].message.content == b2.choices[0].message.content
     assert tb1.choices[0].text == ta1.choices[0].text
+
+
+# ---------------------------------------------------------------------------- the cluster
+def test_the_engines_saves_are_published_to_mmtiers_cluster(app):
+    """``mmtier_cluster`` in the config: ``start_llm_app`` started mmtier's registry and node
+    stores on this Ray, and the engine's worker process (a child of the replica) joined it:
+    what it saves is written through to the node's store and published."""
+    import ray
+
+    from mmtier.actors import ClusterSettings
+
+    registry = ray.get_actor(ClusterSettings().registry_name, namespace="mmtier")
+    before = ray.get(registry.stats.remote(), timeout=60)
+    c = client(app)
+    prompt = text(71, 200)
+    c.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    deadline = time.monotonic() + 30
+    while True:
+        now = ray.get(registry.stats.remote(), timeout=60)
+        if now["keys"] >= before["keys"] + 6 or time.monotonic() > deadline:  # 6 full blocks of 32
+            break
+        time.sleep(0.5)
+    assert now["keys"] >= before["keys"] + 6, (before, now)

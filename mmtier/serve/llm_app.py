@@ -151,19 +151,39 @@ def wait_ready(base_url: str, timeout_s: float) -> None:
 
 
 def _start_cluster(doc: dict[str, Any]) -> None:
-    """mmtier's actors, when the first LLM config's connectors name ``mmtier_cluster``."""
+    """mmtier's actors (what ``mmtier start`` creates), when an LLM config's connectors name
+    ``mmtier_cluster``: the cache its engines embed, with the key secret from
+    ``MMTIER_KEY_SECRET`` (the public default only where the ingress allows it). Each such
+    ``mmtier_cluster`` without an ``address`` gets this Ray's GCS address, so the engines'
+    processes join this cluster and no other (``ray.init("auto")`` could find another one)."""
+    import ray
+
+    from ..config import KEY_SECRET_ENV, CacheConfig, require_key_secret
     from ..integrations.engine_cache import cluster_from_extra, config_from_extra
 
+    started = False
     for app in doc["applications"]:
-        for llm in (app.get("args") or {}).get("llm_configs") or []:
-            kv = ((llm.get("engine_kwargs") or {}).get("kv_transfer_config") or {}) if isinstance(llm, dict) else {}
-            extra = kv.get("kv_connector_extra_config")
-            cluster = cluster_from_extra(extra) if extra else None
-            if cluster is not None:
-                from .. import actors
+        args = app.get("args") or {}
+        ingress = ((args.get("ingress_cls_config") or {}).get("ingress_extra_kwargs") or {})
+        for llm in args.get("llm_configs") or []:
+            kwargs = (llm.get("engine_kwargs") or {}) if isinstance(llm, dict) else {}
+            extras = [(kwargs.get(k) or {}).get(f"{p}_connector_extra_config")
+                      for k, p in (("kv_transfer_config", "kv"), ("ec_transfer_config", "ec"))]
+            for extra in extras:
+                if isinstance(extra, dict) and isinstance(extra.get("mmtier_cluster"), dict):
+                    extra["mmtier_cluster"].setdefault("address", ray.get_runtime_context().gcs_address)
+            extra = extras[0]
+            cluster = cluster_from_extra(extra) if isinstance(extra, dict) else None
+            if cluster is None or started:
+                continue
+            from .. import actors
 
-                actors.start(config_from_extra(extra), cluster[0])
-                return
+            cfg = config_from_extra(extra)
+            if os.environ.get(KEY_SECRET_ENV):
+                cfg = CacheConfig(**{**cfg.model_dump(), "key_secret": os.environ[KEY_SECRET_ENV]})
+            require_key_secret(cfg, bool(ingress.get("allow_default_key_secret")), f"set {KEY_SECRET_ENV}")
+            actors.start(cfg, cluster[0])
+            started = True
 
 
 def _shutdown(started_ray: bool) -> None:

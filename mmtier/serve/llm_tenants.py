@@ -15,8 +15,16 @@ import hashlib
 import hmac
 import json
 import os
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
 from ..config import DEFAULT_KEY_SECRET, KEY_SECRET_ENV
 from ..errors import ConfigError
@@ -24,6 +32,7 @@ from .config import KeyTable
 from .llm_requests import RequestLimits
 
 SALT_DOMAIN = b"mmtier/cache_salt/v1/"
+Name = Annotated[str, StringConstraints(min_length=1)]      # a key or a tenant: never empty
 MODALITIES = ("image", "audio", "video")
 
 
@@ -32,8 +41,8 @@ class IngressArgs(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant (local try-outs).")
-    api_key_sha256: dict[str, str] = Field(default_factory=dict, description="hex SHA-256 of an API key -> tenant.")
+    api_keys: dict[Name, Name] = Field(default_factory=dict, description="API key -> tenant (local try-outs).")
+    api_key_sha256: dict[Name, Name] = Field(default_factory=dict, description="hex SHA-256 of an API key -> tenant.")
     api_keys_env: str | None = Field(None, description="Environment variable holding a JSON object {api key: tenant}.")
     key_secret_env: str = Field(KEY_SECRET_ENV, description="Environment variable holding the key secret.")
     allow_default_key_secret: bool = Field(False, description="Local / development only: the public default secret.")
@@ -43,14 +52,6 @@ class IngressArgs(BaseModel):
     max_body_bytes: int = Field(32 << 20, gt=0)
     max_image_pixels: int = Field(4096 * 4096, gt=0)
     max_audio_seconds: float = Field(600.0, gt=0)
-
-    @field_validator("api_keys", "api_key_sha256")
-    @classmethod
-    def _tenants(cls, value: dict[str, str]) -> dict[str, str]:
-        for key, tenant in value.items():
-            if not key or not isinstance(tenant, str) or not tenant:
-                raise ValueError("every API key needs a non-empty key and tenant")
-        return value
 
     @field_validator("media")
     @classmethod
