@@ -25,10 +25,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 try:
+    import vllm  # noqa: F401, I001  (first: ray.serve.llm's own message would suggest ray[llm])
     import httpx
     import openai
     import ray.serve.llm  # noqa: F401
-    import vllm  # noqa: F401
 except ImportError as exc:                 # the base environment has no vLLM / Ray Serve LLM
     pytest.skip(f"needs the engines environment (vLLM, ray.serve.llm, openai, httpx; ./run engines): {exc}",
                 allow_module_level=True)
