@@ -365,11 +365,16 @@ def _serve_llm(doc: dict, address: str, port: int | None, detach: bool) -> None:
 
 
 def _serve_until_interrupted(stop) -> None:
+    """Serve until SIGINT (Ctrl-C) or SIGTERM (a service manager's stop), then ``stop()``."""
+    import signal
+
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):    # set explicitly: a background job inherits SIGINT ignored
+        signal.signal(sig, lambda *_: done.set())
     click.echo("serving; Ctrl-C to stop")
-    try:
-        threading.Event().wait()           # until Ctrl-C
-    except KeyboardInterrupt:
-        stop()
+    done.wait()
+    click.echo("stopping")
+    stop()
 
 
 if __name__ == "__main__":
