@@ -30,6 +30,7 @@ from ray.serve.llm.ingress import OpenAiIngress
 from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 from starlette.responses import JSONResponse, Response
 
+from ..errors import ConfigError
 from .llm_requests import (
     RequestError,
     check_messages,
@@ -54,8 +55,6 @@ class MMTierIngress(OpenAiIngress):
         self._limits = args.limits()
         unknown = sorted(set(args.media) - set(model_cards))
         if unknown:
-            from ..errors import ConfigError
-
             raise ConfigError(f"media names models that are not served: {unknown}", ("media",))
         self._accepts = {m: frozenset(args.media.get(m, ())) for m in model_cards}
 
