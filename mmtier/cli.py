@@ -8,7 +8,9 @@
   ``cache.key_secret_env``; the public default only with the flag);
 - ``mmtier status [--address auto]``: its actors, tiers and hit ratios, as tables;
 - ``mmtier bench [NAME ...] [--quick] [--out DIR]``: the benchmark suite, then ``RESULTS.md``;
-- ``mmtier serve --config configs/serve.yaml``: the Ray Serve application.
+- ``mmtier serve --config FILE [--address local] [--port N]``: the Ray Serve application of a
+  Serve config: mmtier's (``configs/serve.yaml``) or a Ray Serve LLM one, the OpenAI-compatible
+  API over vLLM with mmtier's connectors (``configs/serve-llm-cpu.yaml``, ``serve-llm-vllm.yaml``).
 
 Ray is imported inside the commands, so ``--help`` is quick.
 """
@@ -289,12 +291,20 @@ def bench(names: tuple[str, ...], quick: bool, out: Path | None) -> None:
 # ---------------------------------------------------------------------- serve
 @main.command()
 @click.option("--config", "config", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A Serve config file (configs/serve.yaml: http_options, applications).")
+              help="A Serve config file: mmtier's app (configs/serve.yaml) or a Ray Serve LLM one "
+                   "(configs/serve-llm-cpu.yaml, configs/serve-llm-vllm.yaml).")
 @click.option("--address", default="auto", show_default=True,
               help="Ray address; 'local' starts a local Ray on 127.0.0.1 for a try-out.")
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help="HTTP port (default: the config's http_options.port, else 8000).")
 @click.option("--detach", is_flag=True, help="Deploy and return (the app keeps running on the cluster).")
-def serve(config: Path, address: str, detach: bool) -> None:
-    """Deploy the Serve application(s) of a Serve config file (like `serve run FILE`)."""
+def serve(config: Path, address: str, port: int | None, detach: bool) -> None:
+    """Deploy the Serve application(s) of a Serve config file (like `serve run FILE`).
+
+    A Ray Serve LLM config (import_path ray.serve.llm:build_openai_app) is an OpenAI-compatible
+    API over vLLM engines with mmtier's connectors: the tiny LLaVA it names is built first when
+    missing, mmtier's cluster started when its connectors name one, and the command returns
+    once GET /v1/models answers (see mmtier.serve.llm_app)."""
     import yaml
 
     from .errors import ConfigError
@@ -308,6 +318,11 @@ def serve(config: Path, address: str, detach: bool) -> None:
     if detach and address == "local":
         raise click.BadParameter("a local Ray ends with this process: use --detach with a running cluster",
                                  param_hint="--detach")
+    from .serve.llm_app import is_serve_llm
+
+    if is_serve_llm(doc):
+        _serve_llm(doc, address, port, detach)
+        return
     import ray
     from ray import serve as rs
 
@@ -315,6 +330,8 @@ def serve(config: Path, address: str, detach: bool) -> None:
         kw = {"_node_ip_address": "127.0.0.1", "include_dashboard": False} if address == "local" else {}
         ray.init(address=address, namespace="mmtier", log_to_driver=False, **kw)
     http = doc.get("http_options") or {"host": "127.0.0.1", "port": 8000}
+    if port is not None:
+        http = {**http, "port": port}
     rs.start(http_options=http, proxy_location=doc.get("proxy_location", "EveryNode"))
     for app in doc["applications"]:
         module, _, attr = str(app["import_path"]).partition(":")
@@ -327,13 +344,37 @@ def serve(config: Path, address: str, detach: bool) -> None:
                blocking=False)
         click.echo(f"deployed {app.get('name', 'default')} at http://{http.get('host', '127.0.0.1')}:"
                    f"{http.get('port', 8000)}{app.get('route_prefix', '/')}")
-    if detach:
-        return
-    click.echo("serving; Ctrl-C to stop")
+    if not detach:
+        _serve_until_interrupted(rs.shutdown)
+
+
+def _serve_llm(doc: dict, address: str, port: int | None, detach: bool) -> None:
+    """A Ray Serve LLM config: the OpenAI-compatible app over vLLM with mmtier's connectors."""
+    from .errors import ConfigError
+    from .serve.llm_app import start_llm_app, stop_llm_app
+
+    t0 = time.perf_counter()
     try:
-        threading.Event().wait()           # until Ctrl-C
-    except KeyboardInterrupt:
-        rs.shutdown()
+        app = start_llm_app(doc, port=port, address=address)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"ready in {time.perf_counter() - t0:.0f} s: OpenAI API at {app.base_url} "
+               f"(models: {', '.join(app.models)})")
+    if not detach:
+        _serve_until_interrupted(lambda: stop_llm_app(app))
+
+
+def _serve_until_interrupted(stop) -> None:
+    """Serve until SIGINT (Ctrl-C) or SIGTERM (a service manager's stop), then ``stop()``."""
+    import signal
+
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):    # set explicitly: a background job inherits SIGINT ignored
+        signal.signal(sig, lambda *_: done.set())
+    click.echo("serving; Ctrl-C to stop")
+    done.wait()
+    click.echo("stopping")
+    stop()
 
 
 if __name__ == "__main__":

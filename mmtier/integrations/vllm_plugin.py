@@ -1,0 +1,69 @@
+"""mmtier's vLLM general plugin (entry point ``vllm.general_plugins``: ``mmtier``).
+
+vLLM calls every general plugin in each of its processes before it builds a config, an engine
+core or a worker (``vllm.plugins.load_general_plugins``: in ``EngineArgs``, ``EngineCore``,
+``WorkerBase`` and the model registry's inspection subprocess), so this runs in a Ray Serve LLM
+replica, in vLLM's spawned engine-core process, in its Ray or ``mp`` workers and in the
+registry's subprocess, each time before vLLM imports a model's module.
+
+What it does: ``torchvision_free_vllm()``. vLLM's ``llava`` module imports its ``pixtral``
+module, which imports ``_num_image_tokens`` from
+``transformers.models.pixtral.image_processing_pixtral``, the torchvision backend of Pixtral's
+image processor, whose first lines import torchvision. Where torchvision cannot be imported
+(vLLM's CPU build here: PyPI's torchvision is a CUDA build that breaks beside CPU torch), that
+module name is bound to transformers' PIL module for Pixtral, which holds the same
+``_num_image_tokens`` and nothing of torchvision (vLLM uses nothing else of it for LLaVA).
+Where torchvision imports, it does nothing. Nothing else is changed, and nothing of vLLM is
+imported here.
+
+``shim_state()`` tells whether the binding is in place and whether vLLM's LLaVA module was
+imported before it (then the shim came too late, which the tests check never happens)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from dataclasses import dataclass
+
+PIXTRAL = "transformers.models.pixtral.image_processing_pixtral"
+PIXTRAL_PIL = "transformers.models.pixtral.image_processing_pil_pixtral"
+LLAVA = "vllm.model_executor.models.llava"
+
+_LLAVA_BEFORE: list[bool] = []            # per call of register(): was LLaVA imported already
+
+
+@dataclass(frozen=True)
+class ShimState:
+    bound: bool                 # the Pixtral module name is bound to its PIL twin
+    torchvision: bool           # torchvision imports (no shim needed)
+    llava_before_plugin: bool   # vLLM's LLaVA module was imported before the plugin ran
+
+
+def torchvision_free_vllm() -> None:
+    """Bind Pixtral's torchvision image-processing module name to its PIL twin where
+    torchvision cannot be imported (see the module docstring). Idempotent."""
+    if PIXTRAL in sys.modules:
+        return
+    if _torchvision_imports():
+        return
+    sys.modules[PIXTRAL] = importlib.import_module(PIXTRAL_PIL)
+
+
+def register() -> None:
+    """The entry point vLLM calls in each of its processes."""
+    _LLAVA_BEFORE.append(LLAVA in sys.modules)
+    torchvision_free_vllm()
+
+
+def shim_state() -> ShimState:
+    bound = getattr(sys.modules.get(PIXTRAL), "__name__", None) == PIXTRAL_PIL
+    return ShimState(bound=bound, torchvision=_torchvision_imports(),
+                     llava_before_plugin=any(_LLAVA_BEFORE))
+
+
+def _torchvision_imports() -> bool:
+    try:
+        importlib.import_module("torchvision")
+    except (ImportError, RuntimeError):       # absent, or a CUDA build beside CPU torch
+        return False
+    return True
