@@ -30,7 +30,8 @@ COMMANDS = {
     "long_context_cluster": "python -m benchmarks.long_context --preset tiny --tokens 500000 --cluster",
     "multiturn": "python -m benchmarks.multiturn  (5 rounds)",
     "hf_generate": "python -m benchmarks.hf_generate",
-    "demo": "mmtier demo (./run demo)",
+    "demo": "mmtier demo --engine transformers (./run demo --engine transformers)",
+    "demo_serving": "mmtier demo (./run demo: the openai client, Ray Serve LLM, vLLM's CPU build)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
     "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
@@ -67,6 +68,10 @@ HEADLINES = [
     ("cluster", "registry_single_lookups_per_s", "(reported)", None),
     ("cluster", "remote_fetch_over_object_store", ">= 0.9", lambda v: v >= 0.9),
     ("demo", "later_turns_cached_over_dense", "<= 0.5", lambda v: v <= 0.5),
+    ("demo_serving", "check_mismatches", "0 (every answer equals the engine without mmtier)", lambda v: v == 0),
+    ("demo_serving", "cached_fraction__later_turns", "(reported: prompt tokens served from mmtier)", None),
+    ("demo_serving", "later_turns_ttft_mmtier_over_plain", "(reported; < 1: mmtier's later turns start sooner)",
+     None),
     ("long_context", "decode_over_overlap_floor", "<= 1.3", lambda v: v <= 1.3),
     ("long_context", "decode_over_summed_floor", "(reported)", None),
     ("long_context", "max_rel_err", "< 8e-3 (bf16 output)", lambda v: v < 8e-3),
