@@ -35,10 +35,20 @@ def check_kv(spec: ModalitySpec, k, v) -> int:
 def check_payload(spec: ModalitySpec, t: torch.Tensor) -> None:
     if t.dtype != spec.torch_dtype:
         raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
-    # One pass in the payload's own dtype: NaN propagates into min and max, an Inf is one of
-    # them, so both finite <=> every element finite (exact; no float64 upcast, one host sync).
-    if t.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(t))).all()):
+    if t.numel() and not all_finite(t):
         raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of a floating tensor is finite, exactly, in one pass of its own
+    dtype at memory speed. A finite sum means no NaN and no Inf (either would make the sum NaN
+    or infinite); a sum that is not finite may also be finite values that overflowed the sum's
+    dtype, so then ``aminmax`` decides: NaN propagates into min and max, an Inf is one of them,
+    so both finite <=> every element finite. (The sum reads at about twice aminmax's speed on a
+    CPU; no float64 upcast; one host sync.)"""
+    if bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
 
 
 def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> None:
