@@ -245,8 +245,11 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         assert g.tier == Tier.HOST
         assert list(g.location.sums) == g.location.page_sums()   # the digests the fused copy took
         _flip_slab_byte(g.location, page=page)
+        out = poisoned()
         with pytest.raises(CorruptDataError):
-            cache.read_group(keys[0], out=poisoned())
+            cache.read_group(keys[0], out=out)
+        for t in out:                                      # not a byte of the bad page copied
+            assert torch.isnan(t[:, page * P:]).all()
         c = cache.stats().counters
         assert c["host_corrupt_reads"] == 1 and c["corrupt_reads"] == 1
         assert not cache.contains(keys[0])                 # a miss from now on
