@@ -74,3 +74,18 @@ def test_aligned_blocks_only_for_whole_blocks_in_order():
     assert vc.aligned_blocks(slots, N) == [4, 5, 1]
     assert vc.aligned_blocks(slots[:-1], N) is None
     assert vc.aligned_blocks(slots[1:].roll(1), N) is None
+
+
+def test_a_stage_taken_in_inference_mode_is_writable_outside_it():
+    """vLLM runs the forward pass (and the connector's save / load calls) under
+    ``torch.inference_mode``; the stage is then written on the connector's reader thread,
+    outside it (``read_group(out=)``), and reused: it must be a normal tensor."""
+    pool = vc.StagePool()
+    with torch.inference_mode():
+        stage = pool.take(layer("standard"), 2, 3)
+        stage.fill_(1.0)                                   # written inside too
+    assert not stage.is_inference()
+    stage.fill_(2.0)
+    pool.give(stage)
+    assert pool.take(layer("standard"), 2, 3) is stage   # reused: same kind
+    assert pool.take(layer("standard"), 2, 4) is not stage

@@ -120,7 +120,9 @@ def new_stage(kv_layer: torch.Tensor, num_layers: int, num_blocks: int) -> torch
     shape = list(kv_layer.shape)
     shape[axis] = num_blocks
     order = _memory_order(kv_layer)
-    phys = torch.empty([num_layers] + [shape[d] for d in order], dtype=kv_layer.dtype, device=kv_layer.device)
+    with torch.inference_mode(False):    # a normal tensor: written and reused outside vLLM's
+        phys = torch.empty([num_layers] + [shape[d] for d in order],     # inference mode too
+                           dtype=kv_layer.dtype, device=kv_layer.device)
     return phys.permute(0, *[order.index(d) + 1 for d in range(kv_layer.dim())])
 
 
