@@ -11,11 +11,14 @@ round over the same bytes (random values):
   another (the floor: the bytes moved once, no indexing);
 - slot gather / scatter: vLLM's tensors to contiguous and back by ``slot_mapping`` (what any
   connector pays, no store behind it);
-- save: what ``MMTierConnector`` does per step, layer by layer: gather each group's slots
-  into a staging buffer (``save_kv_layer``), then ``TieredKVCache.put`` of every group (the
-  connector's writer thread does this after ``wait_for_save``; timed here inline, its cost);
-- load: ``read_group`` of every group, then per layer a scatter by slot into a fresh paged
-  tensor (``start_load_kv`` + ``wait_for_layer_load``); checked equal to the source.
+- save: what ``MMTierConnector`` does per step for groups of whole blocks, layer by layer:
+  each group's runs of consecutive blocks copied as they lie into a stage laid out as vLLM's
+  tensors (``save_kv_layer``), then ``TieredKVCache.put`` of the stage's block-split K/V views
+  (the connector's writer thread does this after ``wait_for_save``; timed here inline, its
+  cost): one copy per crossing, the layout change in the second;
+- load: ``read_group(out=)`` of every group into such a stage, then per layer each group's
+  blocks copied as they lie into a fresh paged tensor (``start_load_kv`` +
+  ``wait_for_layer_load``); checked equal to the source.
 
 Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
 connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
@@ -84,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
                       modalities={"text": {"page_size": BS}}, device=str(dev),
                       device_bytes=3 * nbytes, host_bytes=0, disk_dir=None)
     cache = TieredKVCache(cfg)
+    cache.pools["text"].view.zero_()       # the arena resident, as a GPU's is (no first-touch faults timed)
     # keys are the scheduler's work (computed there, once per request): made before timing
     made = iter(range(1 << 30))
     keys: list = []
@@ -113,28 +117,36 @@ def main(argv: list[str] | None = None) -> dict:
             vllm_copy.scatter(dst[layer], slots, D, stage_k[layer], stage_v[layer])
         sync()
 
+    block_ids = [int(b) for b in blocks]
+    pool = vllm_copy.StagePool(keep=tokens // BS)      # the connector's: stages reused
+
     def save(batch):
+        """The connector's path for groups of whole blocks: per layer, each group's runs of
+        blocks copied as they lie into a stage laid out as vLLM's tensors (``save_kv_layer``),
+        then ``put`` of the stage's block-split K/V views (the writer thread's work)."""
         keys[:] = batch
-        n = group[0]
-        k = torch.empty(L, tokens, H, D, dtype=dtype, device=dev)    # staging, as the connector
-        v = torch.empty_like(k)
+        nb = group[0] // BS
+        stages = [pool.take(src[0], L, nb) for _ in keys]
         for layer in range(L):
-            for i in range(len(keys)):
-                s = slice(i * n, (i + 1) * n)
-                vllm_copy.gather(src[layer], slots[s], D, k[layer, s], v[layer, s])
-        for i, key in enumerate(keys):
-            s = slice(i * n, (i + 1) * n)
-            cache.put(key, k[:, s], v[:, s])
+            for i, stage in enumerate(stages):
+                vllm_copy.copy_blocks(src[layer], block_ids[i * nb:(i + 1) * nb], stage[layer], None)
+        for key, stage in zip(keys, stages):
+            cache.put(key, *vllm_copy.stage_kv(stage, D))
+            pool.give(stage)
         sync()
 
     def load():
-        n = group[0]
-        parts = [cache.read_group(key) for key in keys]
+        """``read_group`` of every group into a stage laid out as vLLM's tensors (the reader
+        thread), then per layer each group's blocks copied as they lie into vLLM's tensor."""
+        nb = group[0] // BS
+        stages = [pool.take(dst[0], L, nb) for _ in keys]
+        for key, stage in zip(keys, stages):
+            cache.read_group(key, out=vllm_copy.stage_kv(stage, D))
         for layer in range(L):
-            for i, (k, v) in enumerate(parts):
-                s = slice(i * n, (i + 1) * n)
-                vllm_copy.scatter(dst[layer], slots[s], D, k[layer].to(dev, non_blocking=True),
-                                  v[layer].to(dev, non_blocking=True))
+            for i, stage in enumerate(stages):
+                vllm_copy.copy_blocks(stage[layer], None, dst[layer], block_ids[i * nb:(i + 1) * nb])
+        for stage in stages:
+            pool.give(stage)
         sync()
 
     t_plain = _median_s(plain, args.repeat)

@@ -76,8 +76,8 @@ class TieredKVCache(EngineAPI, KeyAPI, SequenceAPI, GroupAPI, AttentionAPI, Tier
             self.policy.on_insert(group)
 
     # ------------------------------------------------------------------ I/O helpers
-    def _check_kv(self, spec: ModalitySpec, k, v) -> int:
-        return check_kv(spec, k, v)
+    def _check_kv(self, spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
+        return check_kv(spec, k, v, block_split=block_split)
 
     def _check_dtype(self, spec: ModalitySpec, t: torch.Tensor) -> None:
         check_payload(spec, t)

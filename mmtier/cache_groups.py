@@ -32,10 +32,13 @@ class GroupAPI:
             return group is not None
 
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Store a group's K/V once; ``False`` (and nothing written) when it is already held."""
+        """Store a group's K/V once; ``False`` (and nothing written) when it is already held.
+        ``k, v``: ``[num_layers, n, num_kv_heads, head_dim]``, or block-split ``[num_layers,
+        blocks, page_size, num_kv_heads, head_dim]`` (an engine's blocks staged as it lays them,
+        any strides): each run of pages is then one strided copy from its run of blocks."""
         self._open()
         spec = self._check_key(key, "kv")
-        n = self._check_kv(spec, k, v)
+        n = self._check_kv(spec, k, v, block_split=True)
         return self._store(key, spec, n, lambda pool, pages: self._write_fresh(pool, k, v, pages))
 
     def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:

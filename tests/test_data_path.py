@@ -118,6 +118,55 @@ def test_read_group_refuses_a_bad_out_and_changes_nothing(tmp_path, bad):
         assert torch.isnan(good[1]).all()
 
 
+def _engine_stage(n_blocks):
+    """An engine's staging in vLLM's CPU layout ``[L, blocks, heads, block_size, 2 * head_dim]``
+    (K then V along the last axis) and its block-split K/V views ``[L, blocks, P, H, D]``."""
+    stage = torch.randn(L, n_blocks, H, P, 2 * D)
+    t = stage.transpose(2, 3)
+    return stage, t[..., :D], t[..., D:]
+
+
+def test_put_and_read_group_of_block_split_views_from_every_tier(tmp_path):
+    """``put`` of an engine stage's block-split views (no single token stride) stores the same
+    KV as the flattened tensors; ``read_group(out=)`` into another stage's views brings it back
+    from the device, host and disk tiers."""
+    with TieredKVCache(cfg(tmp_path)) as cache:
+        keys = [cache.content_key("text", b"b%d" % i) for i in range(6)]
+        stages = {key: _engine_stage(5) for key in keys}
+        for key in keys:
+            _, k5, v5 = stages[key]
+            assert cache.put(key, k5, v5)
+        in_three_tiers(cache, keys)
+        for key in keys:
+            _, k5, v5 = stages[key]
+            flat_k, flat_v = cache.read_group(key)
+            assert torch.equal(flat_k, k5.reshape(L, 40, H, D)) and torch.equal(flat_v, v5.reshape(L, 40, H, D))
+            out_stage, ok, ov = _engine_stage(5)
+            out_stage.fill_(float("nan"))
+            got = cache.read_group(key, out=(ok, ov))
+            assert got[0] is ok and torch.equal(out_stage, stages[key][0])
+
+
+def test_block_split_put_refuses_bad_blocks_and_changes_nothing(tmp_path):
+    with TieredKVCache(cfg(tmp_path, disk=False)) as cache:
+        key = cache.content_key("text", b"bad")
+        before = cache.stats().counters.get("puts", 0)
+        stage, k5, v5 = _engine_stage(5)
+        stage[2, 3, 1, 4, D + 7] = float("inf")                 # one V value of one block
+        with pytest.raises(DTypeError, match="NaN or Inf"):
+            cache.put(key, k5, v5)
+        wrong = torch.randn(L, 5, P + 1, H, D)                  # blocks that are not pages
+        with pytest.raises(ShapeError):
+            cache.put(key, wrong, wrong.clone())
+        with pytest.raises(ShapeError):
+            cache.put(key, k5[:, :0], v5[:, :0])
+        assert not cache.contains(key) and cache.stats().counters.get("puts", 0) == before
+        cache.put(key, *kv(37))                                  # partial last page: not block-split
+        out_stage, ok, ov = _engine_stage(5)
+        with pytest.raises(ShapeError):
+            cache.read_group(key, out=(ok, ov))
+
+
 # ---------------------------------------------------------------------------- disk put_many / get_many
 def _tier_keys(spec, n):
     maker = KeyMaker("tiny-path", "s")
@@ -196,8 +245,11 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         assert g.tier == Tier.HOST
         assert list(g.location.sums) == g.location.page_sums()   # the digests the fused copy took
         _flip_slab_byte(g.location, page=page)
+        out = poisoned()
         with pytest.raises(CorruptDataError):
-            cache.read_group(keys[0], out=poisoned())
+            cache.read_group(keys[0], out=out)
+        for t in out:                                      # not a byte of the bad page copied
+            assert torch.isnan(t[:, page * P:]).all()
         c = cache.stats().counters
         assert c["host_corrupt_reads"] == 1 and c["corrupt_reads"] == 1
         assert not cache.contains(keys[0])                 # a miss from now on
@@ -300,3 +352,22 @@ def test_background_spills_side_by_side_respect_a_tight_disk_budget(tmp_path):
         for key in held:
             k, v = cache.read_group(key)
             assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
+
+
+@pytest.mark.parametrize("layout", ["k|v last axis", "k, v halves", "separate"])
+def test_paired_view_is_k_and_v_exactly_or_none(layout):
+    from mmtier.page_copies import paired_view
+    if layout == "k|v last axis":
+        t = torch.randn(L, 5, H, P, 2 * D).transpose(2, 3)
+        k, v = t[..., :D], t[..., D:]
+    elif layout == "k, v halves":
+        t = torch.randn(L, 2, 5, P, H, D)
+        k, v = t[:, 0], t[:, 1]
+    else:
+        k, v = torch.randn(L, 5, P, H, D), torch.randn(L, 5, P, H, D)
+    both = paired_view(k, v)
+    if layout == "separate":
+        assert both is None and paired_view(v, k) is None
+        return
+    assert torch.equal(both[..., 0, :], k) and torch.equal(both[..., 1, :], v)
+    assert paired_view(v, k) is None                # V before K: not this view

@@ -35,3 +35,16 @@ def test_one_bad_value_anywhere_is_refused(dtype, poison):
         t.view(-1)[int(torch.randint(t.numel(), (1,), generator=g))] = poison
         with pytest.raises(DTypeError, match="NaN or Inf"):
             check_payload(spec, t)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_finite_values_whose_sum_overflows_pass(dtype):
+    """The one-pass sum overflows to Inf on these finite values: the exact check decides."""
+    spec, tdt = _spec(dtype), DTYPES[dtype]
+    t = torch.randn(2, 37, 3, 8).to(tdt).abs() + 1
+    t.view(-1)[::3] = torch.finfo(tdt).max
+    assert not torch.isfinite(t.sum())
+    check_payload(spec, t)
+    t.view(-1)[7] = float("nan")
+    with pytest.raises(DTypeError, match="NaN or Inf"):
+        check_payload(spec, t)

@@ -41,3 +41,51 @@ def test_gather_and_scatter_equal_indexing_by_slot(layout, which, nblocks):
     untouched = torch.ones(B, N, dtype=torch.bool)
     untouched[slots // N, slots % N] = False
     assert torch.isnan(k2[untouched]).all() and torch.isnan(v2[untouched]).all()
+
+
+@pytest.mark.parametrize("layout", ["standard", "legacy"])
+def test_stage_mirrors_vllm_layout_and_blocks_copy_as_slices(layout):
+    """A stage laid out as vLLM's tensor: blocks copied in by runs of slices land where indexing
+    by block puts them, its K/V views are vLLM's K/V of those blocks, and they copy back."""
+    src = layer(layout)
+    blocks = [7, 8, 9, 2, 3, 11, 0]                       # runs 7-9, 2-3, 11, 0
+    stage = vc.new_stage(src, 3, len(blocks))
+    stage.fill_(float("nan"))
+    phys = sorted(range(src.dim()), key=lambda d: -src.stride(d))
+    assert sorted(range(src.dim()), key=lambda d: -stage[1].stride(d)) == phys   # same memory order
+    vc.copy_blocks(src, blocks, stage[1], None)
+    k, v = vc.kv_views(src, D)
+    sk, sv = vc.stage_kv(stage, D)
+    assert sk.shape == (3, len(blocks), N, H, D)
+    idx = torch.tensor(blocks)
+    assert torch.equal(sk[1], k[idx]) and torch.equal(sv[1], v[idx])
+    assert torch.isnan(sk[0]).all() and torch.isnan(sv[2]).all()
+    dst = torch.full_like(src, float("nan"))
+    vc.copy_blocks(stage[1], None, dst, blocks)
+    k2, v2 = vc.kv_views(dst, D)
+    assert torch.equal(k2[idx], k[idx]) and torch.equal(v2[idx], v[idx])
+    rest = torch.ones(B, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.isnan(k2[rest]).all() and torch.isnan(v2[rest]).all()
+
+
+def test_aligned_blocks_only_for_whole_blocks_in_order():
+    slots = (torch.tensor([4, 5, 1])[:, None] * N + torch.arange(N)).flatten()
+    assert vc.aligned_blocks(slots, N) == [4, 5, 1]
+    assert vc.aligned_blocks(slots[:-1], N) is None
+    assert vc.aligned_blocks(slots[1:].roll(1), N) is None
+
+
+def test_a_stage_taken_in_inference_mode_is_writable_outside_it():
+    """vLLM runs the forward pass (and the connector's save / load calls) under
+    ``torch.inference_mode``; the stage is then written on the connector's reader thread,
+    outside it (``read_group(out=)``), and reused: it must be a normal tensor."""
+    pool = vc.StagePool()
+    with torch.inference_mode():
+        stage = pool.take(layer("standard"), 2, 3)
+        stage.fill_(1.0)                                   # written inside too
+    assert not stage.is_inference()
+    stage.fill_(2.0)
+    pool.give(stage)
+    assert pool.take(layer("standard"), 2, 3) is stage   # reused: same kind
+    assert pool.take(layer("standard"), 2, 4) is not stage

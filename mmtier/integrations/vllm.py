@@ -9,9 +9,12 @@ Scheduler side: a request's prompt becomes chained groups (``vllm_plan``); the h
 leading run of held groups in whole blocks, looked up in one pass; ``build_connector_meta``
 lists, per step, the groups to load (the hit) and to save (groups whose positions this step
 completes). Worker side: ``start_load_kv`` reads the groups in a background thread;
-``wait_for_layer_load`` scatters that layer's slice by slot into vLLM's tensor;
-``save_kv_layer`` gathers each saved group's slots of that layer into a staging buffer;
-``wait_for_save`` hands the complete groups to a writer thread, which stores them. A group that
+``wait_for_layer_load`` copies that layer's part into vLLM's tensor; ``save_kv_layer`` copies
+each saved group's part of that layer into a staging buffer; ``wait_for_save`` hands the
+complete groups to a writer thread, which stores them. A group of whole vLLM blocks (a page of
+the cache per block) is staged as vLLM lays its blocks out (``vllm_copy.new_stage``): runs of
+consecutive blocks move as slices, and the cache copies the stage's block-split K and V into its
+pages (and out of them) once; any other group moves slot by slot. A group that
 fails to load (corrupt file, evicted meanwhile) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``; ``"mmtier_load_failure_policy": "fail"`` keeps
@@ -106,6 +109,21 @@ class _ReqState:
     pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
 
 
+@dataclass
+class _Staged:
+    """A group's copy on the worker (a save being staged, or a load read): with ``blocks`` (the
+    group is whole vLLM blocks, its pages vLLM's blocks), ``stage`` is laid out as vLLM's tensors
+    (``vllm_copy.new_stage``) and ``k, v`` are its block-split views; otherwise ``k, v`` are
+    ``[layers, n, heads, head_dim]`` moved slot by slot."""
+
+    op: GroupCopy
+    k: torch.Tensor
+    v: torch.Tensor
+    blocks: list[int] | None = None          # vLLM's block ids of positions [lo, hi), in order
+    stage: torch.Tensor | None = None
+    layers: set[int] = field(default_factory=set)
+
+
 def media_of(request: Any) -> list[MediaItem]:
     """A vLLM request's media items (``mm_features``) as plain data, each with the digest of
     its processed inputs (computed here; ``None`` where the scheduler was not given them)."""
@@ -197,8 +215,9 @@ class MMTierConnector(KVConnectorBase_V1):
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if worker else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save") if worker else None
         self._saving: set[Future] = set()
-        self._loading: list[tuple[GroupCopy, Future]] = []
-        self._staged: dict[ContentKey, tuple[GroupCopy, torch.Tensor, torch.Tensor, set[int]]] = {}
+        self._loading: list[tuple[GroupCopy, _Staged | None, Future]] = []
+        self._staged: dict[ContentKey, _Staged] = {}
+        self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
         self._failed_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
@@ -341,27 +360,59 @@ class MMTierConnector(KVConnectorBase_V1):
             # first on the reader thread: what this cache lacks (a scheduler in another process
             # located it, or it was evicted since) pulled in one lookup; none when all is here
             self._reader.submit(self.link.pull, [op.key for op in meta.loads])
-        self._loading = [(op, self._reader.submit(self.cache.read_group, op.key)) for op in meta.loads]
+        first = next(iter(self._layers.values()), None)
+        self._loading = []
+        for op in meta.loads:
+            staged = self._stage_for(op, first, whole_group=True)
+            out = (staged.k, staged.v) if staged is not None else None
+            self._loading.append((op, staged, self._reader.submit(self.cache.read_group, op.key, out=out)))
+
+    def _stage_for(self, op: GroupCopy, kv_layer: torch.Tensor | None, *, whole_group: bool) -> _Staged | None:
+        """A stage laid out as vLLM's tensors for ``op``'s group, where its positions are whole
+        blocks of vLLM's and its pages are those blocks (``None`` otherwise: the slot path).
+        ``whole_group``: the stage holds all of the group (a load reads it whole), else
+        positions ``[lo, hi)``."""
+        if kv_layer is None:
+            return None
+        bs, spec = self.block_size, self.cache.cfg.spec(op.key.modality)
+        lo = op.start if whole_group else op.lo
+        hi = op.end if whole_group else op.hi
+        if spec.page_size != bs or lo % bs or hi % bs or op.lo % bs or op.hi % bs:
+            return None
+        blocks = vllm_copy.aligned_blocks(op.slots, bs)
+        if blocks is None:
+            return None
+        stage = self._stages.take(kv_layer, self.cache.cfg.num_layers, (hi - lo) // bs)
+        k, v = vllm_copy.stage_kv(stage, self.cache.cfg.head_dim)
+        return _Staged(op, k, v, blocks, stage)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_index.get(layer_name)
         if layer is None or not self._loading:
             return
         kv_layer = self._layers[layer_name]
-        for op, fut in self._loading:
-            if fut is None:
-                continue
+        last = layer == len(self._layer_index) - 1
+        for op, staged, fut in self._loading:
             try:
                 k, v = fut.result(timeout=LOAD_TIMEOUT_S)
             except (MMTierError, TimeoutError) as exc:
                 log.warning("mmtier: load of %r failed (%s); vLLM recomputes its blocks", op.key, exc)
                 self._failed_blocks.update(op.block_ids)
+                if last and staged is not None and fut.done():
+                    self._stages.give(staged.stage)
+                continue
+            if staged is not None:                   # blocks [lo, hi) of the group, as they lie
+                first = (op.lo - op.start) // self.block_size
+                src = staged.stage[layer].narrow(vllm_copy.block_axis(kv_layer), first, len(staged.blocks))
+                vllm_copy.copy_blocks(src, None, kv_layer, staged.blocks)
+                if last:
+                    self._stages.give(staged.stage)
                 continue
             a, b = op.lo - op.start, op.hi - op.start
             vllm_copy.scatter(kv_layer, op.slots.to(kv_layer.device), self.cache.cfg.head_dim,
                               k[layer, a:b].to(kv_layer.device, non_blocking=True),
                               v[layer, a:b].to(kv_layer.device, non_blocking=True))
-        if layer == len(self._layer_index) - 1:
+        if last:
             self._loading = []
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
@@ -373,38 +424,47 @@ class MMTierConnector(KVConnectorBase_V1):
         for op in meta.saves:
             staged = self._staged.get(op.key)
             if staged is None:
-                shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
-                staged = self._staged[op.key] = (op, kv_layer.new_empty(shape), kv_layer.new_empty(shape), set())
-            _, k, v, layers = staged
-            vllm_copy.gather(kv_layer, op.slots.to(kv_layer.device), cfg.head_dim, k[layer], v[layer])
-            layers.add(layer)
+                staged = self._stage_for(op, kv_layer, whole_group=False)
+                if staged is None:
+                    shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
+                    staged = _Staged(op, kv_layer.new_empty(shape), kv_layer.new_empty(shape))
+                self._staged[op.key] = staged
+            if staged.blocks is not None:            # vLLM's blocks as they lie, run by run
+                vllm_copy.copy_blocks(kv_layer, staged.blocks, staged.stage[layer], None)
+            else:
+                vllm_copy.gather(kv_layer, op.slots.to(kv_layer.device), cfg.head_dim,
+                                 staged.k[layer], staged.v[layer])
+            staged.layers.add(layer)
 
     def wait_for_save(self) -> None:
         """Hand this step's complete groups to the writer thread: the staged copies are the
         connector's own, so vLLM may reuse its blocks at once and the step does not wait."""
         staged, self._staged = self._staged, {}
         layers = self.cache.cfg.num_layers
-        done = [(op, k, v) for op, k, v, seen in staged.values() if len(seen) == layers]
+        done = [st for st in staged.values() if len(st.layers) == layers]
         if not done:
             return
         event = None
-        if done[0][1].is_cuda:                   # the gathers were queued on vLLM's stream
+        if done[0].k.is_cuda:                   # the gathers were queued on vLLM's stream
             event = torch.cuda.Event()
             event.record()
         fut = self._writer.submit(self._store, done, event)
         self._saving.add(fut)
         fut.add_done_callback(self._saving.discard)
 
-    def _store(self, done: list[tuple[GroupCopy, torch.Tensor, torch.Tensor]], event) -> None:
+    def _store(self, done: list[_Staged], event) -> None:
         if event is not None:
             event.synchronize()
         stored = []
-        for op, k, v in done:
+        for st in done:
             try:
-                if self.cache.put(op.key, k, v):
-                    stored.append(op.key)
+                if self.cache.put(st.op.key, st.k, st.v):
+                    stored.append(st.op.key)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
-                log.warning("mmtier: save of %r skipped: %s", op.key, exc)
+                log.warning("mmtier: save of %r skipped: %s", st.op.key, exc)
+            finally:
+                if st.stage is not None:
+                    self._stages.give(st.stage)
         if self.link is not None and stored:
             self.link.share(stored)              # to the node store and the registry, off this thread
 

@@ -14,9 +14,12 @@ list takes the per-slot path.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..errors import ShapeError
+from ..storage.host import paired_runs
 
 
 def kv_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,3 +97,108 @@ def _take(view: torch.Tensor, slots, blocks, offs, out: torch.Tensor) -> None:
         torch.index_select(view.flatten(0, 1), 0, slots, out=out)
     else:
         out.copy_(view[blocks, offs])
+
+
+# ---------------------------------------------------------------------- staging as vLLM lays it
+# A group whose positions are whole vLLM blocks (and whose pages are vLLM's blocks: page size ==
+# block size) is staged in a buffer laid out like vLLM's own tensors, one per layer
+# (``new_stage``): a run of consecutive vLLM blocks is then one slice copied as it lies
+# (``copy_blocks``), no index tensor, and the cache takes the stage's block-split K and V views
+# (``stage_kv``) as they are, one strided copy per run of pages (``TieredKVCache.put`` /
+# ``read_group(out=)``): each crossing is one copy.
+
+
+def block_axis(kv_layer: torch.Tensor) -> int:
+    """The block axis of one layer's tensor: 0 (``[B, H, N, 2D]``) or 1 (``[2, B, N, H, D]``)."""
+    return 1 if kv_layer.dim() == 5 else 0
+
+
+def new_stage(kv_layer: torch.Tensor, num_layers: int, num_blocks: int) -> torch.Tensor:
+    """``[num_layers, *kv_layer's shape with num_blocks blocks]``, each layer laid out in memory
+    as ``kv_layer`` is (its strides' order), so that blocks copy between them as they lie."""
+    axis = block_axis(kv_layer)
+    shape = list(kv_layer.shape)
+    shape[axis] = num_blocks
+    order = _memory_order(kv_layer)
+    with torch.inference_mode(False):    # a normal tensor: written and reused outside vLLM's
+        phys = torch.empty([num_layers] + [shape[d] for d in order],     # inference mode too
+                           dtype=kv_layer.dtype, device=kv_layer.device)
+    return phys.permute(0, *[order.index(d) + 1 for d in range(kv_layer.dim())])
+
+
+def stage_kv(stage: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stage's K and V as block-split views ``[layers, blocks, block_size, heads, head_dim]``."""
+    if stage.dim() == 5:                                                  # [L, B, H, N, 2D]
+        t = stage.transpose(2, 3)
+        return t[..., :head_dim], t[..., head_dim:]
+    return stage[:, 0], stage[:, 1]                                       # [L, 2, B, N, H, D]
+
+
+def aligned_blocks(slots: torch.Tensor, block_size: int) -> list[int] | None:
+    """vLLM's block ids, in position order, when ``slots`` are whole blocks; else ``None``."""
+    blocks = whole_blocks(slots.cpu(), block_size)
+    return None if blocks is None else [int(b) for b in blocks]
+
+
+def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tensor,
+                dst_blocks: list[int] | None) -> None:
+    """Blocks ``src_blocks[i]`` of one layer's tensor into ``dst_blocks[i]`` of another of the
+    same layout (``None``: ``0, 1, ...``), in memory order (a block is one contiguous chunk in
+    vLLM's layouts). Runs consecutive on both sides are one slice copy each; blocks scattered
+    into many runs are one ``index_select`` / ``index_copy_`` of whole blocks (a Python call
+    per one-block run would cost more than the copy)."""
+    n = len(src_blocks if src_blocks is not None else dst_blocks)
+    s_ids = list(src_blocks) if src_blocks is not None else list(range(n))
+    d_ids = list(dst_blocks) if dst_blocks is not None else list(range(n))
+    order = _memory_order(src)
+    axis = order.index(block_axis(src))
+    ps, pd = src.permute(*order), dst.permute(*order)
+    runs = paired_runs(d_ids, s_ids)
+    if len(runs) <= MAX_SLICE_RUNS or (src_blocks is not None and dst_blocks is not None):
+        for d, s, r in runs:
+            pd.narrow(axis, d, r).copy_(ps.narrow(axis, s, r))
+    elif dst_blocks is None and pd.is_contiguous():
+        torch.index_select(ps, axis, torch.tensor(s_ids, device=src.device), out=pd)
+    elif src_blocks is None:
+        pd.index_copy_(axis, torch.tensor(d_ids, device=dst.device), ps)
+    else:
+        pd.copy_(ps.index_select(axis, torch.tensor(s_ids, device=src.device)))
+
+
+MAX_SLICE_RUNS = 4      # more runs than this: one indexed copy of whole blocks instead
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+class StagePool:
+    """Stages kept for reuse, by shape, memory order, dtype and device: a fresh stage costs its
+    first touch (page faults on a CPU, an allocation on a GPU) about as much as the copy into
+    it. Thread-safe (the connector's writer and reader threads give stages back); at most
+    ``keep`` stages of each kind are kept."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, kv_layer: torch.Tensor, num_layers: int, num_blocks: int) -> torch.Tensor:
+        """A stage as ``new_stage`` makes it, reused when one of its kind was given back."""
+        shape = list(kv_layer.shape)
+        shape[block_axis(kv_layer)] = num_blocks
+        kind = (num_layers, tuple(shape), tuple(_memory_order(kv_layer)), kv_layer.dtype, str(kv_layer.device))
+        with self._lock:
+            free = self._free.get(kind)
+            if free:
+                return free.pop()
+        return new_stage(kv_layer, num_layers, num_blocks)
+
+    def give(self, stage: torch.Tensor) -> None:
+        kind = (stage.shape[0], tuple(stage.shape[1:]), tuple(_memory_order(stage[0])), stage.dtype,
+                str(stage.device))
+        with self._lock:
+            free = self._free.setdefault(kind, [])
+            if len(free) < self.keep:
+                free.append(stage)

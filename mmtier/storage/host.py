@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -186,6 +186,23 @@ class HostEntry:
         if self.sums is not None and self.page_sums() != list(self.sums):
             self._slab.corrupt_reads += 1
             raise CorruptDataError(f"host copy of {self.key!r}: page checksum mismatch")
+
+    def checked_pages(self) -> Iterator[torch.Tensor]:
+        """The group's pages one at a time (``[1, *page_shape]`` slab views, in page order),
+        each checked against its digest just before it is handed out, so a copy that takes it
+        at once reads it while the digest pass left it in the CPU's cache (one pass over memory
+        instead of two). A mismatch raises ``CorruptDataError`` (counted) before that page is
+        handed out; the pages before it were verified."""
+        self.wait()
+        i = 0
+        for run in self.runs():
+            rows = page_rows_of(run)
+            for j in range(run.shape[0]):
+                if self.sums is not None and xxhash.xxh3_64_intdigest(rows[j]) != self.sums[i]:
+                    self._slab.corrupt_reads += 1
+                    raise CorruptDataError(f"host copy of {self.key!r}: page checksum mismatch")
+                yield run[j:j + 1]
+                i += 1
 
     def copy_to(self, dst_view: torch.Tensor, dst_ids: Sequence[int], *, check: bool = True) -> None:
         """Copy the verified pages into rows ``dst_ids`` of a page-major view (e.g. a device
