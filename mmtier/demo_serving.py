@@ -126,6 +126,8 @@ def app_config(spec: ServingDemoSpec, disk_dir: str) -> tuple[dict, str, str]:
     for conn in ("kv_transfer_config", "ec_transfer_config"):
         plain["engine_kwargs"].pop(conn, None)
     args["llm_configs"] = [llm, plain]
+    media = ingress.setdefault("media", {})
+    media[f"{model}-plain"] = list(media.get(model, ["image"]))
     return doc, model, f"{model}-plain"
 
 
