@@ -105,9 +105,9 @@ class ChatModel:
             model.model.encoder.register_forward_hook(lambda *_a, runs=runs: runs.update(("audio",)))
 
     @classmethod
-    def tiny(cls, seed: int = 0, config_dir: Path | str = CONFIG_DIR) -> ChatModel:
-        """The demo's models: random weights (seeded) from ``configs/demo-qwen2-vl.json`` and
-        ``configs/demo-whisper.json``; no download."""
+    def tiny(cls, seed: int = 0, config_dir: Path | str = CONFIG_DIR, device: str = "cpu") -> ChatModel:
+        """The demo's models: random weights (seeded, made on the CPU, then moved to ``device``)
+        from ``configs/demo-qwen2-vl.json`` and ``configs/demo-whisper.json``; no download."""
         from transformers import (
             Qwen2VLConfig,
             Qwen2VLForConditionalGeneration,
@@ -120,8 +120,8 @@ class ChatModel:
         wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
         chunk = wcfg.pop("chunk_length_s")
         torch.manual_seed(seed)
-        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg))
-        whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg))
+        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg)).to(device)
+        whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg)).to(device)
         images = _image_processor(vlm.config)
         return cls(vlm, whisper, images, _feature_extractor(whisper.config, chunk),
                    video_processor=video_processor_from(None, images, video),

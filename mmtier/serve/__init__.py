@@ -20,9 +20,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "build_app": "app", "TurnIngress": "app", "ServeAppConfig": "config", "TurnWorker": "worker",
+    "build_app": "app", "ChatIngress": "app", "ServeAppConfig": "config", "TurnWorker": "worker",
     "NodeCache": "node_cache", "Router": "routing", "pin_targets": "routing",
-    "HTTPError": "protocol", "parse_turn": "protocol",
+    "HTTPError": "protocol", "parse_chat": "protocol",
 }
 
 __all__ = sorted(_EXPORTS)
