@@ -43,9 +43,13 @@ from .protocol import TYPE_OF
 MARKERS = 2               # vision start / end, audio start / end around a media item's tokens
 
 
-@lru_cache(maxsize=2)
 def load_chat(model: ModelArgs, device: str = "cpu"):
     """The ``ChatModel`` of ``model`` on ``device`` (cached per process: the driver, a worker)."""
+    return _load_chat(model, device)
+
+
+@lru_cache(maxsize=2)
+def _load_chat(model: ModelArgs, device: str):
     from ..integrations.chat import ChatModel
 
     if model.path is None:
