@@ -5,7 +5,6 @@ MP4 / WebM / QuickTime bytes encoded here by PyAV."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from mmtier.serve.config import Limits, ServeAppConfig  # noqa: E402
 from mmtier.serve.media import TooLargeMedia, check_image, check_video, check_wav  # noqa: E402
 from mmtier.serve.protocol import HTTPError, parse_chat  # noqa: E402
 
-from .media_samples import float_wav, image, video, wav  # noqa: E402
+from .media_samples import float_wav, image, part, video, wav  # noqa: E402
 
 LIMITS = Limits(max_media_bytes=64 << 10, max_image_pixels=64 * 64, max_audio_seconds=2.0,
                 max_video_seconds=3.0, max_video_frames=20, max_video_pixels=48 * 48)
@@ -103,24 +102,6 @@ def test_bad_videos_are_typed(case):
 
 
 MODEL = "mmtier-chat"
-DEFAULT_TYPE = {"image": "image/png", "video": "video/mp4"}
-FORMATS = {"audio/wav": "wav", "audio/mpeg": "mp3"}
-
-
-def part(item) -> dict:
-    """An OpenAI content part: text, or ``(kind, bytes[, extra])``; ``extra``: ``media_type``
-    (the data URL's type; an audio clip's ``format``) or other keys, put in the part as given."""
-    if isinstance(item, str):
-        return {"type": "text", "text": item}
-    kind, data, extra = item[0], item[1], dict(item[2]) if len(item) > 2 else {}
-    b64 = base64.b64encode(data).decode()
-    declared = extra.pop("media_type", None)
-    if kind == "audio":
-        return {"type": "input_audio", "input_audio": {"data": b64, "format": FORMATS.get(declared, "wav"), **extra}}
-    field = f"{kind}_url"
-    return {"type": field, field: {"url": f"data:{declared or DEFAULT_TYPE[kind]};base64,{b64}", **extra}}
-
-
 def _body(*items, history=(), **fields) -> bytes:
     messages = []
     for turn, answer in history:
