@@ -239,7 +239,7 @@ class Conversation:
         if said is not None:
             return said, [ids_key], True, 0
         start = self.chat.whisper.config.decoder_start_token_id
-        r = self._whisper.generate(torch.tensor([[start]]), [Media(data, features)],
+        r = self._whisper.generate(torch.tensor([[start]], device=self.chat.whisper.device), [Media(data, features)],
                                    max_new_tokens=self.chat.transcript_tokens, suppress_tokens=list(SPECIAL))
         said = r.sequences[0, 1:].tolist()
         if said:
@@ -273,7 +273,8 @@ class Conversation:
         ids = self.ids + new
         all_images, all_videos = self.images + images, self.videos + videos
         positions, deltas = _positions(vlm, ids, all_images, all_videos)
-        prompt = torch.tensor([ids])
+        positions, deltas = positions.to(vlm.device), deltas.to(vlm.device)
+        prompt = torch.tensor([ids], device=vlm.device)
         with cache_for(vlm, cache, tenant=self.tenant) as past:
             rows = past.rows
             rows.ensure(1)
@@ -319,7 +320,9 @@ class Conversation:
             return self.cache.get_embedding(key)
         inputs = image.inputs
         with torch.no_grad():
-            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+            device = self.chat.vlm.device
+            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"].to(device),
+                                                       inputs["image_grid_thw"].to(device)).pooler_output[0]
         try:
             self.cache.put_embedding(key, x)
         except CapacityError:           # no room for it now: used this once, computed again later
@@ -342,8 +345,8 @@ class Conversation:
             parts = [spans[i].video.segment_inputs(*spans[i].part) for i in todo]
             with torch.no_grad():
                 made = self.chat.vlm.model.get_video_features(
-                    torch.cat([p["pixel_values_videos"] for p in parts]),
-                    torch.cat([p["video_grid_thw"] for p in parts])).pooler_output
+                    torch.cat([p["pixel_values_videos"] for p in parts]).to(self.chat.vlm.device),
+                    torch.cat([p["video_grid_thw"] for p in parts]).to(self.chat.vlm.device)).pooler_output
             for i, x in zip(todo, made):
                 out[i] = x
                 try:
@@ -370,7 +373,7 @@ class Conversation:
             outputs["video"] = BaseModelOutputWithPooling(pooler_output=tuple(self._videos(videos)))
         extra = {"mm_encoder_outputs": outputs} if outputs else {}
         with torch.no_grad():
-            self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
+            self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long, device=prompt.device),
                           position_ids=positions[..., start:end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
 
