@@ -121,12 +121,13 @@ class Conversation:
         if self._history:
             h = replay(self.cache, self.tenant, self._root, self._history, _prompt_without_audio)
             whole = h.turns == len(self._history)
-            for kind, x in (r for turn, _answer in self._history for r in turn):
-                if kind == "audio":
-                    fallbacks[self._transcript_key(x[0])] = [self._audio_key(x[0])]
+            # the history's clips: their transcripts (no fallback: a transcript found nowhere is
+            # rare, and its Whisper run is then local; asking for it would cost a lookup always)
+            clips = [self._transcript_key(x[0]) for turn, _answer in self._history for kind, x in turn
+                     if kind == "audio"]
         else:
-            h, whole = History(self.ids, self.spans, self.images, self.videos), True
-        keys = [s.key for s in h.spans] + list(fallbacks)
+            h, whole, clips = History(self.ids, self.spans, self.images, self.videos), True, []
+        keys = [s.key for s in h.spans] + clips
         if whole:
             new: list[int] = []
             images: list[ImageItem] = []
