@@ -33,7 +33,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
 from ..errors import CapacityError, MMTierError, ShapeError
-from .chat_history import History, NeedsTranscript, chain, replay, root_key, tail
+from .chat_history import History, chain, prompt_without_audio, replay, root_key, tail
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
@@ -119,7 +119,7 @@ class Conversation:
         read = [self._read(x) for x in _listed(items)]
         fallbacks: dict[ContentKey, list[ContentKey]] = {}
         if self._history:
-            h = replay(self.cache, self.tenant, self._root, self._history, _prompt_without_audio)
+            h = replay(self.cache, self.tenant, self._root, self._history, prompt_without_audio)
             whole = h.turns == len(self._history)
             # the history's clips: their transcripts (no fallback: a transcript found nowhere is
             # rare, and its Whisper run is then local; asking for it would cost a lookup always)
@@ -392,22 +392,6 @@ class _Clips:
 
 def _listed(items) -> list:
     return list(items) if not isinstance(items, str | bytes) else [items]
-
-
-def _prompt_without_audio(read) -> tuple[list[int], list[ImageItem], list[VideoItem]]:
-    """A history turn's prompt where no clip needs a transcript (else ``NeedsTranscript``)."""
-    new: list[int] = []
-    images: list[ImageItem] = []
-    videos: list[VideoItem] = []
-    for kind, x in read:
-        if kind == "audio":
-            raise NeedsTranscript
-        if kind == "text":
-            new += text_ids(x)
-        else:
-            (images if kind == "image" else videos).append(x)
-            new += visual_tokens(x)
-    return new, images, videos
 
 
 __all__ = ["Conversation", "TurnCounters", "TurnResult", "transcript_key"]

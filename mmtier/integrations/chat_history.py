@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from ..content import ContentKey
 from ..errors import ShapeError
-from .chat_media import ImageItem, VideoItem
-from .chat_spans import Span, cut, span_key
+from .chat_media import ImageItem, VideoItem, text_ids
+from .chat_spans import Span, cut, span_key, visual_tokens
 
 
 def root_key(cache, tenant: str | None) -> ContentKey:
@@ -100,3 +100,21 @@ def replay(cache, tenant, root: ContentKey, turns: Sequence[tuple[Sequence, Sequ
             break
         h.extend(cache, tenant, root, prompt, images, videos, list(answer))
     return h
+
+
+def prompt_without_audio(read) -> tuple[list[int], list[ImageItem], list[VideoItem]]:
+    """A turn's prompt tokens, images and videos from its read items (``("text", str)``,
+    ``("image", ImageItem)``, ``("video", VideoItem)``), where no clip needs a transcript: a
+    clip raises ``NeedsTranscript``."""
+    new: list[int] = []
+    images: list[ImageItem] = []
+    videos: list[VideoItem] = []
+    for kind, x in read:
+        if kind == "audio":
+            raise NeedsTranscript
+        if kind == "text":
+            new += text_ids(x)
+        else:
+            (images if kind == "image" else videos).append(x)
+            new += visual_tokens(x)
+    return new, images, videos

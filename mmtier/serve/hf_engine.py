@@ -118,22 +118,17 @@ class HFFrontend:
         return [image_features_key(cache, tenant, item)]
 
     def prefix_keys(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item]) -> list[ContentKey]:
-        from ..integrations.chat_history import NeedsTranscript, chain, replay, root_key
+        from ..integrations.chat_history import (
+            NeedsTranscript,
+            chain,
+            prompt_without_audio,
+            replay,
+            root_key,
+        )
         from ..integrations.chat_media import text_ids
-        from ..integrations.chat_spans import visual_tokens
 
         def tokens(turn):
-            new, images, videos = [], [], []
-            for kind, data in turn:
-                if kind == "audio":
-                    raise NeedsTranscript
-                if kind == "text":
-                    new += text_ids(data)
-                else:
-                    item = self._read(kind, data)
-                    (images if kind == "image" else videos).append(item)
-                    new += visual_tokens(item)
-            return new, images, videos
+            return prompt_without_audio([(k, d if k in ("text", "audio") else self._read(k, d)) for k, d in turn])
 
         root = root_key(cache, tenant)
         turns = [(turn, text_ids(answer)) for turn, answer in history]
@@ -142,8 +137,8 @@ class HFFrontend:
         if h.turns == len(turns):
             try:
                 new, images, videos = tokens(items)
-            except NeedsTranscript:
-                return keys
+            except NeedsTranscript:          # the turn's spans up to its first clip
+                new, images, videos = tokens(items[:next(i for i, (k, _d) in enumerate(items) if k == "audio")])
             keys += [s.key for s in chain(cache, tenant, h.ids + new, h.start(), images, videos,
                                           h.parent(root))[0]]
         return keys
