@@ -168,8 +168,10 @@ def _serve_llm_start_config(app: dict, path: Path):
 @click.option("--allow-default-secret", is_flag=True,
               help="Local / development only: run with the public default key secret.")
 def start(config: Path, address: str, allow_default_secret: bool) -> None:
-    """Start mmtier on a running Ray cluster: registry, a pool per GPU (per node without one),
-    a store per node. Idempotent: run it again after nodes join. The key secret comes from
+    """Start mmtier on a running Ray cluster: registry, a store per node, a CPU pool on each node
+    without a GPU. A GPU is left to the engine that runs there and holds its pool (the serving
+    layout, cluster.gpu_pools: engines); cluster.gpu_pools: actors gives each GPU a model-less
+    pool actor instead. Idempotent: run it again after nodes join. The key secret comes from
     MMTIER_KEY_SECRET (a preset) or the Serve config's cache.key_secret_env."""
     from . import actors
     from .errors import ConfigError
@@ -183,7 +185,8 @@ def start(config: Path, address: str, allow_default_secret: bool) -> None:
         report = actors.start(cfg, settings)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"mmtier on {len(report.nodes)} node(s), namespace {settings.namespace!r}, model {cfg.model}")
+    click.echo(f"mmtier on {len(report.nodes)} node(s), namespace {settings.namespace!r}, model {cfg.model}, "
+               f"GPU pools held by {settings.gpu_pools}")
     rows = [(n, "created") for n in report.created] + [(n, "existing") for n in report.existing]
     click.echo(_table(("actor", "state"), sorted(rows, key=lambda r: r[0])))
 

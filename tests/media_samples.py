@@ -1,8 +1,10 @@
 """Real media bytes for the Serve tests, made here (seeded): PNG / JPEG by Pillow, WAV (16-bit
-PCM) by the stdlib ``wave``, and the bad kinds the app must refuse."""
+PCM) by the stdlib ``wave``, and the bad kinds the app must refuse; ``part``: an item as an
+OpenAI chat content part."""
 
 from __future__ import annotations
 
+import base64
 import io
 import struct
 import wave
@@ -67,3 +69,21 @@ def video(seed: int, frames: int = 8, size: tuple[int, int] = (32, 24), fps: int
         for packet in stream.encode():
             container.mux(packet)
     return out.getvalue()
+
+
+DEFAULT_TYPE = {"image": "image/png", "video": "video/mp4"}
+FORMATS = {"audio/wav": "wav", "audio/mpeg": "mp3"}
+
+
+def part(item) -> dict:
+    """An OpenAI content part: text, or ``(kind, bytes[, extra])``; ``extra``: ``media_type``
+    (the data URL's type; an audio clip's ``format``) or other keys, put in the part as given."""
+    if isinstance(item, str):
+        return {"type": "text", "text": item}
+    kind, data, extra = item[0], item[1], dict(item[2]) if len(item) > 2 else {}
+    b64 = base64.b64encode(data).decode()
+    declared = extra.pop("media_type", None)
+    if kind == "audio":
+        return {"type": "input_audio", "input_audio": {"data": b64, "format": FORMATS.get(declared, "wav"), **extra}}
+    field = f"{kind}_url"
+    return {"type": field, field: {"url": f"data:{declared or DEFAULT_TYPE[kind]};base64,{b64}", **extra}}

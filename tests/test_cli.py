@@ -142,3 +142,32 @@ def test_demo_quick_end_to_end(tmp_path):
     assert report["video_encoder_runs"] < report["video_encoder_runs_dense"] and "video" in out
     assert all(not isinstance(v, (dict, list)) for v in report.values())   # flat, like the benchmarks
     assert (tmp_path / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.ray
+def test_start_leaves_a_gpu_node_s_gpu_to_its_engine(tmp_path):
+    """``mmtier start`` on a fresh local Ray whose one node declares a GPU (a resource Ray
+    schedules by; no device is touched): the registry and the node's store, no model-less pool
+    actor, and the GPU still free for the engine that will hold its pool (the old start gave it
+    to a ``PagePoolActor``, so a Serve worker asking ``num_gpus=1`` could not be scheduled)."""
+    ray = pytest.importorskip("ray")
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text((ROOT / "configs" / "tiny-mm.yaml").read_text()
+                   + "\ncluster:\n  namespace: mmtier-gpu-layout\n  start_timeout_s: 120\n")
+    ray.init(address="local", num_cpus=1, num_gpus=1, include_dashboard=False, log_to_driver=False,
+             namespace="mmtier-gpu-layout")
+    try:
+        result = CliRunner().invoke(main, ["start", "--config", str(cfg), "--allow-default-secret"])
+        assert result.exit_code == 0, result.output
+        assert "GPU pools held by engines" in result.output
+        names = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "mmtier-gpu-layout"}
+        assert "mmtier-registry" in names and any(n.startswith("mmtier-store") for n in names), names
+        assert not any(n.startswith("mmtier-pool") for n in names), names
+        assert ray.available_resources().get("GPU") == 1.0
+    finally:
+        from mmtier.actors import shutdown
+        from mmtier.actors.settings import ClusterSettings
+
+        shutdown(ClusterSettings(namespace="mmtier-gpu-layout"))
+        ray.shutdown()

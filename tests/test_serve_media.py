@@ -1,10 +1,10 @@
-"""The Serve app's request side without Ray: media checks (Pillow, PyAV, ``wave``), the
-protocol's status codes for bad media, and the ``model`` section of its config. Videos are real
+"""The Serve app's request side without Ray: media checks (Pillow, PyAV, ``wave``), the OpenAI
+chat request's parsing (messages as turns, data URLs, ``input_audio``) and its OpenAI-shaped
+errors for bad bodies and bad media, and the ``model`` section of its config. Videos are real
 MP4 / WebM / QuickTime bytes encoded here by PyAV."""
 
 from __future__ import annotations
 
-import base64
 import json
 from pathlib import Path
 
@@ -15,9 +15,9 @@ pytest.importorskip("PIL", reason="the hf extra (Pillow) is not installed")
 from mmtier.errors import BadMediaError, ConfigError  # noqa: E402
 from mmtier.serve.config import Limits, ServeAppConfig  # noqa: E402
 from mmtier.serve.media import TooLargeMedia, check_image, check_video, check_wav  # noqa: E402
-from mmtier.serve.protocol import HTTPError, parse_turn  # noqa: E402
+from mmtier.serve.protocol import HTTPError, parse_chat  # noqa: E402
 
-from .media_samples import float_wav, image, video, wav  # noqa: E402
+from .media_samples import float_wav, image, part, video, wav  # noqa: E402
 
 LIMITS = Limits(max_media_bytes=64 << 10, max_image_pixels=64 * 64, max_audio_seconds=2.0,
                 max_video_seconds=3.0, max_video_frames=20, max_video_pixels=48 * 48)
@@ -101,26 +101,100 @@ def test_bad_videos_are_typed(case):
     assert err.value.unsupported is unsupported and str(err.value)
 
 
-def _body(*items) -> bytes:
-    content = [{"type": "text", "text": i} if isinstance(i, str)
-               else {"type": i[0], "data": base64.b64encode(i[1]).decode(), **(i[2] if len(i) > 2 else {})}
-               for i in items]
-    return json.dumps({"content": content, "max_new_tokens": 2}).encode()
+MODEL = "mmtier-chat"
+def _body(*items, history=(), **fields) -> bytes:
+    messages = []
+    for turn, answer in history:
+        messages += [{"role": "user", "content": [part(i) for i in turn]}, {"role": "assistant", "content": answer}]
+    messages.append({"role": "user", "content": [part(i) for i in items]})
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 2, **fields}).encode()
 
 
-def test_parse_turn_decodes_media_once_and_counts_their_tokens():
+def test_parse_chat_decodes_media_once_and_counts_their_tokens():
     png, clip = image(7, (32, 16)), wav(7, 0.5)
     seen = []
-    turn = parse_turn(_body("look ", ("image", png, {"media_type": "image/png"}), ("audio", clip),
+    chat = parse_chat(_body("look ", ("image", png, {"media_type": "image/png"}), ("audio", clip),
                             ("video", MP4, {"media_type": "video/mp4"})),
-                      LIMITS, lambda item: seen.append(item.type) or 10)
-    assert [m.info.media_type for m in turn.media] == ["image/png", "audio/wav", "video/mp4"]
-    assert turn.media[0].info.width == 32 and turn.media[1].info.frames == 8000 and turn.media[2].info.header.frames == 8
-    assert seen == ["image", "audio", "video"]
+                      LIMITS, MODEL, lambda item: seen.append(item.type) or 10)
+    assert [m.info.media_type for m in chat.media] == ["image/png", "audio/wav", "video/mp4"]
+    assert chat.media[0].info.width == 32 and chat.media[1].info.frames == 8000 and chat.media[2].info.header.frames == 8
+    assert seen == ["image", "audio", "video"] and chat.max_new_tokens == 2 and not chat.stream
     with pytest.raises(HTTPError) as err:                 # 5 + 2 + 10 + 10 tokens over a limit of 20
-        parse_turn(_body("look ", ("image", png), ("audio", clip)),
-                   Limits(**{**LIMITS.model_dump(), "max_turn_tokens": 20}), lambda item: 10)
+        parse_chat(_body("look ", ("image", png), ("audio", clip)),
+                   Limits(**{**LIMITS.model_dump(), "max_request_tokens": 20}), MODEL, lambda item: 10)
+    assert (err.value.status, err.value.code) == (413, "too_large")
+
+
+def test_parse_chat_takes_the_whole_conversation():
+    """System text opens the first turn; consecutive user messages are one turn; each earlier
+    turn keeps its answer's text; the history's media are decoded and counted too (its text and
+    answers count toward the request's tokens)."""
+    png = image(9, (32, 16))
+    body = json.dumps({"model": MODEL, "stream": True, "stream_options": {"include_usage": True}, "messages": [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": [part("see "), part(("image", png))]},
+        {"role": "user", "content": "now"},
+        {"role": "assistant", "content": [{"type": "text", "text": "it is "}, {"type": "text", "text": "red"}]},
+        {"role": "user", "content": "and?"}]}).encode()
+    chat = parse_chat(body, LIMITS, MODEL, lambda item: 7)
+    (turn, answer), = chat.history
+    assert [getattr(i, "text", None) for i in turn] == ["Be brief. ", "see ", None, "now"] and answer == "it is red"
+    assert [i.text for i in chat.content] == ["and?"] and [m.type for m in chat.media] == ["image"]
+    assert chat.stream and chat.include_usage and chat.max_new_tokens == LIMITS.default_new_tokens
+    small = Limits(**{**LIMITS.model_dump(), "max_request_tokens": 10 + 4 + 7 + 3 + 9 + 4 + LIMITS.default_new_tokens})
+    parse_chat(body, small, MODEL, lambda item: 7)            # exactly at the limit
+    with pytest.raises(HTTPError) as err:
+        parse_chat(body, Limits(**{**small.model_dump(), "max_request_tokens": small.max_request_tokens - 1}),
+                   MODEL, lambda item: 7)
     assert err.value.status == 413
+
+
+def _messages(*messages, **fields) -> bytes:
+    return json.dumps({"model": MODEL, "messages": list(messages), **fields}).encode()
+
+
+USER = {"role": "user", "content": "hi"}
+BAD_BODIES = {
+    "no_model": (json.dumps({"messages": [USER]}).encode(), 400, "bad_request", "model"),
+    "other_model": (json.dumps({"model": "gpt-4o", "messages": [USER]}).encode(), 404, "model_not_found", "model"),
+    "no_messages": (_messages(), 400, "bad_request", "messages"),
+    "ends_with_assistant": (_messages(USER, {"role": "assistant", "content": "yo"}), 400, "bad_request", "messages"),
+    "assistant_first": (_messages({"role": "assistant", "content": "yo"}, USER), 400, "bad_request", "messages[0]"),
+    "empty_answer": (_messages(USER, {"role": "assistant", "content": ""}, USER), 400, "bad_request",
+                     "messages[1].content"),
+    "tool_role": (_messages(USER, {"role": "tool", "content": "x"}), 400, "bad_request", "messages[1]"),
+    "late_system": (_messages(USER, {"role": "system", "content": "x"}), 400, "bad_request", "messages[1]"),
+    "image_in_answer": (_messages(USER, {"role": "assistant", "content": [part(("image", image(1)))]}, USER),
+                        400, "unknown_content_type", "messages[1].content[0]"),
+    "http_url": (_messages({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}), 400, "unsupported_url",
+        "messages[0].content[0]"),
+    "gif_url": (_messages({"role": "user", "content": [part(("image", image(1), {"media_type": "image/gif"}))]}),
+                415, "unsupported_media_type", "messages[0].content[0]"),
+    "not_base64_url": (_messages({"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png,abc"}}]}), 400, "bad_base64",
+        "messages[0].content[0]"),
+    "temperature": (_messages(USER, temperature=0.7), 400, "bad_request", "temperature"),
+    "n": (_messages(USER, n=2), 400, "bad_request", "n"),
+    "tools": (_messages(USER, tools=[]), 400, "bad_request", "tools"),
+    "tenant": (_messages(USER, tenant="globex"), 400, "tenant_in_body", "tenant"),
+    "zero_tokens": (_messages(USER, max_tokens=0), 400, "bad_request", "max_tokens"),
+    "both_limits": (_messages(USER, max_tokens=2, max_completion_tokens=2), 400, "bad_request", "max_tokens"),
+    "stream_options_alone": (_messages(USER, stream_options={"include_usage": True}), 400, "bad_request",
+                             "stream_options"),
+    "stream_not_bool": (_messages(USER, stream="yes"), 400, "bad_request", "stream"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_BODIES))
+def test_bad_chat_bodies_are_openai_errors(case):
+    body, status, code, param = BAD_BODIES[case]
+    with pytest.raises(HTTPError) as err:
+        parse_chat(body, LIMITS, MODEL, lambda i: 1)
+    assert (err.value.status, err.value.code, err.value.param) == (status, code, param), err.value.message
+    shaped = err.value.body()["error"]
+    assert set(shaped) == {"message", "type", "param", "code"} and shaped["message"]
+    assert shaped["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
 
 
 @pytest.mark.parametrize("item,status,kind", [
@@ -129,7 +203,7 @@ def test_parse_turn_decodes_media_once_and_counts_their_tokens():
     (("image", image(8, (65, 64))), 413, "too_large"),
     (("image", image(8), {"media_type": "image/gif"}), 415, "unsupported_media_type"),
     (("image", image(8), {"media_type": "image/jpeg"}), 415, "unsupported_media_type"),   # bytes are PNG
-    (("image", image(8), {"mime": "image/png"}), 400, "bad_request"),
+    (("image", image(8), {"mime": "image/png"}), 400, "bad_request"),         # a field image_url lacks
     (("audio", float_wav()), 415, "unsupported_media_type"),
     (("audio", wav(8, 0.5)[:-7]), 400, "bad_media"),
     (("audio", wav(8, 2.5)), 413, "too_large"),
@@ -146,9 +220,12 @@ def test_parse_turn_decodes_media_once_and_counts_their_tokens():
 ])
 def test_bad_media_answers(item, status, kind):
     with pytest.raises(HTTPError) as err:
-        parse_turn(_body("x", item), LIMITS, lambda i: 1)
-    assert (err.value.status, err.value.kind) == (status, kind), err.value.message
-    assert "content[1]" in err.value.message
+        parse_chat(_body("x", item), LIMITS, MODEL, lambda i: 1)
+    assert (err.value.status, err.value.code) == (status, kind), err.value.message
+    assert err.value.param == "messages[0].content[1]" and "messages[0].content[1]" in err.value.message
+    with pytest.raises(HTTPError) as err:                   # the same item in the history
+        parse_chat(_body("x", history=[(["y", item], "ok")]), LIMITS, MODEL, lambda i: 1)
+    assert (err.value.status, err.value.code, err.value.param) == (status, kind, "messages[0].content[1]")
 
 
 def _weights_dir(tmp_path: Path, config: bool = True, weights: bool = True) -> Path:
@@ -194,7 +271,7 @@ def test_model_path_resolves_to_an_absolute_directory(tmp_path, monkeypatch):
     assert err.value.fields == ("model.kind",)
 
 
-def test_router_fails_a_new_conversation_over_to_another_node():
+def test_router_fails_a_request_over_to_another_node():
     from mmtier.serve.routing import Router
 
     router = Router(["a", "b", "c"])
@@ -213,8 +290,8 @@ def test_a_model_that_takes_no_video_answers_415_and_the_hf_frontend_counts_vide
 
     reference = ReferenceEngine(0)
     with pytest.raises(HTTPError) as err:
-        parse_turn(_body("x", ("video", MP4)), LIMITS, lambda item: reference.media_tokens(item.type, item.data))
-    assert (err.value.status, err.value.kind) == (415, "unsupported_media_type")
+        parse_chat(_body("x", ("video", MP4)), LIMITS, MODEL, lambda item: reference.media_tokens(item.type, item.data))
+    assert (err.value.status, err.value.code) == (415, "unsupported_media_type")
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     frontend = HFFrontend.load(ServeAppConfig.parse({}).model)
     clip = video(5, frames=16, size=(112, 112), fps=4)          # 4 s: 8 frames, 4 temporal patches
@@ -225,3 +302,49 @@ def test_a_model_that_takes_no_video_answers_415_and_the_hf_frontend_counts_vide
             return (modality, kw["params"]["segment"])
 
     assert frontend.routing_keys(Keys(), "acme", "video", clip) == [("video_embed", "0-2/4"), ("video_embed", "2-4/4")]
+
+
+def test_streamed_pieces_join_to_the_answer_and_cut_at_whole_characters():
+    """The SSE deltas of an answer: one per token that completes a character (a character of
+    several UTF-8 bytes goes out with its last byte), joined: the whole text."""
+    import random
+
+    from mmtier.integrations.chat_media import ids_text, text_ids
+    from mmtier.serve.completions import chunks, pieces
+
+    for seed in range(200):
+        rng = random.Random(seed)
+        ids = [rng.randrange(4, 260) for _ in range(rng.randrange(1, 16))] + text_ids("\u20ac")
+        text = ids_text(ids)
+        got = pieces(text, ids)
+        assert "".join(got) == text and len(got) <= len(ids)
+        assert all(p.encode() for p in got)          # valid text: no piece splits a character
+    assert pieces("a\u20acb", text_ids("a\u20acb")) == ["a", "\u20ac", "b"]
+    answer = {"tokens": text_ids("a\u20ac"), "text": "a\u20ac", "prompt_tokens": 9, "cached_tokens": 4}
+    lines = list(chunks("chatcmpl-x", MODEL, answer, 4, True, {"node": "n"}))
+    assert lines[-1] == b"data: [DONE]\n\n"
+    events = [json.loads(line[len(b"data: "):]) for line in lines[:-1]]
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"]) == "a\u20ac"
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == {
+        "prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13, "prompt_tokens_details": {"cached_tokens": 4}}
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-2]["mmtier"] == {"node": "n"}
+
+
+def test_mmtier_start_leaves_a_gpu_to_its_engine_unless_told_otherwise():
+    """The serving layout (``gpu_pools: engines``, the default) puts no model-less pool on a GPU
+    node (the engine that runs there holds its pool); ``actors`` gives each GPU a pool actor;
+    a node without a GPU gets a CPU pool either way."""
+    from mmtier.actors.launch import device_pools
+    from mmtier.actors.settings import ClusterSettings
+
+    gpu_node = {"NodeID": "n1", "Resources": {"CPU": 8.0, "GPU": 2.0}}
+    cpu_node = {"NodeID": "n2", "Resources": {"CPU": 8.0}}
+    serving = ClusterSettings()
+    assert serving.gpu_pools == "engines" and device_pools(gpu_node, serving) == []
+    assert device_pools(cpu_node, serving) == [("mmtier-pool:n2:cpu0", "cpu", {})]
+    actors = ClusterSettings(gpu_pools="actors")
+    assert [(n, d, r) for n, d, r in device_pools(gpu_node, actors)] == [
+        ("mmtier-pool:n1:gpu0", "cuda", {"num_gpus": 1}), ("mmtier-pool:n1:gpu1", "cuda", {"num_gpus": 1})]
+    assert device_pools(cpu_node, actors) == device_pools(cpu_node, serving)
+    with pytest.raises(ValueError):
+        ClusterSettings(gpu_pools="both")

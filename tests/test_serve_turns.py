@@ -1,15 +1,16 @@
-"""The Serve worker's turns without Ray: ``TurnRunner`` (what ``TurnWorker`` runs its turns
-through) with the real chat model over a real pool (``PoolService``, in this process), driven
-into its 503 answers for real: a pool with no room for a turn (``capacity``), two turns for one
-worker at once (``busy``: the chat model takes one turn at a time), and a holder gone mid-turn
-(``holder_lost``: the worker's ``HostedCache`` over an in-process cluster, a real
-``ContentRegistry`` and holder ``PoolService``s reached by direct calls instead of Ray, as in
-``test_hosted_remote.py``).
+"""The Serve worker's requests without Ray: ``TurnRunner`` (what ``TurnWorker`` answers its
+requests through) with the real chat model over a real pool (``PoolService``, in this process),
+driven into its 503 answers for real: a pool with no room for a request (``capacity``), two
+requests for one worker at once (``busy``: the chat model takes one at a time), and a holder
+gone mid-request (``holder_lost``: the worker's ``HostedCache`` over an in-process cluster, a
+real ``ContentRegistry`` and holder ``PoolService``s reached by direct calls instead of Ray, as
+in ``test_hosted_remote.py``).
 
-After each 503: the JSON error, the pool with no sequence, lease or unowned page left behind
-(``leak_report``), no conversation left open that nobody knows of, and the conversation's
-history as it was: its next turn that fits is its next turn number and equals the dense
-reference (``dense_chat``) of the turns that succeeded.
+Requests are stateless: each carries its conversation's earlier turns and their answers' text.
+After each 503: the OpenAI-shaped error, the pool with no sequence, lease or unowned page left
+behind (``leak_report``), and the conversation's cached history as it was: its next request that
+fits attaches that history and equals the dense reference (``dense_chat``) of the turns that
+succeeded.
 """
 
 from __future__ import annotations
@@ -65,55 +66,52 @@ def assert_no_leak(svc: PoolService) -> None:
     assert report["used_pages"] == report["cached_pages"], report
 
 
-def assert_503(status: int, body: dict, kind: str, *words: str) -> None:
+def assert_503(status: int, body: dict, code: str, *words: str) -> None:
     assert status == 503, body
     err = body["error"]
-    assert (err["status"], err["type"]) == (503, kind) and set(body) == {"error"}, body
+    assert (err["type"], err["code"]) == ("service_unavailable_error", code) and set(body) == {"error"}, body
+    assert set(err) == {"message", "type", "param", "code"}
     for w in words:
         assert w in err["message"], err["message"]
 
 
 @pytest.mark.parametrize("case", ["image_over_the_vision_pool", "text_over_the_text_pool"])
-def test_no_room_for_a_turn_is_503_capacity_and_changes_nothing(engine, pool, case):
+def test_no_room_for_a_request_is_503_capacity_and_changes_nothing(engine, pool, case):
     runner = TurnRunner(engine, pool.cache, Workers())
     t1 = [("text", "Look: "), ("image", SMALL)]
-    status, first = runner.turn("acme", None, t1, NEW)
+    status, first = runner.answer("acme", [], t1, NEW)
     assert status == 200, first
-    conv = first["conversation_id"]
+    history = [(t1, first["text"])]
     before = pool.cache.stats().tiers["device"]
     over = [("text", "and this: "), ("image", BIG)] if case.startswith("image") else [("text", "x" * 300)]
-    status, body = runner.turn("acme", conv, over, NEW)
+    status, body = runner.answer("acme", history, over, NEW)
     assert_503(status, body, "capacity", "vision pool" if case.startswith("image") else "text pool",
-               f"conversation {conv} is unchanged")
+               "send it again, or a shorter one")
     assert_no_leak(pool)
-    # what the failed turn stored is whole groups (sealed spans, the image's encoder output),
-    # never pages of its own; the conversation is still open, its history as it was
+    # what the failed request stored is whole groups (sealed spans, the image's encoder output),
+    # never pages of its own
     after = pool.cache.stats().tiers["device"]
     assert all(after[m].pages >= before[m].pages for m in before)
-    assert runner.conversations == 1
-    # a new conversation whose first turn does not fit: 503, and no conversation left open
-    status, body = runner.turn("acme", None, over, NEW)
+    status, body = runner.answer("acme", [], over, NEW)           # alone, it does not fit either
     assert_503(status, body, "capacity")
-    assert "unchanged" not in body["error"]["message"]
-    assert runner.conversations == 1
     assert_no_leak(pool)
-    # the next turn that fits is the conversation's second, as if the failed one was never sent
+    # the next request that fits finds the first turn's groups, as if the failed one was never sent
     t2 = [("text", "so?")]
-    status, second = runner.turn("acme", conv, t2, NEW)
-    assert status == 200 and second["turn"] == 2, second
+    status, second = runner.answer("acme", history, t2, NEW)
+    assert status == 200, second
+    assert second["cached_tokens"] == first["prompt_tokens"] + NEW - 1
     assert [first["tokens"], second["tokens"]] == dense(engine, t1, t2)
     assert_no_leak(pool)
 
 
-def test_two_turns_at_once_one_waits_then_503_busy_and_changes_nothing(engine, pool):
-    """Turn A holds the model (paused inside its forward by a hook on the real model); turn B
-    of another conversation, a new conversation's first turn, and a second turn of A's own
-    conversation wait ``turn_wait_s`` and get 503 ``busy``; nothing of theirs ran. A then finishes; B's conversation goes on unchanged."""
+def test_two_requests_at_once_one_waits_then_503_busy_and_changes_nothing(engine, pool):
+    """Request A holds the model (paused inside its forward by a hook on the real model);
+    requests B (another conversation's second turn) and a new one wait ``turn_wait_s`` and get
+    503 ``busy``; nothing of theirs ran. A then finishes; B sent again equals dense."""
     runner = TurnRunner(engine, pool.cache, Workers(turn_wait_s=0.2))
     ta1, tb1 = [("text", "Hello. ")], [("text", "Bonjour. ")]
-    (sa, a1), (sb, b1) = (runner.turn("acme", None, t, NEW) for t in (ta1, tb1))
+    (sa, a1), (sb, b1) = (runner.answer("acme", [], t, NEW) for t in (ta1, tb1))
     assert sa == sb == 200
-    conv_a, conv_b = a1["conversation_id"], b1["conversation_id"]
     entered, go = threading.Event(), threading.Event()
 
     def pause(_module, _args):
@@ -123,22 +121,18 @@ def test_two_turns_at_once_one_waits_then_503_busy_and_changes_nothing(engine, p
 
     hook = engine.chat.vlm.register_forward_pre_hook(pause)
     got: dict[str, tuple[int, dict]] = {}
-    ta2 = [("text", "again: "), ("image", SMALL)]
-    a = threading.Thread(target=lambda: got.setdefault("a", runner.turn("acme", conv_a, ta2, NEW)))
+    ta2, tb2 = [("text", "again: "), ("image", SMALL)], [("text", "and you?")]
+    a = threading.Thread(target=lambda: got.setdefault("a", runner.answer("acme", [(ta1, a1["text"])], ta2, NEW)))
     try:
         a.start()
         assert entered.wait(timeout=60)                  # A is inside the model
         encoder_runs = dict(engine.chat.encoder_runs)
-        status, body = runner.turn("acme", conv_b, [("text", "and you?")], NEW)
-        assert_503(status, body, "busy", "0.2 s", f"conversation {conv_b} is unchanged")
-        status, body = runner.turn("globex", None, [("text", "hi"), ("image", BIG)], NEW)
-        assert_503(status, body, "busy")
-        assert runner.conversations == 2                 # the new one was not left open
-        t0 = time.monotonic()                            # A's own conversation: bounded too
-        status, body = runner.turn("acme", conv_a, [("text", "meanwhile?")], NEW)
-        assert_503(status, body, "busy", f"another turn of conversation {conv_a}",
-                   f"conversation {conv_a} is unchanged")
+        t0 = time.monotonic()
+        status, body = runner.answer("acme", [(tb1, b1["text"])], tb2, NEW)
+        assert_503(status, body, "busy", "0.2 s", "nothing of it is kept: send it again")
         assert time.monotonic() - t0 < 30
+        status, body = runner.answer("globex", [], [("text", "hi"), ("image", BIG)], NEW)
+        assert_503(status, body, "busy")
         assert dict(engine.chat.encoder_runs) == encoder_runs      # nothing of theirs ran
     finally:
         go.set()
@@ -146,19 +140,18 @@ def test_two_turns_at_once_one_waits_then_503_busy_and_changes_nothing(engine, p
         hook.remove()
     assert not a.is_alive()
     status, a2 = got["a"]
-    assert status == 200 and a2["turn"] == 2, a2
-    tb2 = [("text", "and you?")]
-    status, b2 = runner.turn("acme", conv_b, tb2, NEW)
-    assert status == 200 and b2["turn"] == 2, b2
+    assert status == 200, a2
+    status, b2 = runner.answer("acme", [(tb1, b1["text"])], tb2, NEW)
+    assert status == 200 and b2["cached_tokens"] == b1["prompt_tokens"] + NEW - 1, b2
     assert [a1["tokens"], a2["tokens"]] == dense(engine, ta1, ta2)
     assert [b1["tokens"], b2["tokens"]] == dense(engine, tb1, tb2)
     assert_no_leak(pool)
 
 
-def test_a_conversation_that_cannot_go_on_is_closed_after_no_room():
-    """The reference engine appends a turn's chunks as they run: a turn that found no room
-    half-way breaks its conversation (``broken``), so the 503 closes it and says so; the pool
-    keeps nothing of the sequence's, and another conversation still runs."""
+def test_the_reference_engine_with_no_room_is_503_and_keeps_nothing():
+    """The reference engine appends a request's chunks as they run: a request that finds no room
+    half-way is 503 ``capacity``; the pool keeps nothing of its sequence, and the conversation's
+    next request (its history carried) and another one still run."""
     args = ServeAppConfig.parse({"model": {"kind": "reference", "seed": 1},
                                  "cache": {"allow_default_key_secret": True}})
     engine = load_engine(args.model)
@@ -168,15 +161,15 @@ def test_a_conversation_that_cannot_go_on_is_closed_after_no_room():
     tokens = text.num_pages * text.spec.page_size                # the text pool, in tokens
     try:
         runner = TurnRunner(engine, svc.cache, Workers())
-        status, first = runner.turn("acme", None, [("text", "hello")], NEW)
+        status, first = runner.answer("acme", [], [("text", "hello")], NEW)
         assert status == 200, first
-        conv = first["conversation_id"]
-        status, body = runner.turn("acme", conv, [("text", "y" * 200)] * (tokens // 200 + 1), NEW)
-        assert_503(status, body, "capacity", "the conversation is closed")
-        assert runner.conversations == 0
-        assert runner.turn("acme", conv, [("text", "hi")], NEW)[0] == 404
+        history = [([("text", "hello")], first["text"])]
+        status, body = runner.answer("acme", history, [("text", "y" * 200)] * (tokens // 200 + 1), NEW)
+        assert_503(status, body, "capacity", "send it again")
         assert_no_leak(svc)
-        assert runner.turn("acme", None, [("text", "hi")], NEW)[0] == 200
+        assert runner.answer("acme", history, [("text", "hi")], NEW)[0] == 200
+        assert runner.answer("acme", [], [("text", "hi")], NEW)[0] == 200
+        assert_no_leak(svc)
     finally:
         svc.close()
 
@@ -225,13 +218,13 @@ class InProcessCluster:
         return h
 
 
-def test_a_holder_lost_mid_turn_is_503_holder_lost_and_changes_nothing(engine):
+def test_a_holder_lost_mid_request_is_503_holder_lost_and_changes_nothing(engine):
     """A clip's Whisper cross-attention K/V (its ``audio`` group) is held by another node's pool
-    and too large for this worker's audio pool, so the turn plans to attend it where it lives.
-    That holder dies before the turn reaches it (the registry still lists it: it learns of the
-    death only at its next sweep): 503 ``holder_lost``; the worker's pool keeps nothing of the
-    turn, the conversation stays open with its history as it was, and its next turn equals the
-    dense reference of the turns that succeeded."""
+    and too large for this worker's audio pool, so the request plans to attend it where it
+    lives. That holder dies before the request reaches it (the registry still lists it: it
+    learns of the death only at its next sweep): 503 ``holder_lost``; the worker's pool keeps
+    nothing of the request, and the conversation's next request attaches its history and
+    equals the dense reference of the turns that succeeded."""
     clip = wav(33, 0.5)
     chat = engine.chat
     here = PoolService(chat.cache_config(device_bytes=16 << 20, shares={"audio": 0.1}),
@@ -242,9 +235,8 @@ def test_a_holder_lost_mid_turn_is_503_holder_lost_and_changes_nothing(engine):
     here.transport = cluster
     try:
         key = here.cache.content_key("audio", clip, tenant="acme")
-        warm = engine.open(there.cache, "acme")               # the clip's turn on the other node
-        assert warm.send([("text", "hear "), ("audio", clip)], NEW).counts["encoder_runs"] == {"audio": 1}
-        warm.close()
+        warm = engine.answer(there.cache, "acme", [], [("text", "hear "), ("audio", clip)], NEW)
+        assert warm.counts["encoder_runs"] == {"audio": 1}             # the clip on the other node
         assert there.cache.contains(key)
         registry.add(there.name, [there._item(key)], HolderInfo(there.name, "there", "pool"))
         audio = here.cache.pools["audio"]
@@ -252,19 +244,18 @@ def test_a_holder_lost_mid_turn_is_503_holder_lost_and_changes_nothing(engine):
 
         runner = TurnRunner(engine, HostedCache(here), Workers(), node="here", calls=cluster.calls)
         t1 = [("text", "Hello. ")]
-        status, first = runner.turn("acme", None, t1, NEW)
+        status, first = runner.answer("acme", [], t1, NEW)
         assert status == 200, first
-        conv = first["conversation_id"]
+        history = [(t1, first["text"])]
         del cluster.holders[there.name]                       # the holder dies
         there.close()
-        status, body = runner.turn("acme", conv, [("text", "and this: "), ("audio", clip)], NEW)
-        assert_503(status, body, "holder_lost", there.name, f"conversation {conv} is unchanged")
+        status, body = runner.answer("acme", history, [("text", "and this: "), ("audio", clip)], NEW)
+        assert_503(status, body, "holder_lost", there.name, "send it again")
         assert cluster.calls["lookup"] >= 1 and cluster.calls["attach"] == 1
         assert_no_leak(here)
-        assert runner.conversations == 1
         t2 = [("text", "so?")]
-        status, second = runner.turn("acme", conv, t2, NEW)
-        assert status == 200 and second["turn"] == 2, second
+        status, second = runner.answer("acme", history, t2, NEW)
+        assert status == 200 and second["cached_tokens"] == first["prompt_tokens"] + NEW - 1, second
         assert [first["tokens"], second["tokens"]] == dense(engine, t1, t2)
         assert_no_leak(here)
     finally:

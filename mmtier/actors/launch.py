@@ -309,8 +309,29 @@ def _nvml_free_bytes(cfg: CacheConfig) -> int:
 
 
 # ---------------------------------------------------------------------- start / shutdown
+def device_pools(node: dict, settings: ClusterSettings) -> list[tuple[str, str, dict]]:
+    """The model-less pool actors ``start`` puts on ``node`` (a ``ray.nodes()`` entry): ``(name,
+    device, Ray resource options)`` each. ``settings.gpu_pools``: ``"engines"`` (the serving
+    layout, the default) leaves every GPU to the engine that will run there and hold its pool
+    (a ``PoolHost``: the Serve app's worker, ``ChatEngine``), so a GPU node gets none;
+    ``"actors"`` gives each GPU a ``PagePoolActor`` (memory with no model in front: a
+    cache-only cluster). A node without devices gets one CPU pool; a non-GPU
+    ``device_resource`` (tests) one CPU pool per unit, claiming it."""
+    node_id = node["NodeID"]
+    units = int(node.get("Resources", {}).get(settings.device_resource, 0))
+    if settings.device_resource == "GPU":
+        if units and settings.gpu_pools == "engines":
+            return []
+        pools = [(pool_name(node_id, "gpu", i), "cuda", {"num_gpus": 1}) for i in range(units)]
+    else:
+        pools = [(pool_name(node_id, "dev", i), "cpu", {"resources": {settings.device_resource: 1}})
+                 for i in range(units)]
+    return pools or [(pool_name(node_id, "cpu", 0), "cpu", {})]
+
+
 def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartReport:
-    """Create the registry, a store per node and a pool per device where missing (idempotent)."""
+    """Create the registry, a store per node and its pools (``device_pools``) where missing
+    (idempotent)."""
     settings = settings or ClusterSettings()
     if not ray.is_initialized():
         ray.init(namespace=settings.namespace)
@@ -350,15 +371,7 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
             made.append(ray.remote(NodeStoreActor).options(name=name, **pin).remote(
                 cfg_json, name, node_id, s_json))
             report.created.append(name)
-        units = int(node.get("Resources", {}).get(settings.device_resource, 0))
-        if settings.device_resource == "GPU":
-            pools = [(pool_name(node_id, "gpu", i), "cuda", {"num_gpus": 1}) for i in range(units)]
-        else:
-            pools = [(pool_name(node_id, "dev", i), "cpu", {"resources": {settings.device_resource: 1}})
-                     for i in range(units)]
-        if not pools:
-            pools = [(pool_name(node_id, "cpu", 0), "cpu", {})]
-        for name, device, res in pools:
+        for name, device, res in device_pools(node, settings):
             if name in have:
                 report.existing.append(name)
                 continue

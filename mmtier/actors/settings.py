@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -14,8 +16,14 @@ class ClusterSettings(BaseModel):
     registry_name: str = Field("mmtier-registry", min_length=1, description="Name of the ContentRegistry actor.")
     device_resource: str = Field(
         "GPU", min_length=1,
-        description="Node resource counted as devices: one PagePoolActor per unit. 'GPU' gives CUDA pools "
-                    "(num_gpus=1); any other name (tests: a custom resource) gives CPU pools that claim it.")
+        description="Node resource counted as devices. 'GPU': see gpu_pools; any other name (tests: a "
+                    "custom resource) gives one CPU PagePoolActor per unit, claiming it.")
+    gpu_pools: Literal["engines", "actors"] = Field(
+        "engines",
+        description="Who holds a GPU's pool. 'engines' (the serving layout): mmtier start leaves every GPU "
+                    "to the engine that runs there and embeds its pool (a PoolHost: the Serve app's "
+                    "worker, ChatEngine); 'actors': a model-less PagePoolActor claims each GPU "
+                    "(num_gpus=1; a cache-only cluster, no model on those GPUs).")
     cpu_pool_bytes: int = Field(
         64 << 20, gt=0, description="Arena bytes of a CPU pool (nodes without devices, or non-GPU device resources).")
     store_bytes: int = Field(

@@ -19,6 +19,9 @@ Interface (names kept stable; the Serve app builds on them)::
                       # embedding_hits / video_embedding_hits (vision tower outputs reused),
                       # transcript_tokens
     conv.close()      # nothing is held between turns; close forgets the history
+    conv = chat.conversation(cache, "acme", history=[(items, r.tokens)])   # the same
+                      # conversation from its history (a stateless request): its spans are
+                      # keyed as the first turns sealed them, and attached where held
     dense_chat(chat, [turn0_items, turn1_items], max_new_tokens=8)   # the reference: each
                       # turn recomputed from scratch with DynamicCache + sdpa -> [tokens, ...]
 
@@ -102,9 +105,9 @@ class ChatModel:
             model.model.encoder.register_forward_hook(lambda *_a, runs=runs: runs.update(("audio",)))
 
     @classmethod
-    def tiny(cls, seed: int = 0, config_dir: Path | str = CONFIG_DIR) -> ChatModel:
-        """The demo's models: random weights (seeded) from ``configs/demo-qwen2-vl.json`` and
-        ``configs/demo-whisper.json``; no download."""
+    def tiny(cls, seed: int = 0, config_dir: Path | str = CONFIG_DIR, device: str = "cpu") -> ChatModel:
+        """The demo's models: random weights (seeded, made on the CPU, then moved to ``device``)
+        from ``configs/demo-qwen2-vl.json`` and ``configs/demo-whisper.json``; no download."""
         from transformers import (
             Qwen2VLConfig,
             Qwen2VLForConditionalGeneration,
@@ -117,8 +120,8 @@ class ChatModel:
         wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
         chunk = wcfg.pop("chunk_length_s")
         torch.manual_seed(seed)
-        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg))
-        whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg))
+        vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg)).to(device)
+        whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg)).to(device)
         images = _image_processor(vlm.config)
         return cls(vlm, whisper, images, _feature_extractor(whisper.config, chunk),
                    video_processor=video_processor_from(None, images, video),
@@ -196,12 +199,13 @@ class ChatModel:
         self.encoder_runs.clear()
         self.dense_encoder_runs.clear()
 
-    def conversation(self, cache, tenant: str | None = None) -> Conversation:
+    def conversation(self, cache, tenant: str | None = None, history=()) -> Conversation:
         """A new conversation of ``tenant`` over ``cache`` (a ``TieredKVCache`` built from
-        ``cache_config``, or an engine's ``HostedCache``)."""
+        ``cache_config``, or an engine's ``HostedCache``); ``history``: earlier turns as
+        ``(items, answer token ids)`` (a stateless request's), found in the cache by key."""
         mt._check_fits(mt.layout_of(self.vlm), cache.cfg, "text")
         mt._check_fits(mt.layout_of(self.whisper), cache.cfg, TRANSCRIPT)
-        return Conversation(self, cache, tenant)
+        return Conversation(self, cache, tenant, history)
 
 
 def _read(path: Path) -> dict:

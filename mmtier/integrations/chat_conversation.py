@@ -25,13 +25,15 @@ and prefilled spans, and the answer, sit where the dense model puts them.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
 from ..errors import CapacityError, MMTierError, ShapeError
+from .chat_history import History, chain, prompt_without_audio, replay, root_key, tail
 from .chat_media import (
     AUDIO_END,
     AUDIO_START,
@@ -44,11 +46,9 @@ from .chat_media import (
     text_ids,
 )
 from .chat_spans import Span as _Span
-from .chat_spans import cut as _cut
 from .chat_spans import image_features_key as _image_features_key
 from .chat_spans import positions as _positions
 from .chat_spans import (
-    span_key,
     transcript_key,
     video_features_key,
     video_features_keys,
@@ -84,9 +84,14 @@ class TurnResult:
 
 
 class Conversation:
-    """Turns of one tenant's conversation (``ChatModel.conversation`` builds it)."""
+    """Turns of one tenant's conversation (``ChatModel.conversation`` builds it).
 
-    def __init__(self, chat, cache, tenant: str | None):
+    ``history``: earlier turns as ``(items, answer token ids)``, as a stateless request carries
+    them; the first ``send`` rebuilds their spans and keys (``chat_history``: no model run but
+    Whisper for a clip whose transcript the tenant does not hold) and attaches every one the
+    cache holds, so a conversation needs no state between requests."""
+
+    def __init__(self, chat, cache, tenant: str | None, history: Sequence[tuple[Sequence, Sequence[int]]] = ()):
         self.chat, self.cache, self.tenant = chat, cache, tenant
         self.ids: list[int] = []          # the conversation so far: prompts and answers
         self.spans: list[_Span] = []      # sealed spans of the history, in order
@@ -95,11 +100,8 @@ class Conversation:
         self.closed = False
         self._embedding_hits = self._embeddings_not_stored = self._video_embedding_hits = 0
         self._whisper = Session(chat.whisper, cache, tenant=tenant, text_modality="transcript")
-        seq = cache.create_sequence(tenant)
-        try:
-            self._root = cache.prefix_key(seq)    # the parent of the first span: the empty prefix
-        finally:
-            cache.release(seq)
+        self._root = root_key(cache, tenant)      # the parent of the first span: the empty prefix
+        self._history = [([self._read(x) for x in _listed(items)], list(answer)) for items, answer in history]
 
     def turn_keys(self, items) -> list[ContentKey]:
         """The groups a turn of ``items`` would read, as far as they are known before it runs:
@@ -112,27 +114,35 @@ class Conversation:
     def turn_lookup(self, items) -> tuple[list[ContentKey], dict[ContentKey, list[ContentKey]]]:
         """``(turn_keys, fallbacks)``: ``fallbacks[k]`` the groups needed only when ``k`` is found
         nowhere (a clip's ``audio`` group, Whisper's encoder K/V, when its transcript is not
-        cached): ``HostedCache.begin_turn(keys, fallbacks=...)``."""
-        items = list(items) if not isinstance(items, str | bytes) else [items]
-        read = [self._read(x) for x in items]
-        keys = [s.key for s in self.spans]
-        new: list[int] = []
-        images: list[ImageItem] = []
-        videos: list[VideoItem] = []
-        for kind, x in read:
-            if kind == "audio":
-                break
-            if kind == "text":
-                new += text_ids(x)
-            else:
-                (images if kind == "image" else videos).append(x)
-                new += visual_tokens(x)
-        ids = self.ids + new
-        parent = self.spans[-1].key if self.spans else self._root
-        for s in _cut(ids, self.spans[-1].end if self.spans else 0, images, videos)[:-1]:
-            parent = self._key(ids, s, parent)
-            keys.append(parent)
+        cached): ``HostedCache.begin_turn(keys, fallbacks=...)``. A history not rebuilt yet
+        gives its spans up to its first clip, and its clips' ``transcript_ids`` groups."""
+        read = [self._read(x) for x in _listed(items)]
         fallbacks: dict[ContentKey, list[ContentKey]] = {}
+        if self._history:
+            h = replay(self.cache, self.tenant, self._root, self._history, prompt_without_audio)
+            whole = h.turns == len(self._history)
+            # the history's clips: their transcripts (no fallback: a transcript found nowhere is
+            # rare, and its Whisper run is then local; asking for it would cost a lookup always)
+            clips = [self._transcript_key(x[0]) for turn, _answer in self._history for kind, x in turn
+                     if kind == "audio"]
+        else:
+            h, whole, clips = History(self.ids, self.spans, self.images, self.videos), True, []
+        keys = [s.key for s in h.spans] + clips
+        if whole:
+            new: list[int] = []
+            images: list[ImageItem] = []
+            videos: list[VideoItem] = []
+            for kind, x in read:
+                if kind == "audio":
+                    break
+                if kind == "text":
+                    new += text_ids(x)
+                else:
+                    (images if kind == "image" else videos).append(x)
+                    new += visual_tokens(x)
+            keyed, _last, _parent = chain(self.cache, self.tenant, h.ids + new, h.start(), images, videos,
+                                          h.parent(self._root))
+            keys += [s.key for s in keyed]
         for kind, x in read:
             if kind == "image":
                 keys.append(_image_features_key(self.cache, self.tenant, x))
@@ -140,7 +150,7 @@ class Conversation:
                 keys += video_features_keys(self.cache, self.tenant, x)
             elif kind == "audio":
                 keys.append(self._transcript_key(x[0]))
-                fallbacks[keys[-1]] = [self.cache.content_key("audio", x[0], tenant=self.tenant)]
+                fallbacks[keys[-1]] = [self._audio_key(x[0])]
         return keys, fallbacks
 
     # ------------------------------------------------------------------ a turn
@@ -160,7 +170,34 @@ class Conversation:
         read = [self._read(x) for x in items]             # bad input fails before anything runs
         runs_before = Counter(self.chat.encoder_runs)
         self._embedding_hits = self._video_embedding_hits = 0
-        audio_keys, audio_hits, transcript, transcript_hits = [], 0, 0, 0
+        audio = _Clips()
+        if self._history:                                  # a stateless request's earlier turns
+            h = replay(self.cache, self.tenant, self._root, self._history, lambda r: self._prompt(r, audio))
+            self.ids, self.spans, self.images, self.videos = h.ids, h.spans, h.images, h.videos
+            self._history = []
+        new, images, videos = self._prompt(read, audio)
+        answer, keys, hits, cached, media_hits = self._decode(new, images, videos, max_new_tokens)
+        runs = Counter(self.chat.encoder_runs)
+        runs.subtract(runs_before)
+        counters = TurnCounters(
+            cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
+            span_misses=len(self.spans) - hits, media_hits={**media_hits, "audio": audio.hits},
+            embedding_hits=self._embedding_hits,
+            encoder_runs={m: runs[m] for m in ("vision", "video", "audio")}, transcript_tokens=audio.generated,
+            transcript_hits=audio.cached, video_embedding_hits=self._video_embedding_hits)
+        embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
+        embeds += [k for v in videos for k in video_features_keys(self.cache, self.tenant, v)]
+        return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio.keys)
+
+    def close(self) -> None:
+        """Forget the history (its groups stay cached for whoever asks)."""
+        self.closed = True
+        self.ids, self.spans, self.images, self.videos = [], [], [], []
+
+    # ------------------------------------------------------------------ steps
+    def _prompt(self, read, audio: _Clips) -> tuple[list[int], list[ImageItem], list[VideoItem]]:
+        """A turn's prompt tokens, its images and videos; its clips transcribed (``audio``
+        counts them)."""
         new: list[int] = []
         images: list[ImageItem] = []
         videos: list[VideoItem] = []
@@ -172,30 +209,16 @@ class Conversation:
                 new += visual_tokens(x)
             else:
                 said, keys, hit, generated = self._transcribe(*x)
-                audio_keys += keys
-                audio_hits += hit
-                transcript += generated
-                transcript_hits += hit and not generated
+                audio.keys += keys
+                audio.hits += hit
+                audio.generated += generated
+                audio.cached += hit and not generated
                 new += [AUDIO_START, *said, AUDIO_END]
-        answer, keys, hits, cached, media_hits = self._decode(new, images, videos, max_new_tokens)
-        runs = Counter(self.chat.encoder_runs)
-        runs.subtract(runs_before)
-        counters = TurnCounters(
-            cached_tokens=cached, prefilled_tokens=len(self.ids) - len(answer) - cached, span_hits=hits,
-            span_misses=len(self.spans) - hits, media_hits={**media_hits, "audio": audio_hits},
-            embedding_hits=self._embedding_hits,
-            encoder_runs={m: runs[m] for m in ("vision", "video", "audio")}, transcript_tokens=transcript,
-            transcript_hits=transcript_hits, video_embedding_hits=self._video_embedding_hits)
-        embeds = [_image_features_key(self.cache, self.tenant, im) for im in images]
-        embeds += [k for v in videos for k in video_features_keys(self.cache, self.tenant, v)]
-        return TurnResult(answer, ids_text(answer), counters, keys + embeds + audio_keys)
+        return new, images, videos
 
-    def close(self) -> None:
-        """Forget the history (its groups stay cached for whoever asks)."""
-        self.closed = True
-        self.ids, self.spans, self.images, self.videos = [], [], [], []
+    def _audio_key(self, data: bytes) -> ContentKey:
+        return self.cache.content_key("audio", data, tenant=self.tenant)
 
-    # ------------------------------------------------------------------ steps
     def _read(self, item):
         kind = kind_of(item)
         if kind == "image":
@@ -217,7 +240,7 @@ class Conversation:
         if said is not None:
             return said, [ids_key], True, 0
         start = self.chat.whisper.config.decoder_start_token_id
-        r = self._whisper.generate(torch.tensor([[start]]), [Media(data, features)],
+        r = self._whisper.generate(torch.tensor([[start]], device=self.chat.whisper.device), [Media(data, features)],
                                    max_new_tokens=self.chat.transcript_tokens, suppress_tokens=list(SPECIAL))
         said = r.sequences[0, 1:].tolist()
         if said:
@@ -249,24 +272,21 @@ class Conversation:
         """Attach the history, prefill what is missing, generate; seal the new spans."""
         cache, vlm = self.cache, self.chat.vlm
         ids = self.ids + new
-        new_spans = _cut(ids, self.spans[-1].end if self.spans else 0, images, videos)
         all_images, all_videos = self.images + images, self.videos + videos
         positions, deltas = _positions(vlm, ids, all_images, all_videos)
-        prompt = torch.tensor([ids])
+        positions, deltas = positions.to(vlm.device), deltas.to(vlm.device)
+        prompt = torch.tensor([ids], device=vlm.device)
         with cache_for(vlm, cache, tenant=self.tenant) as past:
             rows = past.rows
             rows.ensure(1)
             seq = rows.seqs[0]
-            parent = self.spans[-1].key if self.spans else self._root
-            spans = list(self.spans)
-            for s in new_spans[:-1]:
-                parent = self._key(ids, s, parent)
-                spans.append(replace(s, key=parent))
+            keyed, last, parent = chain(cache, self.tenant, ids, self.spans[-1].end if self.spans else 0,
+                                        images, videos, self.spans[-1].key if self.spans else self._root)
+            spans = list(self.spans) + keyed
             hits = 0
             while hits < len(spans) and cache.contains(spans[hits].key):
                 cache.attach(seq, spans[hits].key)
                 hits += 1
-            last = new_spans[-1]
             cached = spans[hits].start if hits < len(spans) else last.start
             for layer in past.layers:
                 layer.seen = cached
@@ -283,13 +303,12 @@ class Conversation:
                                position_ids=positions, max_new_tokens=max_new_tokens, do_sample=False,
                                suppress_tokens=list(SPECIAL))
             answer = out[0, len(ids):].tolist()
-            tail = _Span("text", last.start, len(ids) + len(answer) - 1)
-            tail = _Span("text", tail.start, tail.end, None, self._key(ids + answer, tail, parent))
-            cache.seal(seq, tail.key)
+            end = tail(cache, self.tenant, ids, answer, last, parent)
+            cache.seal(seq, end.key)
         attached = spans[len(self.spans):hits]
         media_hits = {m: sum(1 for s in attached if s.modality == m) for m in ("vision", "video")}
         self.ids = ids + answer
-        self.spans = spans + [tail]
+        self.spans = spans + [end]
         self.images, self.videos = all_images, all_videos
         return answer, [s.key for s in self.spans], hits, cached, media_hits
 
@@ -302,7 +321,9 @@ class Conversation:
             return self.cache.get_embedding(key)
         inputs = image.inputs
         with torch.no_grad():
-            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+            device = self.chat.vlm.device
+            x = self.chat.vlm.model.get_image_features(inputs["pixel_values"].to(device),
+                                                       inputs["image_grid_thw"].to(device)).pooler_output[0]
         try:
             self.cache.put_embedding(key, x)
         except CapacityError:           # no room for it now: used this once, computed again later
@@ -325,8 +346,8 @@ class Conversation:
             parts = [spans[i].video.segment_inputs(*spans[i].part) for i in todo]
             with torch.no_grad():
                 made = self.chat.vlm.model.get_video_features(
-                    torch.cat([p["pixel_values_videos"] for p in parts]),
-                    torch.cat([p["video_grid_thw"] for p in parts])).pooler_output
+                    torch.cat([p["pixel_values_videos"] for p in parts]).to(self.chat.vlm.device),
+                    torch.cat([p["video_grid_thw"] for p in parts]).to(self.chat.vlm.device)).pooler_output
             for i, x in zip(todo, made):
                 out[i] = x
                 try:
@@ -334,9 +355,6 @@ class Conversation:
                 except CapacityError:       # no room for it now: computed again later
                     self._embeddings_not_stored += 1
         return out
-
-    def _key(self, ids: list[int], span: _Span, parent: ContentKey) -> ContentKey:
-        return span_key(self.cache, self.tenant, ids, span, parent)
 
     def _prefill(self, past, prompt: torch.Tensor, spans: list[_Span], positions: torch.Tensor) -> None:
         """Run the VLM once over consecutive spans, each a run of its own (``vision`` pool for an
@@ -356,9 +374,24 @@ class Conversation:
             outputs["video"] = BaseModelOutputWithPooling(pooler_output=tuple(self._videos(videos)))
         extra = {"mm_encoder_outputs": outputs} if outputs else {}
         with torch.no_grad():
-            self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long),
+            self.chat.vlm(input_ids=prompt[:, start:end], attention_mask=torch.ones(1, end, dtype=torch.long, device=prompt.device),
                           position_ids=positions[..., start:end], past_key_values=past,
                           use_cache=True, logits_to_keep=1, **extra)
+
+
+@dataclass
+class _Clips:
+    """What a request's clips did: the groups read or made, clips attached (``hits``), Whisper
+    tokens generated, clips whose transcript came from the cache."""
+
+    keys: list[ContentKey] = field(default_factory=list)
+    hits: int = 0
+    generated: int = 0
+    cached: int = 0
+
+
+def _listed(items) -> list:
+    return list(items) if not isinstance(items, str | bytes) else [items]
 
 
 __all__ = ["Conversation", "TurnCounters", "TurnResult", "transcript_key"]

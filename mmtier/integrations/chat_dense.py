@@ -61,7 +61,8 @@ def dense_turn(chat, history: Sequence[tuple[Sequence, list[int]]], items: Seque
                 ids += [AUDIO_START, *_transcribe(chat, bytes(x)), AUDIO_END]
         if answer is not None:
             ids += answer
-    prompt = torch.tensor([ids])
+    device = chat.dense_vlm.device
+    prompt = torch.tensor([ids], device=device)
     extra = {}
     if pixels:
         extra.update(pixel_values=torch.cat(pixels), image_grid_thw=torch.cat(grids))
@@ -69,6 +70,7 @@ def dense_turn(chat, history: Sequence[tuple[Sequence, list[int]]], items: Seque
         extra.update(pixel_values_videos=torch.cat(video_pixels), video_grid_thw=torch.cat(video_grids))
         if chat.dense_vlm.config.model_type == "qwen2_5_vl":
             extra["second_per_grid_ts"] = torch.tensor(seconds)
+    extra = {k: v.to(device) for k, v in extra.items()}
     if extra:
         extra["mm_token_type_ids"] = (prompt == IMAGE_PAD).int() + 2 * (prompt == VIDEO_PAD).int()
     out = chat.dense_vlm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), **extra,
@@ -85,9 +87,10 @@ def dense_chat(chat, turns: Sequence[Sequence], max_new_tokens: int = 8) -> list
 
 
 def _transcribe(chat, data: bytes) -> list[int]:
-    features = AudioFeatures(data, chat.feature_extractor)["input_features"]
+    device = chat.dense_whisper.device
+    features = AudioFeatures(data, chat.feature_extractor)["input_features"].to(device)
     start = chat.dense_whisper.config.decoder_start_token_id
-    out = GenerationMixin.generate(chat.dense_whisper, decoder_input_ids=torch.tensor([[start]]),
+    out = GenerationMixin.generate(chat.dense_whisper, decoder_input_ids=torch.tensor([[start]], device=device),
                                    input_features=features, max_new_tokens=chat.transcript_tokens,
                                    do_sample=False, suppress_tokens=list(SPECIAL))
     return out[0, 1:].tolist()

@@ -3,7 +3,9 @@ images (PNG / JPEG bytes) as Qwen2-VL image inputs, videos (MP4 bytes) as Qwen2-
 audio (WAV PCM16 bytes) as Whisper features.
 
 Text. No tokenizer can be downloaded, so the vocabulary is built here: a byte ``b`` is token
-``b + BYTE0``; a few ids below and above are special (``VOCAB``). Both demo models use it; a
+``b + BYTE0``; a few ids below and above are special (``VOCAB``). Its text form is lossless
+(``bytes_text``): an answer's bytes that are not UTF-8 are written as private-use characters, so
+an answer sent back as history is the same tokens. Both demo models use it; a
 model loaded from a directory with its own tokenizer would map text through that instead.
 
 Images are decoded by Pillow and prepared by the model's own image processor
@@ -44,14 +46,44 @@ VOCAB = 272
 SPECIAL = (PAD, BOS, EOS, UNK, *range(BYTE0 + 256, VOCAB))    # never generated in an answer
 
 
+ESCAPE0 = 0x10FE00                          # U+10FE00 + b: byte b of an answer that is not UTF-8
+
+
+def text_bytes(text: str) -> bytes:
+    """The bytes of ``text``: UTF-8, except that a character ``U+10FE00 + b`` (Supplementary
+    Private Use Area B) is the byte ``b`` (``bytes_text`` writes bytes that are not UTF-8 so).
+    ``UnicodeEncodeError`` for a lone surrogate."""
+    if not any(ESCAPE0 <= ord(c) <= ESCAPE0 + 0xFF for c in text):
+        return text.encode()
+    return b"".join(bytes([ord(c) - ESCAPE0]) if ESCAPE0 <= ord(c) <= ESCAPE0 + 0xFF else c.encode() for c in text)
+
+
+def bytes_text(data: bytes) -> str:
+    """``data`` as text, losslessly: UTF-8 where it is, each other byte ``b`` as ``U+10FE00 + b``
+    (and each byte of a character in that range, so that it too comes back as itself):
+    ``text_bytes(bytes_text(data)) == data`` for any bytes. A client that sends an answer back
+    as it got it (an OpenAI ``assistant`` message) sends back exactly its tokens."""
+    out = []
+    for c in data.decode(errors="surrogateescape"):
+        o = ord(c)
+        if 0xDC80 <= o <= 0xDCFF:                   # a byte that is not UTF-8
+            out.append(chr(ESCAPE0 + o - 0xDC00))
+        elif ESCAPE0 <= o <= ESCAPE0 + 0xFF:        # valid UTF-8 of an escape character: as bytes
+            out += [chr(ESCAPE0 + b) for b in c.encode()]
+        else:
+            out.append(c)
+    return "".join(out)
+
+
 def text_ids(text: str) -> list[int]:
-    """Byte-level token ids of ``text`` (UTF-8)."""
-    return [b + BYTE0 for b in text.encode()]
+    """Byte-level token ids of ``text`` (``text_bytes``: UTF-8, escaped bytes as themselves)."""
+    return [b + BYTE0 for b in text_bytes(text)]
 
 
 def ids_text(ids: list[int]) -> str:
-    """The text of byte-level ids (special ids dropped, bad UTF-8 replaced)."""
-    return bytes(i - BYTE0 for i in ids if BYTE0 <= i < BYTE0 + 256).decode(errors="replace")
+    """The text of byte-level ids (special ids dropped; ``bytes_text``: lossless, so
+    ``text_ids(ids_text(ids)) == ids`` for an answer's ids)."""
+    return bytes_text(bytes(i - BYTE0 for i in ids if BYTE0 <= i < BYTE0 + 256))
 
 
 # -------------------------------------------------------------------------- items

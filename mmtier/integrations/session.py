@@ -251,7 +251,7 @@ class Session:
                     extra["encoder_outputs"] = _unread_encoder_states(self.model)
             else:
                 rows.next_cross_new_run = True
-                extra.update(item.inputs)
+                extra.update({k: v.to(self.model.device) if torch.is_tensor(v) else v for k, v in item.inputs.items()})
             ids = {"decoder_input_ids": input_ids} if whisper else \
                 {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
             # the generic loop: Whisper's own generate copies the cache into dense tensors

@@ -1,11 +1,14 @@
 """The Ray Serve application of mmtier (``configs/serve.yaml``; ``mmtier serve``).
 
 - ``app.build_app(args)``: the application (``import_path: mmtier.serve.app:build_app``);
+- ``app.ChatIngress``: the HTTP entry (auth, parsing, routing) of the OpenAI chat completions API;
 - ``config.ServeAppConfig``: its ``args`` (API keys -> tenants, limits, affinity, workers);
-- ``protocol``: the HTTP JSON API and its status codes;
-- ``routing``: the cache-affinity rule (which node's worker takes a turn);
+- ``protocol``: the OpenAI chat request (stateless: messages carry the conversation) and its
+  OpenAI-shaped errors; ``completions``: the answers, JSON or SSE, with ``usage``;
+- ``routing``: the cache-affinity rule (which node's worker takes a request);
 - ``worker.TurnWorker``: the per-node worker, an actor that runs the model and holds its node's
-  pool (``mmtier.actors.PoolHost``);
+  pool (``mmtier.actors.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
+  its requests (a plain class);
 - ``engines``: the model a worker runs behind one interface (``hf_engine``: the transformers
   chat model, the default; or the reference model), and the part of it the ingress needs;
 - ``media``: the media bytes the app accepts (PNG, JPEG, PCM16 WAV), checked before routing;
@@ -20,9 +23,9 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "build_app": "app", "TurnIngress": "app", "ServeAppConfig": "config", "TurnWorker": "worker",
+    "build_app": "app", "ChatIngress": "app", "ServeAppConfig": "config", "TurnWorker": "worker",
     "NodeCache": "node_cache", "Router": "routing", "pin_targets": "routing",
-    "HTTPError": "protocol", "parse_turn": "protocol",
+    "HTTPError": "protocol", "parse_chat": "protocol",
 }
 
 __all__ = sorted(_EXPORTS)

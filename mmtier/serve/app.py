@@ -1,34 +1,40 @@
-"""The Ray Serve application: an HTTP JSON API over a chat model and the cluster cache.
+"""The Ray Serve application: the OpenAI chat completions API over a chat model and the cluster
+cache.
 
 ``serve run configs/serve.yaml`` (or ``mmtier serve --config configs/serve.yaml``) calls
 ``build_app(args)``, which
 
-1. starts mmtier on the cluster when ``start_cache`` is set (idempotent: registry, a pool per
-   GPU / CPU node, a store per node);
+1. starts mmtier on the cluster when ``start_cache`` is set (idempotent: registry, a store per
+   node, CPU pools on nodes without GPUs; a GPU node's GPU is left to its worker);
 2. creates one ``TurnWorker`` per node, pinned there by a per-node resource
    (``routing.pin_targets``: ``node:<ip>`` in production, custom resources in tests): a named
    actor (``host_name(node)``) that runs the model (``engines.py``; the transformers chat model
-   by default) and holds that node's pool itself;
-3. puts ``TurnIngress`` in front: it authenticates (API key -> tenant, server side), parses
-   and checks the request, decodes (PNG / JPEG / PCM16 WAV) and hashes the media, asks the
-   ContentRegistry where the request's content-only groups live (one batched lookup per
-   request, whatever the number of media items; keys from the engine's ``Frontend``, as its
-   conversations compute them) and forwards the turn to the worker on that node
-   (``routing.Router``: conversation, then content, then least loaded).
+   by default) and holds that node's pool itself, on the node's GPU when it has one
+   (``num_gpus=1``, the pool on ``cuda``; ``workers.device``), else on the CPU;
+3. puts ``ChatIngress`` in front: it authenticates (API key -> tenant, server side), parses
+   and checks the request (``protocol.py``), decodes (PNG / JPEG / MP4 / PCM16 WAV) and hashes
+   the media, asks the ContentRegistry where the request's content lives (its history's prefix
+   groups and its media's content-only groups; one batched lookup per request, keys from the
+   engine's ``Frontend``, as the engine computes them) and forwards the request to the worker
+   on that node (``routing.Router``: content, then least loaded).
 
-Routes: ``POST /v1/turn``, ``DELETE /v1/conversations/{id}``, ``GET /healthz``. The protocol
-and its status codes are in ``protocol.py``. Nodes that join after deployment get a worker on
-the next deploy (``serve deploy`` / ``mmtier serve``); until then they hold cache content only.
+Routes: ``POST /v1/chat/completions`` (stateless: the request carries the conversation;
+``stream: true`` answers as server-sent events), ``GET /v1/models``, ``GET /healthz``. Answers
+and errors are OpenAI's shapes (``completions.py``, ``protocol.py``). Nodes that join after
+deployment get a worker on the next deploy (``serve deploy`` / ``mmtier serve``); until then they
+hold cache content only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from ..errors import ConfigError
+from .completions import chunks, completion, completion_id
 from .config import ServeAppConfig
-from .protocol import HTTPError, MediaItem, TurnRequest, api_key, parse_turn
+from .protocol import ChatRequest, HTTPError, MediaItem, TextItem, api_key, parse_chat
 from .routing import Router, pin_targets
 from .worker import TurnWorker
 
@@ -37,21 +43,21 @@ log = logging.getLogger(__name__)
 TURN_TIMEOUT_S = 300.0
 
 
-class TurnIngress:
+class ChatIngress:
     """HTTP entry: auth, parsing, media hashing, affinity routing (a plain class)."""
 
     def __init__(self, cfg_json: dict, workers: dict):
+        import ray
+
         from ..actors import connect
         from .engines import load_frontend
 
         self.cfg = ServeAppConfig.parse(cfg_json)
         self.keys = self.cfg.key_table()
-        import ray
-
-        ns = ServeAppConfig.parse(cfg_json).settings().namespace
+        self.model = self.cfg.served_model_name
+        self.created = int(time.time())
+        ns = self.cfg.settings().namespace
         self.workers = {node: ray.get_actor(name, namespace=ns) for node, name in workers.items()}   # node -> worker
-        self.index = {i: node for i, node in enumerate(sorted(self.workers))}
-        self.node_index = {node: i for i, node in self.index.items()}
         self.cluster = connect(self.cfg.settings())
         self.frontend = load_frontend(self.cfg.model)
         self.router = Router(sorted(self.workers))
@@ -59,35 +65,37 @@ class TurnIngress:
 
     # ------------------------------------------------------------------ HTTP
     async def __call__(self, request):
-        from starlette.responses import JSONResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
         try:
-            status, body = await self._dispatch(request)
+            answer = await self._dispatch(request)
         except HTTPError as exc:
-            status, body = exc.status, exc.body()
+            return JSONResponse(exc.body(), status_code=exc.status)
         except Exception:                                  # a server fault, not the client's
             log.exception("unhandled error")
-            status, body = 500, HTTPError(500, "internal", "internal server error").body()
-        return JSONResponse(body, status_code=status)
+            return JSONResponse(HTTPError(500, "internal", "internal server error").body(), status_code=500)
+        if isinstance(answer, dict):
+            return JSONResponse(answer)
+        return StreamingResponse(answer, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
-    async def _dispatch(self, request) -> tuple[int, dict]:
+    async def _dispatch(self, request):
         path, method = request.url.path.rstrip("/") or "/", request.method
         if path == "/healthz":
-            return 200, {"status": "ok", "workers": len(self.workers)}
-        if path == "/v1/turn":
+            return {"status": "ok", "workers": len(self.workers)}
+        if path == "/v1/models":
+            if method != "GET":
+                raise HTTPError(405, "method_not_allowed", "use GET /v1/models")
+            self._tenant(request)
+            return {"object": "list", "data": [{"id": self.model, "object": "model", "created": self.created,
+                                                "owned_by": "mmtier"}]}
+        if path == "/v1/chat/completions":
             if method != "POST":
-                raise HTTPError(405, "method_not_allowed", "use POST /v1/turn")
+                raise HTTPError(405, "method_not_allowed", "use POST /v1/chat/completions")
             tenant = self._tenant(request)
             body = await self._body(request)          # media decoded off the event loop
-            turn = await asyncio.to_thread(parse_turn, body, self.cfg.limits, self._media_tokens)
-            return await self._turn(tenant, turn)
-        if path.startswith("/v1/conversations/"):
-            if method != "DELETE":
-                raise HTTPError(405, "method_not_allowed", "use DELETE /v1/conversations/{id}")
-            tenant = self._tenant(request)
-            conv = path.removeprefix("/v1/conversations/")
-            node = self._conversation_node(conv)
-            return await self._call(node, "close_conversation", tenant, conv)
+            chat = await asyncio.to_thread(parse_chat, body, self.cfg.limits, self.model, self._media_tokens)
+            return await self._complete(tenant, chat)
         raise HTTPError(404, "not_found", f"no route {method} {path}")
 
     def _media_tokens(self, item: MediaItem) -> int:
@@ -97,8 +105,8 @@ class TurnIngress:
         key = api_key(request.headers)
         tenant = self.keys.tenant(key)
         if tenant is None:
-            raise HTTPError(401, "unauthorized", "missing or unknown API key (Authorization: Bearer "
-                                                 "<key> or X-API-Key: <key>)")
+            raise HTTPError(401, "invalid_api_key", "missing or unknown API key (Authorization: Bearer "
+                                                    "<key> or X-API-Key: <key>)")
         return tenant
 
     async def _body(self, request) -> bytes:
@@ -106,55 +114,69 @@ class TurnIngress:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HTTPError(413, "too_large", f"request body of {declared} bytes is over the {limit}-byte limit")
-        chunks, size = [], 0
+        chunks_, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise HTTPError(413, "too_large", f"request body is over the {limit}-byte limit")
-            chunks.append(chunk)
-        return b"".join(chunks)
+            chunks_.append(chunk)
+        return b"".join(chunks_)
 
-    # ------------------------------------------------------------------ turns
-    async def _turn(self, tenant: str, turn: TurnRequest) -> tuple[int, dict]:
-        media = turn.media
-        locs = await self._locate(tenant, media)
-        conv_node = self._conversation_node(turn.conversation_id) if turn.conversation_id else None
-        scores = self.router.scores((loc for pair in locs for loc in pair), self._holder)
-        route = self.router.choose(scores, conv_node)
-        items = [(i.type, i.data) if isinstance(i, MediaItem) else ("text", i.text) for i in turn.content]
+    # ------------------------------------------------------------------ requests
+    async def _complete(self, tenant: str, chat: ChatRequest):
+        history = [(_items(turn), answer) for turn, answer in chat.history]
+        items = _items(chat.content)
+        media = chat.media
+        media_locs, prefix_locs = await self._locate(tenant, media, history, items)
+        located = [loc for pair in media_locs for loc in pair] + prefix_locs
+        scores = self.router.scores(located, self._holder)
+        route = self.router.choose(scores)
         try:
-            status, body = await self._call(route.node, "turn", tenant, turn.conversation_id, items,
-                                            turn.max_new_tokens)
+            status, body = await self._call(route.node, tenant, history, items, chat.max_new_tokens)
         except HTTPError as exc:
-            other = self.router.failover(route.node, scores) if exc.kind == "worker_lost" and \
-                turn.conversation_id is None else None
+            other = self.router.failover(route.node, scores) if exc.code == "worker_lost" else None
             if other is None:
                 raise
-            route = other                                  # a new conversation: nothing lost
-            status, body = await self._call(route.node, "turn", tenant, None, items, turn.max_new_tokens)
-        if status == 200:
-            body["routing"] = {"rule": route.rule, "node": route.node,
-                               "content_bytes_by_node": route.scores}
-            body["cache"]["media"] = [
-                {"type": m.type, "media_type": m.info.media_type, "sha256": m.sha256, "bytes": len(m.data),
-                 "cached": any(loc is not None for loc in item_locs),
-                 "nodes": sorted({h[0] for h in map(self._holder, _names(*item_locs)) if h})}
-                for m, item_locs in zip(media, locs)]
-            body["cache"]["hit"] = any(x["cached"] for x in body["cache"]["media"])
-        return status, body
+            route = other                                  # stateless: nothing lost with the worker
+            status, body = await self._call(route.node, tenant, history, items, chat.max_new_tokens)
+        if status != 200:
+            raise HTTPError(status, body["error"]["code"], body["error"]["message"])
+        cache = body["cache"]
+        cache["media"] = [
+            {"type": m.type, "media_type": m.info.media_type, "sha256": m.sha256, "bytes": len(m.data),
+             "cached": any(loc is not None for loc in item_locs),
+             "nodes": sorted({h[0] for h in map(self._holder, _names(*item_locs)) if h})}
+            for m, item_locs in zip(media, media_locs)]
+        cache["hit"] = any(x["cached"] for x in cache["media"])
+        cache["prefix_groups"] = {"sent": len(prefix_locs), "held": sum(loc is not None for loc in prefix_locs)}
+        extra = {"tokens": body["tokens"], "node": body["node"], "worker": body["worker"],
+                 "seconds": body["seconds"], "routing": {"rule": route.rule, "node": route.node,
+                                                         "content_bytes_by_node": route.scores},
+                 "cache": cache}
+        cid = completion_id()
+        if chat.stream:
+            return chunks(cid, self.model, body, chat.max_new_tokens, chat.include_usage, extra)
+        return completion(cid, self.model, body, chat.max_new_tokens, extra)
 
-    async def _locate(self, tenant: str, media) -> list[tuple]:
+    async def _locate(self, tenant: str, media: list[MediaItem], history: list, items: list
+                      ) -> tuple[list[tuple], list]:
         """Per media item: the registry's Locations of its content-only groups for this tenant
-        (cross-attention K/V, encoder outputs; None where not held)."""
-        if not media:
-            return []
-        per_item = [self.frontend.routing_keys(self.cluster, tenant, m.type, m.data) for m in media]
-        locs = await self.cluster.locate_many_async([k for keys in per_item for k in keys])  # one call
+        (cross-attention K/V, encoder outputs; None where not held); and the Locations of the
+        conversation's prefix groups (its history's spans), all in one registry call."""
+        per_item, prefix = await asyncio.to_thread(self._keys, tenant, media, history, items)
+        flat = [k for keys in per_item for k in keys] + prefix
+        if not flat:
+            return [], []
+        locs = await self.cluster.locate_many_async(flat)                 # one call
         out, i = [], 0
         for keys in per_item:
             out.append(tuple(locs[i:i + len(keys)]))
             i += len(keys)
-        return out
+        return out, list(locs[i:])
+
+    def _keys(self, tenant: str, media: list[MediaItem], history: list, items: list):
+        per_item = [self.frontend.routing_keys(self.cluster, tenant, m.type, m.data) for m in media]
+        return per_item, self.frontend.prefix_keys(self.cluster, tenant, history, items)
 
     def _holder(self, name: str) -> tuple[str, str] | None:
         if name not in self._holders:                     # a holder we have not seen: look again
@@ -167,26 +189,23 @@ class TurnIngress:
             self._holders.setdefault(name, None)          # not on a worker node: never scores
         return self._holders[name]
 
-    def _conversation_node(self, conv: str) -> str:
-        head, _, _ = conv.partition(".")
-        node = self.index.get(int(head[1:])) if head[:1] == "w" and head[1:].isdigit() else None
-        if node is None:
-            raise HTTPError(404, "unknown_conversation", f"no open conversation {conv!r}")
-        return node
-
-    async def _call(self, node: str, method: str, *args) -> tuple[int, dict]:
+    async def _call(self, node: str, *args) -> tuple[int, dict]:
         self.router.inflight[node] += 1
         import ray
 
         try:
-            return await asyncio.wait_for(getattr(self.workers[node], method).remote(*args), TURN_TIMEOUT_S)
+            return await asyncio.wait_for(self.workers[node].answer.remote(*args), TURN_TIMEOUT_S)
         except asyncio.TimeoutError:
             raise HTTPError(503, "timeout", f"the worker on node {node} did not answer in time") from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             raise HTTPError(503, "worker_lost", f"the worker on node {node} died (it restarts with an empty "
-                                                "pool; its conversations are gone): start again") from None
+                                                "pool): send the request again") from None
         finally:
             self.router.inflight[node] -= 1
+
+
+def _items(content) -> list[tuple[str, object]]:
+    return [("text", i.text) if isinstance(i, TextItem) else (i.type, i.data) for i in content]
 
 
 def _names(*locs) -> list[str]:
@@ -219,16 +238,18 @@ def build_app(args: dict | None = None):
     worker = ray.remote(TurnWorker)
     workers = {}
     for i, t in enumerate(sorted(targets, key=lambda t: t.node)):
-        # a named actor that holds its node's pool (the model and its cache in one process);
-        # restarted with an empty pool if it dies (its groups leave the registry at once)
+        # a named actor that holds its node's pool (the model and its cache in one process, on
+        # the node's GPU when it has one); restarted with an empty pool if it dies (its groups
+        # leave the registry at once)
+        gpu = w.device == "auto" and t.gpus >= 1
         workers[t.node] = worker.options(
             name=host_name(t.node), namespace=settings.namespace, get_if_exists=True, lifetime="detached",
             max_restarts=-1, max_concurrency=w.max_ongoing_requests + settings.pool_concurrency,
-            num_cpus=w.num_cpus, resources={t.resource: cfg.affinity.pin_amount},
-        ).remote(cfg_json, i, t.node)
+            num_cpus=w.num_cpus, num_gpus=1 if gpu else 0, resources={t.resource: cfg.affinity.pin_amount},
+        ).remote(cfg_json, i, t.node, "cuda" if gpu else "cpu")
     ray.get([h.ping.remote() for h in workers.values()], timeout=settings.start_timeout_s)
     names = {node: host_name(node) for node in workers}
-    ingress = serve.deployment(TurnIngress).options(
+    ingress = serve.deployment(ChatIngress).options(
         name="mmtier-ingress", num_replicas=ing.num_replicas, max_ongoing_requests=ing.max_ongoing_requests,
         ray_actor_options={"num_cpus": ing.num_cpus})
     return ingress.bind(cfg_json, names)

@@ -130,12 +130,13 @@ class Limits(_Strict):
     max_text_bytes: int = Field(
         4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the byte-level reference "
                                 "model; a chunk's attention grows with its square; 413 above).")
-    max_turn_tokens: int = Field(
-        8192, gt=0, description="Most tokens one turn adds to its conversation: text, media (as the "
-                                "model's encoders count them) and max_new_tokens (413 above).")
-    max_items: int = Field(32, gt=0, description="Most content items in one turn (400 above).")
-    max_new_tokens: int = Field(64, ge=0, description="Largest max_new_tokens a request may ask (400 above).")
-    default_new_tokens: int = Field(8, ge=0, description="max_new_tokens when a request names none.")
+    max_request_tokens: int = Field(
+        8192, gt=0, description="Most tokens of one request: the whole conversation it carries (text, "
+                                "media as the model's encoders count them, earlier answers) and "
+                                "max_tokens (413 above).")
+    max_items: int = Field(64, gt=0, description="Most content parts in one request, its history's included (400 above).")
+    max_new_tokens: int = Field(64, gt=0, description="Largest max_tokens a request may ask (400 above).")
+    default_new_tokens: int = Field(8, gt=0, description="max_tokens when a request names none.")
 
 
 class Affinity(_Strict):
@@ -150,15 +151,15 @@ class Affinity(_Strict):
 
 
 class Workers(_Strict):
-    num_cpus: float = Field(1.0, ge=0, description="CPUs each per-node worker replica reserves.")
-    max_ongoing_requests: int = Field(8, gt=0, description="Concurrent turns per worker (different conversations).")
-    max_conversations: int = Field(256, gt=0, description="Open conversations per worker; the idlest closes beyond it.")
-    conversation_ttl_s: float = Field(900.0, gt=0, description="An idle conversation closes after this.")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs each per-node worker reserves.")
+    device: Literal["auto", "cpu"] = Field(
+        "auto", description="auto: a worker on a node with a GPU claims one (num_gpus=1) and runs the model "
+                            "and its pool there (cuda); on a node without, the CPU. cpu: always the CPU.")
+    max_ongoing_requests: int = Field(8, gt=0, description="Concurrent requests per worker.")
     torch_threads: int = Field(1, gt=0, description="torch intra-op threads in a worker.")
     turn_wait_s: float = Field(
-        240.0, gt=0, description="Longest a turn waits for a serial model (one turn at a time per "
-                                 "worker) busy with other turns, or for its own conversation busy "
-                                 "with another of its turns; then 503 'busy', nothing ran.")
+        240.0, gt=0, description="Longest a request waits for a serial model (one turn at a time per "
+                                 "worker) busy with other requests; then 503 'busy', nothing ran.")
 
 
 class Ingress(_Strict):
@@ -171,6 +172,9 @@ class ServeAppConfig(_Strict):
     """The application's ``args``."""
 
     model: ModelArgs = Field(default_factory=ModelArgs)
+    served_model_name: str = Field(
+        "mmtier-chat", min_length=1, description="The model's name in the API (GET /v1/models; a request's "
+                                                 "'model' must be it, else 404 model_not_found).")
     cache: CacheArgs = Field(default_factory=CacheArgs)
     cluster: dict[str, Any] = Field(default_factory=dict, description="ClusterSettings fields (namespace, timeouts, ...).")
     start_cache: bool = Field(True, description="Run mmtier.actors.start() at deploy time (idempotent).")

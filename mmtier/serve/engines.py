@@ -1,11 +1,13 @@
 """The chat engines a Serve worker runs: one small interface, one adapter per model kind.
 
-A worker (``worker.TurnWorker``) holds its node's pool and runs conversations of a
-``TurnEngine``; the ingress (``app.TurnIngress``) needs only the engine's ``Frontend`` (no
-weights): how many tokens a media item costs (the turn's token limit) and the content-only keys
-of a media item (cross-attention K/V, encoder outputs: what another conversation anywhere may
-hold), computed exactly as the engine's conversations compute them, for its one batched
-registry lookup per request.
+A worker (``worker.TurnWorker``) holds its node's pool and answers requests with a
+``TurnEngine``; a request is stateless: the earlier turns it carries (``history``: each turn's
+items and the answer's text) are found in the cache by key, not kept between requests. The
+ingress (``app.ChatIngress``) needs only the engine's ``Frontend`` (no weights): how many tokens
+a media item costs (the request's token limit), the content-only keys of a media item
+(cross-attention K/V, encoder outputs: what another conversation anywhere may hold) and the
+prefix keys of the history (its spans, chained as the engine sealed them), computed exactly as
+the engine computes them, for its one batched registry lookup per request.
 
 - ``hf`` (the default, ``hf_engine.py``): the transformers chat model of
   ``mmtier.integrations.chat``;
@@ -24,31 +26,27 @@ from typing import Any, Protocol
 
 from ..config import CacheConfig
 from ..content import ContentKey
-from ..errors import BadMediaError
+from ..errors import BadMediaError, ShapeError
 from .config import ModelArgs
 from .protocol import MEDIA_TYPES, TYPE_OF
 
 Item = tuple[str, Any]        # ("text", str) | ("image" | "video" | "audio", bytes)
+Turn = tuple[Sequence[Item], str]   # an earlier turn: its items and the answer's text
 
 
 @dataclass(frozen=True)
 class TurnOutput:
-    """What one turn produced: greedy ``tokens``, their ``text``, and ``counts``: this turn's
-    cache counters (encoder runs, hits and misses per request media type, prefilled tokens)."""
+    """What one request produced: greedy ``tokens``, their ``text``; ``prompt_tokens`` (the
+    whole conversation's, as the model counts them), ``cached_tokens`` (of those, attached from
+    the cache rather than run; None where the model does not count them) and ``counts``: this
+    request's cache counters (encoder runs, hits and misses per request media type, prefilled
+    tokens)."""
 
     tokens: list[int]
     text: str
+    prompt_tokens: int
+    cached_tokens: int | None
     counts: dict[str, Any] = field(default_factory=dict)
-
-
-class Conversation(Protocol):
-    broken: bool     # True once a failed turn left the conversation's state part-way (it is
-                     # no longer a prefix the model can extend); False: a failed ``send`` left
-                     # the history as it was, so the next turn runs as if it had not been sent
-
-    def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput: ...
-
-    def close(self) -> None: ...
 
 
 class Frontend(Protocol):
@@ -56,29 +54,36 @@ class Frontend(Protocol):
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]: ...
 
+    def prefix_keys(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item]) -> list[ContentKey]:
+        """The keys of the conversation's prefix groups as the engine seals them (its history's
+        spans, as far as they are known without running a model)."""
+
 
 class TurnEngine(Frontend, Protocol):
-    serial: bool     # True: turns of different conversations must not overlap (the worker
-                     # runs them one at a time: the model keeps per-turn state)
+    serial: bool     # True: requests must not overlap (the worker runs them one at a time: the
+                     # model keeps per-turn state)
 
-    def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
-        """Raises an ``MMTierError`` (``BadMediaError`` for media) when the turn is bad input:
-        the worker answers 400 and opens nothing."""
+    def check(self, history: Sequence[Turn], items: Sequence[Item], max_new_tokens: int) -> None:
+        """Raises an ``MMTierError`` (``BadMediaError`` for media) when the request is bad input:
+        the worker answers 400 and runs nothing."""
 
     def check_cache(self, cache) -> None:
         """``ConfigError`` unless ``cache`` is configured for this model (identity, layouts): a
         cluster started for another model would key this model's K/V as that one's."""
 
-    def open(self, cache, tenant: str) -> Conversation: ...
+    def answer(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item],
+               max_new_tokens: int) -> TurnOutput: ...
 
 
-def load_engine(model: ModelArgs) -> TurnEngine:
-    """The engine of ``model.kind`` with its weights (a worker)."""
+def load_engine(model: ModelArgs, device: str = "cpu") -> TurnEngine:
+    """The engine of ``model.kind`` with its weights on ``device`` (a worker)."""
     if model.kind == "reference":
+        if device != "cpu":
+            raise ShapeError("the reference model runs on the CPU only")
         return ReferenceEngine(model.seed)
     from .hf_engine import HFEngine
 
-    return HFEngine.load(model)
+    return HFEngine.load(model, device)
 
 
 def load_frontend(model: ModelArgs) -> Frontend:
@@ -130,48 +135,48 @@ class ReferenceEngine:
         params = self.model.encoders[modality].params
         return [cache.content_key(g, data, tenant=tenant, params=params) for g in self._groups[modality]]
 
-    def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
-        for kind, _data in items:
-            if kind != "text":
-                self._encoder(kind)
-        self.model.validate(_prompt(items), max_new_tokens)
+    def prefix_keys(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item]) -> list[ContentKey]:
+        return []                 # a reference conversation's text K/V is keyed by no content
+
+    def check(self, history: Sequence[Turn], items: Sequence[Item], max_new_tokens: int) -> None:
+        prompt = _prompt(history, items)
+        for item in prompt:
+            if not hasattr(item, "ids"):
+                self._encoder(TYPE_OF[item.modality])
+        self.model.validate(prompt, max_new_tokens)
 
     def check_cache(self, cache) -> None:
         self.model.check_cache(cache)
 
-    def open(self, cache, tenant: str) -> _ReferenceConversation:
+    def answer(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item],
+               max_new_tokens: int) -> TurnOutput:
+        """The whole conversation as one prompt of a fresh session (its media K/V found by
+        content; the session is closed after)."""
+        from ..integrations.chat_media import bytes_text
         from ..models import ModelCounters
 
         model = copy.copy(self.model)              # shares weights; counters of its own
         model.counters = ModelCounters()
-        return _ReferenceConversation(model, model.session(cache, tenant))
-
-
-class _ReferenceConversation:
-    def __init__(self, model, session):
-        self.model, self.session = model, session
-
-    @property
-    def broken(self) -> bool:
-        """A ``CachedSession`` appends each chunk as it runs: a turn that fails half-way breaks it."""
-        return not self.session.is_open
-
-    def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput:
-        before = self.model.counters.snapshot()
-        tokens = self.session.send(_prompt(items), max_new_tokens)
-        after = self.model.counters.snapshot()
+        prompt = _prompt(history, items)
+        with model.session(cache, tenant) as session:
+            tokens = session.send(prompt, max_new_tokens)
+        after = model.counters.snapshot()
         counts: dict[str, Any] = {}
         for name in ReferenceEngine.COUNTERS:
-            d = {TYPE_OF.get(m, m): n - before[name].get(m, 0) for m, n in after[name].items()}
-            counts[name] = {m: n for m, n in d.items() if n}
-        counts["decoder_tokens"] = after["decoder_tokens"] - before["decoder_tokens"]
-        return TurnOutput(tokens, bytes(tokens).decode("utf-8", errors="replace"), counts)
-
-    def close(self) -> None:
-        self.session.close()
+            counts[name] = {TYPE_OF.get(m, m): n for m, n in after[name].items() if n}
+        counts["decoder_tokens"] = after["decoder_tokens"]
+        size = sum(len(i.ids) if hasattr(i, "ids") else self.media_tokens(TYPE_OF[i.modality], i.data)
+                   for i in prompt)
+        return TurnOutput(tokens, bytes_text(bytes(tokens)), size, None, counts)
 
 
-def _prompt(items: Sequence[Item]) -> list:
+def _prompt(history: Sequence[Turn], items: Sequence[Item]) -> list:
+    from ..integrations.chat_media import text_bytes
     from ..models import Media, Text
 
-    return [Text(p) if t == "text" else Media(MEDIA_TYPES[t], p) for t, p in items]
+    out: list = []
+    for turn, answer in [*history, (items, None)]:
+        out += [Text(text_bytes(p)) if t == "text" else Media(MEDIA_TYPES[t], p) for t, p in turn]
+        if answer is not None:
+            out.append(Text(text_bytes(answer)))
+    return out

@@ -15,12 +15,16 @@ byte-level one (no tokenizer is downloaded).
   (``transcript_ids``) and Whisper cross-attention K/V (``audio``). (An image's or video
   segment's decoder K/V is chained to the conversation's prefix: it is found through the
   conversation, not routed by.)
-- ``HFEngine`` (a worker): conversations of the chat model over the worker's ``HostedCache``.
-  One turn at a time per worker (``serial``: the models keep per-turn state, Qwen2-VL's rope
-  deltas and the encoder-run counters), so each turn's counts are exactly that turn's; the
-  pool's own actor methods (exports to other nodes) still run alongside. ``Conversation.turn_keys`` (history
-  spans, the turn's spans, its images' and clips' groups) go to ``begin_turn``: one batched
-  lookup, groups held elsewhere fetched whole; ``end_turn`` publishes what the turn made.
+  The history's prefix keys (``prefix_keys``): its spans keyed as the chat layer seals them
+  (``chat_history``), up to its first clip (a clip's transcript needs Whisper).
+- ``HFEngine`` (a worker): a request is a chat conversation rebuilt from its history over the
+  worker's ``HostedCache`` (``ChatModel.conversation(history=...)``: every span held anywhere is
+  attached, not recomputed) and its last turn answered. One request at a time per worker
+  (``serial``: the models keep per-turn state, Qwen2-VL's rope deltas and the encoder-run
+  counters), so each request's counts are exactly its own; the pool's own actor methods
+  (exports to other nodes) still run alongside. ``Conversation.turn_lookup`` (history spans,
+  the turn's spans, its images' and clips' groups) goes to ``begin_turn``: one batched lookup,
+  groups held elsewhere fetched whole; ``end_turn`` publishes what the request made.
 """
 
 from __future__ import annotations
@@ -33,21 +37,25 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import BadMediaError, ConfigError, ShapeError
 from .config import ModelArgs
-from .engines import Item, TurnOutput
+from .engines import Item, Turn, TurnOutput
 from .protocol import TYPE_OF
 
 MARKERS = 2               # vision start / end, audio start / end around a media item's tokens
 
 
+def load_chat(model: ModelArgs, device: str = "cpu"):
+    """The ``ChatModel`` of ``model`` on ``device`` (cached per process: the driver, a worker)."""
+    return _load_chat(model, device)
+
+
 @lru_cache(maxsize=2)
-def load_chat(model: ModelArgs):
-    """The ``ChatModel`` of ``model`` (cached per process: the driver, a worker)."""
+def _load_chat(model: ModelArgs, device: str):
     from ..integrations.chat import ChatModel
 
     if model.path is None:
-        return ChatModel.tiny(model.seed)
+        return ChatModel.tiny(model.seed, device=device)
     try:
-        return ChatModel.from_pretrained(model.path, model.audio_path)
+        return ChatModel.from_pretrained(model.path, model.audio_path, device=device)
     except (OSError, ValueError) as exc:        # transformers' "not found locally" and bad configs
         raise ConfigError(f"model.path: cannot load {model.path} / {model.audio_path} without a "
                           f"download: {exc}", ("model.path",)) from None
@@ -109,6 +117,32 @@ class HFFrontend:
             return video_features_keys(cache, tenant, item)
         return [image_features_key(cache, tenant, item)]
 
+    def prefix_keys(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item]) -> list[ContentKey]:
+        from ..integrations.chat_history import (
+            NeedsTranscript,
+            chain,
+            prompt_without_audio,
+            replay,
+            root_key,
+        )
+        from ..integrations.chat_media import text_ids
+
+        def tokens(turn):
+            return prompt_without_audio([(k, d if k in ("text", "audio") else self._read(k, d)) for k, d in turn])
+
+        root = root_key(cache, tenant)
+        turns = [(turn, text_ids(answer)) for turn, answer in history]
+        h = replay(cache, tenant, root, turns, tokens)
+        keys = [s.key for s in h.spans]
+        if h.turns == len(turns):
+            try:
+                new, images, videos = tokens(items)
+            except NeedsTranscript:          # the turn's spans up to its first clip
+                new, images, videos = tokens(items[:next(i for i, (k, _d) in enumerate(items) if k == "audio")])
+            keys += [s.key for s in chain(cache, tenant, h.ids + new, h.start(), images, videos,
+                                          h.parent(root))[0]]
+        return keys
+
     def _read(self, kind: str, data: bytes):
         """The chat layer's ``ImageItem`` / ``VideoItem`` of the bytes (headers only)."""
         from ..integrations.chat_media import ImageItem, VideoItem
@@ -119,7 +153,7 @@ class HFFrontend:
 
 
 class HFEngine(HFFrontend):
-    """Conversations of the chat model; a turn at a time (``serial``)."""
+    """Requests of the chat model; one at a time (``serial``)."""
 
     serial = True
 
@@ -128,24 +162,26 @@ class HFEngine(HFFrontend):
         self.chat = chat
 
     @classmethod
-    def load(cls, model: ModelArgs) -> HFEngine:
+    def load(cls, model: ModelArgs, device: str = "cpu") -> HFEngine:
         """The engine of a worker, warmed up (a first turn through a private cache) so that
-        the first client's turn is not the process's first call of every kernel."""
-        engine = cls(load_chat(model))
+        the first client's request is not the process's first call of every kernel."""
+        engine = cls(load_chat(model, device))
         engine.chat.warm_up()
         return engine
 
-    def check(self, items: Sequence[Item], max_new_tokens: int) -> None:
+    def check(self, history: Sequence[Turn], items: Sequence[Item], max_new_tokens: int) -> None:
         from ..integrations.chat_media import read_wav
 
         if max_new_tokens < 1:
-            raise ShapeError("the chat model answers at least one token: max_new_tokens >= 1")
+            raise ShapeError("the chat model answers at least one token: max_tokens >= 1")
         rate = self.chat.feature_extractor.sampling_rate
-        for kind, data in items:
+        for kind, data in [*(i for turn, _answer in history for i in turn), *items]:
             if kind in ("image", "video"):
                 self._read(kind, data)
             elif kind == "audio":
                 _media(lambda d=data: read_wav(d, rate))
+        if any(not answer for _turn, answer in history):
+            raise ShapeError("an earlier answer of no text")
 
     def check_cache(self, cache) -> None:
         want = self.chat.cache_config().model
@@ -153,39 +189,34 @@ class HFEngine(HFFrontend):
             raise ConfigError(f"the cluster's cache is configured for {cache.cfg.model!r}, not this "
                               f"model {want!r} (start the cluster's cache with this app's config)", ("model",))
 
-    def open(self, cache, tenant: str) -> HFConversation:
-        return HFConversation(self, self.chat.conversation(cache, tenant), cache, tenant)
+    def answer(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item],
+               max_new_tokens: int) -> TurnOutput:
+        """The conversation rebuilt from ``history`` (its spans found by key), its last turn
+        ``items`` answered. A request that raises (no room, a lost holder) changes nothing but
+        what the cache may evict anyway: no conversation is kept."""
+        from ..integrations.chat_media import text_ids
 
-
-class HFConversation:
-    broken = False     # the chat conversation replaces its history only when a turn completed:
-                       # a turn that raised (no room, a lost holder) left it as it was
-
-    def __init__(self, engine: HFEngine, conv, cache, tenant: str):
-        self.engine, self.conv, self.cache, self.tenant = engine, conv, cache, tenant
-
-    def send(self, items: Sequence[Item], max_new_tokens: int) -> TurnOutput:
+        conv = self.chat.conversation(cache, tenant, [([d for _k, d in turn], text_ids(answer))
+                                                      for turn, answer in history])
         data = [d for _kind, d in items]
-        layers = self.engine.chat.vlm.config.get_text_config().num_hidden_layers
-        begin = getattr(self.cache, "begin_turn", None)         # an embedded pool: turn boundaries
+        layers = self.chat.vlm.config.get_text_config().num_hidden_layers
+        begin = getattr(cache, "begin_turn", None)         # an embedded pool: turn boundaries
         if begin is not None:
-            keys, fallbacks = self.conv.turn_lookup(data)
+            keys, fallbacks = conv.turn_lookup(data)
             begin(keys, calls_left=(max_new_tokens + len(items)) * layers, fallbacks=fallbacks)
         try:
-            r = self.conv.send(data, max_new_tokens)
+            r = conv.send(data, max_new_tokens)
         finally:
             if begin is not None:
-                self.cache.end_turn()
+                cache.end_turn()
+            conv.close()
         c = r.counters
         counts = {"encoder_runs": _named(c.encoder_runs), "media_hits": _named(c.media_hits),
                   "embedding_hits": _named({"vision": c.embedding_hits, "video": c.video_embedding_hits}),
                   "cached_tokens": c.cached_tokens, "prefilled_tokens": c.prefilled_tokens,
                   "span_hits": c.span_hits, "span_misses": c.span_misses,
                   "transcript_tokens": c.transcript_tokens, "transcript_hits": c.transcript_hits}
-        return TurnOutput(list(r.tokens), r.text, counts)
-
-    def close(self) -> None:
-        self.conv.close()
+        return TurnOutput(list(r.tokens), r.text, c.cached_tokens + c.prefilled_tokens, c.cached_tokens, counts)
 
 
 def _named(per_modality: dict[str, int]) -> dict[str, int]:

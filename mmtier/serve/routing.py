@@ -1,21 +1,22 @@
-"""Cache affinity: which node's worker takes a turn (plain logic, no Ray).
+"""Cache affinity: which node's worker takes a request (plain logic, no Ray).
 
-The Serve app runs one worker deployment per node, pinned there by a per-node resource, and
-an ingress that routes each turn by one rule, first match wins:
+The Serve app runs one worker per node, pinned there by a per-node resource, and an ingress
+that routes each request by one rule, first match wins:
 
-1. **conversation**: a turn of an open conversation goes to the node whose worker holds it
-   (its session, and the private K/V of its text, live there); the conversation id names it.
-2. **content**: a new conversation with media goes to the node holding the most bytes of the
-   request's content-only groups for this tenant (cross-attention K/V and encoder outputs of
-   each media item, looked up in the ContentRegistry). A pool's bytes count twice, a node
-   store's once (a pool serves attention at once; a store's groups are restored first),
-   the same weighting ``ClusterCache`` uses to home a sequence near its hint keys.
-3. **least_loaded**: otherwise (no media, or nothing of it cached for this tenant) the node
-   whose worker has the fewest turns in flight from this ingress; ties rotate.
+1. **content**: the node holding the most bytes of the request's content for this tenant, as
+   the ContentRegistry says (one batched lookup): its conversation's prefix groups (the spans
+   earlier turns sealed, keyed by their content chained from the start, so a conversation's
+   later requests go where its history is, with no conversation id anywhere) and the
+   content-only groups of its media (cross-attention K/V and encoder outputs of each item). A
+   pool's bytes count twice, a node store's once (a pool serves attention at once; a store's
+   groups are restored first), the same weighting ``ClusterCache`` uses to home a sequence
+   near its hint keys.
+2. **least_loaded**: otherwise (nothing of it cached for this tenant) the node whose worker
+   has the fewest requests in flight from this ingress; ties rotate.
 
-A new conversation whose worker is lost (dead or restarting) is sent once more, to the least
-loaded of the other nodes (rule **failover**): it holds nothing on the lost node yet. A turn of
-an open conversation is not: its history lived on that worker.
+A request whose worker is lost (dead or restarting) is sent once more, to the least loaded of
+the other nodes (rule **failover**): requests are stateless, so nothing is lost with the worker
+but what its pool held, which the other node recomputes.
 
 Which node a worker is pinned to (``pin_targets``): in production every Ray node carries the
 automatic resource ``node:<ip>``, and a worker claims a sliver of it; where nodes share an IP
@@ -37,12 +38,13 @@ POOL_WEIGHT, STORE_WEIGHT = 2, 1
 class PinTarget:
     node: str                # Ray node id
     resource: str            # the resource a worker claims to land there
+    gpus: float = 0.0        # the node's GPUs (a worker on it claims one when workers.device is auto)
 
 
 @dataclass
 class Route:
     node: str
-    rule: str                                  # "conversation" | "content" | "least_loaded"
+    rule: str                                  # "content" | "least_loaded" | "failover"
     scores: dict[str, int] = field(default_factory=dict)   # node -> weighted bytes of content
 
 
@@ -56,7 +58,7 @@ def pin_targets(nodes: Iterable[dict], prefix: str | None) -> list[PinTarget]:
         if prefix is None:
             name = f"node:{n.get('NodeManagerAddress')}"
             if name in res:
-                out.append(PinTarget(n["NodeID"], name))
+                out.append(PinTarget(n["NodeID"], name, res.get("GPU", 0.0)))
             continue
         names = sorted(r for r in res if r.startswith(prefix))
         if len(names) > 1:
@@ -64,7 +66,7 @@ def pin_targets(nodes: Iterable[dict], prefix: str | None) -> list[PinTarget]:
                               f"{prefix!r} ({names}); give each node exactly one",
                               ("affinity.pin_resource_prefix",))
         if names:
-            out.append(PinTarget(n["NodeID"], names[0]))
+            out.append(PinTarget(n["NodeID"], names[0], res.get("GPU", 0.0)))
     seen = Counter(t.resource for t in out)
     dup = sorted(r for r, c in seen.items() if c > 1)
     if dup:
@@ -98,9 +100,7 @@ class Router:
                 score[info[0]] += loc.nbytes * (POOL_WEIGHT if info[1] == "pool" else STORE_WEIGHT)
         return dict(score)
 
-    def choose(self, scores: dict[str, int], conversation_node: str | None = None) -> Route:
-        if conversation_node is not None:
-            return Route(conversation_node, "conversation", scores)
+    def choose(self, scores: dict[str, int]) -> Route:
         if scores:
             best = max(scores.values())
             tied = [n for n in self.nodes if scores.get(n) == best]
@@ -108,7 +108,7 @@ class Router:
         return Route(self._least(self.nodes), "least_loaded", scores)
 
     def failover(self, lost: str, scores: dict[str, int]) -> Route | None:
-        """Another node for a new conversation whose worker on ``lost`` did not take it."""
+        """Another node for a request whose worker on ``lost`` did not take it."""
         others = [n for n in self.nodes if n != lost]
         return Route(self._least(others), "failover", scores) if others else None
 
