@@ -50,7 +50,7 @@ def main() -> None:
               show_default=True, help="Directory of the JSON report (and, for transformers, demo.png).")
 @click.option("--tenants", type=click.IntRange(1, 16), help="Tenants (default 2 / 3 for transformers; --quick 2).")
 @click.option("--conversations", type=click.IntRange(1, 64), help="Conversations per tenant (default 2 / 3; --quick 1 / 2).")
-@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 3; --quick 2).")
+@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 4 / 3 for transformers; --quick 2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and model seed.")
 @click.option("--port", type=click.IntRange(1, 65535), help="vllm: the app's port on 127.0.0.1 (default: a free one).")
 @click.option("--no-progress", is_flag=True, help="No progress lines.")

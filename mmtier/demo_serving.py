@@ -45,10 +45,10 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-llm-cpu.yaml"
 class ServingDemoSpec:
     tenants: int = 2
     conversations: int = 2              # per tenant
-    turns: int = 3
+    turns: int = 4
     max_tokens: int = 8
-    p_image: float = 0.7                # a turn carries an image
-    user_words: int = 40
+    p_image: float = 0.6                # a turn carries an image
+    user_words: int = 160
     seed: int = 0
 
     @classmethod
