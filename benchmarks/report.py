@@ -33,8 +33,8 @@ COMMANDS = {
     "demo": "mmtier demo (./run demo)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
-    "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing  (two Ray Serve LLM replicas on a "
-                     "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 paired rounds)",
+    "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
+                     "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 rounds per router, the routers in turn)",
     "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
                     "in .venv-lmcache from benchmarks/peers_env.sh)",
 }

@@ -11,7 +11,7 @@ prefix caching off, ``usage.prompt_tokens_details`` on. The app is Ray Serve LLM
 ``build_dev_openai_app`` (``dev_app``: the OpenAI API plus ``/collective_rpc``, through which the test
 extension ``tests/serve_worker_ext.py`` counts each replica's vision-encoder runs), on
 127.0.0.1. ``router``: ``"affinity"`` (mmtier's router) or ``"default"`` (Serve's power of
-two choices), switched in place by ``ServeCluster.route``.
+two choices); ``ServeCluster.route`` redeploys it with the other.
 
 Every process of the cluster gets ``tests/serve_site`` on its ``PYTHONPATH`` (the torchvision
 shim the engines' spawned processes need) and ``mmtier.serve.llm_callback`` tells each engine
@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SLOT = "mmtier_replica"
 MODEL_ID = "tiny-llava"
 NAMESPACE = "mmtier-serve-replicas"
+APP = "default"
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
                  "{% for c in m['content'] %}{% if c['type'] == 'text' %}{{ c['text'] }}{% else %} <image> "
                  "{% endif %}{% endfor %}{% endif %} {% endfor %}")
@@ -81,9 +82,7 @@ def llm_config(model: Path, link: dict, *, max_ongoing: int = 1) -> dict:
 
 def dev_app(config: dict, router: str):
     """``build_dev_openai_app`` for one model, its request router set as a Serve option beside
-    the ``LLMConfig`` (not inside it): the replicas' arguments stay the same whichever router
-    routes to them, so switching routers reconfigures the deployment instead of restarting
-    the engines (``request_router_config`` is a reconfigure-only option)."""
+    the ``LLMConfig`` (the replicas' arguments are the same whichever router routes to them)."""
     from ray import serve
     from ray.llm._internal.serve.core.ingress import dev_ingress as dev
     from ray.serve.llm import LLMConfig
@@ -137,10 +136,15 @@ class ServeCluster:
             raise
 
     def route(self, router: str, timeout_s: float = 600.0) -> None:
-        """(Re)deploy the app with ``router`` (``"affinity"`` or ``"default"``) and wait for it."""
+        """(Re)deploy the app with ``router`` (``"affinity"`` or ``"default"``) and wait for it.
+        A running app is deleted first: Serve 2.60 rolls a changed router out as new replicas
+        (new engines) started beside the old ones, more engines than this machine holds. The
+        mmtier stores keep what the old engines saved."""
         from ray import serve
 
-        serve.run(dev_app(self.config, router), blocking=False)
+        if getattr(self, "router", None) is not None:
+            serve.delete(APP)
+        serve.run(dev_app(self.config, router), name=APP, blocking=False)
         self.router = router
         self._wait_ready(timeout_s)
 
