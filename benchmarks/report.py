@@ -34,6 +34,8 @@ COMMANDS = {
     "demo_serving": "mmtier demo (./run demo: the openai client, Ray Serve LLM, vLLM's CPU build)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
+    "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
+                     "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 rounds per router, the routers in turn)",
     "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
                     "in .venv-lmcache from benchmarks/peers_env.sh)",
 }
@@ -91,6 +93,12 @@ HEADLINES = [
     ("vllm_engine", "mmtier_device_over_recompute", "(reported; < 1: mmtier's hit is faster than prefill)", None),
     ("vllm_engine", "mmtier_device_over_vllm_prefix", "(reported; vLLM's own prefix cache, same process)", None),
     ("vllm_engine", "mmtier_disk_restart_over_recompute", "(reported; a new engine, groups from disk)", None),
+    ("serve_routing", "hit_ratio_affinity", "(reported; cached / prompt tokens, mmtier's router)", None),
+    ("serve_routing", "hit_ratio_default", "(reported; Serve's power of two choices)", None),
+    ("serve_routing", "ttft_affinity_over_default", "(reported; < 1: affinity answers sooner)", None),
+    ("serve_routing", "ttft_later_affinity_over_default", "(reported; turns after the first)", None),
+    ("serve_routing", "pulled_groups_default", "(reported; groups read from the other node, affinity: "
+     "pulled_groups_affinity)", None),
     ("connector_copy", "save_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
     ("connector_copy", "load_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
     ("peer_lmcache", "cache_put_host_over_raw_copies", "<= 1.2 (time)", lambda v: v <= 1.2),

@@ -50,6 +50,10 @@ from .settings import ClusterSettings
 
 log = logging.getLogger(__name__)
 
+# The node an engine process runs on, where its Ray connection cannot tell: a process that joins
+# Ray itself attaches to the head's raylet when several share a host (``ray.cluster_utils``),
+# so whoever starts the engine on a node sets it (``mmtier.serve.llm_callback``).
+NODE_ENV = "MMTIER_NODE_ID"
 LEASE_S = 60.0            # bound of one export's read of the local pages (the submission's copy)
 
 
@@ -117,7 +121,7 @@ class EngineLink:
         self.cache = cache
         self.transport = transport
         self.settings = transport.settings
-        self.node = ray.get_runtime_context().get_node_id()
+        self.node = os.environ.get(NODE_ENV) or ray.get_runtime_context().get_node_id()
         self.store = store_name(self.node)
         try:
             self.transport.handle(self.store)

@@ -49,7 +49,6 @@ adapters ever share KV; media groups are keyed by the digest of the item's proce
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -65,10 +64,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from . import vllm_copy
-from .engine_cache import open_shared, report_for, tenant_from_extra
+from .engine_cache import open_shared, report_for
 from .lookup_channel import LookupChannel
+from .vllm_keys import KeyScheme
 from .vllm_metrics import MMTierKVStats, MMTierPromMetrics
-from .vllm_plan import MediaItem, RequestPlan, Segment, plan_request, slots_for
+from .vllm_plan import RequestPlan, Segment, slots_for
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -124,51 +124,6 @@ class _Staged:
     layers: set[int] = field(default_factory=set)
 
 
-def media_of(request: Any) -> list[MediaItem]:
-    """A vLLM request's media items (``mm_features``) as plain data, each with the digest of
-    its processed inputs (computed here; ``None`` where the scheduler was not given them)."""
-    return [MediaItem(f.mm_position.offset, f.mm_position.length, f.identifier, f.modality,
-                      inputs_digest(f.data))
-            for f in (request.mm_features or [])]
-
-
-def inputs_digest(item: Any) -> bytes | None:
-    """SHA-256 over an item's processed inputs (``MultiModalKwargsItem``: field name, dtype,
-    shape and bytes of every tensor, in name order); ``None`` when any of them is missing."""
-    if item is None:
-        return None
-    h = hashlib.sha256(b"mmtier/vllm-mm-inputs\x00")
-
-    def feed(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            t = x.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            return True
-        if isinstance(x, (list, tuple)):
-            h.update(f"[{len(x)}".encode())
-            return all(feed(y) for y in x)
-        if isinstance(x, (int, float, str, bool)):
-            h.update(repr(x).encode())
-            return True
-        return False
-
-    for name in sorted(item.keys()):
-        data = getattr(item[name], "data", None)
-        h.update(name.encode() + b"\x00")
-        if data is None or not feed(data):
-            return None
-    return h.digest()
-
-
-def lora_scope(request: Any) -> str | None:
-    """The LoRA adapter a request runs under, as part of its key scope (``None``: the base)."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return None
-    return f"lora:{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
-
-
 class MMTierConnector(KVConnectorBase_V1):
     """See the module docstring. One class for both roles, as vLLM's factory expects."""
 
@@ -198,12 +153,9 @@ class MMTierConnector(KVConnectorBase_V1):
             raise ConfigError(f"mmtier_load_failure_policy must be 'recompute' or 'fail', got {policy!r}",
                               ("mmtier_load_failure_policy",))
         self._kv_transfer_config.kv_load_failure_policy = policy
-        self.tenant = tenant_from_extra(extra)
-        self.text_modality = extra.get("mmtier_text_modality", "text")
-        self.chunk_blocks = int(extra.get("mmtier_chunk_blocks", 16))
-        self.modality_map = dict(extra.get("mmtier_modalities", {}))
-        if self.cache.cfg.spec(self.text_modality).kind != "kv":
-            raise ConfigError(f"{self.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
+        self.scheme = KeyScheme.from_extra(extra, self.block_size)
+        if self.cache.cfg.spec(self.scheme.text_modality).kind != "kv":
+            raise ConfigError(f"{self.scheme.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         # tokens the scheduler told vLLM it would load, and tokens it then asked the worker to
@@ -221,25 +173,10 @@ class MMTierConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
 
     # ------------------------------------------------------------------ scheduler side
-    def _tenant(self, request: Request) -> str | None:
-        """The key scope: the server-side tenant, vLLM's ``cache_salt``, the LoRA adapter."""
-        parts = [self.tenant or ""]
-        salt = getattr(request, "cache_salt", None)
-        if salt:
-            parts.append(f"salt/{salt}")
-        lora = lora_scope(request)
-        if lora:
-            parts.append(lora)
-        return "/".join(parts) if len(parts) > 1 else self.tenant
-
     def _plan(self, request: Request) -> _ReqState:
         state = self._reqs.get(request.request_id)
         if state is None:
-            plan = plan_request(self.cache, list(request.prompt_token_ids or []), media_of(request),
-                                block_size=self.block_size, tenant=self._tenant(request),
-                                chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
-                                modality_map=self.modality_map)
-            state = self._reqs[request.request_id] = _ReqState(plan)
+            state = self._reqs[request.request_id] = _ReqState(self.scheme.plan(self.cache, request))
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int

@@ -7,7 +7,7 @@
                                                         "mmtier_embed_modality": "vision_embed"}}
 
 An item's key is the digest mmtier computes over the item's processed inputs
-(``vllm.inputs_digest`` of ``mm_features[i].data``: the pixels as the model sees them) under the
+(``vllm_keys.inputs_digest`` of ``mm_features[i].data``: the pixels as the model sees them) under the
 server-side tenant (``mmtier_tenant``), never vLLM's identifier, which a client may choose
 (``multi_modal_uuids``): two images sent under one uuid never share an encoder output. The group
 is content-only, so every request and every instance sharing the cache reuses it. vLLM's
@@ -56,7 +56,8 @@ from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
 from .engine_cache import open_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupChannel
-from .vllm import SPLIT_BACKENDS, inputs_digest
+from .vllm import SPLIT_BACKENDS
+from .vllm_keys import embedding_key
 from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
 
 if TYPE_CHECKING:
@@ -120,10 +121,7 @@ class MMTierECConnector(ECConnectorBase):
     def item_key(self, feature: Any) -> ContentKey | None:
         """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of
         its processed inputs; ``None`` when they are not at hand (nothing cached for it)."""
-        digest = inputs_digest(feature.data)
-        if digest is None:
-            return None
-        return self.cache.content_key(self.modality, b"vllm-ec\x00" + digest, tenant=self.tenant)
+        return embedding_key(self.cache, feature, modality=self.modality, tenant=self.tenant)
 
     # ------------------------------------------------------------------ scheduler side
     def _request_keys(self, request: Request) -> dict[str, ContentKey | None]:

@@ -1,0 +1,118 @@
+"""How a vLLM request's prompt and media become mmtier keys: the one place they are made.
+
+vLLM's scheduler-side connectors call these (``MMTierConnector``: ``KeyScheme.plan``, the
+chained segments of the prompt; ``MMTierECConnector``: ``embedding_key``, an item's encoder
+output), and so does a router that asks the cluster where a request's groups live before it
+picks a replica (``mmtier.serve.affinity_router``, over the ``EngineCoreRequest`` vLLM's own
+renderer and input processor make of the request): a key made anywhere else would never match.
+Nothing here imports vLLM; media are keyed by the digest of their processed inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..cache import TieredKVCache
+from ..content import ContentKey
+from .engine_cache import tenant_from_extra
+from .vllm_plan import MediaItem, RequestPlan, plan_request
+
+
+def media_of(request: Any) -> list[MediaItem]:
+    """A vLLM request's media items (``mm_features``) as plain data, each with the digest of
+    its processed inputs (computed here; ``None`` where the scheduler was not given them)."""
+    return [MediaItem(f.mm_position.offset, f.mm_position.length, f.identifier, f.modality,
+                      inputs_digest(f.data))
+            for f in (request.mm_features or [])]
+
+
+def inputs_digest(item: Any) -> bytes | None:
+    """SHA-256 over an item's processed inputs (``MultiModalKwargsItem``: field name, dtype,
+    shape and bytes of every tensor, in name order); ``None`` when any of them is missing."""
+    if item is None:
+        return None
+    h = hashlib.sha256(b"mmtier/vllm-mm-inputs\x00")
+
+    def feed(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            return True
+        if isinstance(x, (list, tuple)):
+            h.update(f"[{len(x)}".encode())
+            return all(feed(y) for y in x)
+        if isinstance(x, (int, float, str, bool)):
+            h.update(repr(x).encode())
+            return True
+        return False
+
+    for name in sorted(item.keys()):
+        data = getattr(item[name], "data", None)
+        h.update(name.encode() + b"\x00")
+        if data is None or not feed(data):
+            return None
+    return h.digest()
+
+
+def lora_scope(request: Any) -> str | None:
+    """The LoRA adapter a request runs under, as part of its key scope (``None``: the base)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return f"lora:{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """How the connector keys a request's prompt, from its extra config: the server-side tenant
+    (``mmtier_tenant``), the text modality, the chunk size in blocks and vLLM's modality names
+    mapped to mmtier's. The one place keys are made from a vLLM request (``plan``): the
+    connector's scheduler side and a router that asks where a request's groups live
+    (``mmtier.serve.affinity_router``) both call it."""
+
+    block_size: int
+    tenant: str | None = None
+    text_modality: str = "text"
+    chunk_blocks: int = 16
+    modality_map: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, block_size: int) -> KeyScheme:
+        extra = extra or {}
+        return cls(block_size, tenant_from_extra(extra), extra.get("mmtier_text_modality", "text"),
+                   int(extra.get("mmtier_chunk_blocks", 16)), dict(extra.get("mmtier_modalities", {})))
+
+    def scope(self, request: Any) -> str | None:
+        """The key scope: the server-side tenant, vLLM's ``cache_salt``, the LoRA adapter."""
+        parts = [self.tenant or ""]
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            parts.append(f"salt/{salt}")
+        lora = lora_scope(request)
+        if lora:
+            parts.append(lora)
+        return "/".join(parts) if len(parts) > 1 else self.tenant
+
+    def plan(self, cache: TieredKVCache, request: Any) -> RequestPlan:
+        """The chained segments of a vLLM request (``prompt_token_ids``, ``mm_features``,
+        ``cache_salt``, ``lora_request``: a scheduler's ``Request`` or an ``EngineCoreRequest``)."""
+        return plan_request(cache, list(request.prompt_token_ids or []), media_of(request),
+                            block_size=self.block_size, tenant=self.scope(request),
+                            chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
+                            modality_map=self.modality_map)
+
+
+def embedding_key(cache: TieredKVCache, feature: Any, *, modality: str, tenant: str | None
+                  ) -> ContentKey | None:
+    """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of its
+    processed inputs under the server-side tenant, content-only (no prefix); ``None`` when the
+    inputs are not at hand. The connector and a router locating the item both call it."""
+    digest = inputs_digest(feature.data)
+    if digest is None:
+        return None
+    return cache.content_key(modality, b"vllm-ec\x00" + digest, tenant=tenant)

@@ -1,0 +1,166 @@
+"""The mmtier keys of a Ray Serve LLM request, made before it reaches an engine.
+
+A router that asks the cluster where a request's groups live needs the keys the engine's
+connectors will make: the digest of each image's *processed* inputs and the chained keys of the
+prompt's token ids (after the chat template, with each image's placeholders expanded), under the
+server-side tenant and the request's ``cache_salt``. ``RequestKeyer`` renders the request as
+the engine will: vLLM's own renderer and input processor, built from the deployment's
+``LLMConfig`` through Ray Serve LLM's own ``_get_vllm_engine_config`` (the function its
+``LLMServer`` starts the engine with; only vLLM's multimodal processor cache is off here, so
+every item keeps its inputs), and keys the resulting ``EngineCoreRequest`` with the connectors'
+own functions (``vllm_keys``). The keys carry the cluster's secret: the keyer joins the mmtier
+cluster named in the connectors' ``mmtier_cluster`` and makes keys with a lookup-only cache.
+
+Rendering runs on the keyer's own thread and event loop (``submit``), never on the router's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ..content import ContentKey
+from ..errors import ConfigError, MMTierError
+from ..integrations.engine_cache import (
+    cluster_from_extra,
+    config_from_extra,
+    lookup_only,
+    shared_cache,
+    tenant_from_extra,
+)
+
+
+class KeyingError(MMTierError):
+    """The request could not be rendered into keys (vLLM's renderer refused it)."""
+
+
+@dataclass(frozen=True)
+class RequestKeys:
+    """A request's media (each item's encoder-output key, in prompt order) and its prompt's
+    chained KV segments (``(key, tokens)`` in position order; a prefix hits up to the first
+    segment nobody holds)."""
+
+    media: tuple[ContentKey, ...]
+    prefix: tuple[tuple[ContentKey, int], ...]
+
+    def digests(self) -> list[str]:
+        """Every key's digest, media first: the one batched registry lookup."""
+        return [k.hex for k in self.media] + [k.hex for k, _ in self.prefix]
+
+
+def connector_extras(engine_kwargs: dict[str, Any]) -> tuple[dict, dict | None]:
+    """The KV connector's extra config (it must be mmtier's, joined to a cluster) and the
+    encoder-cache connector's (``None`` where the deployment has none)."""
+    kv = engine_kwargs.get("kv_transfer_config") or {}
+    ec = engine_kwargs.get("ec_transfer_config") or {}
+    if kv.get("kv_connector") != "MMTierConnector":
+        raise ConfigError("affinity routing needs mmtier's KV connector (kv_connector: MMTierConnector)",
+                          ("engine_kwargs.kv_transfer_config",))
+    kv_extra = dict(kv.get("kv_connector_extra_config") or {})
+    if cluster_from_extra(kv_extra) is None:
+        raise ConfigError("affinity routing needs the engines joined to the mmtier cluster "
+                          "(mmtier_cluster in the connector's extra config)", ("mmtier_cluster",))
+    ec_extra = (dict(ec.get("ec_connector_extra_config") or {})
+                if ec.get("ec_connector") == "MMTierECConnector" else None)
+    return kv_extra, ec_extra
+
+
+class RequestKeyer:
+    """See the module docstring. ``llm_config``: the deployment's ``LLMConfig`` (or its dump)."""
+
+    def __init__(self, llm_config: Any):
+        from ray.serve.llm import LLMConfig
+
+        cfg = llm_config if isinstance(llm_config, LLMConfig) else LLMConfig(**llm_config)
+        self.kv_extra, self.ec_extra = connector_extras(cfg.engine_kwargs)
+        # vLLM's processor cache would hand a repeated item over without its inputs
+        self.llm_config = cfg.model_copy(update={"engine_kwargs": {**cfg.engine_kwargs, "mm_processor_cache_gb": 0}})
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="mmtier-keyer", daemon=True)
+        self._thread.start()
+        self.ready: Future = asyncio.run_coroutine_threadsafe(self._build(), self._loop)
+
+    async def _build(self) -> None:
+        from ray.llm._internal.serve.engines.vllm.vllm_engine import (
+            FrontendArgs,
+            _get_vllm_engine_config,
+        )
+        from vllm.entrypoints.launchers.cli_args import resolve_default_chat_template_kwargs
+        from vllm.renderers import renderer_from_config
+        from vllm.renderers.chat_utils import load_chat_template
+        from vllm.renderers.online_renderer import OnlineRenderer
+        from vllm.v1.engine.input_processor import InputProcessor
+
+        from ..actors.engine_link import join
+        from ..integrations.vllm_keys import KeyScheme
+
+        # the arguments LLMServer.start builds, and the renderer vLLM's init_app_state makes of them
+        engine_args, vllm_config = _get_vllm_engine_config(self.llm_config)
+        frontend = FrontendArgs(**self.llm_config.get_engine_config().frontend_kwargs)
+        args = argparse.Namespace(**(vars(frontend) | vars(engine_args)))
+        renderer = renderer_from_config(vllm_config)
+        self._renderer = OnlineRenderer(
+            model_config=vllm_config.model_config, renderer=renderer, request_logger=None,
+            chat_template=load_chat_template(args.chat_template),
+            chat_template_content_format=args.chat_template_content_format,
+            trust_request_chat_template=args.trust_request_chat_template,
+            trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+            enable_auto_tools=args.enable_auto_tool_choice,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            tool_parser=args.tool_call_parser, tool_strict_level=args.tool_strict_level,
+            reasoning_parser=vllm_config.structured_outputs_config.reasoning_parser,
+            default_chat_template_kwargs=resolve_default_chat_template_kwargs(args))
+        self._inputs = InputProcessor(vllm_config, renderer)
+        cfg, self.transport = join(config_from_extra(self.kv_extra), *cluster_from_extra(self.kv_extra))
+        self._kv_cache = shared_cache(lookup_only(cfg))
+        self.scheme = KeyScheme.from_extra(self.kv_extra, vllm_config.cache_config.block_size)
+        self._ec_cache = None
+        if self.ec_extra is not None:
+            ec_cfg = config_from_extra(self.ec_extra).model_copy(update={"key_secret": cfg.key_secret})
+            self._ec_cache = shared_cache(lookup_only(ec_cfg))
+            self._ec_modality = self.ec_extra.get("mmtier_embed_modality", "vision_embed")
+            self._ec_tenant = tenant_from_extra(self.ec_extra)
+
+    def submit(self, request: Any) -> Future:
+        """Start keying ``request`` (a ``ChatCompletionRequest`` or ``CompletionRequest``) on the
+        keyer's thread: a future of its ``RequestKeys``."""
+        return asyncio.run_coroutine_threadsafe(self._keys(request), self._loop)
+
+    async def _keys(self, request: Any) -> RequestKeys:
+        from vllm.sampling_params import SamplingParams
+
+        from ..integrations.vllm_keys import embedding_key
+
+        if not self.ready.done():
+            await asyncio.wrap_future(self.ready)
+        self.ready.result()
+        if getattr(request, "messages", None) is not None:
+            out = await self._renderer.render_chat(request.model_copy(deep=True))
+        elif getattr(request, "prompt", None) is not None:
+            out = await self._renderer.render_completion(request.model_copy(deep=True))
+        else:
+            raise KeyingError(f"{type(request).__name__} has neither messages nor a prompt")
+        if not isinstance(out, tuple):
+            raise KeyingError(f"vLLM's renderer refused the request: {getattr(out, 'error', out)}")
+        inputs = out[-1]
+        if len(inputs) != 1:
+            raise KeyingError(f"{len(inputs)} prompts in one request: routed by the first engine's choice")
+        core = self._inputs.process_inputs(f"mmtier-route-{next(self._ids)}", inputs[0],
+                                           SamplingParams(max_tokens=1), ("generate",))
+        plan = self.scheme.plan(self._kv_cache, core)
+        media: list[ContentKey] = []
+        if self._ec_cache is not None:
+            for f in core.mm_features or []:
+                key = embedding_key(self._ec_cache, f, modality=self._ec_modality, tenant=self._ec_tenant)
+                if key is not None:
+                    media.append(key)
+        return RequestKeys(tuple(dict.fromkeys(media)), tuple((s.key, s.end - s.start) for s in plan.segments))
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
