@@ -80,7 +80,7 @@ def llm_config(model: Path, link: dict, *, max_ongoing: int = 1) -> dict:
     }
 
 
-def dev_app(config: dict, router: str):
+def dev_app(config: dict, router: str, router_timeout_s: float = 0.25):
     """``build_dev_openai_app`` for one model, its request router set as a Serve option beside
     the ``LLMConfig`` (the replicas' arguments are the same whichever router routes to them)."""
     from ray import serve
@@ -92,7 +92,7 @@ def dev_app(config: dict, router: str):
     if router not in ("affinity", "default"):
         raise ValueError(f"router must be 'affinity' or 'default', got {router!r}")
     cfg = LLMConfig(**config)
-    routing = router_config(config) if router == "affinity" else {}
+    routing = router_config(config, timeout_s=router_timeout_s) if router == "affinity" else {}
     llm = dev.build_llm_deployment(cfg, override_serve_options={"request_router_config": routing})
     ingress = dev.make_fastapi_ingress(dev.DevIngress, endpoint_map=dev.DEV_ENDPOINTS)
     return serve.deployment(ingress, **dev.DevIngress.get_deployment_options([cfg])).bind(
@@ -104,7 +104,7 @@ class ServeCluster:
     """The cluster, the mmtier cache and the app (see the module docstring); ``close`` ends all."""
 
     def __init__(self, tmp: str | Path, *, router: str = "affinity", port: int = 8321,
-                 max_ongoing: int = 1, start_timeout_s: float = 600.0):
+                 max_ongoing: int = 1, start_timeout_s: float = 600.0, router_timeout_s: float = 0.25):
         os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests" / "serve_site"), str(ROOT),
                                                     os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -119,6 +119,7 @@ class ServeCluster:
         from mmtier.config import CacheConfig
 
         self.model = model_dir(tmp)
+        self.router_timeout_s = router_timeout_s
         self.settings = ClusterSettings(namespace=NAMESPACE, device_resource="no_such_device", call_timeout_s=30.0)
         self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "include_dashboard": False})
         self.nodes = [self.cluster.add_node(num_cpus=2, resources={SLOT: 1}) for _ in range(2)]
@@ -144,7 +145,7 @@ class ServeCluster:
 
         if getattr(self, "router", None) is not None:
             serve.delete(APP)
-        serve.run(dev_app(self.config, router), name=APP, blocking=False)
+        serve.run(dev_app(self.config, router, self.router_timeout_s), name=APP, blocking=False)
         self.router = router
         self._wait_ready(timeout_s)
 

@@ -35,7 +35,10 @@ pytestmark = pytest.mark.skipif(
 def app(tmp_path_factory):
     from tests.serve_llm_cluster import ServeCluster
 
-    app = ServeCluster(tmp_path_factory.mktemp("serve-replicas"), router="affinity")
+    # the router's budget for keys and lookup is 0.25 s by default (past it, Serve's own choice:
+    # routing never adds more); under the load of this 2-core test machine, rendering a chat
+    # with an image can take longer, and this test asserts the routing decision, not the fallback
+    app = ServeCluster(tmp_path_factory.mktemp("serve-replicas"), router="affinity", router_timeout_s=10.0)
     yield app
     app.close()
 
