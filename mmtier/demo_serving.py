@@ -18,9 +18,11 @@ What it does, in order:
    token is the first content chunk; greedy answers (temperature 0) must be equal; the history
    goes on with the answer;
 4. reports cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) on first and
-   later turns, time to first token with and without mmtier, the image tokens whose encoder
-   run was not needed because their KV came from mmtier, what mmtier's cluster holds at the end
-   (groups and bytes per modality in the node store), and the check; a flat JSON report.
+   later turns, time to first token with and without mmtier, the images (and image tokens)
+   the prompts carried, what mmtier's cluster holds at the end (groups and bytes per tier and
+   modality), and the check; a flat JSON report. Encoder runs are not counted here (the
+   engines' processes do not report them to the client); the two-replica test counts them
+   through Ray Serve LLM's ``collective_rpc`` (``tests/serve_worker_ext.py``).
 
 Runs in the engines environment (``./run demo`` creates it: vLLM's CPU build here)."""
 
