@@ -1,12 +1,14 @@
-"""Recompute cost per token and modality, measured with the reference model on this machine.
+"""Recompute cost per token and modality, measured with the chat model on this machine.
 
-``python -m benchmarks.recompute`` times the dense path of ``mmtier.models.ReferenceModel``
-(seeded random weights): a text prompt, the same prompt with an image, and with an audio clip
-(one new token each, so the time is the prefill: encoder + decoder over every position). A
-media token's cost is the extra time over the text prompt divided by the media's tokens; median
-of ``--repeat`` runs of each (interleaved). The table goes to ``benchmarks/traces/
-recompute_costs.json``, which the eviction benchmark reads (so its policies see one fixed,
-measured table, not a fresh, noisy one per run).
+``python -m benchmarks.recompute`` times the dense path (``dense_turn``: no cache) of the chat
+model the demo and Serve run (``ChatModel.tiny``: a random-weight Qwen2-VL and Whisper): a text
+prompt, the same prompt with an image, with a video and with an audio clip (one new token each,
+so the time is the prefill: encoders + decoder over every position). A media token's cost is the
+extra time over the text prompt divided by the media's tokens (an image's and a video's decoder
+tokens; a clip's Whisper encoder positions, the tokens of its ``audio`` group), plus a text
+token's; median of ``--repeat`` runs of each (interleaved, one torch thread). The table goes to
+``benchmarks/traces/recompute_costs.json``, which the eviction benchmark reads (so its policies
+see one fixed, measured table, not a fresh, noisy one per run).
 """
 
 from __future__ import annotations
@@ -23,31 +25,38 @@ TABLE = Path(__file__).resolve().parent / "traces" / "recompute_costs.json"
 
 
 def measure(repeat: int = 7, text_tokens: int = 256) -> dict:
-    from mmtier.models.reference import Audio, Image, ReferenceModel, Text
+    import torch
 
-    model = ReferenceModel(seed=0)
-    text = Text(bytes(range(32, 32 + 64)) * (text_tokens // 64))
-    image = Image(bytes(range(256)) * 12)
-    audio = Audio(bytes(range(256)) * 24)
-    media_tokens = {"vision": model.encoders["vision"].tokens_for(image.data),
-                    "audio": model.encoders["audio"].tokens_for(audio.data)}
-    prompts = {"text": [text], "vision": [image, text], "audio": [audio, text]}
+    from mmtier.demo import audio_bytes, image_bytes, video_bytes
+    from mmtier.integrations.chat import ChatModel
+    from mmtier.integrations.chat_dense import dense_turn
+    from mmtier.integrations.chat_media import ImageItem, VideoItem
+
+    torch.set_num_threads(1)
+    chat = ChatModel.tiny(seed=0)
+    chat.warm_up()
+    text = ("the quick brown fox jumps over a lazy dog " * 8)[:text_tokens]
+    image, video = image_bytes("recompute:image", (336, 336), "PNG"), video_bytes("recompute:video", 4.0)
+    clip = audio_bytes("recompute:audio", 4.0)
+    media_tokens = {"vision": ImageItem.read(image, chat.image_processor).tokens,
+                    "video": VideoItem.read(video, chat.video_processor, chat.video_segment).tokens,
+                    "audio": chat.whisper.config.max_source_positions}    # Whisper's encoder positions
+    prompts = {"text": [text], "vision": [image, text], "video": [video, text], "audio": [clip, text]}
     times: dict[str, list[float]] = {m: [] for m in prompts}
     for p in prompts.values():
-        model.generate_dense(p, max_new_tokens=1)          # warm
+        dense_turn(chat, [], p, 1)                        # warm
     for _ in range(repeat):
         for m, p in prompts.items():
             t0 = time.perf_counter()
-            model.generate_dense(p, max_new_tokens=1)
+            dense_turn(chat, [], p, 1)
             times[m].append(time.perf_counter() - t0)
     med = {m: statistics.median(v) for m, v in times.items()}
     per_text = med["text"] / text_tokens
     out = {"text": per_text, "runs": repeat, "machine": machine(),
-           "model": "mmtier ReferenceModel(seed=0), dense path, float32 CPU"}
-    for m in ("vision", "audio"):
+           "model": "ChatModel.tiny(seed=0) (Qwen2-VL + Whisper, random weights), dense_turn, float32 CPU"}
+    for m in ("vision", "video", "audio"):
         out[m] = max(per_text, (med[m] - med["text"]) / media_tokens[m] + per_text)
         out[f"{m}_tokens"] = media_tokens[m]
-    out["video"] = out["vision"]                          # frames go through the vision encoder
     return out
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from benchmarks import multiturn
-from mmtier.models import Image, Text
 
 
 @pytest.fixture(autouse=True)
@@ -36,17 +35,24 @@ def test_multiturn_quick_writes_figures_and_plot(tmp_path):
     for key in ("memory_sharing_over_without", "memory_sharing_over_without_text",
                 "encoder_runs_avoided_fraction", "hit_ratio_text", "machine", "date"):
         assert key in data
-    assert data["memory_sharing_over_without_text"] == 1.0     # text is never shared
+    # a tenant's conversations share their system prompt's span (one prefix); nothing is stored twice
+    assert 0 < data["memory_sharing_over_without_text"] <= 1.0
+    assert 0 < data["memory_sharing_over_without"] <= 1.0
 
 
 def test_dense_check_reports_a_wrong_answer():
-    turn = multiturn.Turn(0, "acme", 0, 0, (Text("hi "), Image(bytes(range(256)) * 12), Text("?")),
-                          multiturn.Counter(vision=1))
-    want = multiturn.ReferenceModel(seed=0).chat_dense([list(turn.items)], 2)[0]
+    from mmtier.integrations.chat import ChatModel
+    from mmtier.integrations.chat_dense import dense_chat
+
+    chat = ChatModel.tiny(seed=0)
+    media = multiturn.Media(seed=0)
+    turn = multiturn.Turn(0, "acme", 0, 0, ("hi ", media.image(3), "?"), multiturn.Counter(vision=1))
+    want = dense_chat(chat, [list(turn.items)], 2)[0]
     good = multiturn.Record(turn, answer=list(want), first={"dense": want[0]})
-    assert multiturn.dense_check([turn], [good], 2) == []
-    bad = multiturn.Record(turn, answer=[(want[0] + 1) % 256, want[1]], first={"dense": (want[0] + 1) % 256})
-    lines = multiturn.dense_check([turn], [bad], 2)
+    assert multiturn.dense_check(chat, [turn], [good], 2) == []
+    wrong = (want[0] + 1) % 256
+    bad = multiturn.Record(turn, answer=[wrong, want[1]], first={"dense": wrong})
+    lines = multiturn.dense_check(chat, [turn], [bad], 2)
     assert len(lines) == 2 and "cache" in lines[0] and "dense first token" in lines[1]
 
 
