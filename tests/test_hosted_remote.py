@@ -15,8 +15,8 @@ import torch
 from mmtier.actors.hosted import HostedCache
 from mmtier.actors.pool_actor import PoolService
 from mmtier.errors import UnknownKeyError
-from mmtier.models import ReferenceModel
 from tests.oracle import oracle_attention, rel_err
+from tests.reference_model import ReferenceModel
 
 MODEL = ReferenceModel(seed=0)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmtier import ConfigError, MMTierError, TieredKVCache
-from mmtier.models import (
+from tests.reference_model import (
     Audio,
     Image,
     Media,

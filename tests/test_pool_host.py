@@ -27,8 +27,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 import mmtier.actors as mma  # noqa: E402
 from mmtier.actors import ClusterSettings  # noqa: E402
 from mmtier.actors.pool_host import PoolHost, host_name  # noqa: E402
-from mmtier.models import Audio, Image, ReferenceModel, Text  # noqa: E402
-from mmtier.models.engine import ReferenceEngine  # noqa: E402
+from tests.reference_model import Audio, Image, ReferenceModel, Text  # noqa: E402
+from tests.reference_model.engine import ReferenceEngine  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 
 from mmtier import TieredKVCache  # noqa: E402
-from mmtier.errors import BadMediaError, MMTierError, ShapeError  # noqa: E402
+from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs  # noqa: E402
 from mmtier.serve.engines import load_engine, load_frontend  # noqa: E402
@@ -158,34 +158,6 @@ def test_real_weights_from_local_directories(tmp_path, engine):
     with TieredKVCache(loaded.chat.cache_config(device_bytes=32 << 20)) as cache:
         assert loaded.answer(cache, "acme", [], turn, NEW).tokens == dense_chat(chat, [[p for _k, p in turn]], NEW)[0]
     assert load_frontend(args).media_tokens("image", png) == load_frontend(ModelArgs()).media_tokens("image", png)
-
-
-def test_the_reference_model_behind_the_same_interface():
-    """``model: {kind: reference}``: mmtier's own model (no transformers in its path)."""
-    from mmtier.models import Image, ReferenceModel, Text
-    from mmtier.serve.config import ServeAppConfig
-
-    args = ServeAppConfig.parse({"model": {"kind": "reference", "seed": 1},
-                                 "cache": {"allow_default_key_secret": True, "device_bytes": 16 << 20}})
-    engine = load_engine(args.model)
-    png = image(15, (16, 16))
-    items = [("text", "see "), ("image", png)]
-    engine.check([], items, NEW)
-    with pytest.raises(MMTierError):                     # the worker answers 400 bad_request
-        engine.check([], [("text", "")], NEW)
-    with TieredKVCache(args.cache_config()) as cache:
-        engine.check_cache(cache)
-        out = engine.answer(cache, "acme", [], items, NEW)
-        assert out.tokens == ReferenceModel(seed=1).generate_dense([Text("see "), Image(png)], NEW)
-        assert out.counts["encoder_runs"] == {"image": 1} and out.cached_tokens is None
-        keys = load_frontend(args.model).routing_keys(cache, "acme", "image", png)
-        assert len(keys) == 2 and all(cache.contains(k) for k in keys)
-        # a second request carrying the first as history: the whole conversation as one prompt,
-        # its image's groups found by content (no encoder run)
-        again = engine.answer(cache, "acme", [(items, out.text)], [("text", "and?")], NEW)
-        want = ReferenceModel(seed=1).generate_dense([Text("see "), Image(png), Text(bytes(out.tokens)),
-                                                      Text("and?")], NEW)
-        assert again.tokens == want and again.counts["encoder_runs"] == {}
 
 
 def test_weights_that_do_not_load_are_a_config_error(tmp_path):

@@ -243,7 +243,6 @@ def _weights_dir(tmp_path: Path, config: bool = True, weights: bool = True) -> P
     ("hub_id", "hub id"),
     ("no_config", "no config.json"),
     ("no_weights", "need a download"),
-    ("reference_with_path", "need kind 'hf'"),
     ("path_alone", "go together"),
 ])
 def test_model_path_must_be_a_local_weights_directory(tmp_path, case, message):
@@ -253,7 +252,6 @@ def test_model_path_must_be_a_local_weights_directory(tmp_path, case, message):
         "no_config": {"path": str(_weights_dir(tmp_path, config=False))},
         "no_weights": {"audio_path": str(_weights_dir(tmp_path, weights=False))},
         "path_alone": {"path": str(_weights_dir(tmp_path))},
-        "reference_with_path": {"kind": "reference", "path": str(_weights_dir(tmp_path))},
     }[case]
     with pytest.raises(ConfigError) as err:
         ServeAppConfig.parse({"model": model})
@@ -282,15 +280,18 @@ def test_router_fails_a_request_over_to_another_node():
 
 
 def test_a_model_that_takes_no_video_answers_415_and_the_hf_frontend_counts_video_tokens():
-    """The reference model has no video encoder: a video item is a 415 before anything is
-    routed. The chat model's frontend counts a video's tokens from its header (frames sampled at
+    """A model with no video encoder (its frontend's ``media_tokens`` says so) makes a video
+    item a 415 before anything is routed. The chat model's frontend counts a video's tokens from its header (frames sampled at
     2 fps, 16 tokens a temporal patch of 112x112 frames) and keys its segments' tower outputs."""
-    from mmtier.serve.engines import ReferenceEngine
     from mmtier.serve.hf_engine import HFFrontend
 
-    reference = ReferenceEngine(0)
+    def no_video(item):                     # the media_tokens of a model that takes text and images
+        if item.type == "video":
+            raise BadMediaError("this model takes no video items", unsupported=True)
+        return 1
+
     with pytest.raises(HTTPError) as err:
-        parse_chat(_body("x", ("video", MP4)), LIMITS, MODEL, lambda item: reference.media_tokens(item.type, item.data))
+        parse_chat(_body("x", ("video", MP4)), LIMITS, MODEL, no_video)
     assert (err.value.status, err.value.code) == (415, "unsupported_media_type")
     pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
     frontend = HFFrontend.load(ServeAppConfig.parse({}).model)

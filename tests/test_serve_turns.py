@@ -28,8 +28,8 @@ from mmtier.actors.pool_actor import PoolService  # noqa: E402
 from mmtier.actors.registry import ContentRegistry, HolderInfo  # noqa: E402
 from mmtier.errors import HolderLostError  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
-from mmtier.serve.config import ModelArgs, ServeAppConfig, Workers  # noqa: E402
-from mmtier.serve.engines import engine_cache_config, load_engine  # noqa: E402
+from mmtier.serve.config import ModelArgs, Workers  # noqa: E402
+from mmtier.serve.engines import load_engine  # noqa: E402
 from mmtier.serve.turns import TurnRunner  # noqa: E402
 
 from .media_samples import image, wav  # noqa: E402
@@ -146,32 +146,6 @@ def test_two_requests_at_once_one_waits_then_503_busy_and_changes_nothing(engine
     assert [a1["tokens"], a2["tokens"]] == dense(engine, ta1, ta2)
     assert [b1["tokens"], b2["tokens"]] == dense(engine, tb1, tb2)
     assert_no_leak(pool)
-
-
-def test_the_reference_engine_with_no_room_is_503_and_keeps_nothing():
-    """The reference engine appends a request's chunks as they run: a request that finds no room
-    half-way is 503 ``capacity``; the pool keeps nothing of its sequence, and the conversation's
-    next request (its history carried) and another one still run."""
-    args = ServeAppConfig.parse({"model": {"kind": "reference", "seed": 1},
-                                 "cache": {"allow_default_key_secret": True}})
-    engine = load_engine(args.model)
-    svc = PoolService(engine_cache_config(args.model, device_bytes=2 << 20), name="mmtier-pool:test:host1",
-                      node="test")
-    text = svc.cache.pools["text"]
-    tokens = text.num_pages * text.spec.page_size                # the text pool, in tokens
-    try:
-        runner = TurnRunner(engine, svc.cache, Workers())
-        status, first = runner.answer("acme", [], [("text", "hello")], NEW)
-        assert status == 200, first
-        history = [([("text", "hello")], first["text"])]
-        status, body = runner.answer("acme", history, [("text", "y" * 200)] * (tokens // 200 + 1), NEW)
-        assert_503(status, body, "capacity", "send it again")
-        assert_no_leak(svc)
-        assert runner.answer("acme", history, [("text", "hi")], NEW)[0] == 200
-        assert runner.answer("acme", [], [("text", "hi")], NEW)[0] == 200
-        assert_no_leak(svc)
-    finally:
-        svc.close()
 
 
 class InProcessCluster:

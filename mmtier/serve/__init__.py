@@ -10,10 +10,8 @@
   pool (``mmtier.actors.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
   its requests (a plain class);
 - ``engines``: the model a worker runs behind one interface (``hf_engine``: the transformers
-  chat model, the default; or the reference model), and the part of it the ingress needs;
+  chat model), and the part of it the ingress needs;
 - ``media``: the media bytes the app accepts (PNG, JPEG, PCM16 WAV), checked before routing;
-- ``node_cache.NodeCache``: a ``ClusterCache`` as a model sees it from one node (for a model
-  that does not hold a pool of its own).
 
 Names load lazily so that ``import mmtier.serve`` does not import Ray.
 """
@@ -24,7 +22,7 @@ import importlib
 
 _EXPORTS = {
     "build_app": "app", "ChatIngress": "app", "ServeAppConfig": "config", "TurnWorker": "worker",
-    "NodeCache": "node_cache", "Router": "routing", "pin_targets": "routing",
+    "Router": "routing", "pin_targets": "routing",
     "HTTPError": "protocol", "parse_chat": "protocol",
 }
 

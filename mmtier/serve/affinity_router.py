@@ -28,14 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
-from ray.serve.request_router import (
-    LocalityMixin,
-    MultiplexMixin,
-    PendingRequest,
-    ReplicaID,
-    RequestRouter,
-    RunningReplica,
-)
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from ..actors.registry import Location
 from .request_keys import RequestKeyer, RequestKeys
@@ -75,8 +68,10 @@ def _nodes(loc: Location | None, node_of: Mapping[str, str]) -> set[str]:
     return {node_of[h] for h, _ in loc.holders if h in node_of}
 
 
-class MMTierAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
-    """See the module docstring."""
+class MMTierAffinityRouter(PowerOfTwoChoicesRequestRouter):
+    """Serve's default router (power of two choices, FIFO, locality and multiplexing: its own
+    state, its own bases) with mmtier's preference ranked before its choice. See the module
+    docstring."""
 
     def initialize_state(self, llm_config: dict | None = None, timeout_s: float = 0.25, **_: Any) -> None:
         if llm_config is None:
@@ -90,7 +85,7 @@ class MMTierAffinityRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(self, candidate_replicas, pending_request)
+        fallback = await super().choose_replicas(candidate_replicas, pending_request)
         if pending_request is None or not fallback or not pending_request.args:
             return fallback
         node = await self._preferred_node(pending_request)

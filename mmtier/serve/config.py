@@ -32,9 +32,10 @@ class ModelArgs(_Strict):
     ``mmtier.integrations.chat`` (a Qwen2-VL-architecture VLM, and Whisper for audio): small
     random-weight models built from ``configs/demo-qwen2-vl.json`` and
     ``configs/demo-whisper.json`` unless ``path`` / ``audio_path`` name local directories of
-    real weights. ``reference``: mmtier's own seeded reference model (no transformers)."""
+    real weights. (``reference``, mmtier's own seeded model, is retired: it is a test fixture
+    now.)"""
 
-    kind: Literal["hf", "reference"] = Field("hf", description="'hf' (transformers chat model) or 'reference'.")
+    kind: Literal["hf"] = Field("hf", description="'hf': the transformers chat model.")
     seed: int = Field(0, description="Seed of the random weights (when no path is given).")
     path: str | None = Field(
         None, description="Local directory of the VLM's weights (config.json and *.safetensors / *.bin, "
@@ -51,8 +52,6 @@ class ModelArgs(_Strict):
 
     @model_validator(mode="after")
     def _kind_fits(self) -> ModelArgs:
-        if self.kind == "reference" and (self.path or self.audio_path):
-            raise ValueError("the reference model has no weights to load: path / audio_path need kind 'hf'")
         if (self.path is None) != (self.audio_path is None):
             raise ValueError("path and audio_path go together (the VLM's and Whisper's weights), or "
                              "neither (random weights)")
@@ -128,8 +127,8 @@ class Limits(_Strict):
         1 << 20, gt=0, description="Largest video frame, width x height as the header declares it, checked "
                                    "before decoding (413 above).")
     max_text_bytes: int = Field(
-        4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the byte-level reference "
-                                "model; a chunk's attention grows with its square; 413 above).")
+        4096, gt=0, description="Largest text item, UTF-8 bytes (= tokens of the chat model's byte-level "
+                                "vocabulary; a chunk's attention grows with its square; 413 above).")
     max_request_tokens: int = Field(
         8192, gt=0, description="Most tokens of one request: the whole conversation it carries (text, "
                                 "media as the model's encoders count them, earlier answers) and "

@@ -5,8 +5,7 @@ device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the model 
 live in one process, on the node's GPU when it has one (``app.py`` asks ``num_gpus=1`` for it,
 ``workers.device: auto``; ``mmtier start`` leaves that GPU free, see ``launch.device_pools``),
 else on the CPU, so a request's attention reads local pages with no Ray call. The model is a
-pluggable chat engine (``engines.py``: the transformers chat model by default, or the
-reference model); a request's history and media groups held elsewhere are found by one
+chat engine (``engines.py``: the transformers chat model); a request's history and media groups held elsewhere are found by one
 registry lookup and pulled whole into the pool (the ``traffic`` in the answer counts those
 calls); new groups are published after the request.
 

@@ -1,8 +1,11 @@
-"""Reference models that drive the cache with real attention (demo, Serve app, benchmarks,
-end-to-end tests). No weights are downloaded: every model here is seeded and deterministic.
+"""A test fixture: a small seeded reference model that drives the cache with real attention
+(text, image and audio encoders, cross attention), for the end-to-end, pool-host and
+hosted-remote tests. It is not part of mmtier: the demo, the benchmarks and Serve run the
+transformers models (``mmtier.integrations.chat``). No weights are downloaded: it is seeded and
+deterministic.
 
     from mmtier import TieredKVCache
-    from mmtier.models import Audio, Image, ReferenceModel, Text
+    from tests.reference_model import Audio, Image, ReferenceModel, Text
 
     model = ReferenceModel(seed=0)
     with TieredKVCache(model.cache_config(device_bytes=16 << 20)) as cache:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MMTierError
+from mmtier.errors import MMTierError
+
 from .ops import Init, attend, gelu_mlp, rms_norm
 
 

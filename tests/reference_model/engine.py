@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from ..actors.pool_host import PoolHost
-from ..actors.settings import ClusterSettings
+from mmtier.actors.pool_host import PoolHost
+from mmtier.actors.settings import ClusterSettings
+
 from .encoders import ModelError
 from .reference import Item, ModelCounters, ReferenceModel
 
@@ -61,7 +62,7 @@ class ReferenceEngine(PoolHost):
 
     def spill(self, wires: list[dict]) -> tuple[int, int]:
         """Hand these groups to the node store (the demo's pressure valve): ``(groups, bytes)``."""
-        from ..content import ContentKey
+        from mmtier.content import ContentKey
 
         return tuple(self.local.offload(ContentKey.from_wire(w) for w in wires))
 

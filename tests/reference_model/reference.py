@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig, ModalitySpec
-from ..errors import ConfigError
+from mmtier.config import CacheConfig, ModalitySpec
+from mmtier.errors import ConfigError
+
 from .decoder import Decoder, DecoderDims
 from .encoders import AudioEncoder, MediaError, ModelError, VisionEncoder
 from .ops import attend

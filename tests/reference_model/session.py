@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..content import ContentKey
-from ..errors import UnknownKeyError
+from mmtier.content import ContentKey
+from mmtier.errors import UnknownKeyError
+
 from .encoders import ModelError
 from .ops import attend
 from .reference import Item, Media, ReferenceModel, Text, cross_modality, embed_modality
