@@ -7,7 +7,7 @@ all or nothing.
 - A prefetch in flight against a promotion, and a background spill against an attention over
   the same host group: deterministic interleavings (the mover held by events), the answers
   equal to the float64 oracle and the host bytes all accounted for.
-- ``_make_room`` that fails half-way (a host tier or a disk budget that refuses the second
+- ``make_room`` that fails half-way (a host tier or a disk budget that refuses the second
   group) leaves every group, page and byte where it was.
 - 8 threads doing put / attach / attention / release on a small device pool over host and disk
   tiers (a put that finds every page read or moved by others waits, bounded, and goes on):
