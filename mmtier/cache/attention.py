@@ -37,10 +37,7 @@ class AttentionPlanner:
     def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
                   groups: Iterable[ContentKey] | None = None, causal: bool = True,
                   scale: float | None = None, modalities: Iterable[str] | None = None) -> torch.Tensor:
-        """Attention of ``q [n_q, num_q_heads, head_dim]`` over the sequence's pages.
-
-        Queries are the last ``n_q`` positions; causal by absolute position; ``groups`` restricts
-        the keys to those groups (cross-attention)."""
+        """``TieredKVCache.attention`` (its contract is documented there)."""
         out, _ = self.attention_state(seq, layer, q, groups=groups, causal=causal, scale=scale,
                                       modalities=modalities)
         return out
@@ -49,7 +46,7 @@ class AttentionPlanner:
                         groups: Iterable[ContentKey] | None = None, causal: bool = True,
                         scale: float | None = None, q_positions: torch.Tensor | None = None,
                         modalities: Iterable[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``: the partial state that merges exactly with others (other tiers, nodes)."""
+        """``TieredKVCache.attention_state`` (its contract is documented there)."""
         self.check_q(q)
         with self.lock:
             self.residency.lower.apply_completions()
@@ -75,11 +72,7 @@ class AttentionPlanner:
                               layer: int, q: torch.Tensor, q_positions: torch.Tensor, *,
                               causal: bool = True, scale: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` over parts of local sequences that hold pieces of a bigger sequence
-        (a pool's runs and proxies of a cluster sequence), all in one call: part ``(seq, keys,
-        offset, start)`` adds the segments of ``seq`` (those of ``keys`` when given; only the one
-        at local position ``start`` when given) at ``local position + offset``; ``q_positions``
-        are positions of the bigger sequence. A segment named by two parts is refused."""
+        """``TieredKVCache.attention_state_parts`` (its contract is documented there)."""
         self.check_q(q)
         with self.lock:
             self.residency.lower.apply_completions()

@@ -43,11 +43,7 @@ class EngineSurface:
 
     def reserve(self, seq: SequenceHandle, modality: str, n: int, *,
                 tokens: Sequence[int] | None = None, new_run: bool = False) -> Reservation:
-        """Add ``n`` tokens to ``seq`` whose K/V will arrive one layer at a time
-        (``write_layer``). Their pages stay on the device until every layer is written.
-        ``tokens`` (their ids) name them in the prefix chain; without them the run is unique
-        (its prefix never matches another sequence's). ``new_run``: start a run of their own
-        (one that ``seal`` can turn into a shared group)."""
+        """``TieredKVCache.reserve`` (its contract is documented there)."""
         self.residency.check_open()
         spec = self.cfg.spec(modality)
         if spec.kind != "kv":
@@ -69,7 +65,7 @@ class EngineSurface:
             return res
 
     def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""
+        """``TieredKVCache.write_layer`` (its contract is documented there)."""
         self.residency.check_open()
         with self.lock:
             write_one_layer(res, layer, k, v, self.planner.backend())
@@ -78,13 +74,7 @@ class EngineSurface:
                 res.group.pins -= 1
 
     def seal(self, seq: SequenceHandle, key: ContentKey, run: Reservation | None = None) -> bool:
-        """Make a run of the sequence the shared group ``key``, in place (no copy): later
-        sequences of the tenant ``attach`` it. The run is the sequence's last one, or with
-        ``run`` the one that reservation started (``reserve(new_run=True)``): a step that
-        reserved several runs (a prefill over a text span and an image) seals each. The run must
-        be fully written. A prefix-dependent ``key`` must be derived under the prefix the run
-        follows (``PrefixMismatchError`` otherwise, as for ``attach``). ``False`` (the run stays
-        private) when ``key`` is already held or the run has left the device."""
+        """``TieredKVCache.seal`` (its contract is documented there)."""
         self.keyer.check_key(key, "kv")
         with self.lock:
             table = self.seqs.table(seq)
@@ -118,10 +108,7 @@ class EngineSurface:
                         q_indptr: torch.Tensor | Sequence[int], *,
                         groups: Sequence[Iterable[ContentKey] | None] | None = None,
                         causal: bool = True, scale: float | None = None) -> torch.Tensor:
-        """Attention for a batch of sequences in one call: rows ``q_indptr[b]:q_indptr[b+1]`` of
-        ``q [total_q, num_q_heads, head_dim]`` are the last queries of ``seqs[b]``; ``groups[b]``
-        restricts sequence ``b`` to those groups (cross-attention). Device pages of every
-        sequence go through one kernel launch per pool."""
+        """``TieredKVCache.attention_batch`` (its contract is documented there)."""
         return self.attention_batch_state(seqs, layer, q, q_indptr, groups=groups, causal=causal,
                                           scale=scale)[0]
 
@@ -130,7 +117,7 @@ class EngineSurface:
                               groups: Sequence[Iterable[ContentKey] | None] | None = None,
                               causal: bool = True, scale: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``attention_batch``'s ``(out, lse)``."""
+        """``TieredKVCache.attention_batch_state`` (its contract is documented there)."""
         self.planner.check_q(q)
         seqs = list(seqs)
         bounds = query_bounds(q_indptr, q.shape[0], len(seqs))

@@ -124,7 +124,7 @@ class Residency:
 
     # ------------------------------------------------------------------ leases and export
     def lease(self, key: ContentKey, ttl: float = 30.0) -> Lease:
-        """Protect a group from eviction for ``ttl`` seconds (a read or transfer in progress)."""
+        """``TieredKVCache.lease`` (its contract is documented there)."""
         self.keyer.check_key(key)
         with self.lock:
             return self.leases.grant(self.index.require(key), ttl)
@@ -135,23 +135,13 @@ class Residency:
 
     def read_group(self, key: ContentKey, *, lease: Lease | None = None,
                    out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """A stored group's ``(k, v)`` ``[num_layers, n, num_kv_heads, head_dim]``, from whichever
-        tier holds it (export, transfer to another node): new CPU tensors, or ``out`` (two
-        tensors of that shape and dtype, any device and strides, or block-split ``[num_layers,
-        n / page_size, page_size, num_kv_heads, head_dim]`` for a group of whole pages: an
-        engine's staging in its own block layout), which is returned. The pages
-        are copied once, run by run, straight into the result (a disk group is read into a
-        reused staging buffer first). With a ``lease``, the copy is returned only if the lease
-        was still live when it finished (``LeaseExpiredError`` otherwise): memory reused
-        meanwhile is never returned."""
+        """``TieredKVCache.read_group`` (its contract is documented there)."""
         return self.export([key], [out] if out is not None else None, lease)[0]
 
     def read_groups(self, keys: Sequence[ContentKey], *,
                     out: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None
                     ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``read_group`` of several groups in one call: the disk reads all start first and run
-        side by side (the mover's workers, up to ``max_inflight_bytes``), the groups in memory
-        are copied meanwhile. ``out``: one ``(k, v)`` pair per key, or ``None``."""
+        """``TieredKVCache.read_groups`` (its contract is documented there)."""
         if out is not None and len(out) != len(keys):
             raise ShapeError(f"{len(out)} out pairs for {len(keys)} keys")
         return self.export(list(keys), list(out) if out is not None else None, None)
@@ -255,14 +245,13 @@ class Residency:
             raise
 
     def inventory(self) -> list[tuple[ContentKey, str, int]]:
-        """Every stored shared group: ``(key, tier name, bytes)`` (registries rebuild from it)."""
+        """``TieredKVCache.inventory`` (its contract is documented there)."""
         with self.lock:
             self.lower.apply_completions()
             return [(g.key, g.tier.name.lower(), g.nbytes) for g in self.index]
 
     def holds(self, keys: Iterable[ContentKey]) -> list[bool]:
-        """Whether each key is stored in some tier, counting no hit or miss (a transfer's check,
-        not a use)."""
+        """``TieredKVCache.holds`` (its contract is documented there)."""
         with self.lock:
             self.lower.apply_completions()
             return [k in self.index for k in keys]
@@ -274,8 +263,7 @@ class Residency:
         group.location = None
 
     def flush(self) -> None:
-        """Wait for the copies in flight (background spills, prefetches) and apply them; the
-        wait is outside the lock, bounded in time."""
+        """``TieredKVCache.flush`` (its contract is documented there)."""
         if not self.lower.enabled:
             return
         with self.lock:
@@ -286,7 +274,7 @@ class Residency:
             self.lower.apply_completions()
 
     def prefetch(self, key: ContentKey) -> bool:
-        """Start bringing a disk-resident group up to host memory; ``True`` if a copy started."""
+        """``TieredKVCache.prefetch`` (its contract is documented there)."""
         self.keyer.check_key(key)
         with self.lock:
             self.lower.apply_completions()
