@@ -18,9 +18,10 @@ the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must
 disk whole and stay held here (tier ``"disk"``; attention and export read them from there); only
 groups dropped at the bottom, or whose disk copy failed verification (a miss), leave. A read
 that finds a corrupt copy raises ``CorruptDataError`` and reports the group through ``on_lost``
-(the actor tells the registry). A pool recreated over the same directory adopts its groups. Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its groups
-and ``insert``, ``cache.residency.allocate``) in the two helpers at the bottom: the seam
-to replace by public ``export_pages`` / ``import_pages`` methods of the cache.
+(the actor tells the registry). A pool recreated over the same directory adopts its groups.
+Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its groups and ``insert``,
+``cache.residency``: ``allocate``, ``read_pages``) in the two helpers at the bottom: the seam to
+replace by public ``export_pages`` / ``import_pages`` methods of the cache.
 """
 
 from __future__ import annotations
