@@ -113,7 +113,7 @@ def cpu_attention_rate(cache, table, q: torch.Tensor) -> float:
 
     segs = [s for s in table.segments if s.group.tier == Tier.DEVICE]
     nbytes = sum(s.group.nbytes for s in segs) // cache.cfg.num_layers
-    ops = compile_segments(segs, 0, cache._device_view)
+    ops = compile_segments(segs, 0, cache.planner.device_view)
     q_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)
     q_pos = torch.full((q.shape[0],), table.length - 1, dtype=torch.int32)
     threads = torch.get_num_threads()

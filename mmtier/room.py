@@ -37,7 +37,7 @@ class Room:
         self.drop = drop                        # evict a group (it leaves the cache)
 
     def allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
-        """``n`` pages of ``pool``, demoting whole groups first if needed (``_make_room`` may let
+        """``n`` pages of ``pool``, demoting whole groups first if needed (``make_room`` may let
         go of the lock while it waits: what the caller looked up may have changed)."""
         deadline = time.monotonic() + ROOM_WAIT_S
         while n > pool.num_free:

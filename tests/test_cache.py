@@ -328,7 +328,7 @@ def test_read_group_exports_exact_kv_and_leases_protect(cache):
     got_k, got_v = cache.read_group(key)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     lease = cache.lease(key, ttl=60)
-    g = cache._groups[key]
+    g = cache.index.groups[key]
     assert not g.evictable                          # a live lease protects it
     assert g not in cache.policy.victims(g.tier, 1 << 40, "vision")
     got_k, _ = cache.read_group(key, lease=lease)

@@ -7,7 +7,7 @@ all or nothing.
 - A prefetch in flight against a promotion, and a background spill against an attention over
   the same host group: deterministic interleavings (the mover held by events), the answers
   equal to the float64 oracle and the host bytes all accounted for.
-- ``_make_room`` that fails half-way (a host tier or a disk budget that refuses the second
+- ``make_room`` that fails half-way (a host tier or a disk budget that refuses the second
   group) leaves every group, page and byte where it was.
 - 8 threads doing put / attach / attention / release on a small device pool over host and disk
   tiers (a put that finds every page read or moved by others waits, bounded, and goes on):
@@ -30,9 +30,16 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
+from mmtier.cache.attention import AttentionPlanner
+from mmtier.cache.engine_surface import EngineSurface
+from mmtier.cache.group_index import GroupIndex
+from mmtier.cache.keys import CacheKeys
+from mmtier.cache.residency import Residency
+from mmtier.cache.sequences import Sequences
+from mmtier.cache.shared_groups import SharedGroups
 from mmtier.errors import CapacityError, UnknownKeyError
 from mmtier.groups import Tier
-from tests.composed import check_composed
+from tests.composed import check_facade
 from tests.oracle import Logical, oracle_attention, rel_err
 
 L, H, D = 2, 2, 32
@@ -71,10 +78,10 @@ def check(cache, seq, logical: Logical, layer: int, n_q: int = 2) -> None:
 
 def host_accounted(cache) -> None:
     """Every host byte belongs to a group the cache counts on the host (none lost)."""
-    with cache._lock:
+    with cache.lock:
         cache.lower.apply_completions()
-        on_host = sum(g.nbytes for g in cache._groups.values() if g.tier == Tier.HOST)
-        on_host += sum(s.group.nbytes for t in cache._seqs.values() for s in t.segments
+        on_host = sum(g.nbytes for g in cache.index.groups.values() if g.tier == Tier.HOST)
+        on_host += sum(s.group.nbytes for t in cache.seqs.tables.values() for s in t.segments
                        if s.group.tier == Tier.HOST and s.group.key is None)
         assert cache.lower.host.used_bytes == on_host
 
@@ -112,12 +119,12 @@ def test_attention_over_disk_runs_outside_the_lock_and_changes_no_thread_setting
     with TieredKVCache(make_cfg(tmp_path, host_pages=0)) as cache:
         keys = cascade(cache, 3)                          # images 0 on disk, 1 and 2 on the device
         cache.flush()
-        assert cache._groups[keys[0]].tier == Tier.DISK
+        assert cache.index.groups[keys[0]].tier == Tier.DISK
         seq, logical = cache.create_sequence(), Logical()
         for i in (1, 2, 0):                               # 1, 2 referenced: 0 cannot come up
             cache.attach(seq, keys[i])
             logical.add(*image_kv(i), f"img{i}")
-        assert cache._groups[keys[0]].tier == Tier.DISK
+        assert cache.index.groups[keys[0]].tier == Tier.DISK
         disk = cache.lower.disk
         reading, go = threading.Event(), threading.Event()
         real_get_layer = disk.get_layer
@@ -175,7 +182,7 @@ def test_a_spill_that_makes_room_is_awaited_outside_the_lock(tmp_path, monkeypat
             go.set()
         assert put.result(WAIT) is True
         worker.shutdown()
-        assert cache._groups[keys[0]].tier == Tier.DISK
+        assert cache.index.groups[keys[0]].tier == Tier.DISK
         check(cache, seq, logical, 1)
 
 
@@ -227,7 +234,7 @@ def test_promote_never_races_a_prefetch_in_flight(tmp_path, monkeypatch):
         keys = cascade(cache, 6)
         cache.flush()
         first = keys[0]
-        assert cache._groups[first].tier == Tier.DISK
+        assert cache.index.groups[first].tier == Tier.DISK
         disk = cache.lower.disk
         landed, go = threading.Event(), threading.Event()
         real_get = disk.get_async
@@ -276,9 +283,9 @@ def test_a_background_spill_never_takes_the_host_copy_an_attention_reads(tmp_pat
 
         monkeypatch.setattr(host, "remove", held_remove)
         keys = cascade(cache, 4)                          # 0, 1 on the host; 0 spilling
-        with cache._lock:
+        with cache.lock:
             spilling = list(cache.lower._spilling.values())
-        assert len(spilling) == 1 and cache._groups[keys[0]].busy == 1
+        assert len(spilling) == 1 and cache.index.groups[keys[0]].busy == 1
         spilling[0].add_done_callback(lambda f: removed.set())
         try:
             holder = cache.create_sequence()
@@ -288,7 +295,7 @@ def test_a_background_spill_never_takes_the_host_copy_an_attention_reads(tmp_pat
             seq, logical = cache.create_sequence(), Logical()
             cache.attach(seq, keys[0])
             logical.add(*image_kv(0), "img0")
-            assert cache._groups[keys[0]].tier != Tier.DEVICE
+            assert cache.index.groups[keys[0]].tier != Tier.DEVICE
             check(cache, seq, logical, 0)
         finally:
             go.set()
@@ -312,14 +319,14 @@ def test_making_room_that_fails_half_way_changes_nothing(tmp_path, refusing):
             cache.attach(seq, key)
             logical.add(*image_kv(i), f"img{i}")
         pool = cache.pools["vision"]
-        pages = {k: list(cache._groups[k].pages) for k in keys}
+        pages = {k: list(cache.index.groups[k].pages) for k in keys}
         before = cache.stats()
         big = cache.content_key("vision", b"big")
         with pytest.raises(CapacityError):
             cache.put(big, *image_kv(5, n=128))
         assert not cache.contains(big)
-        assert {k: list(cache._groups[k].pages) for k in keys} == pages
-        assert all(cache._groups[k].tier == Tier.DEVICE and cache._groups[k].busy == 0 for k in keys)
+        assert {k: list(cache.index.groups[k].pages) for k in keys} == pages
+        assert all(cache.index.groups[k].tier == Tier.DEVICE and cache.index.groups[k].busy == 0 for k in keys)
         assert pool.num_used == 4
         after = cache.stats()
         assert after.counters.get("spills", 0) == before.counters.get("spills", 0)
@@ -392,13 +399,13 @@ def test_eight_threads_put_attach_attend_release_equal_the_oracle_and_leak_nothi
         host_accounted(cache)
         assert cache.stats().sequences == 0
         for pool in cache.pools.values():                 # only cached groups hold device pages
-            held = sum(len(g.pages) for g in cache._groups.values()
+            held = sum(len(g.pages) for g in cache.index.groups.values()
                        if g.tier == Tier.DEVICE and g.modality == pool.spec.name)
             assert pool.num_used == held
-        assert all(g.pins == 0 and g.busy == 0 and g.refs == 0 for g in cache._groups.values())
-        with cache._lock:                                 # evict everything the policy's way
-            for g in list(cache._groups.values()):
-                cache._drop(g)
+        assert all(g.pins == 0 and g.busy == 0 and g.refs == 0 for g in cache.index.groups.values())
+        with cache.lock:                                 # evict everything the policy's way
+            for g in list(cache.index.groups.values()):
+                cache.residency.drop(g)
         cache.flush()
         assert all(p.num_free == p.num_pages for p in cache.pools.values())
         assert cache.lower.host.used_bytes == 0
@@ -420,10 +427,17 @@ def test_what_the_cache_composes_does_not_import_it(module):
     assert reaches == set()
 
 
-def test_the_cache_parts_neither_shadow_one_another_nor_import_the_cache():
-    """``TieredKVCache`` is composed of bases, one file each: a method defined in two of them
-    would silently shadow the other (MRO order), and a base importing ``cache`` would be a cycle."""
-    check_composed(TieredKVCache, min_parts=6)
+def test_the_cache_is_a_facade_over_parts_that_do_not_import_it(tmp_path):
+    """``TieredKVCache`` has no base class: it holds parts, one file each, that own their state;
+    none of them imports the facade (or the package re-exporting it): a cycle."""
+    check_facade(TieredKVCache, [CacheKeys, GroupIndex, Residency, Sequences, SharedGroups,
+                                 AttentionPlanner, EngineSurface], min_parts=7,
+                 reexported_by=("mmtier.cache", "cache"))
+    cache = TieredKVCache(make_cfg(tmp_path))
+    parts = [cache.keyer, cache.index, cache.residency, cache.seqs, cache.shared, cache.planner, cache.engine]
+    assert [type(p) for p in parts] == [CacheKeys, GroupIndex, Residency, Sequences, SharedGroups,
+                                        AttentionPlanner, EngineSurface]
+    cache.close()
     contract = ("create_sequence", "append", "content_key", "prefix_key", "contains", "put",
                 "attach", "attention", "attention_state", "put_embedding", "get_embedding",
                 "release", "stats", "close", "__enter__", "__exit__")

@@ -37,7 +37,7 @@ def kv(n):
 
 
 def tiers_of(cache, keys):
-    return [cache._groups[k].tier for k in keys]
+    return [cache.index.groups[k].tier for k in keys]
 
 
 def test_unreferenced_groups_cascade_device_host_disk(tmp_path, backend):
@@ -100,7 +100,7 @@ def test_attention_across_three_tiers_equals_oracle(tmp_path, backend, monkeypat
         assert len(merges) == L and all(m == ({cache.arena.storage.device}, backend.name) for m in merges)
         cache.release(seq)
         assert cache.pools["vision"].num_used == sum(
-            len(g.pages) for g in cache._groups.values() if g.tier == Tier.DEVICE)
+            len(g.pages) for g in cache.index.groups.values() if g.tier == Tier.DEVICE)
 
 
 def test_disk_groups_stream_for_attention(tmp_path, backend):
@@ -139,7 +139,7 @@ def _mixed_on_disk(cache, count, every):
         vs.append(v)
         keys.append(key)
     cache.flush()
-    on_disk = [key for key in keys if cache._groups[key].tier == Tier.DISK]
+    on_disk = [key for key in keys if cache.index.groups[key].tier == Tier.DISK]
     assert {key.modality for key in on_disk} == {"text", "vision"}
     return seq, ks, vs, keys, on_disk
 
@@ -210,7 +210,7 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path, backend):
             key = cache.content_key("vision", f"w{i}".encode(), tenant="acme")
             data[key] = kv(50)
             cache.put(key, *data[key])
-        on_disk = [k for k in data if cache._groups[k].tier == Tier.DISK]
+        on_disk = [k for k in data if cache.index.groups[k].tier == Tier.DISK]
         assert len(on_disk) == 3
     (tmp_path / "spill" / "leftover.arrow.tmp").write_bytes(b"partial write")
     with TieredKVCache(cfg) as again:
@@ -239,7 +239,7 @@ def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, bac
         shared = [cache.content_key("vision", f"s{i}".encode(), tenant="acme") for i in range(4)]
         for key in shared:
             cache.put(key, *kv(40))
-        on_disk = [k for k in shared if cache._groups[k].tier == Tier.DISK]
+        on_disk = [k for k in shared if cache.index.groups[k].tier == Tier.DISK]
         assert on_disk and cache.stats().tiers["disk"]["text"].groups == 1
         text_files = sorted((tmp_path / "spill").glob("text-*.arrow"))
         assert len(text_files) == 1
@@ -251,7 +251,7 @@ def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, bac
         assert st.tiers["disk"]["text"].groups == 0 and st.tiers["disk"]["text"].bytes == 0
         assert st.tiers["disk"]["vision"].groups == len(on_disk)
         assert all(again.contains(k) for k in on_disk)
-        assert len(again._groups) == len(on_disk)
+        assert len(again.index.groups) == len(on_disk)
 
 
 def _flip_one_byte(path, at=None):
@@ -268,7 +268,7 @@ def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage, backend):
         for key in keys:
             cache.put(key, *kv(64))
         victim = keys[0]
-        assert cache._groups[victim].tier == Tier.DISK
+        assert cache.index.groups[victim].tier == Tier.DISK
         files = sorted((tmp_path / "spill").glob(f"vision-{victim.hex}*.arrow"))
         assert files
         raw = files[0].read_bytes()
@@ -295,7 +295,7 @@ def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path, backend):
         for key in keys:
             cache.put(key, *kv(64))
         assert [cache.contains(k) for k in keys] == [False, True, True, True]
-        assert cache._groups[keys[1]].tier == Tier.HOST
+        assert cache.index.groups[keys[1]].tier == Tier.HOST
         assert cache.stats().counters["evictions"] == 1
 
 
@@ -307,10 +307,10 @@ def test_attach_promotes_a_host_group_when_room_allows(tmp_path, backend):
         cache.put(a, k, v)
         cache.put(b, *kv(64))
         cache.put(c, *kv(64))                 # a goes to host
-        assert cache._groups[a].tier == Tier.HOST
+        assert cache.index.groups[a].tier == Tier.HOST
         seq = cache.create_sequence()
         cache.attach(seq, a)                  # room is made by demoting b (unreferenced)
-        assert cache._groups[a].tier == Tier.DEVICE
+        assert cache.index.groups[a].tier == Tier.DEVICE
         assert cache.stats().counters["restores"] == 1
         q = torch.randn(1, 2, D)
         out = cache.attention(seq, 0, q, causal=False)
@@ -327,16 +327,16 @@ def test_prefetch_brings_a_disk_group_to_host(tmp_path, backend):
             data[key] = kv(64)
             cache.put(key, *data[key])
         cache.flush()
-        on_disk = [k for k in keys if cache._groups[k].tier == Tier.DISK]
-        assert on_disk, [cache._groups[k].tier for k in keys]
+        on_disk = [k for k in keys if cache.index.groups[k].tier == Tier.DISK]
+        assert on_disk, [cache.index.groups[k].tier for k in keys]
         target = on_disk[0]
         for key in keys:                        # free the host tier: drop what sits there
-            g = cache._groups[key]
+            g = cache.index.groups[key]
             if g.tier == Tier.HOST:
-                cache._drop(g)
+                cache.residency.drop(g)
         assert cache.prefetch(target) is True
         cache.flush()
-        assert cache._groups[target].tier == Tier.HOST
+        assert cache.index.groups[target].tier == Tier.HOST
         assert cache.stats().counters["prefetched"] == 1
         seq = cache.create_sequence()
         cache.attach(seq, target)

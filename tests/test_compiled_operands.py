@@ -41,20 +41,20 @@ def test_reused_across_layers_and_steps_recompiled_when_the_sequence_grows(tmp_p
         k, v = kv(10)
         cache.append(seq, "text", k, v)
         logical.add(k, v, "text")
-        before = cache._compiled.compiles
+        before = cache.planner.compiled.compiles
         check(cache, seq, logical)
         check(cache, seq, logical)                 # a second step: nothing moved
-        assert cache._compiled.compiles == before + 1
+        assert cache.planner.compiled.compiles == before + 1
         k, v = kv(3)                               # grows within the text run's last page
         cache.append(seq, "text", k, v)
         logical.add(k, v, "text")
         check(cache, seq, logical)
-        assert cache._compiled.compiles == before + 2
+        assert cache.planner.compiled.compiles == before + 2
         k, v = kv(20)                              # grows onto a new page
         cache.append(seq, "text", k, v)
         logical.add(k, v, "text")
         check(cache, seq, logical)
-        assert cache._compiled.compiles == before + 3
+        assert cache.planner.compiled.compiles == before + 3
 
 
 def test_recompiled_when_a_group_leaves_the_device_and_comes_back(tmp_path, backend):
@@ -72,7 +72,7 @@ def test_recompiled_when_a_group_leaves_the_device_and_comes_back(tmp_path, back
         cache.append(seq, "text", k, v)
         logical.add(k, v, "text")
         check(cache, seq, logical)
-        group_a = cache._groups[key_a]
+        group_a = cache.index.groups[key_a]
         old_pages = list(group_a.pages)
         other = cache.create_sequence()
         for name in (b"B", b"C"):                  # 2 pages each: the 4 device pages
@@ -85,9 +85,9 @@ def test_recompiled_when_a_group_leaves_the_device_and_comes_back(tmp_path, back
         cache.attach(cache.create_sequence(), key_a)   # a hit on A brings it back up
         cache.flush()
         assert group_a.tier == Tier.DEVICE
-        compiles = cache._compiled.compiles
+        compiles = cache.planner.compiled.compiles
         check(cache, seq, logical)
-        assert cache._compiled.compiles == compiles + 1
+        assert cache.planner.compiled.compiles == compiles + 1
         assert group_a.pages != old_pages           # the old table would read B or C
 
 
@@ -98,9 +98,9 @@ def test_release_forgets_the_sequence(tmp_path, backend):
         cache.append(seq, "text", k, v)
         logical.add(k, v, "text")
         check(cache, seq, logical)
-        assert len(cache._compiled) == 1
+        assert len(cache.planner.compiled) == 1
         cache.release(seq)                          # its private run is freed
-        assert len(cache._compiled) == 0
+        assert len(cache.planner.compiled) == 0
         seq2, logical2 = cache.create_sequence(), Logical()
         k, v = kv(30)                               # the freed pages, written again
         cache.append(seq2, "text", k, v)

@@ -42,10 +42,10 @@ def in_three_tiers(cache, keys):
     """After the puts: flush the spills; when the background spills left no group in host
     memory (their timing varies), bring one disk group up (a prefetch), so each tier holds one."""
     cache.flush()
-    if not any(cache._groups[k].tier == Tier.HOST for k in keys):
-        cache.prefetch(next(k for k in keys if cache._groups[k].tier == Tier.DISK))
+    if not any(cache.index.groups[k].tier == Tier.HOST for k in keys):
+        cache.prefetch(next(k for k in keys if cache.index.groups[k].tier == Tier.DISK))
         cache.flush()
-    assert {cache._groups[k].tier for k in keys} == {Tier.DEVICE, Tier.HOST, Tier.DISK}
+    assert {cache.index.groups[k].tier for k in keys} == {Tier.DEVICE, Tier.HOST, Tier.DISK}
 
 
 def poisoned(n=40):
@@ -241,7 +241,7 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
         for key in keys:
             cache.put(key, *kv())
-        g = cache._groups[keys[0]]
+        g = cache.index.groups[keys[0]]
         assert g.tier == Tier.HOST
         assert list(g.location.sums) == g.location.page_sums()   # the digests the fused copy took
         _flip_slab_byte(g.location, page=page)
@@ -263,7 +263,7 @@ def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
         for key in keys:
             cache.put(key, *kv())
-        _flip_slab_byte(cache._groups[keys[0]].location)
+        _flip_slab_byte(cache.index.groups[keys[0]].location)
         seq = cache.create_sequence()
         with pytest.raises(Exception) as info:             # attach promotes it: the copy fails its check
             cache.attach(seq, keys[0])
@@ -306,7 +306,7 @@ def test_export_from_a_lower_tier_zeroes_the_last_page_past_the_group(tmp_path):
         cache.put(key, *kv(37))
         for i in range(3):                               # push it down to the host tier
             cache.put(cache.content_key("text", b"more%d" % i), *kv(40))
-        assert cache._groups[key].tier == Tier.HOST
+        assert cache.index.groups[key].tier == Tier.HOST
         meta, buf = export_pages(cache, key)
         pages = torch.from_numpy(buf).view(torch.float32).view(5, L, 2, P, H, D)
         assert (pages[-1, :, :, 37 - 4 * P:] == 0).all()
@@ -323,7 +323,7 @@ def test_transfer_from_host_and_disk_tiers_carries_checksums(tmp_path):
         for key in keys:
             src.put(key, *data[key])
         in_three_tiers(src, keys)
-        where = {tier: next(k for k in keys if src._groups[k].tier == tier) for tier in (Tier.HOST, Tier.DISK)}
+        where = {tier: next(k for k in keys if src.index.groups[k].tier == tier) for tier in (Tier.HOST, Tier.DISK)}
         for key in where.values():
             meta, buf = export_pages(src, key)
             assert import_pages(dst, key, meta, buf)

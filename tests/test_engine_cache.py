@@ -33,7 +33,7 @@ def test_one_cache_per_configuration_per_process():
         assert shared_cache(config_from_extra({"mmtier_cache": {**FIELDS, "model": "other"}})) is not a
     finally:
         close_shared()
-    assert a._closed
+    assert a.closed
 
 
 @pytest.mark.parametrize("extra", [{}, {"mmtier_cache": FIELDS, "mmtier_config": "x.yaml"},

@@ -152,8 +152,8 @@ def test_cache_records_parents_and_evicts_the_leaf_before_an_older_parent():
         cache.put(child, *kv(4))
         other = cache.content_key("text", b"other", tenant="t")
         cache.put(other, *kv(4))
-        assert cache._groups[child].parent is cache._groups[root]
-        assert cache._groups[other].parent is None
+        assert cache.index.groups[child].parent is cache.index.groups[root]
+        assert cache.index.groups[other].parent is None
         # full: a fourth group needs a page; root is the oldest but its child is cached
         cache.put(cache.content_key("text", b"new", tenant="t"), *kv(4))
         assert cache.contains(root) and not cache.contains(child) and cache.contains(other)
@@ -168,14 +168,14 @@ def test_cache_links_a_parent_named_by_prefix_key():
         cache.append(seq, "text", *kv(2))        # a private run after it
         after = cache.content_key("text", b"next", tenant="t", parent=cache.prefix_key(seq))
         cache.put(after, *kv(4))
-        assert cache._groups[after].parent is cache._groups[img]
+        assert cache.index.groups[after].parent is cache.index.groups[img]
         cache.release(seq)
         # re-stored after eviction, the group finds its parent again
-        cache._drop(cache._groups[after])
+        cache.residency.drop(cache.index.groups[after])
         again = cache.content_key("text", b"next", tenant="t", parent=cache.prefix_key(cache.create_sequence(tenant="t")))
         del again
         cache.put(after, *kv(4))
-        assert cache._groups[after].parent is cache._groups[img]
+        assert cache.index.groups[after].parent is cache.index.groups[img]
 
 
 def test_lineage_notes_are_bounded_and_hop_through_chain_keys():
@@ -211,7 +211,7 @@ def test_a_sealed_run_records_its_parent_and_goes_before_it():
             keys.append(parent)
         cache.release(seq)
         a, b = keys
-        assert cache._groups[b].parent is cache._groups[a] and cache._groups[a].parent is None
+        assert cache.index.groups[b].parent is cache.index.groups[a] and cache.index.groups[a].parent is None
         cache.put(cache.content_key("text", b"x", tenant="t"), *kv(4))         # the third page
         cache.put(cache.content_key("text", b"y", tenant="t"), *kv(4))         # evicts one: the leaf
         assert cache.contains(a) and not cache.contains(b)

@@ -167,7 +167,7 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
     assert item is not None and item["num_tokens"] == k.shape[1]
     del buf                                                    # the last reference: lease back
     assert len(src.cache.leases) == 0
-    assert len(page_runs(dst.cache._groups[key].pages)) > 1    # landed in scattered pages
+    assert len(page_runs(dst.cache.index.groups[key].pages)) > 1    # landed in scattered pages
     got_k, got_v = dst.cache.read_group(key)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
     assert src.drop([key.to_wire()]) == [key.hex]

@@ -34,7 +34,7 @@ def text(cache, seq, ids):
 def snapshot(cache, seq):
     table = cache.sequence(seq)
     return (table.length, [s.group.gid for s in table.segments], cache.prefix_key(seq),
-            {k: g.refs for k, g in cache._groups.items()})
+            {k: g.refs for k, g in cache.index.groups.items()})
 
 
 def test_an_image_computed_after_other_text_is_refused(cache):

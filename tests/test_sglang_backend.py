@@ -75,7 +75,7 @@ def test_a_corrupt_page_is_a_miss_and_bad_pools_are_refused(tmp_path):
     assert store.batch_set_v1([f"p{i}" for i in range(PAGES)], torch.arange(PAGES * P)) == [True] * PAGES
     store.cache.flush()
     key = store.key("p0")
-    assert store.cache._groups[key].tier == Tier.DISK
+    assert store.cache.index.groups[key].tier == Tier.DISK
     path = next((tmp_path / "spill").glob(f"text-{key.hex}*.arrow"))
     raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0xFF

@@ -38,7 +38,7 @@ def test_decode_steps_reuse_the_first_layers_plan_and_equal_the_oracle(backend):
             refs.append(ref)
         layers = cache.cfg.num_layers
         for _ in range(3):                        # steps: one new token per sequence each
-            before = cache._steps.reuses
+            before = cache.engine.steps.reuses
             new = [kv(1) for _ in seqs]
             runs = [cache.reserve(seq, "text", 1) for seq in seqs]
             for layer in range(layers):
@@ -48,23 +48,23 @@ def test_decode_steps_reuse_the_first_layers_plan_and_equal_the_oracle(backend):
                     for ref, (k, v) in zip(refs, new):
                         ref.add(k, v, "text")
                 _check(cache, seqs, refs, layer, [1, 1])
-            assert cache._steps.reuses - before == layers - 1      # planned once a step
+            assert cache.engine.steps.reuses - before == layers - 1      # planned once a step
         # a prefill of 3 queries in one sequence: another batch, planned apart
-        before = cache._steps.reuses
+        before = cache.engine.steps.reuses
         for layer in range(layers):
             _check(cache, seqs, refs, layer, [3, 1])
-        assert cache._steps.reuses - before == layers - 1
+        assert cache.engine.steps.reuses - before == layers - 1
         # tokens appended between two layers: the kept plan no longer matches
         _check(cache, seqs, refs, 0, [1, 1])
         k, v = kv(4)
         cache.append(seqs[1], "text", k, v)
         refs[1].add(k, v, "text")
-        before = cache._steps.reuses
+        before = cache.engine.steps.reuses
         _check(cache, seqs, refs, 1, [1, 1])
-        assert cache._steps.reuses == before
+        assert cache.engine.steps.reuses == before
         for seq in seqs:
             cache.release(seq)
-        assert not cache._steps._plans                 # released: their plans are gone
+        assert not cache.engine.steps._plans                 # released: their plans are gone
 
 
 def test_a_group_that_left_the_device_between_layers_is_planned_again(tmp_path, backend):
@@ -88,7 +88,7 @@ def test_a_group_that_left_the_device_between_layers_is_planned_again(tmp_path, 
 
         check(0)
         group = cache.sequence(seq).segments[0].group
-        assert group.tier == Tier.DEVICE and cache._steps._plans
+        assert group.tier == Tier.DEVICE and cache.engine.steps._plans
         busy = cache.create_sequence()           # another request's images, more than the device holds
         for i in range(4):
             other = cache.content_key("vision", b"other-%d" % i)
@@ -96,8 +96,8 @@ def test_a_group_that_left_the_device_between_layers_is_planned_again(tmp_path, 
             cache.attach(busy, other)
         cache.flush()
         assert group.tier != Tier.DEVICE
-        before = cache._steps.reuses
+        before = cache.engine.steps.reuses
         check(1)
-        assert cache._steps.reuses == before
+        assert cache.engine.steps.reuses == before
         cache.release(seq)
         cache.release(busy)

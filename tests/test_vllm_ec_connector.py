@@ -149,7 +149,7 @@ def test_a_corrupt_copy_fails_the_request_never_wrong_outputs(tmp_path):
             run(sched, worker, request(f"f{i}", f"f{i}", pixels(10 + i)), {}, computed=torch.randn(16, WIDTH))
         key = worker.item_key(request("probe", "img-A", pixels(1)).mm_features[0])
         worker.cache.flush()
-        assert worker.cache._groups[key].tier == Tier.DISK
+        assert worker.cache.index.groups[key].tier == Tier.DISK
         path = next((tmp_path / "spill").glob(f"vision_embed-{key.hex}*.arrow"))
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 0xFF

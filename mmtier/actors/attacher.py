@@ -73,8 +73,9 @@ class Attacher:
             raise HolderLostError(f"{key!r}: its holders kept failing")
 
     def _check_place(self, seq: SequenceHandle, st: _Seq, key: ContentKey) -> None:
-        """The rule of ``TieredKVCache._check_place`` over the cluster sequence's chain: a
-        prefix-dependent key only where the sequence holds the prefix it was derived under."""
+        """The rule of ``CacheKeys.check_place`` (``mmtier/cache/keys.py``) over the cluster
+        sequence's chain: a prefix-dependent key only where the sequence holds the prefix it was
+        derived under."""
         if key.sharing != "prefix":
             return
         here = self.keys.chain_key(key.modality, st.chain, seq.tenant)

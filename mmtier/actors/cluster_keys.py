@@ -5,7 +5,7 @@ the check every key passed in goes through."""
 
 from __future__ import annotations
 
-from ..cache_keys import DEFAULT_TENANT
+from ..cache.keys import DEFAULT_TENANT
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker, media_digest, tenant_salt
 from ..errors import DTypeError, ForeignKeyError, UnknownModalityError

@@ -79,7 +79,7 @@ class HostedCache:
         if tail is None:
             return self.cache.prefix_key(seq)
         return self.cache.keys.chain(modality=tail, chain_digest=self.cache.sequence(seq).chain,
-                                     tenant_salt=self.cache._salt(seq.tenant))
+                                     tenant_salt=self.cache.keyer.salt(seq.tenant))
 
     def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
         return self.host.create(tenant)
@@ -247,8 +247,8 @@ class HostedCache:
         store = store_name(self.host.node)
         chosen: list[tuple[ContentKey, int]] = []
         for key in dict.fromkeys(keys):
-            with self.cache._lock:
-                group = self.cache._groups.get(key)
+            with self.cache.lock:
+                group = self.cache.index.groups.get(key)
                 size = 0 if group is None or not group.evictable else group.nbytes
             if size:
                 chosen.append((key, size))

@@ -61,12 +61,12 @@ class RemoteParts:
 
     def attach(self, seq: SequenceHandle, key: ContentKey, holder: str) -> None:
         """Reference ``key`` at ``holder`` at the sequence's next position (one call)."""
-        self.cache._check_key(key, "kv")
-        if key.scope != tenant_scope(self.cache._salt(seq.tenant)):
+        self.cache.keyer.check_key(key, "kv")
+        if key.scope != tenant_scope(self.cache.keyer.salt(seq.tenant)):
             raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
         table = self.cache.sequence(seq)               # UnknownKeyError for a released one
-        with self.cache._lock:
-            self.cache._check_place(seq, table, key, table.chain)   # PrefixMismatchError
+        with self.cache.lock:
+            self.cache.keyer.check_place(seq, table, key, table.chain)   # PrefixMismatchError
         split = self._seqs.get(seq.id) or _Split()
         proxy, proxy_start, n, _evicted = self.transport.attach(
             holder, split.proxies.get(holder), seq.tenant, key.to_wire())
@@ -75,7 +75,7 @@ class RemoteParts:
         local_at = table.length
         split.groups.append(RemoteGroup(holder, key, local_at + self._remote_tokens(split), local_at,
                                         proxy_start, n))
-        with self.cache._lock:
+        with self.cache.lock:
             table.extend_chain(b"group:" + key.digest,  # the same identity as a local attach
                                naming(key, table.chain))
 
@@ -105,7 +105,7 @@ class RemoteParts:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse)`` over the local segments and the remote groups, merged exactly
         (``groups`` / ``modalities`` restrict both, as in ``TieredKVCache.attention_state``)."""
-        self.cache._check_q(q)
+        self.cache.planner.check_q(q)
         split = self._seqs[seq.id]
         table = self.cache.sequence(seq)
         wanted = None if groups is None else set(groups)

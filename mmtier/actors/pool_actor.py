@@ -18,9 +18,10 @@ the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must
 disk whole and stay held here (tier ``"disk"``; attention and export read them from there); only
 groups dropped at the bottom, or whose disk copy failed verification (a miss), leave. A read
 that finds a corrupt copy raises ``CorruptDataError`` and reports the group through ``on_lost``
-(the actor tells the registry). A pool recreated over the same directory adopts its groups. Page export / import uses ``TieredKVCache`` internals (``_groups``,
-``_allocate``, ``_insert_group``) in the two helpers at the bottom: the seam
-to replace by public ``export_pages`` / ``import_pages`` methods of the cache.
+(the actor tells the registry). A pool recreated over the same directory adopts its groups.
+Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its groups and ``insert``,
+``cache.residency``: ``allocate``, ``read_pages``) in the two helpers at the bottom: the seam to
+replace by public ``export_pages`` / ``import_pages`` methods of the cache.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class PoolService:
         self._lock = threading.RLock()
         self._handles: dict[int, SequenceHandle] = {}
         self._evictions_seen = 0
-        self._known: set[ContentKey] = set(self.cache._groups)   # adopted from disk, if any
+        self._known: set[ContentKey] = set(self.cache.index.groups)   # adopted from disk, if any
         self.on_lost: Callable[[list[str]], None] | None = None  # groups gone outside a mutating call
 
     # ------------------------------------------------------------------ identity and inventory
@@ -83,13 +84,13 @@ class PoolService:
 
     def inventory(self) -> list[dict]:
         """Every content-keyed group this cache holds (the registry rebuilds itself from these)."""
-        with self.cache._lock:
+        with self.cache.lock:
             return [group_item(k, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
-                    for k, g in self.cache._groups.items()]
+                    for k, g in self.cache.index.groups.items()]
 
     def holds(self, wires: Sequence[dict[str, str]]) -> list[bool]:
-        with self.cache._lock:
-            groups = self.cache._groups
+        with self.cache.lock:
+            groups = self.cache.index.groups
             return [ContentKey.from_wire(w) in groups for w in wires]
 
     # ------------------------------------------------------------------ groups
@@ -131,12 +132,12 @@ class PoolService:
 
     def drop(self, wires: Sequence[dict[str, str]]) -> list[str]:
         """Drop unreferenced groups (an explicit move elsewhere); returns the dropped digests."""
-        with self._lock, self.cache._lock:
+        with self._lock, self.cache.lock:
             out = []
             for w in wires:
-                g = self.cache._groups.get(ContentKey.from_wire(w))
+                g = self.cache.index.groups.get(ContentKey.from_wire(w))
                 if g is not None and g.evictable:
-                    self.cache._free_group(g)
+                    self.cache.residency.free_group(g)
                     out.append(w["digest"])
             self._known.difference_update(ContentKey.from_wire(w) for w in wires if w["digest"] in out)
             return out
@@ -174,7 +175,7 @@ class PoolService:
                 seq = self.create(tenant)
             try:
                 start = self.cache.sequence(seq).length
-                self.cache._attach(seq, key, placed=True)   # a part of a sequence whose client
+                self.cache.seqs.attach(seq, key, placed=True)   # a part of a sequence whose client
                                                             # checked the key's place in it
             except Exception:
                 if created:
@@ -215,10 +216,10 @@ class PoolService:
 
     def leak_report(self) -> dict[str, int]:
         """Pages in use against pages of cached groups: equal when no sequence leaked pages."""
-        with self.cache._lock:
+        with self.cache.lock:
             used = sum(p.num_used for p in self.cache.pools.values())
-            cached = sum(len(g.pages) for g in self.cache._groups.values() if g.tier == Tier.DEVICE)
-            return {"sequences": len(self.cache._seqs), "handles": len(self._handles),
+            cached = sum(len(g.pages) for g in self.cache.index.groups.values() if g.tier == Tier.DEVICE)
+            return {"sequences": len(self.cache.seqs.tables), "handles": len(self._handles),
                     "used_pages": used, "cached_pages": cached, "leases": len(self.cache.leases)}
 
     def close(self) -> None:
@@ -226,8 +227,8 @@ class PoolService:
 
     # ------------------------------------------------------------------ helpers
     def _item(self, key: ContentKey) -> dict:
-        with self.cache._lock:
-            g = self.cache._groups[key]
+        with self.cache.lock:
+            g = self.cache.index.groups[key]
             self._known.add(key)
             return group_item(key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
 
@@ -239,8 +240,8 @@ class PoolService:
         if n == self._evictions_seen:
             return []
         self._evictions_seen = n
-        with self.cache._lock:
-            gone = [k for k in self._known if k not in self.cache._groups]
+        with self.cache.lock:
+            gone = [k for k in self._known if k not in self.cache.index.groups]
         self._known.difference_update(gone)
         return [k.hex for k in gone]
 
@@ -261,10 +262,10 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
     returns a CPU device group whose pages are one run as a *view* of the arena (no copy): the
     caller holds a lease on the group until it is done reading. Scattered pages, or pages on a
     GPU, are copied run by run straight into one host buffer."""
-    spec = cache._check_key(key)
+    spec = cache.keyer.check_key(key)
     if spec.kind == "embedding":             # encoder outputs: padded to pages
-        with cache._lock:
-            group = cache._groups.get(key)
+        with cache.lock:
+            group = cache.index.groups.get(key)
             on_device = group is not None and group.tier == Tier.DEVICE
         if not on_device:
             x = cache.get_embedding(key)
@@ -272,8 +273,8 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
             pages = torch.zeros(spec.pages_for(n) * spec.page_size, spec.width, dtype=x.dtype)
             pages[:n] = x
             return with_sums({"num_tokens": n}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes)
-    with cache._lock:
-        group = cache._groups.get(key)
+    with cache.lock:
+        group = cache.index.groups.get(key)
         if group is None:
             raise UnknownKeyError(f"{key!r} is not held here")
         if group.tier == Tier.DEVICE:
@@ -288,7 +289,7 @@ def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) ->
             return with_sums({"num_tokens": group.num_tokens}, data.view(torch.uint8).reshape(-1).numpy(),
                               spec.page_bytes)
         sums = list(group.location.sums) if group.tier == Tier.HOST and group.location.sums else None
-        pages = cache._read_pages(group)      # verified (a disk read lets go of the lock)
+        pages = cache.residency.read_pages(group)      # verified (a disk read lets go of the lock)
         num_tokens = group.num_tokens
         group.hits += 1
         cache.policy.on_access(group)
@@ -308,7 +309,7 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
     reuses them), so attention in other threads goes on during the copy; the group is indexed
     under the lock again, or the pages given back when the copy failed or another thread
     imported the same key meanwhile."""
-    spec = cache._check_key(key)
+    spec = cache.keyer.check_key(key)
     n = int(meta["num_tokens"])
     n_pages = spec.pages_for(n)
     if buf.dtype != np.uint8 or buf.size != n_pages * spec.page_bytes or n <= 0:
@@ -320,10 +321,10 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
         src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
     pb = spec.page_bytes
     pool = cache.pools[key.modality]
-    with cache._lock:
-        if key in cache._groups:
+    with cache.lock:
+        if key in cache.index.groups:
             return False
-        pages = cache._allocate(pool, n_pages, [])
+        pages = cache.residency.allocate(pool, n_pages, [])
     stored = False
     on_host = pool.view.device.type == "cpu"
     try:
@@ -342,13 +343,13 @@ def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndar
                 cache.counters.add("corrupt_reads", key.modality)
                 cache.counters.add("transfer_corrupt_reads", key.modality)
                 raise
-        with cache._lock:
-            if key not in cache._groups:
-                cache._insert_group(key, spec, n, pages)
+        with cache.lock:
+            if key not in cache.index.groups:
+                cache.index.insert(key, spec, n, pages)
                 stored = True
     finally:
         if not stored:
-            with cache._lock:
+            with cache.lock:
                 pool.free(pages)
     return stored
 

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..cache_keys import DEFAULT_TENANT
+from ..cache.keys import DEFAULT_TENANT
 from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import HolderLostError, ShapeError, UnknownKeyError, UnknownModalityError

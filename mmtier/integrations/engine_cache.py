@@ -136,7 +136,7 @@ def shared_cache(cfg: CacheConfig) -> TieredKVCache:
     name = json.dumps(cfg.model_dump(mode="json"), sort_keys=True)
     with _LOCK:
         cache = _CACHES.get(name)
-        if cache is None or cache._closed:
+        if cache is None or cache.closed:
             cache = _CACHES[name] = TieredKVCache(cfg)
         return cache
 

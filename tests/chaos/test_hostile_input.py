@@ -143,7 +143,7 @@ def test_crafted_files_in_disk_dir_are_quarantined_never_executed(tmp_path, figu
             data[key] = seeded_kv(i, 60)
             cache.put(key, *data[key])
         cache.flush()
-        on_disk = [k for k in data if cache._groups[k].tier.name == "DISK"]
+        on_disk = [k for k in data if cache.index.groups[k].tier.name == "DISK"]
     assert len(on_disk) == 2
     spec = cfg.spec("vision")
     keys = KeyMaker(MODEL, SECRET)

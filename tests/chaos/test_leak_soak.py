@@ -120,14 +120,14 @@ def test_ten_thousand_ops_leave_nothing_behind(tmp_path, figures, backend):
         cache.flush()
         assert cache.stats().sequences == 0
         for pool in cache.pools.values():                  # only cached groups hold device pages
-            held = sum(len(g.pages) for g in cache._groups.values()
+            held = sum(len(g.pages) for g in cache.index.groups.values()
                        if g.tier.name == "DEVICE" and g.modality == pool.spec.name)
             assert pool.num_used == held, (pool.spec.name, pool.num_used, held)
-        groups = len(cache._groups)
-        with cache._lock:                                  # evict everything the policy's way
-            for g in list(cache._groups.values()):
+        groups = len(cache.index.groups)
+        with cache.lock:                                  # evict everything the policy's way
+            for g in list(cache.index.groups.values()):
                 g.leases.clear()                           # 30 s leases would outlive the test
-                cache._drop(g)
+                cache.residency.drop(g)
         cache.flush()
         for name, pool in cache.pools.items():
             assert pool.num_free == pool.num_pages, (name, pool.num_free, pool.num_pages)

@@ -152,7 +152,7 @@ def test_overload_gives_typed_errors_bounded_latency_and_keeps_the_floor(small_f
         cache.flush()
         c = cache.stats().counters
         for pool in cache.pools.values():          # every request released: only cached groups hold pages
-            assert pool.num_used == sum(len(g.pages) for g in cache._groups.values()
+            assert pool.num_used == sum(len(g.pages) for g in cache.index.groups.values()
                                         if g.tier.name == "DEVICE" and g.modality == pool.spec.name)
     stop.set()
     mon.join(5)

@@ -129,7 +129,7 @@ def test_cache_spill_crash_at_every_step(crashed, step, nth, figures):
             key = cache.content_key("vision", media(i), tenant="acme")
             if cache.contains(key):
                 present.append(i)
-                assert cache._groups[key].tier == Tier.DISK
+                assert cache.index.groups[key].tier == Tier.DISK
                 assert fingerprint(*cache.read_group(key)) == fingerprint(*seeded_kv(i, TOKENS))
         # spills 1..nth-1 finished (durable) before the crash; spill nth (group nth-1) is whole
         # once renamed, else absent; group nth was on the device only

@@ -1,7 +1,7 @@
-"""Attention of a ``TieredKVCache``: ``attention``, ``attention_state`` and
-``attention_state_parts``, planned under the lock (segments chosen, groups pinned, operands
-captured), computed without it, unpinned under it again. A part of ``TieredKVCache`` (this class
-is one of its bases), kept in its own file.
+"""``AttentionPlanner``: attention of a ``TieredKVCache`` over a sequence's pages, in whichever
+tier they live: ``attention``, ``attention_state`` and ``attention_state_parts``, planned under
+the lock (segments chosen, groups pinned, operands captured), computed without it, unpinned under
+it again. Its own state: the compiled device operands per sequence (reused while unchanged).
 """
 
 from __future__ import annotations
@@ -10,25 +10,34 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .attention_plan import AttentionPlan
-from .batch_attention import check_segments
-from .content import ContentKey
-from .errors import DTypeError, ShapeError, UnknownKeyError
-from .groups import ModalityGroup, Tier
-from .table import Segment, SequenceHandle, SequenceTable, compile_segments
+from ..attention_plan import AttentionPlan
+from ..batch_attention import check_segments
+from ..compiled_operands import CompiledOperands
+from ..config import CacheConfig
+from ..content import ContentKey, KeyMaker
+from ..errors import DTypeError, ShapeError, UnknownKeyError
+from ..eviction import EvictionPolicy
+from ..groups import ModalityGroup, Tier
+from ..locking import OwnerLock
+from ..stats import Counters
+from ..table import Segment, SequenceHandle, SequenceTable, compile_segments
+from .residency import Residency
+from .sequences import Sequences
 
 
-class AttentionAPI:
-    """Attention over a sequence's pages, in whichever tier they live, over ``TieredKVCache``'s
-    own state (its lock, tables, pools, lower tiers and compiled operands)."""
+class AttentionPlanner:
+    """Plans, runs and unpins attention (see the module's docstring)."""
+
+    def __init__(self, cfg: CacheConfig, lock: OwnerLock, device: torch.device, maker: KeyMaker,
+                 seqs: Sequences, residency: Residency, policy: EvictionPolicy, counters: Counters):
+        self.cfg, self.lock, self.device, self.maker = cfg, lock, device, maker
+        self.seqs, self.residency, self.policy, self.counters = seqs, residency, policy, counters
+        self.compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
 
     def attention(self, seq: SequenceHandle, layer: int, q: torch.Tensor, *,
                   groups: Iterable[ContentKey] | None = None, causal: bool = True,
                   scale: float | None = None, modalities: Iterable[str] | None = None) -> torch.Tensor:
-        """Attention of ``q [n_q, num_q_heads, head_dim]`` over the sequence's pages.
-
-        Queries are the last ``n_q`` positions; causal by absolute position; ``groups`` restricts
-        the keys to those groups (cross-attention)."""
+        """``TieredKVCache.attention`` (its contract is documented there)."""
         out, _ = self.attention_state(seq, layer, q, groups=groups, causal=causal, scale=scale,
                                       modalities=modalities)
         return out
@@ -37,12 +46,12 @@ class AttentionAPI:
                         groups: Iterable[ContentKey] | None = None, causal: bool = True,
                         scale: float | None = None, q_positions: torch.Tensor | None = None,
                         modalities: Iterable[str] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)``: the partial state that merges exactly with others (other tiers, nodes)."""
-        self._check_q(q)
-        with self._lock:
-            self.lower.apply_completions()
-            table = self._table(seq)
-            segments = self._select(seq, table, groups)
+        """``TieredKVCache.attention_state`` (its contract is documented there)."""
+        self.check_q(q)
+        with self.lock:
+            self.residency.lower.apply_completions()
+            table = self.seqs.table(seq)
+            segments = self.select(seq, table, groups)
             if modalities is not None:
                 mods = set(modalities)
                 for m in mods:
@@ -55,36 +64,32 @@ class AttentionAPI:
                     raise ShapeError(f"{n_q} queries but the sequence holds {length} tokens")
                 q_pos = torch.arange(max(0, length - n_q), max(0, length - n_q) + n_q, dtype=torch.int32)
             else:
-                q_pos = self._positions(q_positions, n_q)
-            plan = self._plan(segments, layer, q, seq_id=seq.id)
-        return self._run(plan, q, q_pos, causal, scale)
+                q_pos = self.positions(q_positions, n_q)
+            plan = self.plan(segments, layer, q, seq_id=seq.id)
+        return self.run(plan, q, q_pos, causal, scale)
 
     def attention_state_parts(self, parts: Sequence[tuple[SequenceHandle, Iterable[ContentKey] | None, int, int | None]],
                               layer: int, q: torch.Tensor, q_positions: torch.Tensor, *,
                               causal: bool = True, scale: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(out, lse)`` over parts of local sequences that hold pieces of a bigger sequence
-        (a pool's runs and proxies of a cluster sequence), all in one call: part ``(seq, keys,
-        offset, start)`` adds the segments of ``seq`` (those of ``keys`` when given; only the one
-        at local position ``start`` when given) at ``local position + offset``; ``q_positions``
-        are positions of the bigger sequence. A segment named by two parts is refused."""
-        self._check_q(q)
-        with self._lock:
-            self.lower.apply_completions()
+        """``TieredKVCache.attention_state_parts`` (its contract is documented there)."""
+        self.check_q(q)
+        with self.lock:
+            self.residency.lower.apply_completions()
             segments, seen = [], set()
             for seq, keys, offset, start in parts:
-                for s in self._select(seq, self._table(seq), keys):
+                for s in self.select(seq, self.seqs.table(seq), keys):
                     if start is not None and s.start != start:
                         continue
                     if (seq.id, s.start) in seen:
                         raise ShapeError(f"sequence {seq.id}: the segment at {s.start} is in two parts")
                     seen.add((seq.id, s.start))
                     segments.append(Segment(s.group, s.start + int(offset)))
-            plan = self._plan(segments, layer, q)
-        return self._run(plan, q, self._positions(q_positions, q.shape[0]), causal, scale)
+            plan = self.plan(segments, layer, q)
+        return self.run(plan, q, self.positions(q_positions, q.shape[0]), causal, scale)
 
     @staticmethod
-    def _positions(q_positions, n_q: int) -> torch.Tensor:
+    def positions(q_positions, n_q: int) -> torch.Tensor:
         """Caller-given query positions as int32, left on their device (no copy back to the
         host: a CUDA tensor stays there)."""
         if not isinstance(q_positions, torch.Tensor) or q_positions.shape != (n_q,) \
@@ -93,30 +98,30 @@ class AttentionAPI:
                              f"{tuple(q_positions.shape) if isinstance(q_positions, torch.Tensor) else type(q_positions).__name__}")
         return q_positions if q_positions.dtype == torch.int32 else q_positions.to(torch.int32)
 
-    def _check_q(self, q) -> None:
-        self._open()
+    def check_q(self, q) -> None:
+        self.residency.check_open()
         if not isinstance(q, torch.Tensor) or q.dim() != 3:
             raise ShapeError(f"q must be [n_q, num_q_heads, head_dim], got "
                              f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
         if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise DTypeError(f"q dtype {q.dtype} is not float32, float16 or bfloat16")
 
-    def _select(self, seq: SequenceHandle, table: SequenceTable, groups: Iterable[ContentKey] | None):
+    def select(self, seq: SequenceHandle, table: SequenceTable, groups: Iterable[ContentKey] | None):
         """The segments of ``table``, or of those groups (verified, all attached)."""
         if groups is None:
             return table.segments
         wanted = set(groups)
         for key in wanted:
-            self.keys.verify(key)
+            self.maker.verify(key)
         missing = wanted - {s.group.key for s in table.segments}
         if missing:
             raise UnknownKeyError(f"groups not attached to sequence {seq.id}: {sorted(map(str, missing))}")
         return [s for s in table.segments if s.group.key in wanted]
 
-    def _plan(self, segments: list[Segment], layer: int, q: torch.Tensor,
+    def plan(self, segments: list[Segment], layer: int, q: torch.Tensor,
               seq_id: int | None = None) -> AttentionPlan:
         """Check the segments fit ``q`` and ``layer``, pin their groups and capture what the
-        computation reads (lock held; ``_run`` computes it without the lock). With ``seq_id``
+        computation reads (lock held; ``run`` computes it without the lock). With ``seq_id``
         (the segments are that sequence's), its device operands are reused while unchanged."""
         check_segments(segments, layer, q)
         for s in segments:
@@ -125,49 +130,49 @@ class AttentionAPI:
         device_segs = [s for s in segments if s.group.tier == Tier.DEVICE]
         host_segs = [s for s in segments if s.group.tier == Tier.HOST]
         disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
-        plan = AttentionPlan(segments, None, self.arena.device, disk_segments=disk_segs)
+        plan = AttentionPlan(segments, None, self.device, disk_segments=disk_segs)
         try:
-            plan.stream = self.lower.stream(disk_segs, layer)   # disk reads first:
+            plan.stream = self.residency.lower.stream(disk_segs, layer)   # disk reads first:
             if device_segs or not segments:                                       # they overlap the rest
                 if seq_id is None:
-                    plan.device_ops = compile_segments(device_segs, layer, self._device_view)
+                    plan.device_ops = compile_segments(device_segs, layer, self.device_view)
                 else:
-                    plan.device_ops = self._compiled.operands(
-                        seq_id, device_segs, layer, lambda segs, lay: compile_segments(segs, lay, self._device_view))
+                    plan.device_ops = self.compiled.operands(
+                        seq_id, device_segs, layer, lambda segs, lay: compile_segments(segs, lay, self.device_view))
             if host_segs:
-                plan.host_ops, plan.held = self.lower.plan_host(host_segs, layer)
+                plan.host_ops, plan.held = self.residency.lower.plan_host(host_segs, layer)
         except BaseException:
-            self._unpin(plan)
+            self.unpin(plan)
             raise
         return plan
 
-    def _run(self, plan: AttentionPlan, q, q_pos, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, plan: AttentionPlan, q, q_pos, causal, scale) -> tuple[torch.Tensor, torch.Tensor]:
         """Compute a plan without the lock, then unpin it under the lock."""
         try:
-            return plan.run(q, q_pos, causal=causal, scale=scale, backend=self._backend())
+            return plan.run(q, q_pos, causal=causal, scale=scale, backend=self.backend())
         finally:
-            with self._lock:
-                self._unpin(plan)
+            with self.lock:
+                self.unpin(plan)
 
-    def _unpin(self, plan: AttentionPlan) -> None:
+    def unpin(self, plan: AttentionPlan) -> None:
         """Release what a plan holds (lock held): pins, host entries, stream buffers; groups a
         stream found corrupt become misses; groups freed while pinned release their storage."""
-        plan.close(self.lower.release_held)
+        plan.close(self.residency.lower.release_held)
         for g in plan.failed:
             self.counters.add("corrupt_reads", g.modality)
-            self._forget_corrupt(g)
+            self.residency.forget_corrupt(g)
         for g in plan.groups:
             g.pins -= 1
         for g in dict.fromkeys(plan.groups):
             if g.pins == 0 and g.freed:
-                self._settle(g)
+                self.residency.settle(g)
         if plan.lower:
             self.counters.add("lower_tier_attentions")
-        self.lower.apply_completions()
+        self.residency.lower.apply_completions()
 
-    def _device_view(self, group: ModalityGroup):
-        pool = self.pools[group.modality]
+    def device_view(self, group: ModalityGroup):
+        pool = self.residency.pools[group.modality]
         return (group.modality, pool.view, group.pages)
 
-    def _backend(self) -> str:
+    def backend(self) -> str:
         return self.cfg.attention_backend

@@ -1,7 +1,8 @@
-"""What an engine's model runner calls once per layer: per-layer writes (``reserve`` /
-``write_layer``, sealed into a shared group by ``seal``) and one attention call for a batch of
-sequences (``attention_batch``). Used by the transformers adapter and the vLLM / SGLang
-connectors; a part of ``TieredKVCache`` (this class is one of its bases), kept in its own file.
+"""``EngineSurface``: what an engine's model runner calls once per layer on a ``TieredKVCache``:
+per-layer writes (``reserve`` / ``write_layer``, sealed into a shared group by ``seal``) and one
+attention call for a batch of sequences (``attention_batch``). Used by the transformers adapter
+and the vLLM / SGLang connectors. Its own state: the step plans (a batch's plan made at one layer
+of a step and reused by its other layers).
 """
 
 from __future__ import annotations
@@ -11,27 +12,39 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from .batch_attention import BatchPlan, check_segments, query_bounds
-from .content import ContentKey, tenant_scope
-from .errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
-from .groups import Tier
-from .layer_writes import Reservation, write_one_layer
-from .payload import token_identity
-from .table import Segment, SequenceHandle, compile_batch, naming
+from ..batch_attention import BatchPlan, check_segments, query_bounds
+from ..config import CacheConfig
+from ..content import ContentKey, tenant_scope
+from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
+from ..eviction import EvictionPolicy
+from ..groups import Tier
+from ..layer_writes import Reservation, write_one_layer
+from ..locking import OwnerLock
+from ..payload import token_identity
+from ..step_plans import StepPlans
+from ..table import Segment, SequenceHandle, compile_batch, naming
+from .attention import AttentionPlanner
+from .group_index import GroupIndex
+from .keys import CacheKeys
+from .residency import Residency
+from .sequences import Sequences
 
 
-class EngineAPI:
-    """Per-layer writes and batched attention over ``TieredKVCache``'s own state (its lock,
-    tables, planning and pinning helpers)."""
+class EngineSurface:
+    """Per-layer writes and batched attention (see the module's docstring)."""
+
+    def __init__(self, cfg: CacheConfig, lock: OwnerLock, keyer: CacheKeys, index: GroupIndex,
+                 seqs: Sequences, residency: Residency, planner: AttentionPlanner,
+                 policy: EvictionPolicy):
+        self.cfg, self.lock, self.keyer, self.index = cfg, lock, keyer, index
+        self.seqs, self.residency, self.planner, self.policy = seqs, residency, planner, policy
+        self.steps = StepPlans()               # batch plans, reused by the other layers of a step
+
 
     def reserve(self, seq: SequenceHandle, modality: str, n: int, *,
                 tokens: Sequence[int] | None = None, new_run: bool = False) -> Reservation:
-        """Add ``n`` tokens to ``seq`` whose K/V will arrive one layer at a time
-        (``write_layer``). Their pages stay on the device until every layer is written.
-        ``tokens`` (their ids) name them in the prefix chain; without them the run is unique
-        (its prefix never matches another sequence's). ``new_run``: start a run of their own
-        (one that ``seal`` can turn into a shared group)."""
-        self._open()
+        """``TieredKVCache.reserve`` (its contract is documented there)."""
+        self.residency.check_open()
         spec = self.cfg.spec(modality)
         if spec.kind != "kv":
             raise UnknownModalityError(f"modality {modality!r} holds embeddings; use put_embedding")
@@ -41,10 +54,10 @@ class EngineAPI:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
         identity = token_identity(modality, None, None, tokens) if tokens is not None else \
             b"unique:" + os.urandom(16)
-        with self._lock:
-            self.lower.apply_completions()
-            growth = self._grow(self._table(seq), modality, spec, n, new_run)
-            group = self._commit_growth(growth, identity)
+        with self.lock:
+            self.residency.lower.apply_completions()
+            growth = self.seqs.grow(self.seqs.table(seq), modality, spec, n, new_run)
+            group = self.seqs.commit_growth(growth, identity)
             group.pins += 1
             res = Reservation(group, growth.pool, growth.page_ids, growth.offsets, n)
             table = growth.table
@@ -52,26 +65,20 @@ class EngineAPI:
             return res
 
     def write_layer(self, res: Reservation, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write one layer (``k, v [n, num_kv_heads, head_dim]``) of a reservation's tokens."""
-        self._open()
-        with self._lock:
-            write_one_layer(res, layer, k, v, self._backend())
+        """``TieredKVCache.write_layer`` (its contract is documented there)."""
+        self.residency.check_open()
+        with self.lock:
+            write_one_layer(res, layer, k, v, self.planner.backend())
             if res.complete:
                 res.open = False
                 res.group.pins -= 1
 
     def seal(self, seq: SequenceHandle, key: ContentKey, run: Reservation | None = None) -> bool:
-        """Make a run of the sequence the shared group ``key``, in place (no copy): later
-        sequences of the tenant ``attach`` it. The run is the sequence's last one, or with
-        ``run`` the one that reservation started (``reserve(new_run=True)``): a step that
-        reserved several runs (a prefill over a text span and an image) seals each. The run must
-        be fully written. A prefix-dependent ``key`` must be derived under the prefix the run
-        follows (``PrefixMismatchError`` otherwise, as for ``attach``). ``False`` (the run stays
-        private) when ``key`` is already held or the run has left the device."""
-        self._check_key(key, "kv")
-        with self._lock:
-            table = self._table(seq)
-            if key.scope != tenant_scope(self._salt(seq.tenant)):
+        """``TieredKVCache.seal`` (its contract is documented there)."""
+        self.keyer.check_key(key, "kv")
+        with self.lock:
+            table = self.seqs.table(seq)
+            if key.scope != tenant_scope(self.keyer.salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
             if run is None:
                 group = table.tail.group if table.tail is not None else None
@@ -88,30 +95,20 @@ class EngineAPI:
             if group.pins:
                 raise ShapeError(f"sequence {seq.id}: {which} is still being written")
             index = next(i for i, s in enumerate(table.segments) if s.group is group)
-            self._check_place(seq, table, key, table.segments[index].before)
+            self.keyer.check_place(seq, table, key, table.segments[index].before)
             names = naming(key, table.segments[index].before)
             if names is not None:
                 table.name_segment(index, names)       # what follows may chain it, held or not
-            if key in self._groups or group.tier != Tier.DEVICE:
+            if key in self.index or group.tier != Tier.DEVICE:
                 return False                      # held already, or moved down meanwhile
-            group.key = key
-            group.parent = self.lineage.parent_of(key, self._groups)
-            self._groups[key] = group
-            if group.parent is not None:          # a private run became a link of a prefix chain:
-                self.policy.on_remove(group)      # re-filed with its parent, so eviction takes
-                self.policy.on_insert(group)      # it before the parent (leaf-first)
-            self.counters.add("puts", key.modality)
-            self.counters.add("stored_tokens", key.modality, group.num_tokens)
+            self.index.name(key, group)
             return True
 
     def attention_batch(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,
                         q_indptr: torch.Tensor | Sequence[int], *,
                         groups: Sequence[Iterable[ContentKey] | None] | None = None,
                         causal: bool = True, scale: float | None = None) -> torch.Tensor:
-        """Attention for a batch of sequences in one call: rows ``q_indptr[b]:q_indptr[b+1]`` of
-        ``q [total_q, num_q_heads, head_dim]`` are the last queries of ``seqs[b]``; ``groups[b]``
-        restricts sequence ``b`` to those groups (cross-attention). Device pages of every
-        sequence go through one kernel launch per pool."""
+        """``TieredKVCache.attention_batch`` (its contract is documented there)."""
         return self.attention_batch_state(seqs, layer, q, q_indptr, groups=groups, causal=causal,
                                           scale=scale)[0]
 
@@ -120,41 +117,41 @@ class EngineAPI:
                               groups: Sequence[Iterable[ContentKey] | None] | None = None,
                               causal: bool = True, scale: float | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``attention_batch``'s ``(out, lse)``."""
-        self._check_q(q)
+        """``TieredKVCache.attention_batch_state`` (its contract is documented there)."""
+        self.planner.check_q(q)
         seqs = list(seqs)
         bounds = query_bounds(q_indptr, q.shape[0], len(seqs))
         if groups is not None and len(groups) != len(seqs):
             raise ShapeError(f"{len(groups)} group lists for {len(seqs)} sequences")
-        with self._lock:
-            self.lower.apply_completions()
-            tables = [self._table(seq) for seq in seqs]
+        with self.lock:
+            self.residency.lower.apply_completions()
+            tables = [self.seqs.table(seq) for seq in seqs]
             step = (tuple(seq.id for seq in seqs), tuple(bounds), causal, tuple(q.shape[1:]), q.dtype) \
                 if groups is None else None                  # a self-attention batch: kept per step
-            kept = self._steps.get(step, tables, layer) if step is not None else None
+            kept = self.steps.get(step, tables, layer) if step is not None else None
             if kept is not None:                             # another layer of the step that planned it
-                plan = BatchPlan(list(kept.groups), kept.operands(layer), {}, self.arena.device)
+                plan = BatchPlan(list(kept.groups), kept.operands(layer), {}, self.planner.device)
                 for g in plan.device_groups:
                     g.pins += 1
                 q_pos = kept.q_pos
             else:
-                batch, q_pos = self._batch_segments(seqs, tables, groups, bounds, causal)
-                plan = self._plan_batch(batch, layer, q)
+                batch, q_pos = self.batch_segments(seqs, tables, groups, bounds, causal)
+                plan = self.plan_batch(batch, layer, q)
                 if step is not None and not plan.lower:
-                    self._steps.keep(step, tables, batch, q_pos, plan.device_ops, layer)
+                    self.steps.keep(step, tables, batch, q_pos, plan.device_ops, layer)
         try:
-            return plan.run(q, bounds, q_pos, causal=causal, scale=scale, backend=self._backend())
+            return plan.run(q, bounds, q_pos, causal=causal, scale=scale, backend=self.planner.backend())
         finally:
-            with self._lock:
-                self._unpin_batch(plan)
+            with self.lock:
+                self.unpin_batch(plan)
 
-    def _batch_segments(self, seqs, tables, groups, bounds: list[int], causal: bool
+    def batch_segments(self, seqs, tables, groups, bounds: list[int], causal: bool
                         ) -> tuple[list[list[Segment]], torch.Tensor]:
         """Each sequence's segments (those of ``groups[b]`` when given) and the positions of
         every query (each sequence's last ones), checked (lock held)."""
         batch, positions = [], []
         for b, (seq, table) in enumerate(zip(seqs, tables)):
-            batch.append(list(self._select(seq, table, None if groups is None else groups[b])))
+            batch.append(list(self.planner.select(seq, table, None if groups is None else groups[b])))
             n_q, length = bounds[b + 1] - bounds[b], table.length
             if causal and n_q > length:
                 raise ShapeError(f"sequence {seq.id}: {n_q} queries but it holds {length} tokens")
@@ -162,34 +159,34 @@ class EngineAPI:
             positions.append(torch.arange(first, first + n_q, dtype=torch.int32))
         return batch, (torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int32))
 
-    def _plan_batch(self, batch: list[list[Segment]], layer: int, q: torch.Tensor) -> BatchPlan:
+    def plan_batch(self, batch: list[list[Segment]], layer: int, q: torch.Tensor) -> BatchPlan:
         """A batch's plan (lock held): the device segments of every sequence compiled into one
         operand per pool (one launch each), their groups pinned; each sequence's host and disk
-        segments in a plan of its own (``_plan``)."""
+        segments in a plan of its own (``AttentionPlanner.plan``)."""
         check_segments([s for segs in batch for s in segs], layer, q)
         device_batch = [[s for s in segs if s.group.tier == Tier.DEVICE] for segs in batch]
-        plan = BatchPlan([s.group for segs in device_batch for s in segs], [], {}, self.arena.device)
+        plan = BatchPlan([s.group for segs in device_batch for s in segs], [], {}, self.planner.device)
         for g in plan.device_groups:
             g.pins += 1
             self.policy.on_access(g)
         try:
-            plan.device_ops = compile_batch(device_batch, layer, self._device_view)
+            plan.device_ops = compile_batch(device_batch, layer, self.planner.device_view)
             for b, segs in enumerate(batch):
                 lower = [s for s in segs if s.group.tier != Tier.DEVICE]
                 if lower:
-                    plan.lower[b] = self._plan(lower, layer, q)
+                    plan.lower[b] = self.planner.plan(lower, layer, q)
         except BaseException:
-            self._unpin_batch(plan)
+            self.unpin_batch(plan)
             raise
         return plan
 
-    def _unpin_batch(self, plan: BatchPlan) -> None:
+    def unpin_batch(self, plan: BatchPlan) -> None:
         for p in plan.lower.values():
-            self._unpin(p)
+            self.planner.unpin(p)
         plan.lower = {}
         for g in plan.device_groups:
             g.pins -= 1
         for g in dict.fromkeys(plan.device_groups):
             if g.pins == 0 and g.freed:
-                self._settle(g)
+                self.residency.settle(g)
         plan.device_groups = []
