@@ -28,7 +28,7 @@ COMMANDS = {
                     "(all 28 layers, what the disk holds)",
     "long_context_1layer": "python -m benchmarks.long_context --preset tiny --tokens 2000000",
     "long_context_cluster": "python -m benchmarks.long_context --preset tiny --tokens 500000 --cluster",
-    "multiturn": "python -m benchmarks.multiturn  (5 rounds)",
+    "multiturn": "python -m benchmarks.multiturn  (40 turns, 3 rounds; the chat model)",
     "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo --engine transformers (./run demo --engine transformers)",
     "demo_serving": "mmtier demo (./run demo: the openai client, Ray Serve LLM, vLLM's CPU build)",
