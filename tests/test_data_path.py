@@ -258,6 +258,34 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         assert k.shape == (L, 40, H, D)
 
 
+@pytest.mark.parametrize("per_run", [1, 2, 5])
+def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per_run):
+    """The host read checks pages in runs of ``CHECK_BYTES`` and copies a run only once all its
+    pages matched: with page 3 bad, the runs before its run land (bitwise), nothing after."""
+    import mmtier.storage.host as host_mod
+
+    page_bytes = cfg(tmp_path).spec("text").page_bytes
+    monkeypatch.setattr(host_mod, "CHECK_BYTES", per_run * page_bytes)
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(4)]
+        src = [kv() for _ in keys]
+        for key, (k, v) in zip(keys, src):
+            cache.put(key, k, v)
+        assert cache._groups[keys[1]].tier == Tier.HOST
+        out = poisoned()                                   # an intact group: every run, bitwise
+        cache.read_group(keys[1], out=out)
+        assert torch.equal(out[0], src[1][0]) and torch.equal(out[1], src[1][1])
+        _flip_slab_byte(cache._groups[keys[0]].location, page=3)
+        out = poisoned()
+        with pytest.raises(CorruptDataError):
+            cache.read_group(keys[0], out=out)
+        landed = (3 // per_run) * per_run * P              # the tokens of the runs before page 3's
+        for t, s in zip(out, src[0]):
+            assert torch.equal(t[:, :landed], s[:, :landed])
+            assert torch.isnan(t[:, landed:]).all()
+        assert cache.stats().counters["host_corrupt_reads"] == 1 and not cache.contains(keys[0])
+
+
 def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
     with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
