@@ -21,7 +21,9 @@ the median of the per-round ratios (best, worst and every pair beside it, the lo
   blocks copied as they lie into a fresh paged tensor (``start_load_kv`` +
   ``wait_for_layer_load``); checked equal to the source.
 
-Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
+Save and load also run by the one-copy path (``vllm_copy.engine_blocks``: ``put`` straight from
+vLLM's tensors, ``read_group(out=)`` straight into them; ``*_direct_*``; not yet what the
+connector does: its writer thread runs after vLLM may reuse the blocks). Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
 connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
 (``--threads``, default 1): on a shared machine oversubscribed threads make every figure noise.
 
@@ -147,38 +149,57 @@ def main(argv: list[str] | None = None) -> dict:
             pool.give(stage)
         sync()
 
+    def save_direct(batch):
+        """The one-copy path (``vllm_copy.engine_blocks``; not yet the connector's, whose writer
+        thread runs after vLLM may reuse the blocks): ``put`` straight from vLLM's tensors."""
+        keys[:] = batch
+        nb = group[0] // BS
+        for i, key in enumerate(keys):
+            blocks = vllm_copy.engine_blocks(src, D, block_ids[i * nb:(i + 1) * nb])
+            cache.put(key, blocks, blocks)
+        sync()
+
+    def load_direct():
+        """``read_group(out=)`` straight into vLLM's tensors (``vllm_copy.engine_blocks``)."""
+        nb = group[0] // BS
+        for i, key in enumerate(keys):
+            cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, block_ids[i * nb:(i + 1) * nb]))
+        sync()
+
     # paired rounds: each round runs the plain copy, then save and load of fresh groups, so
     # that every ratio is taken within one round (a shared machine's load moves between rounds)
     plain()
     gather_scatter()
     rounds: dict[str, list[float]] = {"plain": [], "gather_scatter": [], "load_avg": []}
-    for label, n in (("block", BS), ("chunk", 16 * BS)):
+    for label, n, save_fn, load_fn in (("block", BS, save, load), ("chunk", 16 * BS, save, load),
+                                       ("direct", 16 * BS, save_direct, load_direct)):
         group[0] = n
         batches = [new_keys() for _ in range(args.repeat + 1)]   # outside the timed rounds
-        save(batches[0])                                         # warm-up (stages, first-touch)
-        load()
+        save_fn(batches[0])                                      # warm-up (stages, first-touch)
+        load_fn()
         for r in range(args.repeat):
             rounds["load_avg"].append(os.getloadavg()[0])
             rounds["plain"].append(_timed(plain))
             if label == "chunk":
                 rounds["gather_scatter"].append(_timed(gather_scatter))
-            rounds.setdefault(f"save_{label}", []).append(_timed(lambda b=batches[r + 1]: save(b)))
+            rounds.setdefault(f"save_{label}", []).append(_timed(lambda b=batches[r + 1], f=save_fn: f(b)))
             for t in dst:                           # poisoned again: only load can restore them
                 t.fill_(float("nan"))
-            rounds.setdefault(f"load_{label}", []).append(_timed(load))
+            rounds.setdefault(f"load_{label}", []).append(_timed(load_fn))
             if not all(_slots_equal(d, s, slots) for d, s in zip(dst, src, strict=True)):
                 raise AssertionError("load did not restore the saved bytes")
     cache.close()
     med = {k: statistics.median(v) for k, v in rounds.items()}
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
-    plain_b, plain_c = rounds["plain"][:args.repeat], rounds["plain"][args.repeat:]
+    plain_b, plain_c, plain_d = (rounds["plain"][i * args.repeat:(i + 1) * args.repeat] for i in range(3))
     fig = {"quick": args.quick, "device": str(dev), "layers": L, "kv_heads": H, "head_dim": D,
            "block_size": BS, "tokens": tokens, "bytes": nbytes, "repeat": args.repeat,
            "plain_copy_gbs": gbs(med["plain"]), "slot_gather_scatter_gbs": gbs(med["gather_scatter"] / 2),
            "threads": torch.get_num_threads(),
            "round_loads": "; ".join(f"{x:.2f}" for x in rounds["load_avg"]),
            "save_gbs": gbs(med["save_chunk"]), "load_gbs": gbs(med["load_chunk"]),
-           "save_block_groups_gbs": gbs(med["save_block"]), "load_block_groups_gbs": gbs(med["load_block"])}
+           "save_block_groups_gbs": gbs(med["save_block"]), "load_block_groups_gbs": gbs(med["load_block"]),
+           "save_direct_gbs": gbs(med["save_direct"]), "load_direct_gbs": gbs(med["load_direct"])}
     # ratios of speeds = plain seconds over the op's seconds, per round, medians
     fig.update(ratio_figures("save_over_plain_copy", plain_c, rounds["save_chunk"], higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy", plain_c, rounds["load_chunk"], higher_is_better=True))
@@ -186,6 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
                              higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy_block_groups", plain_b, rounds["load_block"],
                              higher_is_better=True))
+    fig.update(ratio_figures("save_direct_over_plain_copy", plain_d, rounds["save_direct"], higher_is_better=True))
+    fig.update(ratio_figures("load_direct_over_plain_copy", plain_d, rounds["load_direct"], higher_is_better=True))
     print_table(f"connector worker-side copy, {nbytes / 2**20:.0f} MiB, {dev} (medians of {args.repeat})",
                 [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups", "_best", "_worst"))])
     write_results("connector_copy", fig, args.out)

@@ -174,6 +174,69 @@ def _tier_keys(spec, n):
                          tenant_salt=b"t" * 32) for i in range(n)]
 
 
+@pytest.mark.parametrize("layout", ["standard", "legacy"])
+def test_engine_blocks_put_and_read_back_from_every_tier(tmp_path, layout):
+    """A group put straight from an engine's per-layer paged tensors (scattered blocks, vLLM's
+    two layouts) reads back bitwise into another engine's blocks from each tier (the host read
+    checked page by page), and equals the same tokens put as plain K/V."""
+    from mmtier.integrations import vllm_copy
+    from mmtier.page_copies import EngineBlocks
+
+    nb = 12
+
+    def engine(fill):
+        make = (lambda: torch.randn(nb, P, H, 2 * D).transpose(1, 2)) if layout == "standard" else \
+            (lambda: torch.randn(2, nb, P, H, D))
+        return [make() if fill else torch.full_like(make(), float("nan")) for _ in range(L)]
+    src = engine(True)
+    ids = [[7, 2, 3, 11, 0], [4, 5, 6, 1, 9], [10, 8, 3, 2, 1], [0, 1, 2, 3, 4], [11, 9, 7, 5, 3],
+           [6, 8, 10, 0, 2]]
+    with TieredKVCache(cfg(tmp_path)) as cache:
+        keys = [cache.content_key("text", b"e%d" % i) for i in range(6)]
+        for key, blocks in zip(keys, ids):
+            assert cache.put(key, *(vllm_copy.engine_blocks(src, D, blocks),) * 2)
+        in_three_tiers(cache, keys)
+        for key, blocks in zip(keys, ids):
+            k, v = cache.read_group(key)                   # the plain form: tokens in block order
+            sk = torch.stack([torch.cat([vllm_copy.kv_views(t, D)[0][b] for b in blocks]) for t in src])
+            sv = torch.stack([torch.cat([vllm_copy.kv_views(t, D)[1][b] for b in blocks]) for t in src])
+            assert torch.equal(k, sk) and torch.equal(v, sv)
+            dst = engine(False)
+            back = [5, 6, 7, 0, 11]
+            got = cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, back))
+            assert isinstance(got[0], EngineBlocks)
+            for t_src, t_dst in zip(src, dst):
+                ks, vs = vllm_copy.kv_views(t_src, D)
+                kd, vd = vllm_copy.kv_views(t_dst, D)
+                assert torch.equal(kd[back], ks[blocks]) and torch.equal(vd[back], vs[blocks])
+                rest = [b for b in range(nb) if b not in back]
+                assert torch.isnan(kd[rest]).all() and torch.isnan(vd[rest]).all()
+
+
+def test_engine_blocks_bad_input_is_refused_and_changes_nothing(tmp_path):
+    from mmtier.integrations import vllm_copy
+
+    src = [torch.randn(8, P, H, 2 * D).transpose(1, 2) for _ in range(L)]
+    with TieredKVCache(cfg(tmp_path, disk=False)) as cache:
+        key = cache.content_key("text", b"bad")
+        used = cache.pools["text"].num_used
+        src[1].transpose(1, 2)[3, 2, 1, D + 4] = float("inf")        # a V value of block 3
+        with pytest.raises(DTypeError):
+            cache.put(key, *(vllm_copy.engine_blocks(src, D, [0, 3, 5]),) * 2)
+        with pytest.raises(ShapeError):                              # blocks of another model
+            cache.put(key, *(vllm_copy.engine_blocks(src[:2], D, [0, 1]),) * 2)
+        with pytest.raises(ShapeError):
+            vllm_copy.engine_blocks(src, D, [0, 0])
+        assert not cache.contains(key) and cache.pools["text"].num_used == used
+        big = [torch.full((8, P, H, 2 * D), 3e38).transpose(1, 2) for _ in range(L)]
+        big[0].transpose(1, 2)[:, :, :, :D] *= -1                   # finite, but the sums overflow
+        assert cache.put(key, *(vllm_copy.engine_blocks(big, D, [0, 1, 2, 4, 6]),) * 2)
+        k, _ = cache.read_group(key)
+        assert torch.isfinite(k).all() and (k[0] == -3e38).all()
+        with pytest.raises(ShapeError):                              # 4 blocks for a 5-page group
+            cache.read_group(key, out=vllm_copy.engine_blocks(src, D, [0, 1, 2, 4]))
+
+
 def test_put_many_is_durable_and_get_many_reads_side_by_side(tmp_path):
     spec = cfg(tmp_path).spec("text")
     keys = _tier_keys(spec, 6)
