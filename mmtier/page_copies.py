@@ -257,7 +257,8 @@ class EngineBlocks:
                     yield rows[lo - first:hi - first], b + lo - i, hi - lo
 
     def from_pages(self, runs: Sequence[torch.Tensor]) -> None:
-        """Pages (runs of ``[r, L, 2, P, H, D]`` in group order) into the blocks."""
+        """Pages (runs of ``[r, L, 2, P, H, D]`` in group order) into the blocks (the copy walks
+        the blocks' order: they are its output)."""
         at, page_runs = 0, []
         for run in runs:
             page_runs.append((run, at))
@@ -265,29 +266,39 @@ class EngineBlocks:
         if at != len(self.block_ids):
             raise ShapeError(f"the pages hold {at} blocks, {len(self.block_ids)} wanted")
         for rows, b, n in self._moves(page_runs):
-            for layer, sides in enumerate(self._sides):
-                src = rows[:, layer]                                   # [n, 2, P, H, D]
-                if self._paired:
-                    (dst, order), = sides
-                    dst[b:b + n].permute(*order).copy_(src.permute(0, 2, 3, 1, 4).permute(*order))
-                else:
-                    for j, (dst, order) in enumerate(sides):
-                        dst[b:b + n].permute(*order).copy_(src[:, j].permute(*order))
+            if self._paired:
+                src = rows.permute(1, 0, 3, 4, 2, 5)                  # [L, n, P, H, 2, D]
+                for layer, ((dst, _),) in enumerate(self._sides):
+                    dst[b:b + n].copy_(src[layer])
+            else:
+                src = rows.transpose(0, 1)                            # [L, n, 2, P, H, D]
+                for layer, sides in enumerate(self._sides):
+                    for j, (dst, _) in enumerate(sides):
+                        dst[b:b + n].copy_(src[layer, :, j])
 
     def into_pages(self, view: torch.Tensor, ids: Sequence[int]) -> None:
-        """The blocks into rows ``ids`` of a page-major view (block ``i`` into page ``ids[i]``)."""
+        """The blocks into rows ``ids`` of a page-major view (block ``i`` into page ``ids[i]``),
+        each copy walked in the blocks' memory order (``_copy_in_order``)."""
         if len(ids) != len(self.block_ids):
             raise ShapeError(f"{len(ids)} pages for {len(self.block_ids)} blocks")
         page_runs = [(view[s:s + n], i) for (s, n), i in _with_index(contiguous_runs(ids))]
         for rows, b, n in self._moves(page_runs):
-            for layer, sides in enumerate(self._sides):
-                dst = rows[:, layer]
-                if self._paired:
-                    (src, order), = sides
-                    dst.permute(0, 2, 3, 1, 4).permute(*order).copy_(src[b:b + n].permute(*order))
-                else:
+            if self._paired:
+                dst = rows.permute(1, 0, 3, 4, 2, 5)                  # [L, n, P, H, 2, D]
+                for layer, ((src, order),) in enumerate(self._sides):
+                    _copy_ordered(dst[layer], src[b:b + n], order)
+            else:
+                dst = rows.transpose(0, 1)
+                for layer, sides in enumerate(self._sides):
                     for j, (src, order) in enumerate(sides):
-                        dst[:, j].permute(*order).copy_(src[b:b + n].permute(*order))
+                        _copy_ordered(dst[layer, :, j], src[b:b + n], order)
+
+
+def _copy_ordered(dst: torch.Tensor, src: torch.Tensor, order: list[int]) -> None:
+    if order == sorted(order):
+        dst.copy_(src)
+    else:
+        dst.permute(*order).copy_(src.permute(*order))
 
 
 def _order(t: torch.Tensor) -> list[int]:
