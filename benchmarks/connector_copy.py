@@ -17,13 +17,16 @@ the median of the per-round ratios (best, worst and every pair beside it, the lo
   tensors (``save_kv_layer``), then ``TieredKVCache.put`` of the stage's block-split K/V views
   (the connector's writer thread does this after ``wait_for_save``; timed here inline, its
   cost): one copy per crossing, the layout change in the second;
-- load: ``read_group(out=)`` of every group into such a stage, then per layer each group's
-  blocks copied as they lie into a fresh paged tensor (``start_load_kv`` +
-  ``wait_for_layer_load``); checked equal to the source.
+- load: what ``start_load_kv`` does for a whole group of whole blocks: ``read_group(out=)``
+  straight into vLLM's blocks of every layer (``vllm_copy.engine_blocks``: one copy from the
+  cache's pages, no stage); checked equal to the source;
+- beside them (``save_direct_*``, ``load_staged_*``): the one-copy save (``put`` straight from
+  vLLM's tensors; not what the connector does: its writer thread runs after ``wait_for_save``,
+  when vLLM may reuse the blocks) and the staged load (``read_group(out=)`` into a stage laid
+  out as vLLM's tensors, then per layer each group's blocks copied as they lie into vLLM's
+  tensor: the connector's path for a load of part of a group).
 
-Save and load also run by the one-copy path (``vllm_copy.engine_blocks``: ``put`` straight from
-vLLM's tensors, ``read_group(out=)`` straight into them; ``*_direct_*``; not yet what the
-connector does: its writer thread runs after vLLM may reuse the blocks). Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
+Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
 connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
 (``--threads``, default 1): on a shared machine oversubscribed threads make every figure noise.
 
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
             pool.give(stage)
         sync()
 
-    def load():
+    def load_staged():
         """``read_group`` of every group into a stage laid out as vLLM's tensors (the reader
         thread), then per layer each group's blocks copied as they lie into vLLM's tensor."""
         nb = group[0] // BS
@@ -159,8 +162,9 @@ def main(argv: list[str] | None = None) -> dict:
             cache.put(key, blocks, blocks)
         sync()
 
-    def load_direct():
-        """``read_group(out=)`` straight into vLLM's tensors (``vllm_copy.engine_blocks``)."""
+    def load():
+        """The connector's load of whole groups: ``read_group(out=)`` straight into vLLM's
+        blocks of every layer (``vllm_copy.engine_blocks``)."""
         nb = group[0] // BS
         for i, key in enumerate(keys):
             cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, block_ids[i * nb:(i + 1) * nb]))
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     gather_scatter()
     rounds: dict[str, list[float]] = {"plain": [], "gather_scatter": [], "load_avg": []}
     for label, n, save_fn, load_fn in (("block", BS, save, load), ("chunk", 16 * BS, save, load),
-                                       ("direct", 16 * BS, save_direct, load_direct)):
+                                       ("alt", 16 * BS, save_direct, load_staged)):
         group[0] = n
         batches = [new_keys() for _ in range(args.repeat + 1)]   # outside the timed rounds
         save_fn(batches[0])                                      # warm-up (stages, first-touch)
@@ -199,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
            "round_loads": "; ".join(f"{x:.2f}" for x in rounds["load_avg"]),
            "save_gbs": gbs(med["save_chunk"]), "load_gbs": gbs(med["load_chunk"]),
            "save_block_groups_gbs": gbs(med["save_block"]), "load_block_groups_gbs": gbs(med["load_block"]),
-           "save_direct_gbs": gbs(med["save_direct"]), "load_direct_gbs": gbs(med["load_direct"])}
+           "save_direct_gbs": gbs(med["save_alt"]), "load_staged_gbs": gbs(med["load_alt"])}
     # ratios of speeds = plain seconds over the op's seconds, per round, medians
     fig.update(ratio_figures("save_over_plain_copy", plain_c, rounds["save_chunk"], higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy", plain_c, rounds["load_chunk"], higher_is_better=True))
@@ -207,8 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
                              higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy_block_groups", plain_b, rounds["load_block"],
                              higher_is_better=True))
-    fig.update(ratio_figures("save_direct_over_plain_copy", plain_d, rounds["save_direct"], higher_is_better=True))
-    fig.update(ratio_figures("load_direct_over_plain_copy", plain_d, rounds["load_direct"], higher_is_better=True))
+    fig.update(ratio_figures("save_direct_over_plain_copy", plain_d, rounds["save_alt"], higher_is_better=True))
+    fig.update(ratio_figures("load_staged_over_plain_copy", plain_d, rounds["load_alt"], higher_is_better=True))
     print_table(f"connector worker-side copy, {nbytes / 2**20:.0f} MiB, {dev} (medians of {args.repeat})",
                 [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups", "_best", "_worst"))])
     write_results("connector_copy", fig, args.out)
