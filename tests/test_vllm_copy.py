@@ -72,7 +72,7 @@ def test_stage_mirrors_vllm_layout_and_blocks_copy_as_slices(layout):
 @pytest.mark.parametrize("layout", ["standard", "legacy"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scattered_blocks_copy_by_memcpy_as_indexing_by_block(layout, dtype):
-    """Blocks scattered into many runs (the CPU's memcpy path, one copy per run): each lands
+    """Blocks scattered into many runs (one indexed copy of whole blocks): each lands
     where indexing by block puts it, bitwise, and nothing else is written."""
     src = layer(layout).to(dtype)
     blocks = [int(b) for b in torch.randperm(B)[:9]]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import torch
 
 from ..errors import ShapeError
@@ -146,12 +145,9 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tens
                 dst_blocks: list[int] | None) -> None:
     """Blocks ``src_blocks[i]`` of one layer's tensor into ``dst_blocks[i]`` of another of the
     same layout (``None``: ``0, 1, ...``), in memory order (a block is one contiguous chunk in
-    vLLM's layouts, per K/V half in the older one). On a CPU each run of blocks consecutive on
-    both sides is one ``memcpy`` (``numpy.copyto`` of the bytes: ~1.3x a plain copy of the same
-    bytes with blocks scattered one by one, where ``index_select`` ran ~1.6x). Elsewhere runs
-    are one slice copy each, and blocks scattered into many runs one ``index_select`` /
-    ``index_copy_`` of whole blocks (a Python call per one-block run would cost more than the
-    copy)."""
+    vLLM's layouts). Runs consecutive on both sides are one slice copy each; blocks scattered
+    into many runs are one ``index_select`` / ``index_copy_`` of whole blocks (a Python call
+    per one-block run would cost more than the copy)."""
     n = len(src_blocks if src_blocks is not None else dst_blocks)
     s_ids = list(src_blocks) if src_blocks is not None else list(range(n))
     d_ids = list(dst_blocks) if dst_blocks is not None else list(range(n))
@@ -159,8 +155,6 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tens
     axis = order.index(block_axis(src))
     ps, pd = src.permute(*order), dst.permute(*order)
     runs = paired_runs(d_ids, s_ids)
-    if _memcpy_runs(ps, pd, axis, runs):
-        return
     if len(runs) <= MAX_SLICE_RUNS or (src_blocks is not None and dst_blocks is not None):
         for d, s, r in runs:
             pd.narrow(axis, d, r).copy_(ps.narrow(axis, s, r))
@@ -170,28 +164,6 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tens
         pd.index_copy_(axis, torch.tensor(d_ids, device=dst.device), ps)
     else:
         pd.copy_(ps.index_select(axis, torch.tensor(s_ids, device=src.device)))
-
-
-def _memcpy_runs(ps: torch.Tensor, pd: torch.Tensor, axis: int, runs: list[tuple[int, int, int]]) -> bool:
-    """The runs as ``memcpy`` of bytes when both tensors (in memory order) are dense CPU
-    tensors of one dtype and block shape; ``False`` (nothing copied) otherwise."""
-    if (ps.device.type != "cpu" or pd.device.type != "cpu" or ps.dtype != pd.dtype
-            or ps.shape[:axis] != pd.shape[:axis] or ps.shape[axis + 1:] != pd.shape[axis + 1:]
-            or not ps.is_contiguous() or not pd.is_contiguous() or ps.requires_grad):
-        return False
-    a = _block_bytes(ps, axis)
-    b = _block_bytes(pd, axis)
-    for d, s, r in runs:
-        np.copyto(b[:, d:d + r], a[:, s:s + r])
-    return True
-
-
-def _block_bytes(t: torch.Tensor, axis: int) -> np.ndarray:
-    """``[outer, blocks, block_bytes]`` uint8 of a dense tensor whose block axis is ``axis``."""
-    outer = 1
-    for x in t.shape[:axis]:
-        outer *= x
-    return t.reshape(-1).view(torch.uint8).numpy().reshape(outer, t.shape[axis], -1)
 
 
 MAX_SLICE_RUNS = 4      # more runs than this: one indexed copy of whole blocks instead
