@@ -334,11 +334,11 @@ def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per
         src = [kv() for _ in keys]
         for key, (k, v) in zip(keys, src):
             cache.put(key, k, v)
-        assert cache._groups[keys[1]].tier == Tier.HOST
+        assert cache.index.groups[keys[1]].tier == Tier.HOST
         out = poisoned()                                   # an intact group: every run, bitwise
         cache.read_group(keys[1], out=out)
         assert torch.equal(out[0], src[1][0]) and torch.equal(out[1], src[1][1])
-        _flip_slab_byte(cache._groups[keys[0]].location, page=3)
+        _flip_slab_byte(cache.index.groups[keys[0]].location, page=3)
         out = poisoned()
         with pytest.raises(CorruptDataError):
             cache.read_group(keys[0], out=out)
