@@ -4,8 +4,9 @@
 
 One request's prompt of ``tokens`` positions sits in vLLM-layout paged KV tensors (one per
 layer, ``[blocks, heads, block_size, 2 * head_dim]``, physically block-then-token-major) on
-shuffled blocks. Measured side by side in one run, medians of ``--repeat`` (>= 5) rounds, each
-round over the same bytes (random values):
+shuffled blocks. Measured side by side in paired rounds (``--repeat`` >= 5): each round runs the plain
+copy, then a save and a load of fresh groups over the same bytes (random values); each ratio is
+the median of the per-round ratios (best, worst and every pair beside it, the load per round):
 
 - plain copy: ``copy_`` of a contiguous ``[layers, tokens, heads, 2 * head_dim]`` tensor into
   another (the floor: the bytes moved once, no indexing);
@@ -16,9 +17,14 @@ round over the same bytes (random values):
   tensors (``save_kv_layer``), then ``TieredKVCache.put`` of the stage's block-split K/V views
   (the connector's writer thread does this after ``wait_for_save``; timed here inline, its
   cost): one copy per crossing, the layout change in the second;
-- load: ``read_group(out=)`` of every group into such a stage, then per layer each group's
-  blocks copied as they lie into a fresh paged tensor (``start_load_kv`` +
-  ``wait_for_layer_load``); checked equal to the source.
+- load: what ``start_load_kv`` does for a whole group of whole blocks: ``read_group(out=)``
+  straight into vLLM's blocks of every layer (``vllm_copy.engine_blocks``: one copy from the
+  cache's pages, no stage); checked equal to the source;
+- beside them (``save_direct_*``, ``load_staged_*``): the one-copy save (``put`` straight from
+  vLLM's tensors; not what the connector does: its writer thread runs after ``wait_for_save``,
+  when vLLM may reuse the blocks) and the staged load (``read_group(out=)`` into a stage laid
+  out as vLLM's tensors, then per layer each group's blocks copied as they lie into vLLM's
+  tensor: the connector's path for a load of part of a group).
 
 Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
 connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
@@ -32,24 +38,21 @@ Writes ``benchmarks/results/connector_copy.json``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
 import torch
 
-from benchmarks._common import add_out_arg, print_table, write_results
+from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
 from mmtier import CacheConfig, TieredKVCache
 from mmtier.integrations import vllm_copy
 
 
-def _median_s(fn, repeat: int) -> float:
-    fn()                                           # warm-up (allocations, first-touch)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
             pool.give(stage)
         sync()
 
-    def load():
+    def load_staged():
         """``read_group`` of every group into a stage laid out as vLLM's tensors (the reader
         thread), then per layer each group's blocks copied as they lie into vLLM's tensor."""
         nb = group[0] // BS
@@ -149,33 +152,69 @@ def main(argv: list[str] | None = None) -> dict:
             pool.give(stage)
         sync()
 
-    t_plain = _median_s(plain, args.repeat)
-    t_gs = _median_s(gather_scatter, args.repeat)
-    timed = {}
-    for label, n in (("block", BS), ("chunk", 16 * BS)):
+    def save_direct(batch):
+        """The one-copy path (``vllm_copy.engine_blocks``; not yet the connector's, whose writer
+        thread runs after vLLM may reuse the blocks): ``put`` straight from vLLM's tensors."""
+        keys[:] = batch
+        nb = group[0] // BS
+        for i, key in enumerate(keys):
+            blocks = vllm_copy.engine_blocks(src, D, block_ids[i * nb:(i + 1) * nb])
+            cache.put(key, blocks, blocks)
+        sync()
+
+    def load():
+        """The connector's load of whole groups: ``read_group(out=)`` straight into vLLM's
+        blocks of every layer (``vllm_copy.engine_blocks``)."""
+        nb = group[0] // BS
+        for i, key in enumerate(keys):
+            cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, block_ids[i * nb:(i + 1) * nb]))
+        sync()
+
+    # paired rounds: each round runs the plain copy, then save and load of fresh groups, so
+    # that every ratio is taken within one round (a shared machine's load moves between rounds)
+    plain()
+    gather_scatter()
+    rounds: dict[str, list[float]] = {"plain": [], "gather_scatter": [], "load_avg": []}
+    for label, n, save_fn, load_fn in (("block", BS, save, load), ("chunk", 16 * BS, save, load),
+                                       ("alt", 16 * BS, save_direct, load_staged)):
         group[0] = n
         batches = [new_keys() for _ in range(args.repeat + 1)]   # outside the timed rounds
-        t_save = _median_s(lambda b=iter(batches): save(next(b)), args.repeat)
-        for t in dst:                               # poisoned again: only load can restore them
-            t.fill_(float("nan"))
-        t_load = _median_s(load, args.repeat)
-        if not all(_slots_equal(d, s, slots) for d, s in zip(dst, src, strict=True)):
-            raise AssertionError("load did not restore the saved bytes")
-        timed[label] = (t_save, t_load)
+        save_fn(batches[0])                                      # warm-up (stages, first-touch)
+        load_fn()
+        for r in range(args.repeat):
+            rounds["load_avg"].append(os.getloadavg()[0])
+            rounds["plain"].append(_timed(plain))
+            if label == "chunk":
+                rounds["gather_scatter"].append(_timed(gather_scatter))
+            rounds.setdefault(f"save_{label}", []).append(_timed(lambda b=batches[r + 1], f=save_fn: f(b)))
+            for t in dst:                           # poisoned again: only load can restore them
+                t.fill_(float("nan"))
+            rounds.setdefault(f"load_{label}", []).append(_timed(load_fn))
+            if not all(_slots_equal(d, s, slots) for d, s in zip(dst, src, strict=True)):
+                raise AssertionError("load did not restore the saved bytes")
     cache.close()
+    med = {k: statistics.median(v) for k, v in rounds.items()}
     gbs = lambda t: nbytes / t / 1e9  # noqa: E731
+    plain_b, plain_c, plain_d = (rounds["plain"][i * args.repeat:(i + 1) * args.repeat] for i in range(3))
     fig = {"quick": args.quick, "device": str(dev), "layers": L, "kv_heads": H, "head_dim": D,
            "block_size": BS, "tokens": tokens, "bytes": nbytes, "repeat": args.repeat,
-           "plain_copy_gbs": gbs(t_plain), "slot_gather_scatter_gbs": gbs(t_gs / 2),
+           "plain_copy_gbs": gbs(med["plain"]), "slot_gather_scatter_gbs": gbs(med["gather_scatter"] / 2),
            "threads": torch.get_num_threads(),
-           "save_gbs": gbs(timed["chunk"][0]), "load_gbs": gbs(timed["chunk"][1]),
-           "save_block_groups_gbs": gbs(timed["block"][0]), "load_block_groups_gbs": gbs(timed["block"][1]),
-           "save_over_plain_copy": t_plain / timed["chunk"][0],
-           "load_over_plain_copy": t_plain / timed["chunk"][1],
-           "save_over_plain_copy_block_groups": t_plain / timed["block"][0],
-           "load_over_plain_copy_block_groups": t_plain / timed["block"][1]}
+           "round_loads": "; ".join(f"{x:.2f}" for x in rounds["load_avg"]),
+           "save_gbs": gbs(med["save_chunk"]), "load_gbs": gbs(med["load_chunk"]),
+           "save_block_groups_gbs": gbs(med["save_block"]), "load_block_groups_gbs": gbs(med["load_block"]),
+           "save_direct_gbs": gbs(med["save_alt"]), "load_staged_gbs": gbs(med["load_alt"])}
+    # ratios of speeds = plain seconds over the op's seconds, per round, medians
+    fig.update(ratio_figures("save_over_plain_copy", plain_c, rounds["save_chunk"], higher_is_better=True))
+    fig.update(ratio_figures("load_over_plain_copy", plain_c, rounds["load_chunk"], higher_is_better=True))
+    fig.update(ratio_figures("save_over_plain_copy_block_groups", plain_b, rounds["save_block"],
+                             higher_is_better=True))
+    fig.update(ratio_figures("load_over_plain_copy_block_groups", plain_b, rounds["load_block"],
+                             higher_is_better=True))
+    fig.update(ratio_figures("save_direct_over_plain_copy", plain_d, rounds["save_alt"], higher_is_better=True))
+    fig.update(ratio_figures("load_staged_over_plain_copy", plain_d, rounds["load_alt"], higher_is_better=True))
     print_table(f"connector worker-side copy, {nbytes / 2**20:.0f} MiB, {dev} (medians of {args.repeat})",
-                [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups"))])
+                [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups", "_best", "_worst"))])
     write_results("connector_copy", fig, args.out)
     return fig
 

@@ -33,9 +33,13 @@ def view_runs(view: torch.Tensor, ids: Sequence[int]) -> list[torch.Tensor]:
     return [view[s:s + n] for s, n in contiguous_runs(ids)]
 
 
-def kv_into_pages(view: torch.Tensor, ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+def kv_into_pages(view: torch.Tensor, ids: Sequence[int], k, v) -> None:
     """Token ``t`` of ``k, v [L, n, H, D]`` into page ``ids[t // P]``, slot ``t % P`` of a
-    page-major ``view`` (pages from token 0; the last may be partial), run by run."""
+    page-major ``view`` (pages from token 0; the last may be partial), run by run; or block
+    ``i`` of an engine's own blocks (``EngineBlocks`` as ``k`` and ``v``) into page ``ids[i]``."""
+    if isinstance(k, EngineBlocks):
+        k.into_pages(view, ids)
+        return
     P = view.shape[3]
     if k.dim() == 5:                                  # block-split [L, blocks, P, H, D]
         _blocks_into_pages(view, ids, k, v)
@@ -97,10 +101,14 @@ def _copy_in_order(dst: torch.Tensor, src: torch.Tensor, order_of: torch.Tensor)
     dst.permute(*order).copy_(src.permute(*order))
 
 
-def pages_into_kv(runs: Sequence[torch.Tensor], out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+def pages_into_kv(runs: Sequence[torch.Tensor], out_k, out_v) -> None:
     """The reverse: the tokens of page runs (in page order; the last page may be partial) into
     ``out_k, out_v [L, n, H, D]`` (or block-split ``[L, blocks, P, H, D]``, whole pages), one
-    strided copy per run and side."""
+    strided copy per run and side; or into an engine's own blocks (``EngineBlocks``, passed as
+    both ``out_k`` and ``out_v``), one copy per layer and run of consecutive blocks."""
+    if isinstance(out_k, EngineBlocks):
+        out_k.from_pages(runs)
+        return
     if out_k.dim() == 5:
         both = paired_view(out_k, out_v)
         b = 0
@@ -134,10 +142,14 @@ def pages_into_kv(runs: Sequence[torch.Tensor], out_k: torch.Tensor, out_v: torc
 
 
 def check_out_kv(out: object, shape: tuple[int, ...], dtype: torch.dtype,
-                 page_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 page_size: int | None = None) -> tuple:
     """``out`` must be two tensors ``(k, v)`` of ``shape`` ``[L, n, H, D]`` and ``dtype`` (any
     device, any strides); with ``page_size``, block-split ``[L, n / page_size, page_size, H, D]``
-    too, where the group is whole pages."""
+    too, where the group is whole pages; or ``EngineBlocks`` of ``n / page_size`` blocks of that
+    shape and dtype (returned as ``(out, out)``)."""
+    if isinstance(out, EngineBlocks):
+        out.check(shape, dtype)
+        return out, out
     if not isinstance(out, (tuple, list)) or len(out) != 2 or not all(isinstance(t, torch.Tensor) for t in out):
         raise ShapeError("out must be a pair of tensors (k, v)")
     k, v = out
@@ -152,3 +164,152 @@ def check_out_kv(out: object, shape: tuple[int, ...], dtype: torch.dtype,
     if k.data_ptr() == v.data_ptr():
         raise ShapeError("out k and v must not share memory")
     return k, v
+
+
+class EngineBlocks:
+    """K/V at ``block_ids`` of an engine's own per-layer paged tensors, as a source for ``put`` and
+    a destination for ``read_group(out=)``: block ``i`` is page ``i`` of the group, so each crossing
+    is one copy between the engine's blocks and the cache's pages (no stage between them).
+
+    ``layers``: one ``(k, v)`` pair per layer, each ``[blocks, block_size, heads, head_dim]``
+    views (any strides: an engine's layout, e.g. vLLM's K|V interleaved per head); all layers of
+    one shape, dtype and device. The copies walk the engine's memory order, K and V together
+    where they lie side by side (``paired_view``); consecutive block ids move in one copy."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int]):
+        if not layers or not block_ids:
+            raise ShapeError("EngineBlocks needs at least one layer and one block")
+        k0 = layers[0][0]
+        for k, v in layers:
+            if (k.dim() != 4 or k.shape != k0.shape or v.shape != k0.shape or k.dtype != k0.dtype
+                    or v.dtype != k0.dtype or k.device != k0.device or v.device != k0.device):
+                raise ShapeError("EngineBlocks: every layer's k and v must be [blocks, block_size, heads, "
+                                 f"head_dim] of one shape, dtype and device; got {tuple(k.shape)}, {tuple(v.shape)}")
+        ids = [int(b) for b in block_ids]
+        if any(not 0 <= b < k0.shape[0] for b in ids) or len(set(ids)) != len(ids):
+            raise ShapeError(f"EngineBlocks: block ids must be distinct, in [0, {k0.shape[0]})")
+        self.block_ids = ids
+        self.dtype, self.device = k0.dtype, k0.device
+        self.block_shape = tuple(k0.shape[1:])                       # (P, H, D)
+        self._sides: list[list[tuple[torch.Tensor, list[int]]]] = []  # per layer: (view, memory order)
+        for k, v in layers:
+            both = paired_view(k, v)       # [blocks, P, H, 2, D]
+            views = [both] if both is not None else [k, v]
+            self._sides.append([(t, _order(t)) for t in views])
+        self._paired = all(len(s) == 1 for s in self._sides)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._sides)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.block_ids) * self.block_shape[0]
+
+    def check(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """The group ``[L, n, H, D]`` of ``dtype`` must be exactly these blocks."""
+        L, n, H, D = shape
+        if (self.num_layers, self.num_tokens, *self.block_shape[1:]) != (L, n, H, D):
+            raise ShapeError(f"EngineBlocks of {self.num_layers} layers x {len(self.block_ids)} blocks of "
+                             f"{self.block_shape}; the group is {tuple(shape)}")
+        if self.dtype != dtype:
+            raise DTypeError(f"EngineBlocks are {self.dtype}, the group is {dtype}")
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """``[(block_start, index_start, length)]``: runs of consecutive block ids."""
+        out: list[tuple[int, int, int]] = []
+        for i, b in enumerate(self.block_ids):
+            if out and out[-1][0] + out[-1][2] == b:
+                out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+            else:
+                out.append((b, i, 1))
+        return out
+
+    def block_rows(self) -> list[torch.Tensor] | None:
+        """Each layer's (and side's) blocks as ``[blocks, block_elements]`` rows, one dense row
+        per block (vLLM's layouts: a block is one stretch of memory); ``None`` when some
+        block is not dense."""
+        out = []
+        for sides in self._sides:
+            for t, order in sides:
+                if order[0] != 0 or not t[0].permute(*[d - 1 for d in order[1:]]).is_contiguous():
+                    return None
+                per = t[0].numel()
+                out.append(torch.as_strided(t, (t.shape[0], per), (t.stride(0), 1), t.storage_offset()))
+        return out
+
+    def id_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.block_ids, dtype=torch.int64, device=self.device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Each run of blocks of each layer (and side), as views: what a NaN/Inf scan reads."""
+        return [t[b:b + n] for sides in self._sides for t, _ in sides for b, _, n in self.runs()]
+
+    def _moves(self, page_runs: Sequence[tuple[torch.Tensor, int]]):
+        """``(page_rows [n, L, 2, P, H, D], block_start, n)`` for each stretch where pages and
+        blocks both run on."""
+        runs = self.runs()
+        for rows, first in page_runs:            # rows of the pages of group indices first..
+            r = rows.shape[0]
+            for b, i, n in runs:
+                lo, hi = max(i, first), min(i + n, first + r)
+                if lo < hi:
+                    yield rows[lo - first:hi - first], b + lo - i, hi - lo
+
+    def from_pages(self, runs: Sequence[torch.Tensor]) -> None:
+        """Pages (runs of ``[r, L, 2, P, H, D]`` in group order) into the blocks (the copy walks
+        the blocks' order: they are its output)."""
+        at, page_runs = 0, []
+        for run in runs:
+            page_runs.append((run, at))
+            at += run.shape[0]
+        if at != len(self.block_ids):
+            raise ShapeError(f"the pages hold {at} blocks, {len(self.block_ids)} wanted")
+        for rows, b, n in self._moves(page_runs):
+            if self._paired:
+                src = rows.permute(1, 0, 3, 4, 2, 5)                  # [L, n, P, H, 2, D]
+                for layer, ((dst, _),) in enumerate(self._sides):
+                    dst[b:b + n].copy_(src[layer])
+            else:
+                src = rows.transpose(0, 1)                            # [L, n, 2, P, H, D]
+                for layer, sides in enumerate(self._sides):
+                    for j, (dst, _) in enumerate(sides):
+                        dst[b:b + n].copy_(src[layer, :, j])
+
+    def into_pages(self, view: torch.Tensor, ids: Sequence[int]) -> None:
+        """The blocks into rows ``ids`` of a page-major view (block ``i`` into page ``ids[i]``),
+        each copy walked in the blocks' memory order (``_copy_in_order``)."""
+        if len(ids) != len(self.block_ids):
+            raise ShapeError(f"{len(ids)} pages for {len(self.block_ids)} blocks")
+        page_runs = [(view[s:s + n], i) for (s, n), i in _with_index(contiguous_runs(ids))]
+        for rows, b, n in self._moves(page_runs):
+            if self._paired:
+                dst = rows.permute(1, 0, 3, 4, 2, 5)                  # [L, n, P, H, 2, D]
+                for layer, ((src, order),) in enumerate(self._sides):
+                    _copy_ordered(dst[layer], src[b:b + n], order)
+            else:
+                dst = rows.transpose(0, 1)
+                for layer, sides in enumerate(self._sides):
+                    for j, (src, order) in enumerate(sides):
+                        _copy_ordered(dst[layer, :, j], src[b:b + n], order)
+
+
+def _copy_ordered(dst: torch.Tensor, src: torch.Tensor, order: list[int]) -> None:
+    if order == sorted(order):
+        dst.copy_(src)
+    else:
+        dst.permute(*order).copy_(src.permute(*order))
+
+
+def _order(t: torch.Tensor) -> list[int]:
+    """``t``'s dims from outermost to innermost in memory."""
+    return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def _with_index(runs: list[tuple[int, int]]) -> list[tuple[tuple[int, int], int]]:
+    """Each ``(start, length)`` run with the index of its first element in the id list."""
+    out, at = [], 0
+    for run in runs:
+        out.append((run, at))
+        at += run[1]
+    return out

@@ -11,7 +11,7 @@ from .config import ModalitySpec
 from .errors import DTypeError, ShapeError
 from .kernels import write_kv
 from .kernels.layout import INDEX_DTYPE
-from .page_copies import kv_into_pages
+from .page_copies import EngineBlocks, kv_into_pages
 from .pool import PagePool
 
 
@@ -20,6 +20,15 @@ def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
     finite. Returns ``n``. ``block_split``: ``[num_layers, blocks > 0, page_size, num_kv_heads,
     head_dim]`` is taken too (``n = blocks * page_size``): an engine's blocks staged as it lays
     them, whose token axis is no single stride (``page_copies``)."""
+    if block_split and isinstance(k, EngineBlocks):
+        if v is not k:
+            raise ShapeError("EngineBlocks are passed as both k and v")
+        k.check((spec.num_layers, k.num_tokens, spec.num_kv_heads, spec.head_dim), spec.torch_dtype)
+        if k.block_shape[0] != spec.page_size:
+            raise ShapeError(f"{spec.name}: blocks of {k.block_shape[0]} tokens, pages of {spec.page_size}")
+        if not blocks_finite(k):
+            raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
+        return k.num_tokens
     for name, t in (("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ShapeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -71,6 +80,34 @@ def dense_storage(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
     if rem or n != sum(t.numel() for t in ts):
         return None
     return torch.as_strided(first, (n,), (1,), 0)
+
+
+def blocks_finite(blocks: EngineBlocks) -> bool:
+    """Whether every element of the engine's blocks is finite, exactly. Per layer (and side) one
+    pass that sums the chosen blocks' rows element-wise (``embedding_bag``: the blocks are read
+    once, in place, no gather): a NaN or Inf in any block makes its column's sum non-finite, so
+    finite sums mean finite blocks; otherwise, or where a block is no dense row, each run of
+    blocks is checked on its own (``all_finite``), which decides."""
+    rows = blocks.block_rows()
+    if rows is not None:
+        ids = blocks.id_tensor()[None]
+        if all(bool(torch.isfinite(torch.nn.functional.embedding_bag(ids, r, mode="sum").sum()))
+               for r in rows):
+            return True
+    for t in blocks.tensors():           # each run of blocks: dense in the engine's memory order
+        flat = dense_view(t)
+        if not all_finite(flat if flat is not None else t):
+            return False
+    return True
+
+
+def dense_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A flat view of exactly ``t``'s elements when they fill one dense stretch of memory (in
+    whatever order); ``None`` otherwise."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+    if not t.permute(*order).is_contiguous():
+        return None
+    return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
 
 
 def check_payload(spec: ModalitySpec, t: torch.Tensor) -> None:

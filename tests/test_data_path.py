@@ -174,6 +174,69 @@ def _tier_keys(spec, n):
                          tenant_salt=b"t" * 32) for i in range(n)]
 
 
+@pytest.mark.parametrize("layout", ["standard", "legacy"])
+def test_engine_blocks_put_and_read_back_from_every_tier(tmp_path, layout):
+    """A group put straight from an engine's per-layer paged tensors (scattered blocks, vLLM's
+    two layouts) reads back bitwise into another engine's blocks from each tier (the host read
+    checked page by page), and equals the same tokens put as plain K/V."""
+    from mmtier.integrations import vllm_copy
+    from mmtier.page_copies import EngineBlocks
+
+    nb = 12
+
+    def engine(fill):
+        make = (lambda: torch.randn(nb, P, H, 2 * D).transpose(1, 2)) if layout == "standard" else \
+            (lambda: torch.randn(2, nb, P, H, D))
+        return [make() if fill else torch.full_like(make(), float("nan")) for _ in range(L)]
+    src = engine(True)
+    ids = [[7, 2, 3, 11, 0], [4, 5, 6, 1, 9], [10, 8, 3, 2, 1], [0, 1, 2, 3, 4], [11, 9, 7, 5, 3],
+           [6, 8, 10, 0, 2]]
+    with TieredKVCache(cfg(tmp_path)) as cache:
+        keys = [cache.content_key("text", b"e%d" % i) for i in range(6)]
+        for key, blocks in zip(keys, ids):
+            assert cache.put(key, *(vllm_copy.engine_blocks(src, D, blocks),) * 2)
+        in_three_tiers(cache, keys)
+        for key, blocks in zip(keys, ids):
+            k, v = cache.read_group(key)                   # the plain form: tokens in block order
+            sk = torch.stack([torch.cat([vllm_copy.kv_views(t, D)[0][b] for b in blocks]) for t in src])
+            sv = torch.stack([torch.cat([vllm_copy.kv_views(t, D)[1][b] for b in blocks]) for t in src])
+            assert torch.equal(k, sk) and torch.equal(v, sv)
+            dst = engine(False)
+            back = [5, 6, 7, 0, 11]
+            got = cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, back))
+            assert isinstance(got[0], EngineBlocks)
+            for t_src, t_dst in zip(src, dst):
+                ks, vs = vllm_copy.kv_views(t_src, D)
+                kd, vd = vllm_copy.kv_views(t_dst, D)
+                assert torch.equal(kd[back], ks[blocks]) and torch.equal(vd[back], vs[blocks])
+                rest = [b for b in range(nb) if b not in back]
+                assert torch.isnan(kd[rest]).all() and torch.isnan(vd[rest]).all()
+
+
+def test_engine_blocks_bad_input_is_refused_and_changes_nothing(tmp_path):
+    from mmtier.integrations import vllm_copy
+
+    src = [torch.randn(8, P, H, 2 * D).transpose(1, 2) for _ in range(L)]
+    with TieredKVCache(cfg(tmp_path, disk=False)) as cache:
+        key = cache.content_key("text", b"bad")
+        used = cache.pools["text"].num_used
+        src[1].transpose(1, 2)[3, 2, 1, D + 4] = float("inf")        # a V value of block 3
+        with pytest.raises(DTypeError):
+            cache.put(key, *(vllm_copy.engine_blocks(src, D, [0, 3, 5]),) * 2)
+        with pytest.raises(ShapeError):                              # blocks of another model
+            cache.put(key, *(vllm_copy.engine_blocks(src[:2], D, [0, 1]),) * 2)
+        with pytest.raises(ShapeError):
+            vllm_copy.engine_blocks(src, D, [0, 0])
+        assert not cache.contains(key) and cache.pools["text"].num_used == used
+        big = [torch.full((8, P, H, 2 * D), 3e38).transpose(1, 2) for _ in range(L)]
+        big[0].transpose(1, 2)[:, :, :, :D] *= -1                   # finite, but the sums overflow
+        assert cache.put(key, *(vllm_copy.engine_blocks(big, D, [0, 1, 2, 4, 6]),) * 2)
+        k, _ = cache.read_group(key)
+        assert torch.isfinite(k).all() and (k[0] == -3e38).all()
+        with pytest.raises(ShapeError):                              # 4 blocks for a 5-page group
+            cache.read_group(key, out=vllm_copy.engine_blocks(src, D, [0, 1, 2, 4]))
+
+
 def test_put_many_is_durable_and_get_many_reads_side_by_side(tmp_path):
     spec = cfg(tmp_path).spec("text")
     keys = _tier_keys(spec, 6)
@@ -256,6 +319,34 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         assert cache.lower.host.get(keys[0]) is None       # the bad copy is gone
         k, v = cache.read_group(keys[1])                   # the others are untouched
         assert k.shape == (L, 40, H, D)
+
+
+@pytest.mark.parametrize("per_run", [1, 2, 5])
+def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per_run):
+    """The host read checks pages in runs of ``CHECK_BYTES`` and copies a run only once all its
+    pages matched: with page 3 bad, the runs before its run land (bitwise), nothing after."""
+    import mmtier.storage.host as host_mod
+
+    page_bytes = cfg(tmp_path).spec("text").page_bytes
+    monkeypatch.setattr(host_mod, "CHECK_BYTES", per_run * page_bytes)
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(4)]
+        src = [kv() for _ in keys]
+        for key, (k, v) in zip(keys, src):
+            cache.put(key, k, v)
+        assert cache.index.groups[keys[1]].tier == Tier.HOST
+        out = poisoned()                                   # an intact group: every run, bitwise
+        cache.read_group(keys[1], out=out)
+        assert torch.equal(out[0], src[1][0]) and torch.equal(out[1], src[1][1])
+        _flip_slab_byte(cache.index.groups[keys[0]].location, page=3)
+        out = poisoned()
+        with pytest.raises(CorruptDataError):
+            cache.read_group(keys[0], out=out)
+        landed = (3 // per_run) * per_run * P              # the tokens of the runs before page 3's
+        for t, s in zip(out, src[0]):
+            assert torch.equal(t[:, :landed], s[:, :landed])
+            assert torch.isnan(t[:, landed:]).all()
+        assert cache.stats().counters["host_corrupt_reads"] == 1 and not cache.contains(keys[0])
 
 
 def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):

@@ -70,3 +70,25 @@ def test_hits_by_full_blocks_per_prefix_image_and_salt(pair):
     assert sched.get_num_new_matched_tokens(h.request("r4", image="img-B"), 0) == (8, False)
     # another prompt altogether: nothing
     assert sched.get_num_new_matched_tokens(h.request("r5", seed=9), 0) == (0, False)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 16])
+def test_a_hit_loads_the_saved_bytes_into_other_blocks(tmp_path, chunk_blocks):
+    """A prompt saved from one set of shuffled blocks, then asked again on other blocks, poisoned:
+    the load writes there the very bytes saved, for every full block, every layer, K and V: by
+    ``read_group`` straight into vLLM's blocks (block groups: each loaded whole) and through a
+    stage (a chunk's group, of which the prompt holds only part)."""
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=chunk_blocks)
+    try:
+        kv = h.paged(seed=3)
+        first = shuffled_blocks(4)
+        second = [b for b in shuffled_blocks(5, h.NUM_BLOCKS) if b not in first][:6]
+        assert h.step(sched, worker, h.request("r1"), first, kv) == 0
+        want = h.tokens_kv(kv, first, 40)
+        for t in kv.values():                              # the second request's blocks poisoned
+            t[second] = float("nan")
+        assert h.step(sched, worker, h.request("r2"), second, kv) == 40
+        assert torch.equal(h.tokens_kv(kv, second, 40), want)
+    finally:
+        worker.shutdown()
+        close_shared()

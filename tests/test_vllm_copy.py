@@ -69,6 +69,30 @@ def test_stage_mirrors_vllm_layout_and_blocks_copy_as_slices(layout):
     assert torch.isnan(k2[rest]).all() and torch.isnan(v2[rest]).all()
 
 
+@pytest.mark.parametrize("layout", ["standard", "legacy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scattered_blocks_copy_by_memcpy_as_indexing_by_block(layout, dtype):
+    """Blocks scattered into many runs (one indexed copy of whole blocks): each lands
+    where indexing by block puts it, bitwise, and nothing else is written."""
+    src = layer(layout).to(dtype)
+    blocks = [int(b) for b in torch.randperm(B)[:9]]
+    stage = vc.new_stage(src, 2, len(blocks))
+    stage.fill_(float("nan"))
+    vc.copy_blocks(src, blocks, stage[0], None)
+    k, v = vc.kv_views(src, D)
+    sk, sv = vc.stage_kv(stage, D)
+    idx = torch.tensor(blocks)
+    assert torch.equal(sk[0], k[idx]) and torch.equal(sv[0], v[idx])
+    assert torch.isnan(sk[1]).all() and torch.isnan(sv[1]).all()
+    dst = torch.full_like(src, float("nan"))
+    vc.copy_blocks(stage[0], None, dst, blocks)
+    k2, v2 = vc.kv_views(dst, D)
+    assert torch.equal(k2[idx], k[idx]) and torch.equal(v2[idx], v[idx])
+    rest = torch.ones(B, dtype=torch.bool)
+    rest[idx] = False
+    assert torch.isnan(k2[rest]).all() and torch.isnan(v2[rest]).all()
+
+
 def test_aligned_blocks_only_for_whole_blocks_in_order():
     slots = (torch.tensor([4, 5, 1])[:, None] * N + torch.arange(N)).flatten()
     assert vc.aligned_blocks(slots, N) == [4, 5, 1]

@@ -62,7 +62,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ..content import ContentKey
-from ..errors import ConfigError, MMTierError
+from ..errors import ConfigError, MMTierError, ShapeError
 from . import vllm_copy
 from .engine_cache import open_shared, report_for
 from .lookup_channel import LookupChannel
@@ -300,9 +300,30 @@ class MMTierConnector(KVConnectorBase_V1):
         first = next(iter(self._layers.values()), None)
         self._loading = []
         for op in meta.loads:
+            direct = self._direct_blocks(op, first)
+            if direct is not None:         # the whole group into vLLM's blocks: one copy, no stage
+                self._loading.append((op, None, self._reader.submit(self.cache.read_group, op.key, out=direct)))
+                continue
             staged = self._stage_for(op, first, whole_group=True)
             out = (staged.k, staged.v) if staged is not None else None
             self._loading.append((op, staged, self._reader.submit(self.cache.read_group, op.key, out=out)))
+
+    def _direct_blocks(self, op: GroupCopy, kv_layer: torch.Tensor | None) -> vllm_copy.EngineBlocks | None:
+        """vLLM's own blocks of every layer as the destination of ``op``'s read, where the load is
+        the whole group, its positions whole blocks of vLLM's and its pages those blocks
+        (``read_group`` then writes them in place); ``None`` otherwise (a stage or the slot path)."""
+        bs, spec = self.block_size, self.cache.cfg.spec(op.key.modality)
+        if (kv_layer is None or spec.page_size != bs or op.lo != op.start or op.hi != op.end
+                or op.start % bs or op.end % bs
+                or any(t.is_inference() for t in self._layers.values())):   # the reader thread
+            return None                                # writes outside vLLM's inference mode
+        blocks = vllm_copy.aligned_blocks(op.slots, bs)
+        if blocks is None:
+            return None
+        try:
+            return vllm_copy.engine_blocks(list(self._layers.values()), self.cache.cfg.head_dim, blocks)
+        except ShapeError:                 # layers of differing shapes: the stage path
+            return None
 
     def _stage_for(self, op: GroupCopy, kv_layer: torch.Tensor | None, *, whole_group: bool) -> _Staged | None:
         """A stage laid out as vLLM's tensors for ``op``'s group, where its positions are whole
@@ -337,6 +358,8 @@ class MMTierConnector(KVConnectorBase_V1):
                 self._failed_blocks.update(op.block_ids)
                 if last and staged is not None and fut.done():
                     self._stages.give(staged.stage)
+                continue
+            if isinstance(k, vllm_copy.EngineBlocks):  # read straight into vLLM's blocks
                 continue
             if staged is not None:                   # blocks [lo, hi) of the group, as they lie
                 first = (op.lo - op.start) // self.block_size

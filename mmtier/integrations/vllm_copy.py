@@ -19,6 +19,7 @@ import threading
 import torch
 
 from ..errors import ShapeError
+from ..page_copies import EngineBlocks
 from ..storage.host import paired_runs
 
 
@@ -171,6 +172,13 @@ MAX_SLICE_RUNS = 4      # more runs than this: one indexed copy of whole blocks 
 def _memory_order(t: torch.Tensor) -> list[int]:
     """``t``'s dims from outermost to innermost in memory."""
     return sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
+
+
+def engine_blocks(kv_layers: list[torch.Tensor], head_dim: int, blocks: list[int]) -> EngineBlocks:
+    """vLLM's blocks ``blocks`` of every layer's tensor as one group's pages for ``put`` and
+    ``read_group(out=)`` (``page_copies.EngineBlocks``): one copy between vLLM's tensors and the
+    cache's pages, no stage."""
+    return EngineBlocks([kv_views(t, head_dim) for t in kv_layers], blocks)
 
 
 class StagePool:
