@@ -57,12 +57,12 @@ HEADLINES = [
     ("eviction", "target_policy", "a policy meeting both targets below (else none: LRU stays default)", None),
     ("eviction", "default_policy", "(the presets')", None),
     *(("eviction", f"target_min_hit_over_lru__{n}", ">= 0.99 (every trace, 5% and 10%)", lambda v: v >= 0.99)
-      for n in ("s3fifo", "arc", "dip")),
+      for n in ("s3fifo", "arc", "dip", "duel")),
     *(("eviction", f"target_min_heavy_hit_over_lru__{n}", ">= 1.3 (heavy-tailed traces, 5% and 10%)",
-       lambda v: v >= 1.3) for n in ("s3fifo", "arc", "dip")),
+       lambda v: v >= 1.3) for n in ("s3fifo", "arc", "dip", "duel")),
     ("eviction", "cache_parity_mismatches", "0 (policy replay = the whole cache)", lambda v: v == 0),
     *(("eviction", f"op_cost_over_lru__{n}", "(reported; time per policy call over LRU's)", None)
-      for n in ("s3fifo", "arc", "dip")),
+      for n in ("s3fifo", "arc", "dip", "duel")),
     ("eviction", "heavytail_best_avoided_over_lru_cap0.05", ">= 1.2", lambda v: v >= 1.2),
     ("eviction", "min_avoided_over_lru__lru", ">= 0.99 (the presets' default)", lambda v: v >= 0.99),
     ("eviction", "heavytail_lru_hit_over_belady_cap0.05", "(reported; production ~0.2)", None),

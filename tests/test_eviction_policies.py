@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mmtier.content import ContentKey, KeyMaker
-from mmtier.eviction import ARCPolicy, DIPPolicy, S3FIFOPolicy
+from mmtier.eviction import ARCPolicy, BimodalLRUPolicy, DIPPolicy, DuelPolicy, S3FIFOPolicy
 from mmtier.eviction.dip import BIP_LEADER, LRU_LEADER
 from mmtier.groups import ModalityGroup, Tier
 from mmtier.leases import LeaseTable
@@ -172,7 +172,7 @@ def test_dip_followers_insert_as_the_leader_that_misses_less():
 
 
 # ---------------------------------------------------------------------------------- shared
-@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy])
+@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy, DuelPolicy])
 def test_new_policies_go_leaf_first_and_respect_pins_and_leases(cls):
     clock = Clock()
     gs = Groups(cls(CFG, clock=clock))
@@ -220,3 +220,84 @@ def test_presets_default_to_the_policy_that_meets_the_targets_and_only_then():
     assert len(presets) >= 5
     for p in presets:
         assert CacheConfig.from_yaml(p).eviction_policy == want, p.name
+
+
+# ---------------------------------------------------------------------------------- duel
+def _use(pol, g: ModalityGroup, hit: bool) -> None:
+    """A request's reference as the cache makes it: a lookup (a hit counts), attach, release."""
+    if hit:
+        g.hits += 1
+    g.refs += 1
+    pol.on_access(g)
+    g.refs -= 1
+    pol.on_release(g)
+
+
+def test_duel_shadow_is_a_leaf_first_device_tier_in_bytes_with_prefix_hits():
+    from mmtier.eviction import LRUPolicy
+    from mmtier.eviction.duel import Shadow
+
+    sh = Shadow(LRUPolicy(CFG))
+    cap = {"text": 3 * PAGE}
+    a = ModalityGroup(1, key(1), CFG.modalities["text"], 4)
+    b = ModalityGroup(2, key(2), CFG.modalities["text"], 4, parent=a)
+    c = ModalityGroup(3, key(3), CFG.modalities["text"], 8)          # two pages
+    assert [sh.use(g, cap) for g in (a, b)] == [False, False]
+    assert [sh.use(g, cap) for g in (a, b)] == [True, True]
+    assert sh.use(c, cap) is False       # 4 pages asked of 3: LRU's head is a, held by its
+    assert set(sh.groups) == {c.key.digest, a.key.digest}   # child b: b goes, then a would ...
+    assert sh.nbytes["text"] == 3 * PAGE                     # ... but one page was enough
+    # a is resident but b is not: b misses; room for it: c (used before a) goes
+    assert [sh.use(g, cap) for g in (a, b)] == [True, False]
+    assert set(sh.groups) == {a.key.digest, b.key.digest}
+    sh.hit[a.key.digest] = False         # a's latest use missed: b, though resident, is no hit
+    assert sh.use(b, cap) is False
+    a.refs = 1                           # held by a running sequence: the stand-in is too
+    sh.refs(a)
+    assert sh.groups[a.key.digest].refs == 1
+    assert sh.use(c, cap) is False       # 2 pages: one more is needed, b goes
+    assert set(sh.groups) == {a.key.digest, c.key.digest}
+    e = ModalityGroup(5, key(5), CFG.modalities["text"], 12)         # three pages: only c can
+    assert sh.use(e, cap) is False       # go (a is held), not enough: e is not admitted
+    assert set(sh.groups) == {a.key.digest, c.key.digest}
+
+
+class _Duel(DuelPolicy):
+    expert_names = ("lru", "bimodal_lru")
+    warm_tiers = 1.0
+
+
+def test_duel_orders_as_lru_until_the_other_shadow_hits_margin_more_then_as_it():
+    ks = [k for k in (key(i) for i in range(200)) if k.digest[0] % BimodalLRUPolicy.admit_every][:5]
+    pol = _Duel(CFG)
+    gs = Groups(pol)
+    live: dict[int, ModalityGroup] = {}
+
+    def ref(i: int) -> None:             # a 4-page device tier, room made by the policy
+        g = live.get(i)
+        found = g is not None
+        if g is None:
+            if len(live) == 4:
+                (v,) = pol.victims(D, PAGE)
+                live.pop(next(j for j, x in live.items() if x is v))
+                pol.on_remove(v)
+            g = live[i] = add(gs, f"k{i}.{len(gs.by_name)}", k=ks[i])
+        _use(pol, g, hit=found)
+
+    for i in range(4):
+        ref(i)
+    # LRU in charge: its order, k0 (least recent) first
+    assert [g.gid for g in pol.victims(D, 1 << 62)] == [g.gid for g in pol.experts[0].order(D)]
+    assert gs.order()[0].startswith("k0")
+    leads = []
+    for _ in range(6):                   # a loop over 5 groups through 4 pages: LRU never hits
+        for i in range(5):
+            ref(i)
+        leads.append(pol.lead)
+    assert leads == [0, 1, 1, 1, 1, 1]   # warm after 4 references a group; then bimodal leads
+    assert pol.scores[1] > pol.margin * pol.scores[0]
+    # bimodal keeps k3 (reused, LRU-ordered) while new unadmitted groups pass at the LRU end;
+    # LRU's own order would put k3 third
+    assert gs.order() == ["k1.22", "k2.23", "k4.24", "k3.3"]
+    assert [g.gid for g in pol.experts[0].order(D)] == [23, 24, 4, 25]
+    assert [g.gid for g in pol.victims(D, 1 << 62)] == [g.gid for g in pol.experts[1].order(D)]

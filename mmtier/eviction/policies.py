@@ -11,6 +11,7 @@ from .arc import ARCPolicy
 from .base import Clock, EvictionPolicy, _Entry
 from .bimodal import BimodalLRUPolicy
 from .dip import DIPPolicy
+from .duel import DuelPolicy
 from .s3fifo import S3FIFOPolicy
 
 
@@ -74,6 +75,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "s3fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
     "dip": DIPPolicy,
+    "duel": DuelPolicy,
 }
 
 
