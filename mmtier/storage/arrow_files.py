@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -57,12 +58,7 @@ from ..errors import (
     UnknownModalityError,
 )
 from . import writers
-from .arrow_extent import (
-    FileExtent,
-    frame_digest,
-    frame_gaps,
-    write_digests,
-)
+from .arrow_extent import frame_digest
 from .arrow_format import (
     FILE_OVERHEAD,
     FORMAT_VERSION,
@@ -71,10 +67,12 @@ from .arrow_format import (
     group_fields,
     layout_of,
     page_rows,
+    page_sums,
     scan_file,
     serialize,
     slice_rows,
 )
+from .layer_extent import LayerExtent, layer_major, layer_sums
 from .disk_reads import DiskReads
 from .tier import StorageTier
 
@@ -122,7 +120,7 @@ class DiskEntry:
     # Where the pages lie in each file and the digests of all its bytes, known from the write
     # or a first verified read; ``None`` after a warm restart until that read. With them a read
     # is a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
-    extents: tuple[FileExtent, ...] | None = None
+    extents: tuple[LayerExtent, ...] | None = None
     # Written by another process that still runs (a directory shared by engine processes):
     # read like any other, but not counted in this tier's budget nor ever deleted by it.
     borrowed: bool = False
@@ -158,7 +156,8 @@ class DiskTier(DiskReads, StorageTier):
             ("writes", "write_bytes", "hits", "misses", "corrupt_reads", "quarantined",
              "quarantined_at_start", "partial_groups_at_start", "tmp_removed_at_start",
              "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes",
-             "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start"), 0)
+             "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start",
+             "old_format_at_start"), 0)
         t0 = time.perf_counter()
         self._scan()
         self.scan_s = time.perf_counter() - t0
@@ -331,30 +330,31 @@ class DiskTier(DiskReads, StorageTier):
         loop = asyncio.get_running_loop()
         bounds = [(c * per_file, min(n, (c + 1) * per_file)) for c in range(num_chunks)]
         chunks = [slice_rows(rows, lo, hi) for lo, hi in bounds]
-        digests = await loop.run_in_executor(None, write_digests, chunks, spec.page_layers)
-        sums = np.concatenate([d[0] for d in digests])
-        if expected_sums is not None and sums.tolist() != list(expected_sums):
-            raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
+        if expected_sums is not None:
+            sums = await loop.run_in_executor(None, page_sums, rows)
+            if sums.tolist() != list(expected_sums):
+                raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks, "writer": writers.this_writer()}
         files, extents, total = [], [], 0
+        lb = spec.layer_bytes
         for c, ((lo, hi), chunk_rows) in enumerate(zip(bounds, chunks)):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            _, block_sums, layer_sums = digests[c]
-            parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
+            layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers)
+            row_sums, layer_digests = await loop.run_in_executor(None, layer_sums, layers)
+            parts, offsets = serialize(meta, lb, layers, row_sums)
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
             total += size
             files.append(name)
             if offsets is not None and extents is not None:
-                firsts = np.cumsum([lo] + [r.shape[0] for r in chunk_rows])
-                runs = tuple((off, int(f), r.shape[0], d)
-                             for off, f, r, d in zip(offsets, firsts, chunk_rows, block_sums))
-                frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
-                extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
+                extent = LayerExtent(name, size, lb, lo, hi - lo, tuple(offsets), layer_digests, 0)
+                frame = frame_digest(parts, extent.gaps())
+                extents.append(dataclasses.replace(extent, frame=frame))
             else:
                 extents = None
+            del layers, parts                # a chunk's layer-major copy lives for its write only
         if sync_dir:
             await _fsync_dir(self.dir)
             if _CRASH_STEP:
@@ -442,6 +442,8 @@ class DiskTier(DiskReads, StorageTier):
             key = ContentKey.from_wire(meta["key"])
             if meta["model"] != self.model:
                 return "foreign"
+            if meta["format"] != FORMAT_VERSION:       # an old layout: never read (a miss)
+                return "old live" if writers.alive(meta.get("writer")) else "old"
             if name != file_name(key.modality, key.hex, meta["chunk"], meta["num_chunks"]):
                 return None
             return meta, path.stat().st_size
@@ -473,6 +475,11 @@ class DiskTier(DiskReads, StorageTier):
         for name, found in zip(candidates, results):
             if found == "foreign":
                 self._counts["foreign_at_start"] += 1
+            elif found in ("old", "old live"):
+                self._counts["old_format_at_start"] += 1
+                if found == "old":               # its writer is gone: set aside, recomputed
+                    log.warning("mmtier disk tier: %s is an older file format; quarantined", name)
+                    self._quarantine(self.dir / name, "quarantined_at_start")
             elif found is None:
                 self._quarantine(self.dir / name, "quarantined_at_start")
             else:

@@ -1,10 +1,11 @@
-"""The Arrow IPC file format of the disk tier (version 1): encode, decode, verify.
+"""The Arrow IPC file format of the disk tier (version 2, layer-major): encode, decode, verify.
 
 A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{n:04d}.arrow``:
 
-- columns ``page`` (``fixed_size_binary(page_bytes)``, one row per page: the raw page-major
-  bytes, so all layers of a page, each layer one contiguous slice) and ``xxh3`` (``uint64``:
-  xxh3_64 of that page);
+- columns ``page`` (``fixed_size_binary(page_bytes // L)``, ``L`` the layers a page holds: one
+  for an embedding page) and ``xxh3`` (``uint64``: xxh3_64 of that row); ``L`` record batches,
+  batch ``l`` holding layer ``l``'s slice of every page of the chunk in page order, so one
+  layer of a chunk is one contiguous extent of its file (``layer_extent.py``);
 - schema metadata ``mmtier.meta``: JSON with ``format``, ``key`` (the key's wire fields),
   ``model``, ``layout`` (``spec.layout_fields()`` plus ``name`` and ``page_bytes``), the
   group's ``num_tokens``, ``num_pages`` and ``num_chunks``, and this file's ``chunk``,
@@ -19,7 +20,12 @@ memory (no copy before the write), and says where each block of pages landed in 
 expects, and reads the pages block by block straight into the destination, verifying each
 page's xxh3 right after its block landed, while it is hot; it returns the file's
 ``FileExtent`` (the block, per-layer and frame digests, from the verified bytes), with which
-later reads take the lean paths of ``arrow_extent.py`` (``read_extent``, ``read_layer``).
+later reads take the lean paths of ``layer_extent.py`` (``read_whole``, ``read_layer_extent``).
+
+Version 1 (page-major: one row per page holding all its layers) is not read: ``read_meta``
+refuses it like any unknown format, and the tier's scan leaves a live writer's version-1 files
+alone and quarantines the rest (``old_format_at_start``); the groups are recomputed, never
+read wrongly.
 """
 
 from __future__ import annotations
@@ -38,9 +44,11 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
-from .arrow_extent import FileExtent, digest_of, frame_gaps, layer_digests, read_frame
+from .arrow_extent import read_frame
+from .layer_extent import LayerExtent, digest_of_slices, layer_slices, preadv_exact
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLD_FORMATS = (1,)  # recognised, not read (see the module's docstring)
 SUFFIX = ".arrow"
 _META = b"mmtier.meta"
 _META_SUM = b"mmtier.meta.xxh3"
@@ -132,6 +140,11 @@ class _Sink:
         return out
 
 
+def layers_of(layout: dict[str, str]) -> int:
+    """The layers a page of ``layout`` holds (the record batches of one file)."""
+    return 1 if layout["kind"] == "embedding" else int(layout["layers"])
+
+
 def schema_of(meta: dict, page_bytes: int) -> pa.Schema:
     blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     return pa.schema([("page", pa.binary(page_bytes)), ("xxh3", pa.uint64())],
@@ -156,16 +169,20 @@ def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndar
     return sink.coalesced(), where
 
 
-def read_meta(schema: pa.Schema) -> dict:
-    """The verified JSON metadata of a file's schema, or ``CorruptDataError``."""
+def read_meta(schema: pa.Schema, formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:
+    """The verified JSON metadata of a file's schema, or ``CorruptDataError`` (also for a
+    format not in ``formats``; the scan passes ``OLD_FORMATS`` too, to recognise them)."""
     md = schema.metadata or {}
     blob, total = md.get(_META), md.get(_META_SUM)
     if blob is None or total is None or xxhash.xxh3_64_hexdigest(blob).encode() != total:
         raise CorruptDataError("missing or damaged mmtier metadata")
     meta = json.loads(blob)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in formats:
         raise CorruptDataError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-    want = pa.schema([("page", pa.binary(int(meta["layout"]["page_bytes"]))), ("xxh3", pa.uint64())])
+    width = int(meta["layout"]["page_bytes"])
+    if meta["format"] == FORMAT_VERSION:
+        width //= layers_of(meta["layout"])
+    want = pa.schema([("page", pa.binary(width)), ("xxh3", pa.uint64())])
     if not schema.remove_metadata().equals(want):
         raise CorruptDataError(f"unexpected schema {schema.remove_metadata()}")
     return meta
@@ -267,9 +284,11 @@ def open_reader(mm: pa.MemoryMappedFile) -> tuple[pa.ipc.RecordBatchFileReader, 
 
 
 def scan_file(path: str) -> dict:
+    """A file's verified metadata from its footer and schema (an old format's too: the caller
+    checks ``meta["format"]``)."""
     with pa.memory_map(path) as mm:
         reader, _ = open_reader(mm)
-        meta = read_meta(reader.schema)
+        meta = read_meta(reader.schema, (FORMAT_VERSION, *OLD_FORMATS))
         if reader.num_record_batches < 1:
             raise CorruptDataError("no record batches")
         return meta
@@ -291,16 +310,16 @@ def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
 
 
 
-def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> FileExtent:
+def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> LayerExtent:
     """Verify one file against the group fields the index expects (its pages start at
-    ``first_page``) and fill ``dest`` (whole pages); returns where its pages lie and their
-    digests, per block and per layer, computed from the verified pages (so later reads can
-    take ``read_extent`` or ``read_layer``).
+    ``first_page``) and fill ``dest`` (whole pages); returns where its layers lie and their
+    digests, computed from the verified bytes (so later reads take ``read_whole`` or
+    ``read_layer_extent``).
 
-    The mapping serves the structure (magics, footer, schema, metadata, checksum column); the
-    page payload is read with ``preadv`` straight into the destination at the offsets the
-    mapping reveals, so it is copied exactly once and no page of it faults through the map
-    (on a cold cache that is ~1.5-2x faster than copying out of the mapping)."""
+    The mapping serves the structure (magics, footer, schema, metadata, checksum column); each
+    layer's rows are read with ``preadv`` straight into that layer's slice of every destination
+    page at the offsets the mapping reveals (copied once, no page of it faulting through the
+    map), and each row's xxh3 checked right after its layer landed."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -309,33 +328,41 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> F
             meta = read_meta(reader.schema)
             if group_fields(meta) != expected:
                 raise CorruptDataError(f"{path.name}: metadata does not match the index")
-            pb = int(expected["layout"]["page_bytes"])
-            first, rows, want = int(meta["first_page"]), 0, int(meta["chunk_pages"])
+            num_layers = layers_of(expected["layout"])
+            lb = int(expected["layout"]["page_bytes"]) // num_layers
+            first, k = int(meta["first_page"]), int(meta["chunk_pages"])
             if first != first_page:
                 raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
-            runs, layers = [], []
-            for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
+            if reader.num_record_batches != num_layers:
+                raise CorruptDataError(f"{path.name}: {reader.num_record_batches} record batches, "
+                                       f"{num_layers} layers")
+            views = dest.views(first, k)
+            offsets, digests = [], []
+            for layer in range(num_layers):
+                batch = reader.get_batch(layer)
                 batch.validate()
                 col, sums = batch.column(0), batch.column(1)
                 if col.null_count or sums.null_count:
                     raise CorruptDataError(f"{path.name}: null pages")
-                k = len(col)
-                if rows + k > want:
-                    raise CorruptDataError(f"{path.name}: more rows than chunk_pages")
-                offset = col.buffers()[1].address - base + col.offset * pb
-                if offset < 0 or offset + k * pb > size:
+                if len(col) != k:
+                    raise CorruptDataError(f"{path.name}: layer {layer} has {len(col)} rows, "
+                                           f"metadata says {k}")
+                offset = col.buffers()[1].address - base + col.offset * lb
+                if offset < 0 or offset + k * lb > size:
                     raise CorruptDataError(f"{path.name}: page data outside the file")
-                sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
-                                         offset=sums.offset * 8).tolist()
-                dest.fill(fd, offset, first + rows, k, sum_list)
-                landed = dest.views(first + rows, k)
-                runs.append((offset, first + rows, k, digest_of(landed)))
-                layers.append(layer_digests(landed, dest.layers))
-                rows += k
-            if rows != want:
-                raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {want}")
-            frame = read_frame(fd, frame_gaps(runs, size, pb))
-            return FileExtent(path.name, size, pb, tuple(runs), frame, tuple(layers))
+                slices = (layer_slices(views, layer, lb) if dest.page_bytes != lb
+                          else [v.reshape(-1) for v in views])
+                preadv_exact(fd, slices, offset)
+                want = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k, offset=sums.offset * 8)
+                rows = slices if dest.page_bytes != lb else [r for v in views for r in v]
+                for j, row in enumerate(rows):
+                    if xxhash.xxh3_64_intdigest(row) != int(want[j]):
+                        raise CorruptDataError(f"{path.name}: checksum mismatch at page {first + j}, "
+                                               f"layer {layer}")
+                offsets.append(offset)
+                digests.append(digest_of_slices(slices))
+            extent = LayerExtent(path.name, size, lb, first, k, tuple(offsets), tuple(digests), 0)
+            frame = read_frame(fd, extent.gaps())
+            return LayerExtent(path.name, size, lb, first, k, tuple(offsets), tuple(digests), frame)
     finally:
         os.close(fd)

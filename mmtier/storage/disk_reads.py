@@ -30,8 +30,8 @@ import torch
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
-from .arrow_extent import read_extent, read_layer
 from .arrow_format import DestPages, layout_matches, layout_of, read_file
+from .layer_extent import read_layer_extent, read_whole
 
 if TYPE_CHECKING:
     from .arrow_files import DiskEntry
@@ -79,7 +79,7 @@ class DiskReads:
                     part = dest.sub(first, n)
                     at = 0
                     for extent in e.extents:  # type: ignore[union-attr]
-                        at += read_extent(os.path.join(self._dir_str, extent.name), extent, part)
+                        at += read_whole(os.path.join(self._dir_str, extent.name), extent, part)
                     if at == n:
                         return True, sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
                 except (OSError, CorruptDataError, ValueError):
@@ -176,7 +176,7 @@ class DiskReads:
     def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_extent(os.path.join(self._dir_str, extent.name), extent, dest)
+            at += read_whole(os.path.join(self._dir_str, extent.name), extent, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
@@ -184,7 +184,7 @@ class DiskReads:
     def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_layer(os.path.join(self._dir_str, extent.name), extent, layer, dest)
+            at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return at * dest.page_bytes
@@ -196,7 +196,7 @@ class DiskReads:
         for name in e.files:
             extent = read_file(self.dir / name, self._expected_group(e), at, dest)
             extents.append(extent)
-            at += sum(run[2] for run in extent.runs)
+            at += extent.num_pages
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         learned = dataclasses.replace(e, extents=tuple(extents))
