@@ -42,7 +42,6 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -72,8 +71,8 @@ from .arrow_format import (
     serialize,
     slice_rows,
 )
-from .layer_extent import LayerExtent, layer_major, layer_sums
 from .disk_reads import DiskReads
+from .layer_extent import LayerExtent, layer_major, layer_sums
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -131,7 +130,8 @@ class DiskTier(DiskReads, StorageTier):
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
-                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4):
+                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4,
+                 read_ahead_layers: int = 1):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -143,6 +143,7 @@ class DiskTier(DiskReads, StorageTier):
         self.scan_threads = scan_threads
         self.write_concurrency = write_concurrency
         self.read_threads = read_threads
+        self.read_ahead_layers = read_ahead_layers   # a layer read asks the kernel for the next ones
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()

@@ -184,7 +184,8 @@ class DiskReads:
     def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest)
+            at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest,
+                                    self.read_ahead_layers)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return at * dest.page_bytes

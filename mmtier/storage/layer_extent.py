@@ -97,9 +97,13 @@ def _check_size(fd: int, extent: LayerExtent) -> None:
         raise CorruptDataError(f"{extent.name}: {size} bytes, {extent.size} were written")
 
 
-def read_layer_extent(path: str, extent: LayerExtent, layer: int, dest: DestPages) -> int:
+def read_layer_extent(path: str, extent: LayerExtent, layer: int, dest: DestPages, ahead: int = 0) -> int:
     """Layer ``layer`` of the file's pages into ``dest`` (one-layer pages, group-indexed): one
-    ``preadv`` of the layer's extent, then its digest checked. Returns the pages read."""
+    ``preadv`` of the layer's extent, then its digest checked. Returns the pages read.
+
+    ``ahead``: the extents of that many following layers are handed to the kernel to read
+    meanwhile (``POSIX_FADV_WILLNEED``: asynchronous, into the page cache, which bounds it), so
+    the disk reads the next layer while the caller computes this one."""
     if dest.page_bytes != extent.layer_bytes or not 0 <= layer < extent.num_layers:
         raise CorruptDataError(f"{extent.name}: layer {layer} of {extent.num_layers} "
                                f"({extent.layer_bytes} bytes) does not fit pages of {dest.page_bytes} bytes")
@@ -108,6 +112,9 @@ def read_layer_extent(path: str, extent: LayerExtent, layer: int, dest: DestPage
     try:
         _check_size(fd, extent)
         preadv_exact(fd, [v.reshape(-1) for v in views], extent.offsets[layer])
+        span = extent.pages * extent.layer_bytes
+        for nxt in range(layer + 1, min(layer + 1 + ahead, extent.num_layers)):
+            os.posix_fadvise(fd, extent.offsets[nxt], span, os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
     if digest_of_slices([v.reshape(-1) for v in views]) != extent.digests[layer]:
