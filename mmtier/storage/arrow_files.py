@@ -1,5 +1,5 @@
-"""The disk tier: groups as Arrow IPC files in one directory (format: ``arrow_format.py``;
-lean reads of files whose layout is known: ``arrow_extent.py``).
+"""The disk tier: groups as Arrow IPC files in one directory (format 2, layer-major:
+``arrow_format.py``; lean reads of files whose layout is known: ``layer_extent.py``).
 
 One file per modality group, or per ``chunk_bytes`` (64 MiB) chunk of a large group.
 
@@ -57,7 +57,6 @@ from ..errors import (
     UnknownModalityError,
 )
 from . import writers
-from .arrow_extent import frame_digest
 from .arrow_format import (
     FILE_OVERHEAD,
     FORMAT_VERSION,
@@ -72,7 +71,7 @@ from .arrow_format import (
     slice_rows,
 )
 from .disk_reads import DiskReads
-from .layer_extent import LayerExtent, layer_major, layer_sums
+from .layer_extent import LayerExtent, frame_digest, layer_major, layer_sums
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ class DiskEntry:
     files: tuple[str, ...]
     # Where the pages lie in each file and the digests of all its bytes, known from the write
     # or a first verified read; ``None`` after a warm restart until that read. With them a read
-    # is a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
+    # is a few syscalls per file (``read_whole``, ``read_layer_extent``) instead of parsing the Arrow footer.
     extents: tuple[LayerExtent, ...] | None = None
     # Written by another process that still runs (a directory shared by engine processes):
     # read like any other, but not counted in this tier's budget nor ever deleted by it.

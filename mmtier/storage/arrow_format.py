@@ -14,12 +14,13 @@ A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{
 
 Nothing is ever unpickled: the metadata is JSON, the payloads are bytes, and the schema must
 equal the two plain columns above before any column is touched. ``serialize`` feeds the Arrow
-writer through a collecting sink, so the large parts it returns are the caller's own page
-memory (no copy before the write), and says where each block of pages landed in the file.
-``read_file`` maps a file, checks both magics and the metadata against what the index
-expects, and reads the pages block by block straight into the destination, verifying each
-page's xxh3 right after its block landed, while it is hot; it returns the file's
-``FileExtent`` (the block, per-layer and frame digests, from the verified bytes), with which
+writer through a collecting sink, so the large parts it returns are the caller's own arrays
+(the writer's layer-major copy of a chunk: ``layer_extent.layer_major``), and says where each
+layer's rows landed in the file. ``read_file`` maps a file, checks both magics and the
+metadata against what the index expects, and reads each layer's rows straight into that
+layer's slice of the destination pages, verifying each row's xxh3 right after its layer
+landed; it returns the file's
+``LayerExtent`` (per-layer and frame digests, from the verified bytes), with which
 later reads take the lean paths of ``layer_extent.py`` (``read_whole``, ``read_layer_extent``).
 
 Version 1 (page-major: one row per page holding all its layers) is not read: ``read_meta``
@@ -44,8 +45,7 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
-from .arrow_extent import read_frame
-from .layer_extent import LayerExtent, digest_of_slices, layer_slices, preadv_exact
+from .layer_extent import LayerExtent, digest_of_slices, layer_slices, preadv_exact, read_frame
 
 FORMAT_VERSION = 2
 OLD_FORMATS = (1,)  # recognised, not read (see the module's docstring)
@@ -53,7 +53,6 @@ SUFFIX = ".arrow"
 _META = b"mmtier.meta"
 _META_SUM = b"mmtier.meta.xxh3"
 _CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages", "writer")   # per file, not per group
-_BLOCK_BYTES = 4 << 20
 FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
 
 def layout_of(spec: ModalitySpec) -> dict[str, str]:
@@ -201,7 +200,6 @@ class DestPages:
         runs = [out] if isinstance(out, torch.Tensor) else list(out)
         shape = tuple(spec.layer_shape if one_layer else spec.page_shape)
         dtype, page_bytes = spec.torch_dtype, spec.layer_bytes if one_layer else spec.page_bytes
-        self.layers = spec.page_layers      # of the stored pages (digests are kept per layer)
         self.arrays: list[np.ndarray] = []
         self.starts: list[int] = []
         at = 0
@@ -217,14 +215,13 @@ class DestPages:
             raise ShapeError(f"destination holds {at} pages, the group has {n}")
         self.total = at
         self.page_bytes = page_bytes
-        self.block = max(1, _BLOCK_BYTES // page_bytes)
 
     def sub(self, first: int, n: int) -> DestPages:
         """Pages ``first..first+n`` as a destination of their own (one-run destinations only)."""
         if len(self.arrays) != 1 or first < 0 or first + n > self.total:
             raise ShapeError(f"pages {first}..{first + n} of a {len(self.arrays)}-run destination")
         part = object.__new__(DestPages)
-        part.layers, part.page_bytes, part.block = self.layers, self.page_bytes, self.block
+        part.page_bytes = self.page_bytes
         part.arrays, part.starts, part.total = [self.arrays[0][first:first + n]], [0], n
         return part
 
@@ -242,32 +239,6 @@ class DestPages:
             out.append(self.arrays[r][local:local + m])
             i += m
         return out
-
-    def fill(self, fd: int, offset: int, first: int, k: int, sums: list[int]) -> None:
-        """Read ``k`` pages at file ``offset`` straight into pages ``first..`` and verify each
-        page's xxh3 right after its block landed (while it is hot)."""
-        if first < 0 or first + k > self.total:
-            raise CorruptDataError(f"pages {first}..{first + k} outside the group's {self.total}")
-        i = 0
-        while i < k:
-            r = bisect.bisect_right(self.starts, first + i) - 1
-            local = first + i - self.starts[r]
-            m = min(self.arrays[r].shape[0] - local, k - i, self.block)
-            dst = self.arrays[r][local:local + m]
-            _pread_exact(fd, memoryview(dst.reshape(-1)), offset + i * dst.shape[1])
-            for j in range(m):
-                if xxhash.xxh3_64_intdigest(dst[j]) != sums[i + j]:
-                    raise CorruptDataError(f"checksum mismatch at page {first + i + j}")
-            i += m
-
-
-def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
-    got = 0
-    while got < buf.nbytes:
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            raise CorruptDataError(f"file ends inside a page (offset {offset + got})")
-        got += n
 
 
 _MAGIC = b"ARROW1\x00\x00"

@@ -2,14 +2,17 @@
 index, the writes, quarantine and warm restart).
 
 - ``get``: a group into a new tensor or the caller's destination (a tensor or contiguous runs,
-  e.g. ``HostEntry.runs()``). A group this process wrote is read lean (``read_extent``: one
-  ``preadv`` per file, every byte checked against digests the writer kept in memory); a group
+  e.g. ``HostEntry.runs()``). A group this process wrote is read lean (``read_whole``: one
+  sequential ``preadv`` pass per file, each layer's extent scattered into its slice of the
+  pages, every byte checked against digests the writer kept in memory); a group
   found at a warm restart is read once in full (``read_file``: footer, metadata against the
   index, the checksum column), which teaches the index its layout.
 - ``get_many``: several groups of one spec back to back into one buffer, the streaming read of
   attention over disk: the same lean read per file with one destination view and one look at
   the index for the batch; anything else falls back to ``get``.
-- ``get_layer``: one layer of every page (``read_layer``), for per-layer attention calls.
+- ``get_layer``: one layer of every page (``read_layer_extent``: one contiguous extent per
+  file in the layer-major format, the next ``read_ahead_layers`` layers' extents handed to the
+  kernel to read meanwhile), for per-layer attention calls.
 
 Any failure is a miss: counted, the group's files quarantined, ``None``; never wrong data.
 """
@@ -115,7 +118,7 @@ class DiskReads:
         D]`` for kv), verified against that layer's digests, or ``None`` exactly as ``get``
         (``out``: a tensor or contiguous runs of that shape, returned when given).
 
-        Only that layer's bytes are read (``read_layer``). A group whose layout is not known
+        Only that layer's bytes are read (``read_layer_extent``). A group whose layout is not known
         yet (found at a warm restart) is read once in full into a temporary, which teaches the
         index its layout, and the layer copied out."""
         if not 0 <= layer < spec.page_layers:

@@ -173,6 +173,31 @@ def preadv_exact(fd: int, bufs: Sequence[object], offset: int) -> None:
                 n = 0
 
 
+def frame_digest(parts: Sequence[object], gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes of ``parts`` (a file, in order) that fall in ``gaps``."""
+    h, pos = xxhash.xxh3_64(), 0
+    for p in parts:
+        mv = memoryview(p).cast("B")  # type: ignore[arg-type]
+        n = mv.nbytes
+        for offset, length in gaps:
+            lo, hi = max(offset, pos), min(offset + length, pos + n)
+            if lo < hi:
+                h.update(mv[lo - pos:hi - pos])
+        pos += n
+    return h.intdigest()
+
+
+def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes in ``gaps`` as the file holds them now."""
+    h = xxhash.xxh3_64()
+    for offset, length in gaps:
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CorruptDataError(f"file ends inside its frame (offset {offset})")
+        h.update(data)
+    return h.intdigest()
+
+
 def layer_major(rows: Sequence[np.ndarray], num_layers: int) -> list[np.ndarray]:
     """A chunk's pages (``[k, page_bytes]`` uint8 runs) as ``num_layers`` contiguous ``[k,
     page_bytes // num_layers]`` arrays, layer ``l``'s slices of every page in page order: the
