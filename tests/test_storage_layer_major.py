@@ -234,14 +234,15 @@ def test_a_layer_read_hands_the_next_layers_extent_to_the_kernel(tmp_path, ahead
     cfg = CacheConfig(model=MODEL, num_layers=3, num_kv_heads=8, head_dim=128, dtype="float16",
                       modalities={"vision": {"page_size": 64}}, device="cpu", device_bytes=1 << 20)
     spec = cfg.spec("vision")                                   # 256 KiB a layer of a page
-    disk = tier(tmp_path, read_ahead_layers=ahead, chunk_bytes=64 << 20)
-    pages = rand_pages(spec, 24, seed=3)                        # 6 MiB a layer extent
+    disk = tier(tmp_path, read_ahead_layers=ahead, chunk_bytes=128 << 20)
+    n = 96          # 24 MiB a layer extent: past the kernel's own readahead (up to 8 MiB here)
+    pages = rand_pages(spec, n, seed=3)
     k = key_of(spec, 5)
-    entry = disk.put(k, spec, 24 * spec.page_size, pages)
+    entry = disk.put(k, spec, n * spec.page_size, pages)
     extent, path = entry.extents[0], disk.dir / entry.files[0]
     span = extent.pages * extent.layer_bytes
     _drop(path)
-    tail = (span // 2, span // 2)                               # the far half of an extent
+    tail = (span * 3 // 4, span // 4)                           # the last quarter of an extent
     if _resident(path, extent.offsets[1] + tail[0], tail[1]) > 0.1:
         pytest.skip("this filesystem keeps the file in memory (no page cache to drop)")
     assert same_bytes(disk.get_layer(k, spec, MODEL, 0), pages[:, :1].contiguous())

@@ -19,6 +19,7 @@ bytes it read; a damaged file cannot vouch for itself.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -112,9 +113,12 @@ def read_layer_extent(path: str, extent: LayerExtent, layer: int, dest: DestPage
     try:
         _check_size(fd, extent)
         preadv_exact(fd, [v.reshape(-1) for v in views], extent.offsets[layer])
-        span = extent.pages * extent.layer_bytes
-        for nxt in range(layer + 1, min(layer + 1 + ahead, extent.num_layers)):
-            os.posix_fadvise(fd, extent.offsets[nxt], span, os.POSIX_FADV_WILLNEED)
+        if ahead:
+            span, piece = extent.pages * extent.layer_bytes, readahead_bytes(os.fstat(fd).st_dev)
+            for nxt in range(layer + 1, min(layer + 1 + ahead, extent.num_layers)):
+                for at in range(0, span, piece):      # the kernel reads at most its readahead a call
+                    os.posix_fadvise(fd, extent.offsets[nxt] + at, min(piece, span - at),
+                                     os.POSIX_FADV_WILLNEED)
     finally:
         os.close(fd)
     if digest_of_slices([v.reshape(-1) for v in views]) != extent.digests[layer]:
@@ -151,6 +155,20 @@ def read_whole(path: str, extent: LayerExtent, dest: DestPages) -> int:
         if digest_of_slices(slices) != extent.digests[layer]:
             raise CorruptDataError(f"{extent.name}: page data of layer {layer} changed")
     return extent.pages
+
+
+@functools.lru_cache(maxsize=64)
+def readahead_bytes(dev: int) -> int:
+    """The most one ``POSIX_FADV_WILLNEED`` reads on device ``dev`` (Linux caps it at the
+    device's readahead, ``queue/read_ahead_kb``); 128 KiB, the usual default, if unknown."""
+    for queue in (f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue",
+                  f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../queue"):
+        try:
+            with open(f"{queue}/read_ahead_kb") as f:
+                return max(128, int(f.read())) << 10
+        except (OSError, ValueError):
+            continue
+    return 128 << 10
 
 
 def preadv_exact(fd: int, bufs: Sequence[object], offset: int) -> None:
