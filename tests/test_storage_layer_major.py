@@ -31,8 +31,6 @@ from mmtier.storage.arrow_format import (
     read_meta,
     serialize,
 )
-from mmtier.storage.arrow_files import QUARANTINE_DIR
-from mmtier.storage.layer_extent import layer_major
 from tests.oracle import oracle_attention, rel_err
 
 from .test_storage_helpers import MODEL, page_sums, rand_pages, same_bytes
