@@ -284,7 +284,7 @@ def test_attention_streamed_from_layer_major_files_equals_the_oracle(tmp_path, m
             cache.put(key, k, v)
             data[key] = (k, v)
         cache.flush()
-        on_disk = [key for key in data if cache._groups[key].tier == Tier.DISK]
+        on_disk = [key for key in data if cache.index.groups[key].tier == Tier.DISK]
         assert len(on_disk) >= 4 and {key.modality for key in on_disk} == {"text", "vision"}
         _check_every_layer(cache, on_disk, data, gen, "as written")
     with TieredKVCache(cfg) as cache:                           # warm restart: files parsed once
@@ -297,7 +297,7 @@ def _check_every_layer(cache, on_disk, data, gen, when: str) -> None:
     seq = cache.create_sequence(tenant="t")
     for key in on_disk:
         cache.attach(seq, key)
-    still = [key for key in on_disk if cache._groups[key].tier == Tier.DISK]   # attach may promote some
+    still = [key for key in on_disk if cache.index.groups[key].tier == Tier.DISK]   # attach may promote some
     assert len(still) >= 2
     kk = torch.cat([data[key][0] for key in on_disk], 1)
     vv = torch.cat([data[key][1] for key in on_disk], 1)
