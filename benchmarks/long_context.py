@@ -10,11 +10,11 @@ Without ``--preset`` two rows run, each writing its own JSON:
   quarter of the bytes each (at most 1 GiB), the rest on disk. ``--tokens max`` takes the
   largest count the disk holds (its free bytes less ``--reserve-gib``, which also stays the
   cache's own disk free floor): the default on a GPU. On the CPU the default is 32,768 tokens
-  (1.9 GB per step, a run of about a minute); the committed CPU figures are ``--tokens max
-  --reserve-gib 20`` (760,964 tokens, 43.6 GB per step, on a disk with 63 GB free, leaving
-  about 20 GB to the machine's other users): ingestion (7 minutes, bound by the fsync'd
-  spills) and six decode steps (1.6-2.1 minutes each, bound by the cold disk reads of 41.6 GB)
-  take 19 minutes of wall time on the shared 2-core machine;
+  (1.9 GB per step, a run of about a minute); the committed CPU figures are ``--tokens 760959
+  --reserve-gib 8`` (43.8 GB per step, what a disk with 63 GB free held at ``--reserve-gib
+  20``): ingestion (3-3.5 minutes, bound by the fsync'd spills) and six decode steps (1.8-2.7
+  minutes each under a load of 6-13: held by the CPU the step gets, beside the cold disk reads
+  of 41.8 GB) take 20 minutes of wall time on the shared 2-core machine;
 - ``long_context_1layer.json``: 2,000,000 tokens of one layer, one KV head, head dim 64, fp32
   (512 B per token), 30 % device, 30 % host, 40 % disk.
 

@@ -24,8 +24,8 @@ COMMANDS = {
     "spill": "python -m benchmarks.spill  (6 paired rounds, the writers in turn first)",
     "eviction": "python -m benchmarks.eviction",
     "cluster": "python -m benchmarks.cluster",
-    "long_context": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens max --reserve-gib 20  "
-                    "(all 28 layers, what the disk holds)",
+    "long_context": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
+                    "(all 28 layers, what the disk held at --tokens max --reserve-gib 20)",
     "long_context_1layer": "python -m benchmarks.long_context --preset tiny --tokens 2000000",
     "long_context_cluster": "python -m benchmarks.long_context --preset tiny --tokens 500000 --cluster",
     "multiturn": "python -m benchmarks.multiturn  (40 turns, 3 rounds; the chat model)",

@@ -50,7 +50,8 @@ from benchmarks.file_faults import drop_cache
 from mmtier.config import CacheConfig
 from mmtier.content import KeyMaker
 from mmtier.storage import DiskTier, HostTier, Mover
-from mmtier.storage.arrow_format import FORMAT_VERSION, file_name, layout_of, page_sums, serialize
+from mmtier.storage.arrow_format import FORMAT_VERSION, file_name, layout_of, serialize
+from mmtier.storage.layer_extent import layer_major, layer_sums
 
 CFG = CacheConfig(model="bench-mm", num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16",
                   modalities={"vision": {"page_size": 64},
@@ -193,14 +194,15 @@ def warm_restart(d: Path, n: int) -> tuple[float, float]:
     spec = CFG.spec("tiny")
     d.mkdir()
     rows = [np.random.default_rng(0).integers(1, 256, (4, spec.page_bytes), dtype=np.uint8)]
-    sums = page_sums(rows)
+    layers = layer_major(rows, spec.page_layers)           # the tier's layout (format 2)
+    sums, _ = layer_sums(layers)
     for i in range(n):
         k = key("tiny", i)
         meta = {"format": FORMAT_VERSION, "key": k.to_wire(), "model": CFG.model,
                 "layout": layout_of(spec), "num_tokens": 4, "num_pages": 4, "num_chunks": 1,
                 "chunk": 0, "first_page": 0, "chunk_pages": 4}
         with open(d / file_name("tiny", k.hex, 0, 1), "wb") as f:
-            for part in serialize(meta, spec.page_bytes, rows, sums)[0]:
+            for part in serialize(meta, spec.layer_bytes, layers, sums)[0]:
                 f.write(part)
     times = []
     for drop in (True, False):  # cold cache (restart after a reboot), then cached

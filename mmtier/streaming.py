@@ -10,8 +10,10 @@ and the cores busy at once:
   the cache's ``StagingPool`` and given back once the batch is computed, so a decode step does
   not pay fresh page faults for the buffers of the last one);
 - an attention call is for one layer, so where a modality's pages hold several layers only
-  that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, verified against
-  per-layer digests) into a one-layer buffer, compiled with layer index 0;
+  that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, one contiguous
+  extent per file in the layer-major format, verified against that extent's digest, the next
+  layer's extent handed to the kernel to read meanwhile) into a one-layer buffer, compiled
+  with layer index 0;
 - meanwhile the caller computes the device part, then the batches that have landed
   (``states(wait=False)``), then the host part;
 - ``states`` then takes the remaining batches in the order they complete and runs the CPU path

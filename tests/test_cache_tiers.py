@@ -194,7 +194,7 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         victims = [on_disk[1], on_disk[-1]]
         for victim in victims:      # a call over layer 0 reads (and verifies) only layer 0's
             extent = cache.lower.disk.info(victim).extents[0]     # bytes: damage one of them
-            _flip_one_byte(tmp_path / "spill" / extent.name, at=extent.runs[0][0] + 5)
+            _flip_one_byte(tmp_path / "spill" / extent.name, at=extent.offsets[0] + 5)
         with pytest.raises(CorruptDataError):
             cache.attention(seq, 0, q)
         assert cache.stats().counters["corrupt_reads"] == 2

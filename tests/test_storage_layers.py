@@ -58,10 +58,9 @@ def quarantined(d: Path) -> list[Path]:
 def byte_of(disk: DiskTier, key, page: int, layer: int, spec, within: int) -> tuple[Path, int]:
     """The file and offset of byte ``within`` of ``layer``'s slice of group page ``page``."""
     for extent in disk.info(key).extents:
-        for offset, first, k, _ in extent.runs:
-            if first <= page < first + k:
-                at = offset + (page - first) * spec.page_bytes + layer * spec.layer_bytes + within
-                return disk.dir / extent.name, at
+        if extent.first <= page < extent.first + extent.pages:      # layer-major: one extent a layer
+            at = extent.offsets[layer] + (page - extent.first) * spec.layer_bytes + within
+            return disk.dir / extent.name, at
     raise AssertionError(f"page {page} not found")
 
 
@@ -74,7 +73,7 @@ def test_layer_read_equals_that_layer_of_a_full_read(tmp_path, num_layers, chunk
         k = key_of(spec, 1)
         entry = disk.put(k, spec, 7 * spec.page_size - 3, pages)
         assert len(entry.files) == -(-7 // chunk_pages)
-        assert all(len(lay) == spec.page_layers for e in entry.extents for lay in e.layers)
+        assert all(e.num_layers == spec.page_layers for e in entry.extents)
         full = disk.get(k, spec, MODEL)
         assert same_bytes(full, pages)
         for layer in range(spec.page_layers):

@@ -1,5 +1,5 @@
-"""The disk tier: groups as Arrow IPC files in one directory (format: ``arrow_format.py``;
-lean reads of files whose layout is known: ``arrow_extent.py``).
+"""The disk tier: groups as Arrow IPC files in one directory (format 2, layer-major:
+``arrow_format.py``; lean reads of files whose layout is known: ``layer_extent.py``).
 
 One file per modality group, or per ``chunk_bytes`` (64 MiB) chunk of a large group.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -41,7 +42,6 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
-import numpy as np
 import pyarrow as pa
 import torch
 
@@ -57,12 +57,6 @@ from ..errors import (
     UnknownModalityError,
 )
 from . import writers
-from .arrow_extent import (
-    FileExtent,
-    frame_digest,
-    frame_gaps,
-    write_digests,
-)
 from .arrow_format import (
     FILE_OVERHEAD,
     FORMAT_VERSION,
@@ -71,11 +65,13 @@ from .arrow_format import (
     group_fields,
     layout_of,
     page_rows,
+    page_sums,
     scan_file,
     serialize,
     slice_rows,
 )
 from .disk_reads import DiskReads
+from .layer_extent import LayerExtent, frame_digest, layer_major, layer_sums
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -121,8 +117,8 @@ class DiskEntry:
     files: tuple[str, ...]
     # Where the pages lie in each file and the digests of all its bytes, known from the write
     # or a first verified read; ``None`` after a warm restart until that read. With them a read
-    # is a few syscalls per file (``read_extent``) instead of parsing the Arrow footer.
-    extents: tuple[FileExtent, ...] | None = None
+    # is a few syscalls per file (``read_whole``, ``read_layer_extent``) instead of parsing the Arrow footer.
+    extents: tuple[LayerExtent, ...] | None = None
     # Written by another process that still runs (a directory shared by engine processes):
     # read like any other, but not counted in this tier's budget nor ever deleted by it.
     borrowed: bool = False
@@ -133,7 +129,8 @@ class DiskTier(DiskReads, StorageTier):
 
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
-                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4):
+                 scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4,
+                 read_ahead_layers: int = 1):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -145,6 +142,7 @@ class DiskTier(DiskReads, StorageTier):
         self.scan_threads = scan_threads
         self.write_concurrency = write_concurrency
         self.read_threads = read_threads
+        self.read_ahead_layers = read_ahead_layers   # a layer read asks the kernel for the next ones
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
@@ -158,7 +156,8 @@ class DiskTier(DiskReads, StorageTier):
             ("writes", "write_bytes", "hits", "misses", "corrupt_reads", "quarantined",
              "quarantined_at_start", "partial_groups_at_start", "tmp_removed_at_start",
              "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes",
-             "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start"), 0)
+             "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start",
+             "old_format_at_start"), 0)
         t0 = time.perf_counter()
         self._scan()
         self.scan_s = time.perf_counter() - t0
@@ -331,30 +330,31 @@ class DiskTier(DiskReads, StorageTier):
         loop = asyncio.get_running_loop()
         bounds = [(c * per_file, min(n, (c + 1) * per_file)) for c in range(num_chunks)]
         chunks = [slice_rows(rows, lo, hi) for lo, hi in bounds]
-        digests = await loop.run_in_executor(None, write_digests, chunks, spec.page_layers)
-        sums = np.concatenate([d[0] for d in digests])
-        if expected_sums is not None and sums.tolist() != list(expected_sums):
-            raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
+        if expected_sums is not None:
+            sums = await loop.run_in_executor(None, page_sums, rows)
+            if sums.tolist() != list(expected_sums):
+                raise CorruptDataError(f"{key!r}: the pages to write differ from their checksums")
         base = {"format": FORMAT_VERSION, "key": key.to_wire(), "model": self.model,
                 "layout": layout_of(spec), "num_tokens": num_tokens, "num_pages": n,
                 "num_chunks": num_chunks, "writer": writers.this_writer()}
         files, extents, total = [], [], 0
+        lb = spec.layer_bytes
         for c, ((lo, hi), chunk_rows) in enumerate(zip(bounds, chunks)):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            _, block_sums, layer_sums = digests[c]
-            parts, offsets = serialize(meta, spec.page_bytes, chunk_rows, sums[lo:hi])
+            layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers)
+            row_sums, layer_digests = await loop.run_in_executor(None, layer_sums, layers)
+            parts, offsets = serialize(meta, lb, layers, row_sums)
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
             total += size
             files.append(name)
             if offsets is not None and extents is not None:
-                firsts = np.cumsum([lo] + [r.shape[0] for r in chunk_rows])
-                runs = tuple((off, int(f), r.shape[0], d)
-                             for off, f, r, d in zip(offsets, firsts, chunk_rows, block_sums))
-                frame = frame_digest(parts, frame_gaps(runs, size, spec.page_bytes))
-                extents.append(FileExtent(name, size, spec.page_bytes, runs, frame, tuple(layer_sums)))
+                extent = LayerExtent(name, size, lb, lo, hi - lo, tuple(offsets), layer_digests, 0)
+                frame = frame_digest(parts, extent.gaps())
+                extents.append(dataclasses.replace(extent, frame=frame))
             else:
                 extents = None
+            del layers, parts                # a chunk's layer-major copy lives for its write only
         if sync_dir:
             await _fsync_dir(self.dir)
             if _CRASH_STEP:
@@ -442,6 +442,8 @@ class DiskTier(DiskReads, StorageTier):
             key = ContentKey.from_wire(meta["key"])
             if meta["model"] != self.model:
                 return "foreign"
+            if meta["format"] != FORMAT_VERSION:       # an old layout: never read (a miss)
+                return "old live" if writers.alive(meta.get("writer")) else "old"
             if name != file_name(key.modality, key.hex, meta["chunk"], meta["num_chunks"]):
                 return None
             return meta, path.stat().st_size
@@ -473,6 +475,11 @@ class DiskTier(DiskReads, StorageTier):
         for name, found in zip(candidates, results):
             if found == "foreign":
                 self._counts["foreign_at_start"] += 1
+            elif found in ("old", "old live"):
+                self._counts["old_format_at_start"] += 1
+                if found == "old":               # its writer is gone: set aside, recomputed
+                    log.warning("mmtier disk tier: %s is an older file format; quarantined", name)
+                    self._quarantine(self.dir / name, "quarantined_at_start")
             elif found is None:
                 self._quarantine(self.dir / name, "quarantined_at_start")
             else:

@@ -1,10 +1,11 @@
-"""The Arrow IPC file format of the disk tier (version 1): encode, decode, verify.
+"""The Arrow IPC file format of the disk tier (version 2, layer-major): encode, decode, verify.
 
 A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{n:04d}.arrow``:
 
-- columns ``page`` (``fixed_size_binary(page_bytes)``, one row per page: the raw page-major
-  bytes, so all layers of a page, each layer one contiguous slice) and ``xxh3`` (``uint64``:
-  xxh3_64 of that page);
+- columns ``page`` (``fixed_size_binary(page_bytes // L)``, ``L`` the layers a page holds: one
+  for an embedding page) and ``xxh3`` (``uint64``: xxh3_64 of that row); ``L`` record batches,
+  batch ``l`` holding layer ``l``'s slice of every page of the chunk in page order, so one
+  layer of a chunk is one contiguous extent of its file (``layer_extent.py``);
 - schema metadata ``mmtier.meta``: JSON with ``format``, ``key`` (the key's wire fields),
   ``model``, ``layout`` (``spec.layout_fields()`` plus ``name`` and ``page_bytes``), the
   group's ``num_tokens``, ``num_pages`` and ``num_chunks``, and this file's ``chunk``,
@@ -13,13 +14,19 @@ A group is stored as one or more files, ``{modality}-{digest hex}-{chunk:04d}of{
 
 Nothing is ever unpickled: the metadata is JSON, the payloads are bytes, and the schema must
 equal the two plain columns above before any column is touched. ``serialize`` feeds the Arrow
-writer through a collecting sink, so the large parts it returns are the caller's own page
-memory (no copy before the write), and says where each block of pages landed in the file.
-``read_file`` maps a file, checks both magics and the metadata against what the index
-expects, and reads the pages block by block straight into the destination, verifying each
-page's xxh3 right after its block landed, while it is hot; it returns the file's
-``FileExtent`` (the block, per-layer and frame digests, from the verified bytes), with which
-later reads take the lean paths of ``arrow_extent.py`` (``read_extent``, ``read_layer``).
+writer through a collecting sink, so the large parts it returns are the caller's own arrays
+(the writer's layer-major copy of a chunk: ``layer_extent.layer_major``), and says where each
+layer's rows landed in the file. ``read_file`` maps a file, checks both magics and the
+metadata against what the index expects, and reads each layer's rows straight into that
+layer's slice of the destination pages, verifying each row's xxh3 right after its layer
+landed; it returns the file's
+``LayerExtent`` (per-layer and frame digests, from the verified bytes), with which
+later reads take the lean paths of ``layer_extent.py`` (``read_whole``, ``read_layer_extent``).
+
+Version 1 (page-major: one row per page holding all its layers) is not read: ``read_meta``
+refuses it like any unknown format, and the tier's scan leaves a live writer's version-1 files
+alone and quarantines the rest (``old_format_at_start``); the groups are recomputed, never
+read wrongly.
 """
 
 from __future__ import annotations
@@ -38,14 +45,14 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
-from .arrow_extent import FileExtent, digest_of, frame_gaps, layer_digests, read_frame
+from .layer_extent import LayerExtent, digest_of_slices, layer_slices, preadv_exact, read_frame
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+OLD_FORMATS = (1,)  # recognised, not read (see the module's docstring)
 SUFFIX = ".arrow"
 _META = b"mmtier.meta"
 _META_SUM = b"mmtier.meta.xxh3"
 _CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages", "writer")   # per file, not per group
-_BLOCK_BYTES = 4 << 20
 FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
 
 def layout_of(spec: ModalitySpec) -> dict[str, str]:
@@ -132,6 +139,11 @@ class _Sink:
         return out
 
 
+def layers_of(layout: dict[str, str]) -> int:
+    """The layers a page of ``layout`` holds (the record batches of one file)."""
+    return 1 if layout["kind"] == "embedding" else int(layout["layers"])
+
+
 def schema_of(meta: dict, page_bytes: int) -> pa.Schema:
     blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     return pa.schema([("page", pa.binary(page_bytes)), ("xxh3", pa.uint64())],
@@ -156,16 +168,20 @@ def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndar
     return sink.coalesced(), where
 
 
-def read_meta(schema: pa.Schema) -> dict:
-    """The verified JSON metadata of a file's schema, or ``CorruptDataError``."""
+def read_meta(schema: pa.Schema, formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:
+    """The verified JSON metadata of a file's schema, or ``CorruptDataError`` (also for a
+    format not in ``formats``; the scan passes ``OLD_FORMATS`` too, to recognise them)."""
     md = schema.metadata or {}
     blob, total = md.get(_META), md.get(_META_SUM)
     if blob is None or total is None or xxhash.xxh3_64_hexdigest(blob).encode() != total:
         raise CorruptDataError("missing or damaged mmtier metadata")
     meta = json.loads(blob)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+    if not isinstance(meta, dict) or meta.get("format") not in formats:
         raise CorruptDataError(f"unknown format {meta.get('format') if isinstance(meta, dict) else meta!r}")
-    want = pa.schema([("page", pa.binary(int(meta["layout"]["page_bytes"]))), ("xxh3", pa.uint64())])
+    width = int(meta["layout"]["page_bytes"])
+    if meta["format"] == FORMAT_VERSION:
+        width //= layers_of(meta["layout"])
+    want = pa.schema([("page", pa.binary(width)), ("xxh3", pa.uint64())])
     if not schema.remove_metadata().equals(want):
         raise CorruptDataError(f"unexpected schema {schema.remove_metadata()}")
     return meta
@@ -184,7 +200,6 @@ class DestPages:
         runs = [out] if isinstance(out, torch.Tensor) else list(out)
         shape = tuple(spec.layer_shape if one_layer else spec.page_shape)
         dtype, page_bytes = spec.torch_dtype, spec.layer_bytes if one_layer else spec.page_bytes
-        self.layers = spec.page_layers      # of the stored pages (digests are kept per layer)
         self.arrays: list[np.ndarray] = []
         self.starts: list[int] = []
         at = 0
@@ -200,14 +215,13 @@ class DestPages:
             raise ShapeError(f"destination holds {at} pages, the group has {n}")
         self.total = at
         self.page_bytes = page_bytes
-        self.block = max(1, _BLOCK_BYTES // page_bytes)
 
     def sub(self, first: int, n: int) -> DestPages:
         """Pages ``first..first+n`` as a destination of their own (one-run destinations only)."""
         if len(self.arrays) != 1 or first < 0 or first + n > self.total:
             raise ShapeError(f"pages {first}..{first + n} of a {len(self.arrays)}-run destination")
         part = object.__new__(DestPages)
-        part.layers, part.page_bytes, part.block = self.layers, self.page_bytes, self.block
+        part.page_bytes = self.page_bytes
         part.arrays, part.starts, part.total = [self.arrays[0][first:first + n]], [0], n
         return part
 
@@ -226,32 +240,6 @@ class DestPages:
             i += m
         return out
 
-    def fill(self, fd: int, offset: int, first: int, k: int, sums: list[int]) -> None:
-        """Read ``k`` pages at file ``offset`` straight into pages ``first..`` and verify each
-        page's xxh3 right after its block landed (while it is hot)."""
-        if first < 0 or first + k > self.total:
-            raise CorruptDataError(f"pages {first}..{first + k} outside the group's {self.total}")
-        i = 0
-        while i < k:
-            r = bisect.bisect_right(self.starts, first + i) - 1
-            local = first + i - self.starts[r]
-            m = min(self.arrays[r].shape[0] - local, k - i, self.block)
-            dst = self.arrays[r][local:local + m]
-            _pread_exact(fd, memoryview(dst.reshape(-1)), offset + i * dst.shape[1])
-            for j in range(m):
-                if xxhash.xxh3_64_intdigest(dst[j]) != sums[i + j]:
-                    raise CorruptDataError(f"checksum mismatch at page {first + i + j}")
-            i += m
-
-
-def _pread_exact(fd: int, buf: memoryview, offset: int) -> None:
-    got = 0
-    while got < buf.nbytes:
-        n = os.preadv(fd, [buf[got:]], offset + got)
-        if n == 0:
-            raise CorruptDataError(f"file ends inside a page (offset {offset + got})")
-        got += n
-
 
 _MAGIC = b"ARROW1\x00\x00"
 
@@ -267,9 +255,11 @@ def open_reader(mm: pa.MemoryMappedFile) -> tuple[pa.ipc.RecordBatchFileReader, 
 
 
 def scan_file(path: str) -> dict:
+    """A file's verified metadata from its footer and schema (an old format's too: the caller
+    checks ``meta["format"]``)."""
     with pa.memory_map(path) as mm:
         reader, _ = open_reader(mm)
-        meta = read_meta(reader.schema)
+        meta = read_meta(reader.schema, (FORMAT_VERSION, *OLD_FORMATS))
         if reader.num_record_batches < 1:
             raise CorruptDataError("no record batches")
         return meta
@@ -291,16 +281,16 @@ def slice_rows(rows: list[np.ndarray], lo: int, hi: int) -> list[np.ndarray]:
 
 
 
-def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> FileExtent:
+def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> LayerExtent:
     """Verify one file against the group fields the index expects (its pages start at
-    ``first_page``) and fill ``dest`` (whole pages); returns where its pages lie and their
-    digests, per block and per layer, computed from the verified pages (so later reads can
-    take ``read_extent`` or ``read_layer``).
+    ``first_page``) and fill ``dest`` (whole pages); returns where its layers lie and their
+    digests, computed from the verified bytes (so later reads take ``read_whole`` or
+    ``read_layer_extent``).
 
-    The mapping serves the structure (magics, footer, schema, metadata, checksum column); the
-    page payload is read with ``preadv`` straight into the destination at the offsets the
-    mapping reveals, so it is copied exactly once and no page of it faults through the map
-    (on a cold cache that is ~1.5-2x faster than copying out of the mapping)."""
+    The mapping serves the structure (magics, footer, schema, metadata, checksum column); each
+    layer's rows are read with ``preadv`` straight into that layer's slice of every destination
+    page at the offsets the mapping reveals (copied once, no page of it faulting through the
+    map), and each row's xxh3 checked right after its layer landed."""
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -309,33 +299,41 @@ def read_file(path: Path, expected: dict, first_page: int, dest: DestPages) -> F
             meta = read_meta(reader.schema)
             if group_fields(meta) != expected:
                 raise CorruptDataError(f"{path.name}: metadata does not match the index")
-            pb = int(expected["layout"]["page_bytes"])
-            first, rows, want = int(meta["first_page"]), 0, int(meta["chunk_pages"])
+            num_layers = layers_of(expected["layout"])
+            lb = int(expected["layout"]["page_bytes"]) // num_layers
+            first, k = int(meta["first_page"]), int(meta["chunk_pages"])
             if first != first_page:
                 raise CorruptDataError(f"{path.name}: first page {first}, expected {first_page}")
-            runs, layers = [], []
-            for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
+            if reader.num_record_batches != num_layers:
+                raise CorruptDataError(f"{path.name}: {reader.num_record_batches} record batches, "
+                                       f"{num_layers} layers")
+            views = dest.views(first, k)
+            offsets, digests = [], []
+            for layer in range(num_layers):
+                batch = reader.get_batch(layer)
                 batch.validate()
                 col, sums = batch.column(0), batch.column(1)
                 if col.null_count or sums.null_count:
                     raise CorruptDataError(f"{path.name}: null pages")
-                k = len(col)
-                if rows + k > want:
-                    raise CorruptDataError(f"{path.name}: more rows than chunk_pages")
-                offset = col.buffers()[1].address - base + col.offset * pb
-                if offset < 0 or offset + k * pb > size:
+                if len(col) != k:
+                    raise CorruptDataError(f"{path.name}: layer {layer} has {len(col)} rows, "
+                                           f"metadata says {k}")
+                offset = col.buffers()[1].address - base + col.offset * lb
+                if offset < 0 or offset + k * lb > size:
                     raise CorruptDataError(f"{path.name}: page data outside the file")
-                sum_list = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k,
-                                         offset=sums.offset * 8).tolist()
-                dest.fill(fd, offset, first + rows, k, sum_list)
-                landed = dest.views(first + rows, k)
-                runs.append((offset, first + rows, k, digest_of(landed)))
-                layers.append(layer_digests(landed, dest.layers))
-                rows += k
-            if rows != want:
-                raise CorruptDataError(f"{path.name}: {rows} rows, metadata says {want}")
-            frame = read_frame(fd, frame_gaps(runs, size, pb))
-            return FileExtent(path.name, size, pb, tuple(runs), frame, tuple(layers))
+                slices = (layer_slices(views, layer, lb) if dest.page_bytes != lb
+                          else [v.reshape(-1) for v in views])
+                preadv_exact(fd, slices, offset)
+                want = np.frombuffer(sums.buffers()[1], dtype=np.uint64, count=k, offset=sums.offset * 8)
+                rows = slices if dest.page_bytes != lb else [r for v in views for r in v]
+                for j, row in enumerate(rows):
+                    if xxhash.xxh3_64_intdigest(row) != int(want[j]):
+                        raise CorruptDataError(f"{path.name}: checksum mismatch at page {first + j}, "
+                                               f"layer {layer}")
+                offsets.append(offset)
+                digests.append(digest_of_slices(slices))
+            extent = LayerExtent(path.name, size, lb, first, k, tuple(offsets), tuple(digests), 0)
+            frame = read_frame(fd, extent.gaps())
+            return LayerExtent(path.name, size, lb, first, k, tuple(offsets), tuple(digests), frame)
     finally:
         os.close(fd)

@@ -2,14 +2,17 @@
 index, the writes, quarantine and warm restart).
 
 - ``get``: a group into a new tensor or the caller's destination (a tensor or contiguous runs,
-  e.g. ``HostEntry.runs()``). A group this process wrote is read lean (``read_extent``: one
-  ``preadv`` per file, every byte checked against digests the writer kept in memory); a group
+  e.g. ``HostEntry.runs()``). A group this process wrote is read lean (``read_whole``: one
+  sequential ``preadv`` pass per file, each layer's extent scattered into its slice of the
+  pages, every byte checked against digests the writer kept in memory); a group
   found at a warm restart is read once in full (``read_file``: footer, metadata against the
   index, the checksum column), which teaches the index its layout.
 - ``get_many``: several groups of one spec back to back into one buffer, the streaming read of
   attention over disk: the same lean read per file with one destination view and one look at
   the index for the batch; anything else falls back to ``get``.
-- ``get_layer``: one layer of every page (``read_layer``), for per-layer attention calls.
+- ``get_layer``: one layer of every page (``read_layer_extent``: one contiguous extent per
+  file in the layer-major format, the next ``read_ahead_layers`` layers' extents handed to the
+  kernel to read meanwhile), for per-layer attention calls.
 
 Any failure is a miss: counted, the group's files quarantined, ``None``; never wrong data.
 """
@@ -30,8 +33,8 @@ import torch
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
-from .arrow_extent import read_extent, read_layer
 from .arrow_format import DestPages, layout_matches, layout_of, read_file
+from .layer_extent import read_layer_extent, read_whole
 
 if TYPE_CHECKING:
     from .arrow_files import DiskEntry
@@ -79,7 +82,7 @@ class DiskReads:
                     part = dest.sub(first, n)
                     at = 0
                     for extent in e.extents:  # type: ignore[union-attr]
-                        at += read_extent(os.path.join(self._dir_str, extent.name), extent, part)
+                        at += read_whole(os.path.join(self._dir_str, extent.name), extent, part)
                     if at == n:
                         return True, sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
                 except (OSError, CorruptDataError, ValueError):
@@ -115,7 +118,7 @@ class DiskReads:
         D]`` for kv), verified against that layer's digests, or ``None`` exactly as ``get``
         (``out``: a tensor or contiguous runs of that shape, returned when given).
 
-        Only that layer's bytes are read (``read_layer``). A group whose layout is not known
+        Only that layer's bytes are read (``read_layer_extent``). A group whose layout is not known
         yet (found at a warm restart) is read once in full into a temporary, which teaches the
         index its layout, and the layer copied out."""
         if not 0 <= layer < spec.page_layers:
@@ -176,7 +179,7 @@ class DiskReads:
     def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_extent(os.path.join(self._dir_str, extent.name), extent, dest)
+            at += read_whole(os.path.join(self._dir_str, extent.name), extent, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
@@ -184,7 +187,8 @@ class DiskReads:
     def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_layer(os.path.join(self._dir_str, extent.name), extent, layer, dest)
+            at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest,
+                                    self.read_ahead_layers)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return at * dest.page_bytes
@@ -196,7 +200,7 @@ class DiskReads:
         for name in e.files:
             extent = read_file(self.dir / name, self._expected_group(e), at, dest)
             extents.append(extent)
-            at += sum(run[2] for run in extent.runs)
+            at += extent.num_pages
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         learned = dataclasses.replace(e, extents=tuple(extents))

@@ -33,7 +33,7 @@ from mmtier import (
 )
 from mmtier.content import ContentKey, KeyMaker, tenant_salt
 from mmtier.errors import CorruptDataError, MMTierError
-from mmtier.storage.arrow_format import file_name
+from mmtier.storage.arrow_format import FORMAT_VERSION, file_name
 
 from .conftest import MODEL, SECRET, D, H, L, fingerprint, make_cfg, media, seeded_kv, tmp_files
 
@@ -121,15 +121,18 @@ def test_forged_keys_and_bad_payloads_are_rejected_and_change_nothing(tmp_path, 
                        state_changed=0, served_wrong=0)
 
 
-def _arrow_with_meta(path, meta: dict, page_bytes: int, good_sum: bool = True) -> None:
+def _arrow_with_meta(path, meta: dict, page_bytes: int, layers: int, good_sum: bool = True) -> None:
+    """A well-formed file of the current format (layer-major: one batch per layer) with ``meta``."""
     blob = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
     total = xxhash.xxh3_64_hexdigest(blob).encode() if good_sum else b"0" * 16
-    schema = pa.schema([("page", pa.binary(page_bytes)), ("xxh3", pa.uint64())],
+    width = page_bytes // layers
+    schema = pa.schema([("page", pa.binary(width)), ("xxh3", pa.uint64())],
                        metadata={b"mmtier.meta": blob, b"mmtier.meta.xxh3": total})
-    page = os.urandom(page_bytes)
     with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, schema) as w:
-        w.write_batch(pa.record_batch([pa.array([page], pa.binary(page_bytes)),
-                                       pa.array([xxhash.xxh3_64_intdigest(page)], pa.uint64())], schema=schema))
+        for _ in range(layers):
+            row = os.urandom(width)
+            w.write_batch(pa.record_batch([pa.array([row], pa.binary(width)),
+                                           pa.array([xxhash.xxh3_64_intdigest(row)], pa.uint64())], schema=schema))
 
 
 def test_crafted_files_in_disk_dir_are_quarantined_never_executed(tmp_path, figures):
@@ -160,20 +163,20 @@ def test_crafted_files_in_disk_dir_are_quarantined_never_executed(tmp_path, figu
     for name, blob in crafted.items():
         (spill / name).write_bytes(blob)
     layout = {"name": "vision", "page_bytes": str(spec.page_bytes), **dict(spec.layout_fields())}
-    meta = {"format": 1, "model": MODEL, "layout": layout, "num_tokens": 32, "num_pages": 1,
+    meta = {"format": FORMAT_VERSION, "model": MODEL, "layout": layout, "num_tokens": 32, "num_pages": 1,
             "num_chunks": 1, "chunk": 0, "first_page": 0, "chunk_pages": 1}
     forged = ContentKey(real.digest[::-1], "vision", "content", real.scope, real.tag)   # tag of another
     _arrow_with_meta(spill / file_name("vision", forged.hex, 0, 1), {**meta, "key": forged.to_wire()},
-                     spec.page_bytes)                                                   # forged key
+                     spec.page_bytes, spec.page_layers)                                                   # forged key
     other_secret = KeyMaker(MODEL, "stolen-or-guessed").derive(
         modality="vision", layout=spec.layout_fields(), media=hashlib.sha256(b"x").digest(),
         tenant_salt=tenant_salt("stolen-or-guessed", "acme"))
     _arrow_with_meta(spill / file_name("vision", other_secret.hex, 0, 1),
-                     {**meta, "key": other_secret.to_wire()}, spec.page_bytes)          # other secret
+                     {**meta, "key": other_secret.to_wire()}, spec.page_bytes, spec.page_layers)          # other secret
     bad_sum = keys.derive(modality="vision", layout=spec.layout_fields(),
                           media=hashlib.sha256(b"y").digest(), tenant_salt=tenant_salt(SECRET, "acme"))
     _arrow_with_meta(spill / file_name("vision", bad_sum.hex, 0, 1), {**meta, "key": bad_sum.to_wire()},
-                     spec.page_bytes, good_sum=False)                                   # meta sum
+                     spec.page_bytes, spec.page_layers, good_sum=False)                                   # meta sum
     outside = tmp_path / "outside.arrow"
     shutil.copy(next(spill.glob(f"vision-{on_disk[0].hex}-*.arrow")), outside)
     (spill / file_name("vision", "99" * 32, 0, 1)).symlink_to(outside)                  # symlink

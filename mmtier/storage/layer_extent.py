@@ -1,0 +1,233 @@
+"""Layer-major files (format 2) whose layout is known (``LayerExtent``), and their lean reads.
+
+A format-2 file holds one chunk of a group's pages layer by layer: record batch ``l`` is layer
+``l``'s slice of every page of the chunk, in page order (``page_bytes // L`` bytes a row), so
+reading layer ``l`` of the chunk is one contiguous extent of the file. ``LayerExtent`` records,
+per layer, where that extent lies and the xxh3 of its bytes, and the xxh3 of every byte outside
+the extents (the "frame": magics, schema, metadata, checksum column, footer). The writer keeps
+them from the bytes it wrote, a first full read (``arrow_format.read_file``) from the verified
+bytes it read; a damaged file cannot vouch for itself.
+
+- ``read_layer_extent``: one layer of every page of the file: one ``preadv`` of one extent
+  straight into a one-layer destination, then the size and that layer's digest checked. Only
+  the bytes returned are read and verified (a changed byte elsewhere is noticed by the next
+  read that returns it).
+- ``read_whole``: the whole file into whole (page-major) pages: one sequential pass, each
+  layer's extent scattered straight into its slice of every page (``preadv``, no copy), the
+  frame into small buffers; then the size, the frame's and every layer's xxh3 checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from ..errors import CorruptDataError
+
+if TYPE_CHECKING:
+    from .arrow_format import DestPages
+
+_IOV_MAX = 512
+
+
+@dataclass(frozen=True)
+class LayerExtent:
+    """Where one layer-major file's layers lie: the file's ``size``; the chunk's ``first`` page
+    of the group and its ``pages``; per layer the file offset of its extent (``pages *
+    layer_bytes`` contiguous bytes) and that extent's xxh3; ``frame``, the xxh3 of every byte
+    outside the extents, in file order."""
+
+    name: str
+    size: int
+    layer_bytes: int
+    first: int
+    pages: int
+    offsets: tuple[int, ...]
+    digests: tuple[int, ...]
+    frame: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.offsets)
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layer_bytes * self.num_layers
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of the bytes outside the layer extents, in file order."""
+        out, at = [], 0
+        span = self.pages * self.layer_bytes
+        for offset in sorted(self.offsets):
+            if offset > at:
+                out.append((at, offset - at))
+            at = max(at, offset + span)
+        if at < self.size:
+            out.append((at, self.size - at))
+        return out
+
+
+def layer_slices(views: Sequence[np.ndarray], layer: int, layer_bytes: int) -> list[np.ndarray]:
+    """Layer ``layer``'s slice of every page of ``views`` (``[k, page_bytes]`` rows), in page
+    order: the destination of one layer extent in whole pages (strided, no copy)."""
+    lo = layer * layer_bytes
+    return [row[lo:lo + layer_bytes] for v in views for row in v]
+
+
+def digest_of_slices(slices: Sequence[np.ndarray]) -> int:
+    """xxh3 of ``slices`` taken in order (what one layer extent of the file holds)."""
+    h = xxhash.xxh3_64()
+    for s in slices:
+        h.update(s)
+    return h.intdigest()
+
+
+def _check_size(fd: int, extent: LayerExtent) -> None:
+    size = os.fstat(fd).st_size
+    if size != extent.size:
+        raise CorruptDataError(f"{extent.name}: {size} bytes, {extent.size} were written")
+
+
+def read_layer_extent(path: str, extent: LayerExtent, layer: int, dest: DestPages, ahead: int = 0) -> int:
+    """Layer ``layer`` of the file's pages into ``dest`` (one-layer pages, group-indexed): one
+    ``preadv`` of the layer's extent, then its digest checked. Returns the pages read.
+
+    ``ahead``: the extents of that many following layers are handed to the kernel to read
+    meanwhile (``POSIX_FADV_WILLNEED``: asynchronous, into the page cache, which bounds it), so
+    the disk reads the next layer while the caller computes this one."""
+    if dest.page_bytes != extent.layer_bytes or not 0 <= layer < extent.num_layers:
+        raise CorruptDataError(f"{extent.name}: layer {layer} of {extent.num_layers} "
+                               f"({extent.layer_bytes} bytes) does not fit pages of {dest.page_bytes} bytes")
+    views = dest.views(extent.first, extent.pages)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, extent)
+        preadv_exact(fd, [v.reshape(-1) for v in views], extent.offsets[layer])
+        if ahead:
+            span, piece = extent.pages * extent.layer_bytes, readahead_bytes(os.fstat(fd).st_dev)
+            for nxt in range(layer + 1, min(layer + 1 + ahead, extent.num_layers)):
+                for at in range(0, span, piece):      # the kernel reads at most its readahead a call
+                    os.posix_fadvise(fd, extent.offsets[nxt] + at, min(piece, span - at),
+                                     os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
+    if digest_of_slices([v.reshape(-1) for v in views]) != extent.digests[layer]:
+        raise CorruptDataError(f"{extent.name}: page data of layer {layer} changed")
+    return extent.pages
+
+
+def read_whole(path: str, extent: LayerExtent, dest: DestPages) -> int:
+    """The whole file into ``dest`` (whole pages, group-indexed) in one sequential pass; every
+    byte checked against the digests held in memory. Returns the pages read."""
+    if dest.page_bytes != extent.page_bytes:
+        raise CorruptDataError(f"{extent.name}: pages of {extent.page_bytes} bytes, not {dest.page_bytes}")
+    views = dest.views(extent.first, extent.pages)
+    pieces: list[tuple[int, int, object]] = []          # (offset, layer or -1, buffers)
+    frame: list[bytearray] = []
+    for offset, length in extent.gaps():
+        buf = bytearray(length)
+        frame.append(buf)
+        pieces.append((offset, -1, [buf]))
+    per_layer = [layer_slices(views, layer, extent.layer_bytes) for layer in range(extent.num_layers)]
+    for layer, offset in enumerate(extent.offsets):
+        pieces.append((offset, layer, per_layer[layer]))
+    pieces.sort(key=lambda p: p[0])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _check_size(fd, extent)
+        bufs = [b for _, _, bs in pieces for b in bs]    # type: ignore[attr-defined]
+        preadv_exact(fd, bufs, 0)
+    finally:
+        os.close(fd)
+    if digest_of_slices(frame) != extent.frame:          # type: ignore[arg-type]
+        raise CorruptDataError(f"{extent.name}: bytes outside the pages changed")
+    for layer, slices in enumerate(per_layer):
+        if digest_of_slices(slices) != extent.digests[layer]:
+            raise CorruptDataError(f"{extent.name}: page data of layer {layer} changed")
+    return extent.pages
+
+
+@functools.lru_cache(maxsize=64)
+def readahead_bytes(dev: int) -> int:
+    """The most one ``POSIX_FADV_WILLNEED`` reads on device ``dev`` (Linux caps it at the
+    device's readahead, ``queue/read_ahead_kb``); 128 KiB, the usual default, if unknown."""
+    for queue in (f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue",
+                  f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../queue"):
+        try:
+            with open(f"{queue}/read_ahead_kb") as f:
+                return max(128, int(f.read())) << 10
+        except (OSError, ValueError):
+            continue
+    return 128 << 10
+
+
+def preadv_exact(fd: int, bufs: Sequence[object], offset: int) -> None:
+    """Fill ``bufs`` (consecutive in the file from ``offset``), ``_IOV_MAX`` buffers a call,
+    however the reads split; a short file raises ``CorruptDataError``."""
+    mvs = [memoryview(b).cast("B") for b in bufs]  # type: ignore[arg-type]
+    mvs = [m for m in mvs if m.nbytes]
+    i = 0
+    while i < len(mvs):
+        n = os.preadv(fd, mvs[i:i + _IOV_MAX], offset)
+        if n == 0:
+            raise CorruptDataError(f"file ends early (offset {offset})")
+        offset += n
+        while n and i < len(mvs):
+            if n >= mvs[i].nbytes:
+                n -= mvs[i].nbytes
+                i += 1
+            else:
+                mvs[i] = mvs[i][n:]
+                n = 0
+
+
+def frame_digest(parts: Sequence[object], gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes of ``parts`` (a file, in order) that fall in ``gaps``."""
+    h, pos = xxhash.xxh3_64(), 0
+    for p in parts:
+        mv = memoryview(p).cast("B")  # type: ignore[arg-type]
+        n = mv.nbytes
+        for offset, length in gaps:
+            lo, hi = max(offset, pos), min(offset + length, pos + n)
+            if lo < hi:
+                h.update(mv[lo - pos:hi - pos])
+        pos += n
+    return h.intdigest()
+
+
+def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
+    """xxh3 of the bytes in ``gaps`` as the file holds them now."""
+    h = xxhash.xxh3_64()
+    for offset, length in gaps:
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CorruptDataError(f"file ends inside its frame (offset {offset})")
+        h.update(data)
+    return h.intdigest()
+
+
+def layer_major(rows: Sequence[np.ndarray], num_layers: int) -> list[np.ndarray]:
+    """A chunk's pages (``[k, page_bytes]`` uint8 runs) as ``num_layers`` contiguous ``[k,
+    page_bytes // num_layers]`` arrays, layer ``l``'s slices of every page in page order: the
+    record batches of a layer-major file (one copy; none for one run of one-layer pages)."""
+    if num_layers == 1 and len(rows) == 1:
+        return [rows[0]]
+    lb = rows[0].shape[1] // num_layers
+    return [np.concatenate([r[:, layer * lb:(layer + 1) * lb] for r in rows]) for layer in range(num_layers)]
+
+
+def layer_sums(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The xxh3 of every row of ``layers`` (layer-major: the file's checksum column) and of each
+    layer's whole extent."""
+    rows = np.fromiter((xxhash.xxh3_64_intdigest(row) for lay in layers for row in lay), dtype=np.uint64)
+    return rows, tuple(xxhash.xxh3_64_intdigest(lay) for lay in layers)
