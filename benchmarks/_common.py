@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmtier.telemetry import machine
+from mmtier.stats.machine import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -22,7 +22,7 @@ from benchmarks._common import add_out_arg, best_time, print_table, write_result
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.kernels.layout import build_paged_kv
 from mmtier.kernels.reference import paged_attention_torch
-from mmtier.pool import DeviceArena
+from mmtier.pages.pool import DeviceArena
 
 
 def bench_alloc(rounds: int) -> tuple[float, float]:

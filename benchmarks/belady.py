@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mmtier.cache.groups import ModalityGroup
 from mmtier.config import CacheConfig
 from mmtier.eviction import EvictionPolicy, _Entry
-from mmtier.groups import ModalityGroup
 
 Oracle = Callable[[ModalityGroup], float]
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mmtier.cache import TieredKVCache
+from mmtier.cache.groups import ModalityGroup
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.errors import CapacityError
-from mmtier.groups import ModalityGroup
 
 from .belady import BeladyPolicy
 from .chains import ChainTrace, Item, Request

@@ -77,7 +77,7 @@ from benchmarks.floors import (
     read_bandwidth,
 )
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.groups import Tier
+from mmtier.cache.groups import Tier
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)

@@ -80,7 +80,7 @@ import numpy as np
 import torch
 
 from mmtier import TieredKVCache
-from mmtier.demo import IMAGE_SIZES, audio_bytes, image_bytes, video_bytes
+from mmtier.demo.chat import IMAGE_SIZES, audio_bytes, image_bytes, video_bytes
 from mmtier.integrations.chat import ChatModel
 from mmtier.integrations.chat_dense import dense_chat, dense_turn
 

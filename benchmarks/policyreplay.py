@@ -25,10 +25,10 @@ from __future__ import annotations
 import time
 
 from mmtier.cache import TieredKVCache
+from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig
 from mmtier.content import ContentKey
 from mmtier.eviction import POLICIES, EvictionPolicy, make_policy
-from mmtier.groups import ModalityGroup, Tier
 
 from .belady import BeladyPolicy
 from .cachereplay import (
@@ -42,7 +42,7 @@ from .cachereplay import (
 )
 from .chains import ChainTrace
 
-MAX_HOPS = 4                          # as mmtier.lineage
+MAX_HOPS = 4                          # as mmtier.cache.lineage
 
 
 def trace_keys(trace: ChainTrace, cfg: CacheConfig) -> dict[int, ContentKey]:

@@ -27,7 +27,7 @@ TABLE = Path(__file__).resolve().parent / "traces" / "recompute_costs.json"
 def measure(repeat: int = 7, text_tokens: int = 256) -> dict:
     import torch
 
-    from mmtier.demo import audio_bytes, image_bytes, video_bytes
+    from mmtier.demo.chat import audio_bytes, image_bytes, video_bytes
     from mmtier.integrations.chat import ChatModel
     from mmtier.integrations.chat_dense import dense_turn
     from mmtier.integrations.chat_media import ImageItem, VideoItem

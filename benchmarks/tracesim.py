@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.eviction import EvictionPolicy
-from mmtier.groups import ModalityGroup, Tier
-from mmtier.pool import PagePool
+from mmtier.pages.pool import PagePool
 
 from .belady import BeladyPolicy
 from .workloads import Trace

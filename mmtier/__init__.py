@@ -4,6 +4,7 @@ The core (this package minus ``actors/`` and ``serve/``) imports without Ray.
 """
 
 from .cache import TieredKVCache
+from .cache.table import SequenceHandle
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey
 from .errors import (
@@ -20,7 +21,6 @@ from .errors import (
     UnknownKeyError,
     UnknownModalityError,
 )
-from .table import SequenceHandle
 
 __version__ = "0.1.0"
 

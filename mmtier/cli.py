@@ -70,7 +70,7 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
     kw = {k: v for k, v in {"tenants": tenants, "conversations": conversations, "turns": turns}.items()
           if v is not None}
     if engine == "vllm":
-        from .demo_serving import ServingDemoSpec, format_serving_report, run_serving_demo
+        from .demo.serving import ServingDemoSpec, format_serving_report, run_serving_demo
 
         spec = ServingDemoSpec.quick(seed=seed, **kw) if quick else ServingDemoSpec(seed=seed, **kw)
         report = run_serving_demo(spec, progress=not no_progress, port=port)
@@ -79,8 +79,8 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
         json_path.write_text(json.dumps(report.figures, indent=1, sort_keys=True, default=str))
         click.echo(format_serving_report(report, json_path))
     else:
-        from .demo import DemoSpec, run_demo
-        from .demo_report import format_report, plot, write_json
+        from .demo.chat import DemoSpec, run_demo
+        from .demo.report import format_report, plot, write_json
 
         spec = DemoSpec.quick(seed=seed, **kw) if quick else DemoSpec(seed=seed, **kw)
         report = run_demo(spec, progress=not no_progress)
@@ -150,7 +150,7 @@ def _serve_llm_start_config(app: dict, path: Path):
     """The cache and cluster settings a Ray Serve LLM application's vLLM engines name."""
     from .actors.settings import ClusterSettings
     from .errors import ConfigError
-    from .integrations.engine_cache import cluster_from_extra, config_from_extra
+    from .integrations.connector_cache import cluster_from_extra, config_from_extra
 
     try:
         extra = app["args"]["llm_configs"][0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]

@@ -19,8 +19,8 @@ class EncoderCounter:
                 self._mmtier_encoded += int(args[0].shape[0])
 
             self.model_runner.model.vision_tower.register_forward_hook(count)
-        from mmtier.integrations import engine_cache
+        from mmtier.integrations import connector_cache
 
         n, self._mmtier_encoded = self._mmtier_encoded, 0
-        pulled = sum(link.counters["pulled"] for link in list(engine_cache._LINKS.values()))
+        pulled = sum(link.counters["pulled"] for link in list(connector_cache._LINKS.values()))
         return {"node": os.environ.get("MMTIER_NODE_ID"), "encoded": n, "pulled": pulled}

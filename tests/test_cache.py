@@ -396,7 +396,7 @@ def test_attention_plans_from_host_tables(cache, monkeypatch):
     """The cache hands the kernels their index tables built on the host, int32, with the host
     copies alongside (``PagedKV.host``, ``host_q_indptr``): planning a launch reads those, not
     the device. Checked on every device-part call of a multimodal sequence."""
-    import mmtier.attention_plan as cache_module
+    import mmtier.attention.plan as cache_module
 
     seen = []
     real = cache_module.paged_attention
@@ -452,7 +452,7 @@ def test_attention_on_cuda_makes_no_host_sync(backend):
 def test_a_write_that_fails_midway_changes_nothing(backend, monkeypatch):
     """A kernel launch that raises during ``append`` or ``put`` (a device fault, an interpreter
     error) leaves pages, the sequence and the index as they were; the next call works."""
-    import mmtier.payload as payload
+    import mmtier.pages.payload as payload
 
     with TieredKVCache(make_cfg(backend)) as cache:
         seq = cache.create_sequence(tenant="acme")

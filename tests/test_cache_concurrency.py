@@ -33,12 +33,12 @@ from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.cache.attention import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
+from mmtier.cache.groups import Tier
 from mmtier.cache.keys import CacheKeys
 from mmtier.cache.residency import Residency
 from mmtier.cache.sequences import Sequences
 from mmtier.cache.shared_groups import SharedGroups
 from mmtier.errors import CapacityError, UnknownKeyError
-from mmtier.groups import Tier
 from tests.composed import check_facade
 from tests.oracle import Logical, oracle_attention, rel_err
 
@@ -190,7 +190,7 @@ def test_a_run_released_while_read_keeps_its_pages_until_the_reader_is_done(tmp_
     """A sequence's own text run fills the text pool; its attention is held at the kernel while
     another thread releases the sequence and asks for text pages: they are refused (typed), the
     reader's answer equals the oracle, and once it is done the pages are free again."""
-    import mmtier.attention_plan as plan_module
+    import mmtier.attention.plan as plan_module
 
     with TieredKVCache(make_cfg(tmp_path, host_pages=0, disk=False)) as cache:
         pool = cache.pools["text"]
@@ -417,7 +417,7 @@ def test_eight_threads_put_attach_attend_release_equal_the_oracle_and_leak_nothi
 
 
 # ---------------------------------------------------------------------- structure
-@pytest.mark.parametrize("module", ["residency.py", "streaming.py", "attention_plan.py"])
+@pytest.mark.parametrize("module", ["tiers/lower.py", "attention/streaming.py", "attention/plan.py"])
 def test_what_the_cache_composes_does_not_import_it(module):
     tree = ast.parse((Path(__file__).parents[1] / "mmtier" / module).read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}

@@ -14,10 +14,13 @@ import torch
 from mmtier.cache.attention import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
+from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.cache.keys import CacheKeys
+from mmtier.cache.locking import OwnerLock
 from mmtier.cache.residency import Residency
 from mmtier.cache.sequences import Sequences
 from mmtier.cache.shared_groups import SharedGroups
+from mmtier.cache.table import SequenceHandle, SequenceTable
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.content import KeyMaker
 from mmtier.errors import (
@@ -31,12 +34,9 @@ from mmtier.errors import (
     UnknownModalityError,
 )
 from mmtier.eviction import make_policy
-from mmtier.groups import ModalityGroup, Tier
-from mmtier.locking import OwnerLock
-from mmtier.payload import write_fresh_pages
-from mmtier.pool import DeviceArena
+from mmtier.pages.payload import write_fresh_pages
+from mmtier.pages.pool import DeviceArena
 from mmtier.stats import Counters
-from mmtier.table import SequenceHandle, SequenceTable
 from tests.oracle import oracle_attention, rel_err
 
 L, H, D = 2, 2, 16

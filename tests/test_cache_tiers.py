@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache, UnknownKeyError
+from mmtier.cache.groups import Tier
 from mmtier.errors import CorruptDataError
-from mmtier.groups import Tier
 from tests.oracle import oracle_attention, rel_err
 
 L, H, D = 2, 2, 32
@@ -62,7 +62,7 @@ def test_unreferenced_groups_cascade_device_host_disk(tmp_path, backend):
 def test_attention_across_three_tiers_equals_oracle(tmp_path, backend, monkeypatch):
     """Device, host and disk parts equal the oracle once merged; the merge runs on the device
     part's device, with the cache's backend (the lower parts' small states go up to it)."""
-    import mmtier.attention_plan as cache_module
+    import mmtier.attention.plan as cache_module
 
     merges = []
     real_merge = cache_module.merge_attention_states
@@ -173,7 +173,7 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
     """Disk groups of two modalities streamed in several small batches, each computed as it
     lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
     whole call a miss (every bad group dropped), and the next call serves the rest exactly."""
-    from mmtier import streaming
+    from mmtier.attention import streaming
 
     monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)    # bytes read: one of 2 layers
     cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
@@ -365,7 +365,7 @@ def test_stream_buffers_are_reused_and_given_back(tmp_path, monkeypatch, backend
     allocation after the first), and a call that fails midway gives every buffer back."""
     import time
 
-    import mmtier.attention_plan as plan_module
+    import mmtier.attention.plan as plan_module
 
     cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:

@@ -14,9 +14,9 @@ from mmtier.actors.holders import Holders
 from mmtier.actors.sequence_book import SequenceBook
 from mmtier.actors.settings import ClusterSettings
 from mmtier.cache import TieredKVCache
+from mmtier.cache.table import SequenceHandle
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.errors import ForeignKeyError, HolderLostError, UnknownKeyError, UnknownModalityError
-from mmtier.table import SequenceHandle
 
 CFG = CacheConfig(
     model="tiny-mm", num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32",

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
+from mmtier.cache.groups import Tier
 from mmtier.errors import ShapeError
-from mmtier.groups import Tier
 from mmtier.kernels import build_paged_kv
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache_tiers import D, L, kv, make_cfg

@@ -13,10 +13,10 @@ import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.actors.pool_actor import export_pages, import_pages
+from mmtier.cache.groups import Tier
 from mmtier.content import KeyMaker
 from mmtier.errors import CapacityError, CorruptDataError, DTypeError, ShapeError
-from mmtier.groups import Tier
-from mmtier.page_copies import kv_into_pages, pages_into_kv
+from mmtier.pages.copies import kv_into_pages, pages_into_kv
 from mmtier.storage import DiskTier, HostTier, Mover
 
 L, H, D, P = 3, 2, 16, 8
@@ -180,7 +180,7 @@ def test_engine_blocks_put_and_read_back_from_every_tier(tmp_path, layout):
     two layouts) reads back bitwise into another engine's blocks from each tier (the host read
     checked page by page), and equals the same tokens put as plain K/V."""
     from mmtier.integrations import vllm_copy
-    from mmtier.page_copies import EngineBlocks
+    from mmtier.pages.copies import EngineBlocks
 
     nb = 12
 
@@ -447,7 +447,7 @@ def test_background_spills_side_by_side_respect_a_tight_disk_budget(tmp_path):
 
 @pytest.mark.parametrize("layout", ["k|v last axis", "k, v halves", "separate"])
 def test_paired_view_is_k_and_v_exactly_or_none(layout):
-    from mmtier.page_copies import paired_view
+    from mmtier.pages.copies import paired_view
     if layout == "k|v last axis":
         t = torch.randn(L, 5, H, P, 2 * D).transpose(2, 3)
         k, v = t[..., :D], t[..., D:]

@@ -11,7 +11,7 @@ import yaml
 
 from mmtier.config import CacheConfig
 from mmtier.errors import ConfigError
-from mmtier.integrations.engine_cache import (
+from mmtier.integrations.connector_cache import (
     CLUSTER_ENV,
     close_shared,
     cluster_from_extra,
@@ -71,7 +71,7 @@ def test_the_cluster_is_joined_only_when_asked_and_its_fields_are_checked(monkey
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray (mmtier.actors)")
 def test_an_engine_cache_shares_only_with_the_clusters_model_secret_and_layouts():
-    from mmtier.actors.engine_link import check_compatible
+    from mmtier.actors.connector_link import check_compatible
 
     base = CacheConfig(**FIELDS)
     check_compatible(base, CacheConfig(**{**FIELDS, "device_bytes": 4 << 20, "host_bytes": 1 << 20}))

@@ -150,7 +150,7 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
     Ray until its backend joins the cluster (``RAY_ADDRESS``), finds them with ``batch_exists``
     (one lookup, one fetch per page) and loads the same bytes zero-copy into its host pool."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
-    from mmtier.integrations.engine_cache import close_shared
+    from mmtier.integrations.connector_cache import close_shared
     from tests import sglang_harness as sh
 
     base, _nodes, address = cluster
@@ -219,7 +219,7 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
 
     from mmtier import TieredKVCache
     from mmtier.actors.pool_actor import export_pages
-    from mmtier.integrations.engine_cache import close_shared
+    from mmtier.integrations.connector_cache import close_shared
 
     base, nodes, _address = cluster
     fields = with_embeddings(cache_fields(base / "ec-slow"))
@@ -284,7 +284,7 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
 def test_an_engine_that_cannot_share_is_refused_at_construction(cluster, tmp_path, change, field):
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
     from mmtier.errors import ConfigError
-    from mmtier.integrations.engine_cache import close_shared
+    from mmtier.integrations.connector_cache import close_shared
     from tests import sglang_harness as sh
 
     change = dict(change)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from benchmarks.tracesim import GroupTiers, PageTiers
 from mmtier import config as config_mod
+from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.errors import LeaseExpiredError
 from mmtier.eviction import (
@@ -19,9 +20,8 @@ from mmtier.eviction import (
     ModalityLRUPolicy,
     make_policy,
 )
-from mmtier.groups import ModalityGroup, Tier
-from mmtier.leases import LeaseTable
-from mmtier.pool import PagePool
+from mmtier.pages.pool import PagePool
+from mmtier.tiers.leases import LeaseTable
 
 D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.content import ContentKey, KeyMaker
 from mmtier.eviction import ARCPolicy, BimodalLRUPolicy, DIPPolicy, DuelPolicy, S3FIFOPolicy
 from mmtier.eviction.dip import BIP_LEADER, LRU_LEADER
-from mmtier.groups import ModalityGroup, Tier
-from mmtier.leases import LeaseTable
+from mmtier.tiers.leases import LeaseTable
 
 from .test_eviction import CFG, PAGE, Clock, Groups
 

@@ -13,8 +13,8 @@ import pytest
 
 from mmtier import CacheConfig, ModalitySpec
 from mmtier.errors import CapacityError
-from mmtier.gpu_memory import NvmlDevice, visible_gpu
-from mmtier.pool import resolve_arena_bytes
+from mmtier.pages.gpu_memory import NvmlDevice, visible_gpu
+from mmtier.pages.pool import resolve_arena_bytes
 
 GPUS = [NvmlDevice(i, f"GPU-{i}{i}aa{i}-0000-1111-2222-33334444555{i}") for i in range(4)]
 FREE = [10 << 30, 20 << 30, 30 << 30, 40 << 30]

@@ -5,7 +5,7 @@ import torch
 
 from mmtier.config import ModalitySpec
 from mmtier.errors import DTypeError
-from mmtier.payload import check_payload
+from mmtier.pages.payload import check_payload
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

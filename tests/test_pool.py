@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mmtier.config import CacheConfig
 from mmtier.errors import CapacityError, MMTierError
-from mmtier.pool import DeviceArena, PagePool, resolve_arena_bytes
+from mmtier.pages.pool import DeviceArena, PagePool, resolve_arena_bytes
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

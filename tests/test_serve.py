@@ -35,9 +35,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import mmtier.actors as mma  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.app import build_app  # noqa: E402
+from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ServeAppConfig  # noqa: E402
-from mmtier.serve.engines import load_frontend  # noqa: E402
-from mmtier.serve.hf_engine import load_chat  # noqa: E402
+from mmtier.serve.model_api import load_frontend  # noqa: E402
 
 from .media_samples import float_wav, image, part, video, wav  # noqa: E402
 

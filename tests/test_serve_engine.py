@@ -12,9 +12,9 @@ pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) 
 from mmtier import TieredKVCache  # noqa: E402
 from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
 from mmtier.integrations.chat import dense_chat  # noqa: E402
+from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs  # noqa: E402
-from mmtier.serve.engines import load_engine, load_frontend  # noqa: E402
-from mmtier.serve.hf_engine import load_chat  # noqa: E402
+from mmtier.serve.model_api import load_engine, load_frontend  # noqa: E402
 
 from .media_samples import image, video, wav  # noqa: E402
 

@@ -283,7 +283,7 @@ def test_a_model_that_takes_no_video_answers_415_and_the_hf_frontend_counts_vide
     """A model with no video encoder (its frontend's ``media_tokens`` says so) makes a video
     item a 415 before anything is routed. The chat model's frontend counts a video's tokens from its header (frames sampled at
     2 fps, 16 tokens a temporal patch of 112x112 frames) and keys its segments' tower outputs."""
-    from mmtier.serve.hf_engine import HFFrontend
+    from mmtier.serve.chat_model import HFFrontend
 
     def no_video(item):                     # the media_tokens of a model that takes text and images
         if item.type == "video":

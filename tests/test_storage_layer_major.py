@@ -19,8 +19,8 @@ import torch
 import xxhash
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
+from mmtier.cache.groups import Tier
 from mmtier.errors import CorruptDataError
-from mmtier.groups import Tier
 from mmtier.storage import writers
 from mmtier.storage.arrow_format import (
     FORMAT_VERSION,
@@ -270,7 +270,7 @@ def test_attention_streamed_from_layer_major_files_equals_the_oracle(tmp_path, m
     """Attention over groups on disk (several small stream batches), every layer, equals the
     float64 oracle on fresh random K/V and queries (outputs poisoned first); after a warm
     restart (the first read parses the files) it still does."""
-    from mmtier import streaming
+    from mmtier.attention import streaming
 
     monkeypatch.setattr(streaming, "BATCH_BYTES", 32 * 2 * H * D * 4)
     cfg = _cfg(tmp_path)

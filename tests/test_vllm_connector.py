@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
                     reason="vLLM is not importable: run ./run engines (.venv-engines: vLLM's CPU build here); ./run test then runs this file there")
 
-from mmtier.integrations.engine_cache import close_shared  # noqa: E402
+from mmtier.integrations.connector_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 

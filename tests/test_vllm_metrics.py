@@ -18,7 +18,7 @@ from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm  #
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 
 from mmtier.integrations import vllm_metrics  # noqa: E402
-from mmtier.integrations.engine_cache import close_shared  # noqa: E402
+from mmtier.integrations.connector_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 

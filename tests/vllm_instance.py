@@ -25,7 +25,7 @@ class VllmInstance:
 
     def reopen(self) -> None:
         """A fresh, empty cache in this process (what a restarted engine starts with)."""
-        from mmtier.integrations.engine_cache import close_shared
+        from mmtier.integrations.connector_cache import close_shared
 
         self.worker.shutdown()
         close_shared()
@@ -40,7 +40,7 @@ class VllmInstance:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from mmtier.integrations.engine_cache import close_shared
+        from mmtier.integrations.connector_cache import close_shared
 
         self.worker.shutdown()
         close_shared()

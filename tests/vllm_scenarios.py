@@ -58,7 +58,7 @@ def close(llm) -> None:
         core.shutdown()
     del llm
     gc.collect()
-    from mmtier.integrations.engine_cache import close_shared
+    from mmtier.integrations.connector_cache import close_shared
 
     close_shared()
 
@@ -91,7 +91,7 @@ def prompt_keys(fields: dict, tokens: list[int]) -> list:
     made by a keys-only cache of the same config."""
     from mmtier.cache import TieredKVCache
     from mmtier.config import CacheConfig
-    from mmtier.integrations.engine_cache import lookup_only
+    from mmtier.integrations.connector_cache import lookup_only
     from mmtier.integrations.vllm_plan import plan_request
 
     with TieredKVCache(lookup_only(CacheConfig(**fields))) as keys:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from ..cache.table import SequenceHandle, naming
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, HolderLostError, PrefixMismatchError, UnknownKeyError
-from ..table import SequenceHandle, naming
 from . import placement
 from .cluster_keys import ClusterKeys
 from .group_copies import GroupCopier

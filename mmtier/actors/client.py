@@ -43,11 +43,11 @@ from collections.abc import Iterable, Sequence
 import ray
 import torch
 
+from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import HolderLostError
 from ..stats import CacheStats, TierUsage
-from ..table import SequenceHandle
 from .attacher import Attacher
 from .cluster_attention import ClusterAttention
 from .cluster_keys import ClusterKeys

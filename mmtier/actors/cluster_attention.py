@@ -10,10 +10,10 @@ from collections.abc import Iterable
 
 import torch
 
+from ..cache.table import SequenceHandle
 from ..content import ContentKey
 from ..errors import HolderLostError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
-from ..table import SequenceHandle
 from . import placement
 from .attacher import Attacher
 from .cluster_keys import ClusterKeys

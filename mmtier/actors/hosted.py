@@ -35,9 +35,9 @@ from typing import NamedTuple
 import torch
 
 from ..cache import TieredKVCache
+from ..cache.table import SequenceHandle
 from ..content import ContentKey
 from ..errors import HolderLostError, MMTierError
-from ..table import SequenceHandle
 from . import placement
 from .hosted_remote import RemoteParts
 from .launch import STORE_PREFIX, store_name

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import TieredKVCache
+from ..cache.table import SequenceHandle, naming
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
-from ..table import SequenceHandle, naming
 from .pool_actor import Part
 from .sequence_state import ClusterSequence
 

@@ -38,7 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ..config import CacheConfig
 from ..errors import ConfigError
-from ..gpu_memory import free_bytes
+from ..pages.gpu_memory import free_bytes
 from .metrics import ActorMetrics
 from .node_store import NodeStoreService
 from .pool_actor import PoolService

@@ -13,7 +13,7 @@ import time
 
 from ray.util import metrics as rm
 
-from ..stats_report import increments
+from ..stats.report import increments
 
 
 class ClientMetrics:

@@ -36,12 +36,12 @@ import numpy as np
 import torch
 
 from ..cache import TieredKVCache
+from ..cache.groups import Tier
+from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
-from ..groups import Tier
 from ..storage.arrow_format import page_sums
-from ..table import SequenceHandle
 from .transfer_sums import check_pages, expected_sums, with_sums
 
 _TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..cache.keys import DEFAULT_TENANT
+from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import HolderLostError, ShapeError, UnknownKeyError, UnknownModalityError
-from ..payload import token_identity
-from ..table import SequenceHandle
+from ..pages.payload import token_identity
 from . import placement
 from .cluster_keys import ClusterKeys
 from .holders import Holders

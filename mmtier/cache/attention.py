@@ -10,19 +10,19 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..attention_plan import AttentionPlan
-from ..batch_attention import check_segments
-from ..compiled_operands import CompiledOperands
+from ..attention.batch import check_segments
+from ..attention.operands import CompiledOperands
+from ..attention.plan import AttentionPlan
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
 from ..errors import DTypeError, ShapeError, UnknownKeyError
 from ..eviction import EvictionPolicy
-from ..groups import ModalityGroup, Tier
-from ..locking import OwnerLock
 from ..stats import Counters
-from ..table import Segment, SequenceHandle, SequenceTable, compile_segments
+from .groups import ModalityGroup, Tier
+from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
+from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 
 class AttentionPlanner:

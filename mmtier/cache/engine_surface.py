@@ -12,22 +12,22 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..batch_attention import BatchPlan, check_segments, query_bounds
+from ..attention.batch import BatchPlan, check_segments, query_bounds
+from ..attention.step_plans import StepPlans
 from ..config import CacheConfig
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
-from ..groups import Tier
-from ..layer_writes import Reservation, write_one_layer
-from ..locking import OwnerLock
-from ..payload import token_identity
-from ..step_plans import StepPlans
-from ..table import Segment, SequenceHandle, compile_batch, naming
+from ..pages.layer_writes import Reservation, write_one_layer
+from ..pages.payload import token_identity
 from .attention import AttentionPlanner
 from .group_index import GroupIndex
+from .groups import Tier
 from .keys import CacheKeys
+from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
+from .table import Segment, SequenceHandle, compile_batch, naming
 
 
 class EngineSurface:

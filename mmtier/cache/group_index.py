@@ -13,9 +13,9 @@ from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import UnknownKeyError
 from ..eviction import EvictionPolicy
-from ..groups import ModalityGroup
-from ..lineage import Lineage
 from ..stats import Counters
+from .groups import ModalityGroup
+from .lineage import Lineage
 
 
 class GroupIndex:

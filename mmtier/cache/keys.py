@@ -8,9 +8,9 @@ from __future__ import annotations
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, media_digest, tenant_salt
 from ..errors import DTypeError, ForeignKeyError, PrefixMismatchError, UnknownModalityError
-from ..lineage import Lineage
-from ..locking import OwnerLock
-from ..table import SequenceHandle, SequenceTable
+from .lineage import Lineage
+from .locking import OwnerLock
+from .table import SequenceHandle, SequenceTable
 
 DEFAULT_TENANT = "default"
 

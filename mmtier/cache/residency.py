@@ -18,16 +18,16 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import CapacityError, ClosedError, CorruptDataError, ShapeError
 from ..eviction import EvictionPolicy
-from ..groups import ModalityGroup, Tier
-from ..leases import Lease, LeaseTable
-from ..locking import OwnerLock
-from ..page_copies import check_out_kv, pages_into_kv, view_runs
-from ..pool import PagePool
-from ..residency import WAIT_S, LowerTiers
-from ..room import Room
+from ..pages.copies import check_out_kv, pages_into_kv, view_runs
+from ..pages.pool import PagePool
 from ..stats import CacheStats, Counters, TierUsage
+from ..tiers.leases import Lease, LeaseTable
+from ..tiers.lower import WAIT_S, LowerTiers
+from ..tiers.room import Room
 from .group_index import GroupIndex
+from .groups import ModalityGroup, Tier
 from .keys import CacheKeys
+from .locking import OwnerLock
 
 
 class Residency:

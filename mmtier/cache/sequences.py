@@ -19,16 +19,16 @@ from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, tenant_scope
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
-from ..groups import ModalityGroup, Tier
-from ..locking import OwnerLock
-from ..payload import check_kv, slot_mapping, token_identity, write_slots
-from ..pool import PagePool
-from ..room import ROOM_WAIT_S
+from ..pages.payload import check_kv, slot_mapping, token_identity, write_slots
+from ..pages.pool import PagePool
 from ..stats import Counters
-from ..table import SequenceHandle, SequenceTable, naming
+from ..tiers.room import ROOM_WAIT_S
 from .group_index import GroupIndex
+from .groups import ModalityGroup, Tier
 from .keys import DEFAULT_TENANT, CacheKeys
+from .locking import OwnerLock
 from .residency import Residency
+from .table import SequenceHandle, SequenceTable, naming
 
 
 @dataclass(eq=False)

@@ -11,11 +11,11 @@ from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
-from ..locking import OwnerLock
-from ..payload import check_kv, check_payload, write_embedding, write_fresh_pages
+from ..pages.payload import check_kv, check_payload, write_embedding, write_fresh_pages
 from ..stats import Counters
 from .group_index import GroupIndex
 from .keys import CacheKeys
+from .locking import OwnerLock
 from .residency import Residency
 
 

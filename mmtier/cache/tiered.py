@@ -25,23 +25,23 @@ import torch
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
 from ..eviction import EvictionPolicy, make_policy
-from ..groups import ModalityGroup
-from ..layer_writes import Reservation
-from ..leases import Lease, LeaseTable
-from ..lineage import Lineage
-from ..locking import OwnerLock
-from ..pool import DeviceArena, PagePool
-from ..residency import LowerTiers
-from ..room import Room
+from ..pages.layer_writes import Reservation
+from ..pages.pool import DeviceArena, PagePool
 from ..stats import CacheStats, Counters
-from ..table import SequenceHandle, SequenceTable
+from ..tiers.leases import Lease, LeaseTable
+from ..tiers.lower import LowerTiers
+from ..tiers.room import Room
 from .attention import AttentionPlanner
 from .engine_surface import EngineSurface
 from .group_index import GroupIndex
+from .groups import ModalityGroup
 from .keys import CacheKeys
+from .lineage import Lineage
+from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
 from .shared_groups import SharedGroups
+from .table import SequenceHandle, SequenceTable
 
 
 class TieredKVCache:

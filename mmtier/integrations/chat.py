@@ -3,8 +3,8 @@ audio, both through the transformers adapter over ONE cache (one process holds o
 
 Interface (names kept stable; the Serve app builds on them)::
 
-    from mmtier import TieredKVCache
-    from mmtier.integrations.chat import ChatModel, dense_chat
+    from .. import TieredKVCache
+    from .chat import ChatModel, dense_chat
 
     chat = ChatModel.tiny(seed=0)                # random weights from configs/demo-*.json
     chat = ChatModel.from_pretrained("qwen2-vl-dir", "whisper-dir")   # local_files_only=True

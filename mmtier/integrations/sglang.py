@@ -14,7 +14,7 @@ the host pool's own layout) or zero-copy (``batch_get_v1`` / ``batch_set_v1``), 
 from and writes into the registered host pool's pages in place. A page that fails
 verification is a miss (``None`` / ``False``), never wrong KV.
 
-Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``):
+Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``connector_cache``):
 ``exists`` / ``batch_exists`` (SGLang asks them from its prefetch thread) look the pages not
 held here up in **one** registry call and pull the leading run held elsewhere into the local
 cache (one call per page group), so the ``batch_get`` that follows finds them here; a failed
@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
-from .engine_cache import open_shared, tenant_from_extra
+from .connector_cache import open_shared, tenant_from_extra
 
 log = logging.getLogger(__name__)
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")

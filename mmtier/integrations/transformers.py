@@ -1,6 +1,6 @@
 """Hugging Face transformers on mmtier: real model code reading and writing the paged cache.
 
-    from mmtier.integrations import transformers as mt
+    from . import transformers as mt
     model = mt.enable(LlavaForConditionalGeneration(cfg))        # decoder attention -> "mmtier"
     cache = TieredKVCache(mt.config_for(model, device_bytes=64 << 20))
     with mt.cache_for(model, cache, tenant="acme") as past:

@@ -21,10 +21,10 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import TieredKVCache
+from ..cache.table import SequenceHandle
 from ..content import ContentKey
 from ..errors import ShapeError, UnsupportedError
-from ..layer_writes import Reservation
-from ..table import SequenceHandle
+from ..pages.layer_writes import Reservation
 from .hf_layout import ModelLayout
 
 _ACTIVE = threading.local()

@@ -20,7 +20,7 @@ fails to load (corrupt file, evicted meanwhile) is reported through
 ``kv_load_failure_policy`` to ``"recompute"``; ``"mmtier_load_failure_policy": "fail"`` keeps
 vLLM's default, which fails the request): wrong KV is never written.
 
-Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``engine_cache``): a
+Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``connector_cache``): a
 request whose groups are not all held here makes **one** batched registry lookup for those it
 lacks, on the cache's ``EngineLink`` thread; the leading run held elsewhere is pulled whole into
 the local cache (one call per group) and then counts as a hit. Meanwhile
@@ -64,7 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
 from . import vllm_copy
-from .engine_cache import open_shared, report_for
+from .connector_cache import open_shared, report_for
 from .lookup_channel import LookupChannel
 from .vllm_keys import KeyScheme
 from .vllm_metrics import MMTierKVStats, MMTierPromMetrics

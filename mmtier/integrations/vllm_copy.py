@@ -19,7 +19,7 @@ import threading
 import torch
 
 from ..errors import ShapeError
-from ..page_copies import EngineBlocks
+from ..pages.copies import EngineBlocks
 from ..storage.host import paired_runs
 
 
@@ -176,7 +176,7 @@ def _memory_order(t: torch.Tensor) -> list[int]:
 
 def engine_blocks(kv_layers: list[torch.Tensor], head_dim: int, blocks: list[int]) -> EngineBlocks:
     """vLLM's blocks ``blocks`` of every layer's tensor as one group's pages for ``put`` and
-    ``read_group(out=)`` (``page_copies.EngineBlocks``): one copy between vLLM's tensors and the
+    ``read_group(out=)`` (``pages.copies.EngineBlocks``): one copy between vLLM's tensors and the
     cache's pages, no stage."""
     return EngineBlocks([kv_views(t, head_dim) for t in kv_layers], blocks)
 

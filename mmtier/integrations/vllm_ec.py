@@ -21,7 +21,7 @@ model gathers embeddings and saves what the encoder computed under the key the s
 (an item with none is not saved). An item that fails to load (corrupt, evicted meanwhile) fails its
 request through ``take_unavailable_requests``: vLLM re-runs the encoder when it is re-issued.
 
-Across instances (``"mmtier_cluster": {...}``, see ``engine_cache``): the scheduler never waits on
+Across instances (``"mmtier_cluster": {...}``, see ``connector_cache``): the scheduler never waits on
 the cluster. vLLM asks ``ensure_cache_available`` before it schedules a waiting request with
 media: the items it needs that are not held here start one registry lookup (and a pull of each
 item held elsewhere, one call per item) on the link's thread, and the answer is ``False``
@@ -54,7 +54,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from .engine_cache import open_shared, report_for, tenant_from_extra
+from .connector_cache import open_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupChannel
 from .vllm import SPLIT_BACKENDS
 from .vllm_keys import embedding_key

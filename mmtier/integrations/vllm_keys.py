@@ -18,7 +18,7 @@ import torch
 
 from ..cache import TieredKVCache
 from ..content import ContentKey
-from .engine_cache import tenant_from_extra
+from .connector_cache import tenant_from_extra
 from .vllm_plan import MediaItem, RequestPlan, plan_request
 
 

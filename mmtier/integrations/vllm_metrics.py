@@ -11,7 +11,7 @@ process's cache counted since its last report (``engine_cache.report_for``: once
 most every second):
 
 - ``vllm:mmtier_cache_events_total{event, modality}``: hits, misses, puts, evictions, spills,
-  restores, corrupt reads, ... (``stats_report.EVENTS``);
+  restores, corrupt reads, ... (``stats.report.EVENTS``);
 - ``vllm:mmtier_tier_bytes{tier, modality}`` and ``vllm:mmtier_tier_groups{tier, modality}``:
   what the engine's caches hold in each tier now (summed over its processes' caches).
 

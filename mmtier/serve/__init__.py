@@ -9,7 +9,7 @@
 - ``worker.TurnWorker``: the per-node worker, an actor that runs the model and holds its node's
   pool (``mmtier.actors.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
   its requests (a plain class);
-- ``engines``: the model a worker runs behind one interface (``hf_engine``: the transformers
+- ``engines``: the model a worker runs behind one interface (``chat_model``: the transformers
   chat model), and the part of it the ingress needs;
 - ``media``: the media bytes the app accepts (PNG, JPEG, PCM16 WAV), checked before routing;
 

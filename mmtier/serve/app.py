@@ -8,7 +8,7 @@ cache.
    node, CPU pools on nodes without GPUs; a GPU node's GPU is left to its worker);
 2. creates one ``TurnWorker`` per node, pinned there by a per-node resource
    (``routing.pin_targets``: ``node:<ip>`` in production, custom resources in tests): a named
-   actor (``host_name(node)``) that runs the model (``engines.py``; the transformers chat model
+   actor (``host_name(node)``) that runs the model (``model_api.py``; the transformers chat model
    by default) and holds that node's pool itself, on the node's GPU when it has one
    (``num_gpus=1``, the pool on ``cuda``; ``workers.device``), else on the CPU;
 3. puts ``ChatIngress`` in front: it authenticates (API key -> tenant, server side), parses
@@ -50,7 +50,7 @@ class ChatIngress:
         import ray
 
         from ..actors import connect
-        from .engines import load_frontend
+        from .model_api import load_frontend
 
         self.cfg = ServeAppConfig.parse(cfg_json)
         self.keys = self.cfg.key_table()

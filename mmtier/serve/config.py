@@ -95,7 +95,7 @@ class CacheArgs(_Strict):
 
     def cache_config(self, model: ModelArgs) -> CacheConfig:
         """The cluster's cache for ``model`` (its layout from the model, budgets from here)."""
-        from .engines import engine_cache_config
+        from .model_api import engine_cache_config
 
         extra: dict[str, Any] = {"device": self.device, "eviction_policy": self.eviction_policy}
         secret = os.environ.get(self.key_secret_env) if self.key_secret_env else None

@@ -2,7 +2,7 @@
 with mmtier's connectors) from a Serve config file: what ``mmtier serve`` and ``./run serve`` run,
 and what a Python caller (the demo, the tests) uses::
 
-    from mmtier.serve.llm_app import start_llm_app, stop_llm_app
+    from .llm_app import start_llm_app, stop_llm_app
     app = start_llm_app("configs/serve-llm-cpu.yaml", port=8000)   # a fresh local Ray on 127.0.0.1
     ...  # openai.OpenAI(base_url=app.base_url, api_key="sk-local-acme")
     stop_llm_app(app)
@@ -159,7 +159,7 @@ def _start_cluster(doc: dict[str, Any]) -> None:
     import ray
 
     from ..config import KEY_SECRET_ENV, CacheConfig, require_key_secret
-    from ..integrations.engine_cache import cluster_from_extra, config_from_extra
+    from ..integrations.connector_cache import cluster_from_extra, config_from_extra
 
     started = False
     for app in doc["applications"]:

@@ -26,7 +26,7 @@ from typing import Any
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError
-from ..integrations.engine_cache import (
+from ..integrations.connector_cache import (
     cluster_from_extra,
     config_from_extra,
     lookup_only,
@@ -97,7 +97,7 @@ class RequestKeyer:
         from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.v1.engine.input_processor import InputProcessor
 
-        from ..actors.engine_link import join
+        from ..actors.connector_link import join
         from ..integrations.vllm_keys import KeyScheme
 
         # the arguments LLMServer.start builds, and the renderer vLLM's init_app_state makes of them

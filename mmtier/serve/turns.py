@@ -2,7 +2,7 @@
 
 ``worker.TurnWorker`` (the Ray actor that holds a node's pool) answers its requests through
 one; a test runs one in-process over a ``TieredKVCache``. Requests are stateless: each carries
-its conversation's history, which the engine finds in the cache by key (``engines.py``), so
+its conversation's history, which the engine finds in the cache by key (``model_api.py``), so
 nothing is kept here between requests and there is nothing to close, expire or lose. What it
 owns: the serial engine's one-request-at-a-time rule, the counts of a request's cluster calls,
 and the mapping of a request's failure to an answer.
@@ -26,7 +26,7 @@ from contextlib import contextmanager
 
 from ..errors import BadMediaError, BusyError, CapacityError, MMTierError, UnknownKeyError
 from .config import Workers
-from .engines import Item, Turn, TurnEngine
+from .model_api import Item, Turn, TurnEngine
 from .protocol import HTTPError
 
 log = logging.getLogger(__name__)

@@ -61,7 +61,7 @@ from ..errors import (
     ShapeError,
     UnknownModalityError,
 )
-from ..page_copies import contiguous_runs
+from ..pages.copies import contiguous_runs
 from .page_digests import copy_and_digest, page_rows_of
 from .tier import StorageTier
 

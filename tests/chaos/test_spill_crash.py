@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
+from mmtier.cache.groups import Tier
 from mmtier.content import KeyMaker, tenant_salt
-from mmtier.groups import Tier
 from mmtier.storage.arrow_files import CRASH_STEPS, DiskTier
 
 from .conftest import (

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ShapeError
-from .groups import ModalityGroup
-from .kernels import uses_triton, write_kv
-from .kernels.reference import LayerRows, layer_rows, write_layer_rows
+from ..cache.groups import ModalityGroup
+from ..errors import ShapeError
+from ..kernels import uses_triton, write_kv
+from ..kernels.reference import LayerRows, layer_rows, write_layer_rows
 from .payload import check_payload
 from .pool import PagePool
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .content import ContentKey
+from ..content import ContentKey
+from ..kernels.layout import HostTables, PagedKV, paged_kv_from_host
 from .groups import ModalityGroup
-from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import ModalitySpec
-from .content import ContentKey
+from ..config import ModalitySpec
+from ..content import ContentKey
 
 
 class Tier(enum.IntEnum):

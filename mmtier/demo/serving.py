@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .telemetry import machine
+from ..stats.machine import machine
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-llm-cpu.yaml"
 
@@ -77,7 +77,7 @@ class Conversation:
 def workload(spec: ServingDemoSpec) -> list[Conversation]:
     """Seeded conversations: a tenant's images come from its own small catalogue or from the
     image every tenant sends (seed 0), so an image recurs across turns and conversations."""
-    from .serve.tiny_models import text
+    from ..serve.tiny_models import text
 
     rng = random.Random(spec.seed)
     convs = []
@@ -96,7 +96,7 @@ def workload(spec: ServingDemoSpec) -> list[Conversation]:
 
 
 def _data_url(seed: int, fmt: str) -> str:
-    from .serve.tiny_models import image
+    from ..serve.tiny_models import image
 
     buf = io.BytesIO()
     image(seed).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
@@ -108,7 +108,7 @@ def app_config(spec: ServingDemoSpec, disk_dir: str) -> tuple[dict, str, str]:
     tier, and the same engine without mmtier beside it: ``(doc, model, plain_model)``."""
     import copy
 
-    from .serve.llm_app import load_serve_config
+    from ..serve.llm_app import load_serve_config
 
     doc = load_serve_config(CONFIG)
     args = doc["applications"][0]["args"]
@@ -172,7 +172,7 @@ def run_serving_demo(spec: ServingDemoSpec, progress: bool = True, port: int | N
     import openai
     import ray
 
-    from .serve.llm_app import start_llm_app, stop_llm_app
+    from ..serve.llm_app import start_llm_app, stop_llm_app
 
     convs = workload(spec)
     t_all = time.perf_counter()
@@ -229,7 +229,7 @@ def _free_port() -> int:
 def _cluster_holdings() -> dict:
     """What mmtier's cluster holds at the end: groups and bytes per tier and modality, summed
     over its actors (the node store the engines write through to, and its pool)."""
-    from . import actors
+    from .. import actors
 
     with actors.connect(actors.ClusterSettings()) as cc:
         stats = cc.stats()
@@ -246,7 +246,7 @@ def _median(xs: list[float]) -> float:
 
 
 def _figures(spec, convs, held, start_s, elapsed, mismatches, model) -> dict:
-    from .serve.tiny_models import IMAGE_TOKENS
+    from ..serve.tiny_models import IMAGE_TOKENS
 
     recs = [r for c in convs for r in c.records]
     first = [r for r in recs if r["turn"] == 0]

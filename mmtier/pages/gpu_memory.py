@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import CapacityError
+from ..errors import CapacityError
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import DTypeError, ShapeError
+from ..errors import DTypeError, ShapeError
 
 
 def contiguous_runs(ids: Sequence[int]) -> list[tuple[int, int]]:

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from .errors import LeaseExpiredError
-from .groups import ModalityGroup
+from ..cache.groups import ModalityGroup
+from ..errors import LeaseExpiredError
 
 Clock = Callable[[], float]
 T = TypeVar("T")

@@ -22,8 +22,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .kernels.layout import PagedKV
-from .table import Segment
+from ..cache.table import Segment
+from ..kernels.layout import PagedKV
 
 KEPT = 256
 

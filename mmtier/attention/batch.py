@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_plan import AttentionPlan
-from .errors import ShapeError
-from .groups import ModalityGroup
-from .kernels import merge_attention_states, paged_attention, upload_ints
-from .kernels.layout import PagedKV
-from .table import Segment
+from ..cache.groups import ModalityGroup
+from ..cache.table import Segment
+from ..errors import ShapeError
+from ..kernels import merge_attention_states, paged_attention, upload_ints
+from ..kernels.layout import PagedKV
+from .plan import AttentionPlan
 
 
 def query_bounds(q_indptr, total_q: int, batch: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""The demo's report: a table on stdout, a flat JSON file and a PNG chart (``mmtier.demo``
+"""The demo's report: a table on stdout, a flat JSON file and a PNG chart (``mmtier.demo.chat``
 makes the ``DemoReport``)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .demo import GROUPS, MEDIA_NAMES, DemoReport
+from .chat import GROUPS, MEDIA_NAMES, DemoReport
 
 
 def format_report(r: DemoReport, json_path: Path | None = None, png_path: Path | None = None) -> str:

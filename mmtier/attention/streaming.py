@@ -38,13 +38,13 @@ from concurrent.futures import Future
 
 import torch
 
-from .content import ContentKey
-from .errors import CorruptDataError, MMTierError
-from .groups import ModalityGroup
-from .kernels import paged_attention
-from .storage.mover import Mover
-from .storage.staging import StagingPool
-from .table import Segment, compile_segments
+from ..cache.groups import ModalityGroup
+from ..cache.table import Segment, compile_segments
+from ..content import ContentKey
+from ..errors import CorruptDataError, MMTierError
+from ..kernels import paged_attention
+from ..storage.mover import Mover
+from ..storage.staging import StagingPool
 
 BATCH_BYTES = 8 << 20
 READERS = 2   # batches read at once: more only fight over the GIL and the cores (measured)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 
-from .content import ContentKey
+from ..content import ContentKey
 from .groups import ModalityGroup
 
 MAX_NOTES = 1 << 16

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import CacheConfig, ModalitySpec
-from .errors import CapacityError, MMTierError
+from ..config import CacheConfig, ModalitySpec
+from ..errors import CapacityError, MMTierError
 from .gpu_memory import free_bytes
 
 _ALIGN = 256

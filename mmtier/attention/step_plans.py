@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compiled_operands import same, stamp
-from .groups import ModalityGroup, Tier
-from .kernels.layout import PagedKV
-from .table import Segment, SequenceTable
+from ..cache.groups import ModalityGroup, Tier
+from ..cache.table import Segment, SequenceTable
+from ..kernels.layout import PagedKV
+from .operands import same, stamp
 
 KEPT = 16          # batches remembered (a step's self-attention batch, its cross batch, ...)
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import ModalitySpec
-from .errors import DTypeError, ShapeError
-from .kernels import write_kv
-from .kernels.layout import INDEX_DTYPE
-from .page_copies import EngineBlocks, kv_into_pages
+from ..config import ModalitySpec
+from ..errors import DTypeError, ShapeError
+from ..kernels import write_kv
+from ..kernels.layout import INDEX_DTYPE
+from .copies import EngineBlocks, kv_into_pages
 from .pool import PagePool
 
 
@@ -19,7 +19,7 @@ def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
     """K and V must both be ``[num_layers, n > 0, num_kv_heads, head_dim]`` of the spec's dtype,
     finite. Returns ``n``. ``block_split``: ``[num_layers, blocks > 0, page_size, num_kv_heads,
     head_dim]`` is taken too (``n = blocks * page_size``): an engine's blocks staged as it lays
-    them, whose token axis is no single stride (``page_copies``)."""
+    them, whose token axis is no single stride (``pages.copies``)."""
     if block_split and isinstance(k, EngineBlocks):
         if v is not k:
             raise ShapeError("EngineBlocks are passed as both k and v")

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .groups import ModalityGroup
-from .kernels import merge_attention_states, paged_attention, upload_ints
-from .kernels.layout import PagedKV
-from .storage.host import HostEntry
+from ..cache.groups import ModalityGroup
+from ..cache.table import Segment
+from ..kernels import merge_attention_states, paged_attention, upload_ints
+from ..kernels.layout import PagedKV
+from ..storage.host import HostEntry
 from .streaming import DiskStream
-from .table import Segment
 
 WAIT_S = 120.0
 _INDPTRS: dict[int, torch.Tensor] = {}     # [0, n_q] int32 on the host, per n_q: read-only, shared

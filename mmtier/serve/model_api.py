@@ -9,7 +9,7 @@ a media item costs (the request's token limit), the content-only keys of a media
 prefix keys of the history (its spans, chained as the engine sealed them), computed exactly as
 the engine computes them, for its one batched registry lookup per request.
 
-- ``hf`` (``hf_engine.py``): the transformers chat model of ``mmtier.integrations.chat``, the
+- ``hf`` (``chat_model.py``): the transformers chat model of ``mmtier.integrations.chat``, the
   one model stack of the demo, the benchmarks and Serve.
 
 Items reach an engine as ``("text", str)`` or ``(request media type, bytes)`` pairs, the media
@@ -73,20 +73,20 @@ class TurnEngine(Frontend, Protocol):
 
 def load_engine(model: ModelArgs, device: str = "cpu") -> TurnEngine:
     """The engine of ``model.kind`` with its weights on ``device`` (a worker)."""
-    from .hf_engine import HFEngine
+    from .chat_model import HFEngine
 
     return HFEngine.load(model, device)
 
 
 def load_frontend(model: ModelArgs) -> Frontend:
     """What the ingress needs of the engine: no weights, no pool."""
-    from .hf_engine import HFFrontend
+    from .chat_model import HFFrontend
 
     return HFFrontend.load(model)
 
 
 def engine_cache_config(model: ModelArgs, **overrides: Any) -> CacheConfig:
     """The cluster's ``CacheConfig`` for ``model`` (every pool and store of the app uses it)."""
-    from .hf_engine import hf_cache_config
+    from .chat_model import hf_cache_config
 
     return hf_cache_config(model, **overrides)

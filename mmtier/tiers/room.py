@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from .errors import CapacityError
-from .eviction import EvictionPolicy
-from .groups import ModalityGroup, Tier
-from .locking import OwnerLock
-from .pool import PagePool
-from .residency import LowerTiers, StagedCopy
+from ..cache.groups import ModalityGroup, Tier
+from ..cache.locking import OwnerLock
+from ..errors import CapacityError
+from ..eviction import EvictionPolicy
+from ..pages.pool import PagePool
+from .lower import LowerTiers, StagedCopy
 
 ROOM_WAIT_S = 30.0   # the longest a call waits for pages other threads read or move right now
 

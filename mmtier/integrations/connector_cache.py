@@ -34,10 +34,10 @@ from pydantic import ValidationError
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..errors import ConfigError
-from ..stats_report import StatsReport
+from ..stats.report import StatsReport
 
 if TYPE_CHECKING:
-    from ..actors.engine_link import EngineLink
+    from ..actors.connector_link import EngineLink
     from ..actors.settings import ClusterSettings
 
 CLUSTER_ENV = "MMTIER_CLUSTER"
@@ -120,7 +120,7 @@ def open_shared(extra: Mapping[str, Any] | None, *, lookup: bool = False
     cluster = cluster_from_extra(extra)
     if cluster is None:
         return shared_cache(cfg), None
-    from ..actors.engine_link import EngineLink, join  # Ray, only on this path
+    from ..actors.connector_link import EngineLink, join  # Ray, only on this path
 
     cfg, transport = join(cfg, *cluster)
     cache = shared_cache(cfg)

@@ -5,7 +5,7 @@ What it does, in order:
 
 1. starts a local Ray bound to 127.0.0.1 and mmtier on it (``mmtier.actors.start``: the
    ContentRegistry and a node store), and a ``ChatEngine`` actor
-   (``mmtier.integrations.chat_engine``) that runs the chat model and holds its own pool
+   (``mmtier.integrations.chat_actor``) that runs the chat model and holds its own pool
    (``PoolHost``): attention reads local pages, the cluster is asked only at turn boundaries;
 2. the chat model (``mmtier.integrations.chat.ChatModel.tiny``): a small random-weight Qwen2-VL
    (``configs/demo-qwen2-vl.json``) whose images are real PNG / JPEG bytes decoded by its own
@@ -44,7 +44,7 @@ import wave
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .telemetry import machine
+from ..stats.machine import machine
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")   # Ray binds 127.0.0.1
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -218,10 +218,10 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
     import ray
     import torch
 
-    from . import actors
-    from .actors.pool_host import host_name
-    from .integrations.chat import ChatModel
-    from .integrations.chat_engine import ChatEngine
+    from .. import actors
+    from ..actors.pool_host import host_name
+    from ..integrations.chat import ChatModel
+    from ..integrations.chat_actor import ChatEngine
 
     torch.set_num_threads(1)
     convs = workload(spec)

@@ -37,7 +37,7 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import BadMediaError, ConfigError, ShapeError
 from .config import ModelArgs
-from .engines import Item, Turn, TurnOutput
+from .model_api import Item, Turn, TurnOutput
 from .protocol import TYPE_OF
 
 MARKERS = 2               # vision start / end, audio start / end around a media item's tokens

@@ -45,20 +45,20 @@ from typing import Protocol
 
 import torch
 
-from .config import CacheConfig
-from .content import ContentKey, KeyMaker, tenant_scope
-from .errors import CapacityError, CorruptDataError, MMTierError
-from .eviction import EvictionPolicy
-from .groups import ModalityGroup, Tier
-from .kernels.layout import PagedKV
-from .page_copies import view_runs
-from .pool import PagePool
-from .stats import Counters, TierUsage
-from .storage import DiskTier, HostTier, Mover
-from .storage.host import HostEntry
-from .storage.staging import StagingPool
-from .streaming import DiskStream
-from .table import Segment, compile_segments
+from ..attention.streaming import DiskStream
+from ..cache.groups import ModalityGroup, Tier
+from ..cache.table import Segment, compile_segments
+from ..config import CacheConfig
+from ..content import ContentKey, KeyMaker, tenant_scope
+from ..errors import CapacityError, CorruptDataError, MMTierError
+from ..eviction import EvictionPolicy
+from ..kernels.layout import PagedKV
+from ..pages.copies import view_runs
+from ..pages.pool import PagePool
+from ..stats import Counters, TierUsage
+from ..storage import DiskTier, HostTier, Mover
+from ..storage.host import HostEntry
+from ..storage.staging import StagingPool
 
 WAIT_S = 120.0
 HIGH_WATER = 0.9
