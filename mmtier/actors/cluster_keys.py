@@ -5,10 +5,10 @@ the check every key passed in goes through."""
 
 from __future__ import annotations
 
-from ..cache.keys import DEFAULT_TENANT
+from ..cache.keys import media_key, salt_of
 from ..config import CacheConfig
-from ..content import ContentKey, KeyMaker, media_digest, tenant_salt
-from ..errors import DTypeError, ForeignKeyError, UnknownModalityError
+from ..content import ContentKey, KeyMaker
+from ..errors import UnknownModalityError
 
 
 class ClusterKeys:
@@ -17,21 +17,13 @@ class ClusterKeys:
         self.maker = KeyMaker(cfg.model, cfg.key_secret)
 
     def salt(self, tenant: str | None) -> bytes:
-        tenant = DEFAULT_TENANT if tenant is None else tenant
-        if not isinstance(tenant, str) or not tenant:
-            raise ForeignKeyError(f"tenant must be a non-empty string, got {tenant!r}")
-        return tenant_salt(self.cfg.key_secret, tenant)
+        return salt_of(self.cfg, tenant)
 
     def content_key(self, modality: str, media: bytes | bytearray | memoryview, *,
                     tenant: str | None = None, parent: ContentKey | None = None,
                     params: dict[str, object] | None = None) -> ContentKey:
         """The key of a media item: the same bytes give the same key on every node."""
-        spec = self.cfg.spec(modality)
-        if not isinstance(media, (bytes, bytearray, memoryview)):
-            raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
-        return self.maker.derive(modality=modality, layout=spec.layout_fields(),
-                                 media=media_digest(media, params), tenant_salt=self.salt(tenant),
-                                 parent=parent)
+        return media_key(self.cfg, self.maker, modality, media, tenant=tenant, parent=parent, params=params)
 
     def chain_key(self, modality: str | None, chain: bytes, tenant: str | None) -> ContentKey:
         """The key of the prefix whose chain digest is ``chain`` (``modality``: its last part's;

@@ -15,6 +15,27 @@ from .table import SequenceHandle, SequenceTable
 DEFAULT_TENANT = "default"
 
 
+def salt_of(cfg: CacheConfig, tenant: str | None) -> bytes:
+    """The salt of ``tenant`` (``None``: the default tenant) under ``cfg``'s secret; a tenant that
+    is not a non-empty string is refused (``ForeignKeyError``)."""
+    tenant = DEFAULT_TENANT if tenant is None else tenant
+    if not isinstance(tenant, str) or not tenant:
+        raise ForeignKeyError(f"tenant must be a non-empty string, got {tenant!r}")
+    return tenant_salt(cfg.key_secret, tenant)
+
+
+def media_key(cfg: CacheConfig, maker: KeyMaker, modality: str, media: bytes | bytearray | memoryview, *,
+              tenant: str | None, parent: ContentKey | None,
+              params: dict[str, object] | None) -> ContentKey:
+    """The key of a media item under ``cfg``: the same bytes, layout, tenant and parent give the
+    same key in every cache and on every node (``TieredKVCache`` and ``ClusterCache`` both)."""
+    spec = cfg.spec(modality)
+    if not isinstance(media, (bytes, bytearray, memoryview)):
+        raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
+    return maker.derive(modality=modality, layout=spec.layout_fields(), media=media_digest(media, params),
+                        tenant_salt=salt_of(cfg, tenant), parent=parent)
+
+
 class CacheKeys:
     """Keys and tenants. Holds no state of its own beyond what it is given: the config, the key
     maker, the lineage the keys it derives are noted in, and the lock that guards the lineage."""
@@ -23,20 +44,12 @@ class CacheKeys:
         self.cfg, self.maker, self.lineage, self.lock = cfg, maker, lineage, lock
 
     def salt(self, tenant: str | None) -> bytes:
-        tenant = DEFAULT_TENANT if tenant is None else tenant
-        if not isinstance(tenant, str) or not tenant:
-            raise ForeignKeyError(f"tenant must be a non-empty string, got {tenant!r}")
-        return tenant_salt(self.cfg.key_secret, tenant)
+        return salt_of(self.cfg, tenant)
 
     def content_key(self, modality: str, media: bytes | bytearray | memoryview, *,
                     tenant: str | None = None, parent: ContentKey | None = None,
                     params: dict[str, object] | None = None) -> ContentKey:
-        spec = self.cfg.spec(modality)
-        if not isinstance(media, (bytes, bytearray, memoryview)):
-            raise DTypeError(f"media must be bytes-like, got {type(media).__name__}")
-        key = self.maker.derive(
-            modality=modality, layout=spec.layout_fields(), media=media_digest(media, params),
-            tenant_salt=self.salt(tenant), parent=parent)
+        key = media_key(self.cfg, self.maker, modality, media, tenant=tenant, parent=parent, params=params)
         if parent is not None:
             with self.lock:
                 self.lineage.note(key, parent)
