@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ..stats.machine import machine
 
-CONFIG = Path(__file__).resolve().parents[1] / "configs" / "serve-llm-cpu.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "serve-llm-cpu.yaml"
 
 
 @dataclass(frozen=True)
