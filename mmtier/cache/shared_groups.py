@@ -11,7 +11,7 @@ from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
-from ..pages.payload import check_kv, check_payload, write_embedding, write_fresh_pages
+from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
 from ..stats import Counters
 from .group_index import GroupIndex
 from .keys import CacheKeys
@@ -40,9 +40,16 @@ class SharedGroups:
     def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
         self.residency.check_open()
         spec = self.keyer.check_key(key, "kv")
-        n = check_kv(spec, k, v, block_split=True)
+        n = check_kv(spec, k, v, block_split=True, finite=False)
         backend = self.cfg.attention_backend
-        return self.store(key, spec, n, lambda pool, pages: write_fresh_pages(pool, k, v, pages, backend))
+        finite = FiniteCheck(spec, k, v)      # the NaN / Inf scan, beside the copy into pages
+        try:
+            stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(pool, k, v, pages, backend),
+                                ready=finite.wait)
+            finite.wait()                     # a key already held: the payload is still checked
+            return stored
+        finally:
+            finite.settle()
 
     def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:
         self.residency.check_open()
@@ -53,8 +60,11 @@ class SharedGroups:
         check_payload(spec, x)
         return self.store(key, spec, x.shape[0], lambda pool, pages: write_embedding(pool, x, pages))
 
-    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write) -> bool:
-        """A new shared group of ``n`` tokens: pages (making room), ``write(pool, pages)``, index."""
+    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write, ready=None) -> bool:
+        """A new shared group of ``n`` tokens: pages (making room), ``write(pool, pages)``, then
+        ``ready()`` (a check of the payload that ran beside the write: it raises to refuse it),
+        index. A refusal frees the pages and records nothing; room made for them by moving
+        groups one tier down stays made (those groups are intact there)."""
         with self.lock:
             self.residency.lower.apply_completions()
             if key in self.index:
@@ -66,6 +76,8 @@ class SharedGroups:
                 return False
             try:
                 write(pool, pages)
+                if ready is not None:
+                    ready()
             except BaseException:            # nothing recorded: the call changes nothing
                 pool.free(pages)
                 raise

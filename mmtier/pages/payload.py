@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 
@@ -11,22 +12,24 @@ from ..config import ModalitySpec
 from ..errors import DTypeError, ShapeError
 from ..kernels import write_kv
 from ..kernels.layout import INDEX_DTYPE
+from .beside import beside, settle
 from .copies import EngineBlocks, kv_into_pages
 from .pool import PagePool
 
 
-def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
+def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False, finite: bool = True) -> int:
     """K and V must both be ``[num_layers, n > 0, num_kv_heads, head_dim]`` of the spec's dtype,
     finite. Returns ``n``. ``block_split``: ``[num_layers, blocks > 0, page_size, num_kv_heads,
     head_dim]`` is taken too (``n = blocks * page_size``): an engine's blocks staged as it lays
-    them, whose token axis is no single stride (``pages.copies``)."""
+    them, whose token axis is no single stride (``pages.copies``). ``finite=False``: shapes and
+    dtypes only; the caller scans for NaN / Inf itself (``FiniteCheck``, beside its copy)."""
     if block_split and isinstance(k, EngineBlocks):
         if v is not k:
             raise ShapeError("EngineBlocks are passed as both k and v")
         k.check((spec.num_layers, k.num_tokens, spec.num_kv_heads, spec.head_dim), spec.torch_dtype)
         if k.block_shape[0] != spec.page_size:
             raise ShapeError(f"{spec.name}: blocks of {k.block_shape[0]} tokens, pages of {spec.page_size}")
-        if not blocks_finite(k):
+        if finite and not blocks_finite(k):
             raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
         return k.num_tokens
     for name, t in (("k", k), ("v", v)):
@@ -38,7 +41,11 @@ def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
             raise ShapeError(f"{spec.name}: block-split k and v must be [{spec.num_layers}, blocks > 0, "
                              f"{spec.page_size}, {spec.num_kv_heads}, {spec.head_dim}] alike, got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        check_payloads(spec, k, v)
+        for t in (k, v):
+            if t.dtype != spec.torch_dtype:
+                raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
+        if finite and not kv_finite(k, v):
+            raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
         return k.shape[1] * k.shape[2]
     want = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
     if k.dim() != 4 or (k.shape[0], k.shape[2], k.shape[3]) != want or k.shape != v.shape:
@@ -46,24 +53,52 @@ def check_kv(spec: ModalitySpec, k, v, *, block_split: bool = False) -> int:
                          f"{spec.head_dim}] alike, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[1] == 0:
         raise ShapeError(f"{spec.name}: no tokens to store")
-    check_payload(spec, k)
-    check_payload(spec, v)
+    for t in (k, v):
+        if t.dtype != spec.torch_dtype:
+            raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
+    if finite and not kv_finite(k, v):
+        raise DTypeError(f"{spec.name}: NaN or Inf in the payload")
     return k.shape[1]
 
 
-def check_payloads(spec: ModalitySpec, *ts: torch.Tensor) -> None:
-    """``check_payload`` of each; tensors that are together exactly one storage's elements (an
-    engine's stage, K and V interleaved) are checked in one dense pass over that storage
-    (strided reductions run several times slower), the exact per-tensor check deciding only
-    when that pass finds a non-finite value."""
-    for t in ts:
-        if t.dtype != spec.torch_dtype:
-            raise DTypeError(f"{spec.name}: expected {spec.dtype}, got {t.dtype}")
-    flat = dense_storage(ts)
+def kv_finite(k, v) -> bool:
+    """Whether every element of a put's K and V is finite, exactly: an engine's blocks by
+    ``blocks_finite``; tensors that are together exactly one storage's elements (an engine's
+    stage, K and V interleaved) in one dense pass over that storage (strided reductions run
+    several times slower), the exact per-tensor check deciding only when that pass finds a
+    non-finite value; otherwise each tensor on its own."""
+    if isinstance(k, EngineBlocks):
+        return blocks_finite(k)
+    flat = dense_storage((k, v))
     if flat is not None and all_finite(flat):
-        return
-    for t in ts:
-        check_payload(spec, t)
+        return True
+    return all(t.numel() == 0 or all_finite(t) for t in (k, v))
+
+
+class FiniteCheck:
+    """A put's NaN / Inf scan (``kv_finite``) run beside the copy into pages (``pages.beside``:
+    on CPU tensors both passes read the same bytes at once, so the scan adds little to the
+    put); on a GPU, in line (its reductions are asynchronous anyway). ``wait()`` raises
+    ``DTypeError`` for a payload that is not finite; the caller waits before the group becomes
+    visible, and ``settle()`` on every way out, so no scan outlives the call."""
+
+    def __init__(self, spec: ModalitySpec, k, v):
+        self.name = spec.name
+        device = k.device if isinstance(k, (torch.Tensor, EngineBlocks)) else None
+        self._future: Future[bool] | None = None
+        self._ok: bool | None = None
+        if device is not None and device.type == "cpu":
+            self._future = beside(kv_finite, k, v)
+        else:
+            self._ok = kv_finite(k, v)
+
+    def wait(self) -> None:
+        ok = self._ok if self._future is None else self._future.result()
+        if not ok:
+            raise DTypeError(f"{self.name}: NaN or Inf in the payload")
+
+    def settle(self) -> None:
+        settle(self._future)
 
 
 def dense_storage(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
