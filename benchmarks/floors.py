@@ -2,7 +2,7 @@
 
 - ``read_bandwidth``: a streaming read (a float32 sum) of a buffer on the device or in host memory;
 - ``disk_read_bandwidth``: a cold sequential read of a directory's own files (page cache dropped
-  first), up to a byte limit; ``disk_write_bandwidth``: an fsync'd sequential write;
+  first), up to a byte limit, buffered or ``O_DIRECT``; ``disk_write_bandwidth``: an fsync'd sequential write;
 - ``cpu_attention_rate``: bytes/s of the cache's CPU attention path over its in-memory pages, from
   the CPU seconds it spends (the compute a CPU decode cannot go below on an idle machine);
 - ``Floors``: per resource seconds (bytes / bandwidth) and the two floors built from them: the
@@ -72,16 +72,30 @@ def drop_file_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def disk_read_bandwidth(directory: Path, limit: int) -> float:
+def disk_read_bandwidth(directory: Path, limit: int, direct: bool = False) -> float:
     """Cold sequential read of the directory's Arrow files (page cache dropped first), until
-    ``limit`` bytes."""
+    ``limit`` bytes, in 8 MiB reads: buffered, or with ``direct`` ``O_DIRECT`` into one
+    page-aligned buffer (what the disk tier's layer reads do: no page-cache copy)."""
+    import mmap
+
     drop_file_cache(directory)
     files = sorted(directory.glob("*.arrow"))
+    buf = memoryview(mmap.mmap(-1, 8 << 20)) if direct else None   # page-aligned, reused
     got, t0 = 0, time.perf_counter()
     for path in files:
-        with open(path, "rb", buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                got += len(chunk)
+        if buf is not None:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                at = 0
+                while n := os.preadv(fd, [buf], at):
+                    at += n
+                    got += n
+            finally:
+                os.close(fd)
+        else:
+            with open(path, "rb", buffering=0) as f:
+                while chunk := f.read(8 << 20):
+                    got += len(chunk)
         if got >= limit:
             break
     return got / max(time.perf_counter() - t0, 1e-9)

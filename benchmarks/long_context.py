@@ -24,11 +24,13 @@ layer's attention over every token, computed where the pages live and merged by 
 
 - ``--repeats`` pairs (5), after one untimed step (a decode loop's steady state): each pair
   measures every resource's bandwidth (device and host: a streaming read; disk: a cold read of
-  the tier's own files, up to 2 GiB, page cache dropped first) and, on the CPU, the attention
+  the tier's own files, up to 2 GiB, page cache dropped first, the faster of a buffered and an
+  ``O_DIRECT`` read, as the tier's layer reads go direct where they can) and, on the CPU, the attention
   path's own rate over in-memory pages (in CPU seconds per intra-op thread, which other jobs on
   the machine do not inflate), then one decode with the tier's files dropped from the page
-  cache (wall seconds; ``decode_cpu_s`` beside: the process's CPU seconds). The bandwidths swing between runs on a shared machine; the pairing keeps each
-  decode beside the floor measured with it.
+  cache (wall seconds; ``decode_cpu_s`` beside: the process's CPU seconds, split into
+  ``decode_user_s`` and ``decode_sys_s``). The bandwidths swing between runs on a shared
+  machine; the pairing keeps each decode beside the floor measured with it.
 - ``decode_over_overlap_floor`` (headline): decode over the largest of the independent
   resources' times -- memory (device + host bytes on the CPU; device and host apart on a GPU),
   disk, and on the CPU the compute (all bytes at the attention path's rate) -- i.e. against a
@@ -194,7 +196,11 @@ def measure_floors(cache, table, per_tier: dict, q: torch.Tensor, device: str,
     dev, host, disk = per_tier[Tier.DEVICE], per_tier[Tier.HOST], per_tier[Tier.DISK]
     bw_dev = read_bandwidth(min(dev or (64 << 20), 512 << 20), device)
     bw_host = read_bandwidth(min(host or (64 << 20), 512 << 20), "cpu")
-    bw_disk = disk_read_bandwidth(spill, min(disk, PROBE_BYTES)) if disk else None
+    # the disk's floor is the faster of a buffered and a direct read (the tier reads direct
+    # where the file system allows it), each measured now
+    bw_buffered = disk_read_bandwidth(spill, min(disk, PROBE_BYTES)) if disk else None
+    bw_direct = _direct_bandwidth(spill, min(disk, PROBE_BYTES)) if disk else None
+    bw_disk = max(bw_buffered or 0, bw_direct or 0) or None
     res: dict[str, float] = {}
     if device == "cpu":        # one memory: both tiers stream through the same channels
         res["memory"] = (dev + host) / ((bw_dev + bw_host) / 2)
@@ -206,7 +212,16 @@ def measure_floors(cache, table, per_tier: dict, q: torch.Tensor, device: str,
     if device == "cpu":
         compute = sum(per_tier.values()) / cpu_attention_rate(cache, table, q)
     return Floors(res, compute), {"device_read_gbps": bw_dev / 1e9, "host_read_gbps": bw_host / 1e9,
-                                  "disk_read_gbps": (bw_disk or 0) / 1e9}
+                                  "disk_read_gbps": (bw_disk or 0) / 1e9,
+                                  "disk_read_buffered_gbps": (bw_buffered or 0) / 1e9,
+                                  "disk_read_direct_gbps": (bw_direct or 0) / 1e9}
+
+
+def _direct_bandwidth(spill: Path, nbytes: int) -> float | None:
+    try:
+        return disk_read_bandwidth(spill, nbytes, direct=True)
+    except OSError:              # the file system refuses O_DIRECT: the buffered read is the floor
+        return None
 
 
 def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_heads: int,
@@ -246,17 +261,20 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
                 return last
 
             step()                    # one step first, as in a decode loop (buffers, code paths)
-            runs, floors, decodes, cpu_s = [], [], [], []
+            runs, floors, decodes, cpu_s, user_s, sys_s = [], [], [], [], [], []
             out = torch.full_like(qs[0], float("nan"))
             for _ in range(repeats):
                 fl, bws = measure_floors(cache, table, per_tier, qs[0], device, spill)
                 drop_file_cache(spill)
                 _sync(device)
-                t1, c1 = time.perf_counter(), time.process_time()
+                t1, c1, o1 = time.perf_counter(), time.process_time(), os.times()
                 out = step()
                 _sync(device)
                 decodes.append(time.perf_counter() - t1)
                 cpu_s.append(time.process_time() - c1)
+                o2 = os.times()
+                user_s.append(o2.user - o1.user)
+                sys_s.append(o2.system - o1.system)
                 floors.append(fl)
                 runs.append(bws)
             bw_write = disk_write_bandwidth(Path(tmp), min(total_bytes, 256 << 20))
@@ -281,7 +299,8 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
     figures.update({
         "decode_s": spread(decodes).median, "decode_s_best": spread(decodes).best,
         "decode_s_worst": spread(decodes).worst,
-        "decode_cpu_s": spread(cpu_s).median, "load_avg_1min_at_end": os.getloadavg()[0],
+        "decode_cpu_s": spread(cpu_s).median, "decode_user_s": spread(user_s).median,
+        "decode_sys_s": spread(sys_s).median, "load_avg_1min_at_end": os.getloadavg()[0],
         "overlap_floor_s": floors[mid].overlap_s, "summed_floor_s": floors[mid].summed_s,
         "overlap_floor_bound": floors[mid].bound,
         **{f"floor_{k}_s": v for k, v in floors[mid].resources.items()},

@@ -71,7 +71,7 @@ from .arrow_format import (
     slice_rows,
 )
 from .disk_reads import DiskReads
-from .layer_extent import LayerExtent, frame_digest, layer_major, layer_sums
+from .layer_extent import LayerExtent, direct_align, frame_digest, layer_major, layer_sums
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class DiskTier(DiskReads, StorageTier):
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
                  scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4,
-                 read_ahead_layers: int = 1):
+                 read_ahead_layers: int = 1, direct_reads: bool = True):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -142,7 +142,11 @@ class DiskTier(DiskReads, StorageTier):
         self.scan_threads = scan_threads
         self.write_concurrency = write_concurrency
         self.read_threads = read_threads
-        self.read_ahead_layers = read_ahead_layers   # a layer read asks the kernel for the next ones
+        self.read_ahead_layers = read_ahead_layers   # a buffered layer read asks the kernel for the next ones
+        # layer reads with O_DIRECT where aligned (``layer_extent.read_direct``); the writer
+        # pads each layer's extent to the device's logical block for them
+        self.direct_reads = direct_reads
+        self.io_align = direct_align(os.stat(self.dir).st_dev) if direct_reads else 1
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
@@ -239,7 +243,7 @@ class DiskTier(DiskReads, StorageTier):
             raise ShapeError(f"{spec.name}: {sum(r.shape[0] for r in rows)} pages for {n} needed")
         per_file = max(1, self.chunk_bytes // spec.page_bytes)
         num_chunks = max(1, -(-n // per_file))
-        need = n * spec.page_bytes + num_chunks * FILE_OVERHEAD
+        need = n * spec.page_bytes + num_chunks * (FILE_OVERHEAD + spec.page_layers * self.io_align)
         while True:
             with self._lock:
                 if self._closed:
@@ -343,7 +347,7 @@ class DiskTier(DiskReads, StorageTier):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
             layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers)
             row_sums, layer_digests = await loop.run_in_executor(None, layer_sums, layers)
-            parts, offsets = serialize(meta, lb, layers, row_sums)
+            parts, offsets = serialize(meta, lb, layers, row_sums, self.io_align)
             name = file_name(key.modality, key.hex, c, num_chunks)
             size = await self._write_file(self.dir / name, parts, written)
             total += size

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import json
 import os
 from collections.abc import Sequence
@@ -52,6 +53,7 @@ OLD_FORMATS = (1,)  # recognised, not read (see the module's docstring)
 SUFFIX = ".arrow"
 _META = b"mmtier.meta"
 _META_SUM = b"mmtier.meta.xxh3"
+_PAD = b"mmtier.pad"
 _CHUNK_FIELDS = ("chunk", "first_page", "chunk_pages", "writer")   # per file, not per group
 FILE_OVERHEAD = 4096  # bytes a file adds to its pages, at most (budget estimate)
 
@@ -150,22 +152,54 @@ def schema_of(meta: dict, page_bytes: int) -> pa.Schema:
                      metadata={_META: blob, _META_SUM: xxhash.xxh3_64_hexdigest(blob).encode()})
 
 
-def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray
+def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndarray, align: int = 1
               ) -> tuple[list[object], list[int] | None]:
     """The bytes of one Arrow IPC file as parts (large parts alias ``rows``: no copy), and the
     file offset of each row block's page data (``None`` if the writer copied them, so they
-    could not be located; the first read then learns them from the footer)."""
+    could not be located; the first read then learns them from the footer).
+
+    ``align`` (a power of two over 8): each row block's page data starts at a multiple of it,
+    so a layer's extent can be read with ``O_DIRECT`` (``layer_extent.read_direct``). The pad
+    goes in the record batch's own custom metadata (``mmtier.pad``: spaces), which lengthens
+    its message by as many bytes; the file stays plain Arrow IPC and the pad is part of the
+    frame, checked like every byte outside the extents."""
     schema = schema_of(meta, page_bytes)
+    batches = [pa.record_batch([pa.FixedSizeBinaryArray.from_buffers(pa.binary(page_bytes), r.shape[0],
+                                                                     [None, pa.py_buffer(r)]),
+                                pa.array(sums[at:at + r.shape[0]], pa.uint64())], schema=schema)
+               for r, at in zip(rows, itertools.accumulate([0, *(r.shape[0] for r in rows)]))]
+    starts = _data_starts(schema, batches, rows) if align > 8 and all(r.shape[0] for r in rows) else None
+    pads = starts is not None
+    first, later = starts or (0, 0)
     sink = _Sink()
     with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
-        at = 0
-        for r in rows:
-            k = r.shape[0]
-            col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(page_bytes), k, [None, pa.py_buffer(r)])
-            writer.write_batch(pa.record_batch([col, pa.array(sums[at:at + k], pa.uint64())], schema=schema))
-            at += k
+        for i, b in enumerate(batches):
+            if pads:
+                start = first if i == 0 else sink.pos + later
+                writer.write_batch(b, custom_metadata={_PAD: b" " * ((-start) % align)})
+            else:
+                writer.write_batch(b)
     where = sink.offsets_of([r.ctypes.data for r in rows if r.shape[0]])
     return sink.coalesced(), where
+
+
+def _data_starts(schema: pa.Schema, batches: list[pa.RecordBatch], rows: list[np.ndarray]
+                 ) -> tuple[int, int] | None:
+    """Where the first batch's page data lands in the file (after the magic and the schema) and
+    how far past a later batch's start its page data lands, each with an empty pad (written to
+    a scratch sink: the messages alias the rows, nothing is copied). A pad of ``8 * m`` bytes
+    moves them by as many (the metadata is padded to 8 bytes). ``None`` if the writer copied
+    the page data (it cannot be located)."""
+    sink = _Sink()
+    with pa.ipc.new_file(pa.PythonFile(sink, mode="w"), schema) as writer:
+        writer.write_batch(batches[0], custom_metadata={_PAD: b""})
+        before = sink.pos
+        if len(batches) > 1:
+            writer.write_batch(batches[1], custom_metadata={_PAD: b""})
+        at = sink.offsets_of([r.ctypes.data for r in rows[:2]])
+    if at is None:
+        return None
+    return at[0], (at[1] - before if len(at) > 1 else 0)
 
 
 def read_meta(schema: pa.Schema, formats: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:

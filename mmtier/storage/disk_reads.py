@@ -11,8 +11,10 @@ index, the writes, quarantine and warm restart).
   attention over disk: the same lean read per file with one destination view and one look at
   the index for the batch; anything else falls back to ``get``.
 - ``get_layer``: one layer of every page (``read_layer_extent``: one contiguous extent per
-  file in the layer-major format, the next ``read_ahead_layers`` layers' extents handed to the
-  kernel to read meanwhile), for per-layer attention calls.
+  file in the layer-major format, read with ``O_DIRECT`` straight into the destination where
+  it and the extent are aligned (``direct_reads``), else buffered with the next
+  ``read_ahead_layers`` layers' extents handed to the kernel to read meanwhile), for per-layer
+  attention calls.
 
 Any failure is a miss: counted, the group's files quarantined, ``None``; never wrong data.
 """
@@ -188,7 +190,7 @@ class DiskReads:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
             at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest,
-                                    self.read_ahead_layers)
+                                    self.read_ahead_layers, self.direct_reads)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return at * dest.page_bytes
