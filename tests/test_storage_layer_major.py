@@ -1,7 +1,7 @@
 """The disk tier's layer-major file format (version 2) with real files: the file holds one
 record batch per layer, bitwise the pages' layer slices; a layer of a chunk is one contiguous
-extent, read alone, and the next layer's extent is handed to the kernel meanwhile; damage is a
-miss and quarantined on every read path (lean whole read, layer read, the first full read after
+extent, read alone, and (read buffered) the next layer's extent is handed to the kernel
+meanwhile; damage is a miss and quarantined on every read path (lean whole read, layer read, the first full read after
 a warm restart); version-1 files are never read; attention streamed from layer-major files
 equals the float64 oracle, before and after a warm restart."""
 
@@ -227,12 +227,13 @@ def _drop(path) -> None:
 
 @pytest.mark.parametrize("ahead", [0, 1])
 def test_a_layer_read_hands_the_next_layers_extent_to_the_kernel(tmp_path, ahead):
-    """With ``read_ahead_layers=1`` reading layer 0 leaves layer 1's extent in the page cache
-    (read by the kernel meanwhile), not layer 2's; with 0, neither."""
+    """A buffered layer read (``direct_reads=False``; also the fallback where ``O_DIRECT``
+    cannot be used): with ``read_ahead_layers=1`` reading layer 0 leaves layer 1's extent in
+    the page cache (read by the kernel meanwhile), not layer 2's; with 0, neither."""
     cfg = CacheConfig(model=MODEL, num_layers=3, num_kv_heads=8, head_dim=128, dtype="float16",
                       modalities={"vision": {"page_size": 64}}, device="cpu", device_bytes=1 << 20)
     spec = cfg.spec("vision")                                   # 256 KiB a layer of a page
-    disk = tier(tmp_path, read_ahead_layers=ahead, chunk_bytes=128 << 20)
+    disk = tier(tmp_path, read_ahead_layers=ahead, chunk_bytes=128 << 20, direct_reads=False)
     n = 96          # 24 MiB a layer extent: past the kernel's own readahead (up to 8 MiB here)
     pages = rand_pages(spec, n, seed=3)
     k = key_of(spec, 5)

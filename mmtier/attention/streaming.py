@@ -11,9 +11,9 @@ and the cores busy at once:
   not pay fresh page faults for the buffers of the last one);
 - an attention call is for one layer, so where a modality's pages hold several layers only
   that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, one contiguous
-  extent per file in the layer-major format, verified against that extent's digest, the next
-  layer's extent handed to the kernel to read meanwhile) into a one-layer buffer, compiled
-  with layer index 0;
+  extent per file in the layer-major format, read with ``O_DIRECT`` into the page-aligned
+  staging buffer where it can be, verified against that extent's digest) into a one-layer
+  buffer, compiled with layer index 0;
 - meanwhile the caller computes the device part, then the batches that have landed
   (``states(wait=False)``), then the host part;
 - ``states`` then takes the remaining batches in the order they complete and runs the CPU path
@@ -47,7 +47,11 @@ from ..storage.mover import Mover
 from ..storage.staging import StagingPool
 
 BATCH_BYTES = 8 << 20
-READERS = 2   # batches read at once: more only fight over the GIL and the cores (measured)
+# Batches read at once. With buffered reads more than 2 only fought over the GIL and the cores
+# (each reader copied out of the page cache); with O_DIRECT layer reads a reader sleeps in the
+# device, and 4 kept the disk busier: a read-only stream of 5.4 GB (Qwen2.5-VL shape, 131K
+# tokens) ran at 1.17-1.37 GB/s against 0.87-1.07 with 2, and decode steps 5-30 % faster.
+READERS = 4
 
 
 class DiskStream:
