@@ -1,5 +1,5 @@
 """Layer reads with ``O_DIRECT`` (real files on the test's file system): the writer pads every
-layer's extent to the device's logical block; a layer read into an aligned destination goes
+layer's extent of at least 64 KiB to the device's logical block (smaller ones stay unpadded); a layer read into an aligned destination goes
 around the page cache and is bitwise the layer; a flipped byte in it is a miss and quarantined;
 an unaligned destination, a file written without the pad and a tier with ``direct_reads=False``
 read buffered, bitwise the same; where the device's block is larger than the alignment, the
@@ -18,7 +18,12 @@ import torch
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.cache.groups import Tier
 from mmtier.storage.arrow_format import DestPages
-from mmtier.storage.layer_extent import direct_align, read_direct, read_layer_extent
+from mmtier.storage.layer_extent import (
+    DIRECT_MIN_EXTENT,
+    direct_align,
+    read_direct,
+    read_layer_extent,
+)
 from mmtier.storage.staging import StagingPool
 from tests.oracle import oracle_attention, rel_err
 
@@ -35,13 +40,15 @@ def aligned_empty(n: int, shape, dtype, skew: int = 0) -> torch.Tensor:
     return raw[at:at + nbytes].view(dtype).view(n, *shape)
 
 
-def _written(tmp_path, name: str, direct: bool = True, n: int = 7):
-    text = specs(3)[0]
-    disk = tier(tmp_path / name, chunk_bytes=4 * text.page_bytes, direct_reads=direct)   # 2 files
-    pages = rand_pages(text, n, seed=11)
-    k = key_of(text, 4)
-    entry = disk.put(k, text, n * text.page_size, pages)
-    return disk, text, pages, k, entry
+def _written(tmp_path, name: str, direct: bool = True, n: int = 10):
+    """A 3-layer group of ``n`` pages in files of 5 (a layer's extent: 75 KiB, padded)."""
+    spec = specs(3)[1]
+    assert 5 * spec.layer_bytes >= DIRECT_MIN_EXTENT
+    disk = tier(tmp_path / name, chunk_bytes=5 * spec.page_bytes, direct_reads=direct)
+    pages = rand_pages(spec, n, seed=11)
+    k = key_of(spec, 4)
+    entry = disk.put(k, spec, n * spec.page_size, pages)
+    return disk, spec, pages, k, entry
 
 
 def test_written_extents_start_on_the_device_block_and_whole_reads_are_unchanged(tmp_path):
@@ -53,9 +60,17 @@ def test_written_extents_start_on_the_device_block_and_whole_reads_are_unchanged
     plain, _, same, k2, e2 = _written(tmp_path, "b", direct=False)
     assert plain.io_align == 1
     assert any(off % 512 for x in e2.extents for off in x.offsets)   # not padded: Arrow's own 8s
-    for d, key in ((disk, k), (plain, k2)):
-        out = torch.full_like(pages, 3)
-        assert d.get(key, text, MODEL, out=out) is out and same_bytes(out, pages)
+    small_spec = specs(3)[0]                                         # 1.5 KiB a layer of a page
+    small, k3 = rand_pages(small_spec, 7, seed=12), key_of(small_spec, 5)
+    e3 = disk.put(k3, small_spec, 7 * small_spec.page_size, small)   # extents under 64 KiB
+    assert 7 * small_spec.layer_bytes < DIRECT_MIN_EXTENT
+    assert any(off % 512 for x in e3.extents for off in x.offsets)   # left unpadded
+    for d, key, sp, want in ((disk, k, text, pages), (plain, k2, text, pages), (disk, k3, small_spec, small)):
+        out = torch.full_like(want, 3)
+        assert d.get(key, sp, MODEL, out=out) is out and same_bytes(out, want)
+        layer = aligned_empty(want.shape[0], sp.layer_shape, sp.torch_dtype)
+        assert d.get_layer(key, sp, MODEL, 1, out=layer) is layer
+        assert same_bytes(layer, want[:, 1:2].contiguous())
 
 
 def test_an_aligned_layer_read_bypasses_the_page_cache_and_equals_the_layer(tmp_path):
@@ -118,15 +133,15 @@ def test_the_direct_read_declines_where_the_device_block_is_larger_than_the_alig
         span = extent.pages * extent.layer_bytes
         buf = aligned_empty(span, (), torch.uint8).numpy()
         if read_direct(path, extent, buf, extent.offsets[0]):    # tmpfs may refuse O_DIRECT
-            assert buf.tobytes() == pages[:4, 0:1].contiguous().view(torch.uint8).numpy().tobytes()
+            assert buf.tobytes() == pages[:5, 0:1].contiguous().view(torch.uint8).numpy().tobytes()
         skewed = aligned_empty(span, (), torch.uint8, skew=512).numpy()
         skewed[:] = 7
         assert not read_direct(path, extent, skewed, extent.offsets[0])
         assert (skewed == 7).all()
-        dest = DestPages(text, torch.from_numpy(skewed).view(text.torch_dtype).view(4, *text.layer_shape), 4,
+        dest = DestPages(text, torch.from_numpy(skewed).view(text.torch_dtype).view(5, *text.layer_shape), 5,
                          one_layer=True)
-        assert read_layer_extent(path, extent, 0, dest) == 4      # the caller reads buffered
-        assert skewed.tobytes() == pages[:4, 0:1].contiguous().view(torch.uint8).numpy().tobytes()
+        assert read_layer_extent(path, extent, 0, dest) == 5      # the caller reads buffered
+        assert skewed.tobytes() == pages[:5, 0:1].contiguous().view(torch.uint8).numpy().tobytes()
         disk.close()
 
 
@@ -154,13 +169,13 @@ def test_attention_streamed_with_direct_reads_equals_the_oracle(tmp_path, monkey
     cfg = CacheConfig(
         model="direct", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
         modalities={"text": ModalitySpec(page_size=16, share=0.5), "vision": ModalitySpec(page_size=32, share=0.5)},
-        device="cpu", device_bytes=2 * 2 * 32 * token + 64, host_bytes=0,
+        device="cpu", device_bytes=2 * 2 * 160 * token + 64, host_bytes=0,
         disk_dir=tmp_path / "spill", disk_bytes=64 << 20, disk_free_floor_bytes=0)
     gen = torch.Generator().manual_seed(5)
     data = {}
     with TieredKVCache(cfg) as cache:
         for i in range(10):
-            kind, n = ("vision", 60) if i % 2 else ("text", 30)
+            kind, n = ("vision", 150) if i % 2 else ("text", 130)     # layer extents over 64 KiB
             k, v = torch.randn(L, n, H, D, generator=gen), torch.randn(L, n, H, D, generator=gen)
             key = cache.content_key(kind, f"m{i}".encode(), tenant="t")
             cache.put(key, k, v)

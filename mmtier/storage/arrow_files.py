@@ -71,7 +71,14 @@ from .arrow_format import (
     slice_rows,
 )
 from .disk_reads import DiskReads
-from .layer_extent import LayerExtent, direct_align, frame_digest, layer_major, layer_sums
+from .layer_extent import (
+    DIRECT_MIN_EXTENT,
+    LayerExtent,
+    direct_align,
+    frame_digest,
+    layer_major,
+    layer_sums,
+)
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -243,7 +250,8 @@ class DiskTier(DiskReads, StorageTier):
             raise ShapeError(f"{spec.name}: {sum(r.shape[0] for r in rows)} pages for {n} needed")
         per_file = max(1, self.chunk_bytes // spec.page_bytes)
         num_chunks = max(1, -(-n // per_file))
-        need = n * spec.page_bytes + num_chunks * (FILE_OVERHEAD + spec.page_layers * self.io_align)
+        pads = min(n, per_file) * spec.layer_bytes >= DIRECT_MIN_EXTENT     # extents padded for O_DIRECT
+        need = n * spec.page_bytes + num_chunks * (FILE_OVERHEAD + (spec.page_layers * self.io_align if pads else 0))
         while True:
             with self._lock:
                 if self._closed:

@@ -46,7 +46,14 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
-from .layer_extent import LayerExtent, digest_of_slices, layer_slices, preadv_exact, read_frame
+from .layer_extent import (
+    DIRECT_MIN_EXTENT,
+    LayerExtent,
+    digest_of_slices,
+    layer_slices,
+    preadv_exact,
+    read_frame,
+)
 
 FORMAT_VERSION = 2
 OLD_FORMATS = (1,)  # recognised, not read (see the module's docstring)
@@ -158,8 +165,9 @@ def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndar
     file offset of each row block's page data (``None`` if the writer copied them, so they
     could not be located; the first read then learns them from the footer).
 
-    ``align`` (a power of two over 8): each row block's page data starts at a multiple of it,
-    so a layer's extent can be read with ``O_DIRECT`` (``layer_extent.read_direct``). The pad
+    ``align`` (a power of two over 8): each row block's page data starts at a multiple of it
+    where every row block holds at least ``DIRECT_MIN_EXTENT`` bytes, so a layer's extent can
+    be read with ``O_DIRECT`` (``layer_extent.read_direct``). The pad
     goes in the record batch's own custom metadata (``mmtier.pad``: spaces), which lengthens
     its message by as many bytes; the file stays plain Arrow IPC and the pad is part of the
     frame, checked like every byte outside the extents."""
@@ -168,7 +176,8 @@ def serialize(meta: dict, page_bytes: int, rows: list[np.ndarray], sums: np.ndar
                                                                      [None, pa.py_buffer(r)]),
                                 pa.array(sums[at:at + r.shape[0]], pa.uint64())], schema=schema)
                for r, at in zip(rows, itertools.accumulate([0, *(r.shape[0] for r in rows)]))]
-    starts = _data_starts(schema, batches, rows) if align > 8 and all(r.shape[0] for r in rows) else None
+    padded = align > 8 and all(r.shape[0] * page_bytes >= DIRECT_MIN_EXTENT for r in rows)
+    starts = _data_starts(schema, batches, rows) if padded else None
     pads = starts is not None
     first, later = starts or (0, 0)
     sink = _Sink()

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 _IOV_MAX = 512
 _MIN_ALIGN = 512                      # no device has a smaller logical block
+# Extents the writer pads to the device's block (for O_DIRECT reads): from this size a pad of
+# under one block costs at most 0.8 % of the bytes at 512-byte blocks (6 % at 4 KiB), and
+# the page-cache copy it saves is worth more than the syscalls; smaller ones read buffered.
+DIRECT_MIN_EXTENT = 64 << 10
 _DIRECT_REFUSED: set[str] = set()     # directories whose file system refused O_DIRECT
 
 
