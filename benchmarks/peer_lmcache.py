@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict:
                 # side's round is its two runs together: the disk serves the first writer of a
                 # round at up to 3x the second's speed (the pairs of 2026-12-02 00:31), so a
                 # ratio of one order per round measures the order, not the systems
-                halves = [seq] if r_op else [seq, seq[::-1]]
+                halves = [seq] if r_op or len(seq) < 2 else [seq, seq[::-1]]
                 runs: dict[str, list[dict]] = {}
                 for half in halves:
                     for side, op in half:
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     fig = figures(got, mine, args, info, loads, probes)
-    for name, per_round in orders.items():      # how much the order moved each side (seconds, 2nd/1st)
+    for name, per_round in orders.items():      # per round, each side: its seconds when first over when second
         fig[f"{name}_order_effect"] = "; ".join(f"{a:.2f}/{b:.2f}" for a, b in per_round)
     print_table(f"mmtier vs LMCache {info['version']}, {args.groups} groups of 32 MiB bf16 "
                 f"(medians of {args.rounds} paired rounds)",
