@@ -72,7 +72,7 @@ from .arrow_format import (
 )
 from .disk_reads import DiskReads
 from .layer_extent import LayerExtent, frame_digest, layer_major, layer_sums
-from .staging import StagingPool
+from .staging import MIN_BYTES, StagingPool
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class DiskTier(DiskReads, StorageTier):
         self.read_ahead_layers = read_ahead_layers   # a layer read asks the kernel for the next ones
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         # the writers' layer-major copies of their chunks, reused (one per write in flight)
-        self._write_buffers = StagingPool(write_concurrency * chunk_bytes)
+        self._write_buffers = StagingPool(write_concurrency * max(chunk_bytes, MIN_BYTES))
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
