@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
 from .base import Clock, EvictionPolicy, _Entry
-from .lanes import Ghosts, density
+from .lanes import Ghosts
 
 
 class ChainBIPPolicy(EvictionPolicy):
@@ -50,12 +50,14 @@ class ChainBIPPolicy(EvictionPolicy):
         self._bytes: dict[int, int] = {}      # gid -> bytes counted in ``tracked``
         self.tracked = 0                      # bytes of the groups tracked now ...
         self.peak = 0                         # ... and at most (the tiers' size once full)
+        # ``lanes.density``'s reference (the cheapest modality's cost per byte), fixed per config
+        self._cheapest = max(min(s.recompute_cost / s.token_bytes for s in cfg.modalities.values()), 1e-12)
 
-    def admits(self, group: ModalityGroup) -> bool:
-        """Rules 1-6 for a new group (rule 1 forgets the ghost's digest)."""
+    def _admits(self, group: ModalityGroup, nbytes: int) -> bool:
+        """Rules 1-6 for a new group of ``nbytes`` (rule 1 forgets the ghost's digest)."""
         if group.key is not None and self._ghost.take(group.key.digest):
             return True
-        if density(self.cfg, group) >= self.dense:
+        if group.recompute_cost / max(nbytes, 1) >= self.dense * self._cheapest:
             return True
         parent = group.parent
         if parent is None or parent.gid not in self._admitted:
@@ -67,17 +69,19 @@ class ChainBIPPolicy(EvictionPolicy):
         return group.key.digest[0] % self.admit_every == 0
 
     def on_insert(self, group: ModalityGroup) -> None:
-        self._admitted[group.gid] = self.admits(group)
-        self._bytes[group.gid] = group.nbytes
-        self.tracked += group.nbytes
-        self.peak = max(self.peak, self.tracked)
+        nbytes = group.nbytes
+        self._admitted[group.gid] = self._admits(group, nbytes)
+        self.tracked += nbytes - self._bytes.get(group.gid, 0)   # (a repeated insert)
+        self._bytes[group.gid] = nbytes
+        if self.tracked > self.peak:
+            self.peak = self.tracked
         super().on_insert(group)
 
     def on_remove(self, group: ModalityGroup) -> None:
-        if group.gid in self._admitted and group.key is not None:
-            self._ghost.add(group.key.digest, group.nbytes,
-                            max(int(self.ghost_tiers * self.peak), group.nbytes))
-        self.tracked -= self._bytes.pop(group.gid, 0)
+        nbytes = self._bytes.pop(group.gid, None)
+        if nbytes is not None and group.key is not None:
+            self._ghost.add(group.key.digest, nbytes, max(int(self.ghost_tiers * self.peak), nbytes))
+        self.tracked -= nbytes or 0
         self._admitted.pop(group.gid, None)
         super().on_remove(group)
 
