@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
         got: dict[str, dict[str, list[dict]]] = {name: {"mmtier": [], "lmcache": [], "raw": []}
                                                   for name, *_ in PAIRS}
         loads = []
+        orders: dict[str, list[tuple[float, float]]] = {}   # per round: each side's time second over first
         for r in range(args.rounds):
             loads.append(os.getloadavg()[0])
             for name, m_op, l_op, r_op in PAIRS:
@@ -144,11 +145,24 @@ def main(argv: list[str] | None = None) -> dict:
                 if r_op and seq.index(("raw", r_op)) < seq.index(("mmtier", m_op)):
                     seq.remove(("raw", r_op))
                     seq.insert(seq.index(("mmtier", m_op)) + 1, ("raw", r_op))
-                for side, op in seq:
-                    ans = run[side](op)
-                    if ans.get("equal") is False:
-                        raise AssertionError(f"{side} {op}: the bytes read back differ from the source")
-                    got[name][side].append(ans)
+                # a pair without raw copies runs in both orders each round (A B B A), and each
+                # side's round is its two runs together: the disk serves the first writer of a
+                # round at up to 3x the second's speed (the pairs of 2026-12-02 00:31), so a
+                # ratio of one order per round measures the order, not the systems
+                halves = [seq] if r_op or len(seq) < 2 else [seq, seq[::-1]]
+                runs: dict[str, list[dict]] = {}
+                for half in halves:
+                    for side, op in half:
+                        ans = run[side](op)
+                        if ans.get("equal") is False:
+                            raise AssertionError(f"{side} {op}: the bytes read back differ from the source")
+                        runs.setdefault(side, []).append(ans)
+                for side, answers in runs.items():
+                    got[name][side].append(merged(answers))
+                if len(halves) == 2:
+                    first, second = halves[0][0][0], halves[0][1][0]
+                    orders.setdefault(name, []).append(
+                        (runs[first][0]["s"] / runs[first][1]["s"], runs[second][1]["s"] / runs[second][0]["s"]))
         probes = {**mine.probes(), **{k: v for k, v in peer.call("probes").items() if k.startswith("lmcache_")}}
     finally:
         if mine is not None:
@@ -157,11 +171,25 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.dir:
             shutil.rmtree(work, ignore_errors=True)
     fig = figures(got, mine, args, info, loads, probes)
+    for name, per_round in orders.items():      # per round, each side: its seconds when first over when second
+        fig[f"{name}_order_effect"] = "; ".join(f"{a:.2f}/{b:.2f}" for a, b in per_round)
     print_table(f"mmtier vs LMCache {info['version']}, {args.groups} groups of 32 MiB bf16 "
                 f"(medians of {args.rounds} paired rounds)",
                 [(k, v) for k, v in fig.items() if not k.endswith(("_pairs", "_n"))])
     write_results("peer_lmcache", fig, args.out)
     return fig
+
+
+def merged(answers: list[dict]) -> dict:
+    """One side's answers of one round as one: seconds, byte and group counts added up (its
+    speed is then the bytes of both runs over their time together), ``halves`` how many."""
+    out = dict(answers[0])
+    for key in ("s", "s_no_fsync", "groups", "disk_bytes", "demotions"):
+        if key in out:
+            out[key] = sum(a[key] for a in answers)
+    out["halves"] = len(answers)
+    out["equal"] = all(a.get("equal", True) for a in answers)
+    return out
 
 
 def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes: dict) -> dict:
@@ -175,14 +203,14 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
     def bytes_of(name: str, side: str, ans: dict) -> float:
         """Bytes the op moved: a cache op only over the groups it touched on that tier."""
         if side == "lmcache":
-            return n * gb
+            return n * gb * ans.get("halves", 1)
         if name == "cache_get_host":
             return ans["groups"] * gb
         if name == "cache_cold_read":
             return ans["groups"] * gb
         if name == "cache_durable_write":
             return ans["disk_bytes"]
-        return n * gb
+        return n * gb * ans.get("halves", 1)
 
     sums = [a["s"] for a in got["host_checksums"]["mmtier"]]
     t_sum = sorted(sums)[len(sums) // 2] / n               # seconds per group

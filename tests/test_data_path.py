@@ -325,7 +325,7 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
 def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per_run):
     """The host read checks pages in runs of ``CHECK_BYTES`` and copies a run only once all its
     pages matched: with page 3 bad, the runs before its run land (bitwise), nothing after."""
-    import mmtier.storage.host as host_mod
+    import mmtier.storage.host_slabs as host_mod
 
     page_bytes = cfg(tmp_path).spec("text").page_bytes
     monkeypatch.setattr(host_mod, "CHECK_BYTES", per_run * page_bytes)

@@ -1,4 +1,4 @@
-"""S3-FIFO, ARC and DIP on tiny pools: exact victim orders, prefix chains, pins and leases, and
+"""S3-FIFO, ARC, DIP, duel and chain_bip on tiny pools: exact victim orders, prefix chains, pins and leases, and
 what bytes and recompute cost change (pages of 4 tokens, 64 bytes; vision costs twice text)."""
 
 from __future__ import annotations
@@ -7,7 +7,15 @@ import pytest
 
 from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.content import ContentKey, KeyMaker
-from mmtier.eviction import ARCPolicy, BimodalLRUPolicy, DIPPolicy, DuelPolicy, S3FIFOPolicy
+from mmtier.eviction import (
+    ARCPolicy,
+    BimodalLRUPolicy,
+    ChainBIPPolicy,
+    DIPPolicy,
+    DuelPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
 from mmtier.eviction.dip import BIP_LEADER, LRU_LEADER
 from mmtier.tiers.leases import LeaseTable
 
@@ -171,8 +179,75 @@ def test_dip_followers_insert_as_the_leader_that_misses_less():
     assert gs.order() == ["B", "L", "F2", "F1"]
 
 
+# ---------------------------------------------------------------------------------- chain_bip
+SAMPLED = [k for k in (key(i) for i in range(200)) if k.digest[0] % ChainBIPPolicy.admit_every == 0]
+OUTSIDE = [k for k in (key(i) for i in range(200)) if k.digest[0] % ChainBIPPolicy.admit_every != 0]
+
+
+def _shared(gs: Groups, name: str, uses: int = 2) -> ModalityGroup:
+    """A root that later lookups found ``uses`` times (twice and more: shared content)."""
+    g = add(gs, name, k=key(1000 + len(gs.by_name)))
+    for _ in range(uses):
+        reuse(gs, name)
+    return g
+
+
+def test_chain_bip_new_branches_off_shared_content_go_first_unless_sampled():
+    def run(cls) -> Groups:
+        gs = Groups(cls(CFG))
+        add(gs, "x", k=key(900))                      # a root: admitted
+        a = _shared(gs, "a")
+        b = add(gs, "b", k=OUTSIDE[0], parent=a)      # a new branch outside the sample
+        add(gs, "c", k=OUTSIDE[1], parent=b)          # new below new: b's class
+        add(gs, "d", k=SAMPLED[0], parent=a)          # a new branch in the sample
+        return gs
+
+    assert run(LRUPolicy).order() == ["x", "c", "b", "d", "a"]
+    gs = run(ChainBIPPolicy)
+    # the branch outside the sample goes first, leaf first; the sampled one is LRU-ordered
+    assert gs.order() == ["c", "b", "x", "d", "a"]
+    reuse(gs, "c")                    # a later lookup found c: recency-ordered from now on; its
+    assert gs.order() == ["x", "d", "c", "b", "a"]   # parent b, still unreused, right after it
+
+
+def test_chain_bip_a_continuation_is_admitted_whatever_its_hash():
+    gs = Groups(ChainBIPPolicy(CFG))
+    add(gs, "old", k=key(900))
+    s = _shared(gs, "s")                              # reused twice: shared content
+    t = _shared(gs, "t", uses=1)                      # reused once: a chat's previous turn
+    add(gs, "n", k=OUTSIDE[0], parent=s)              # a new branch: the LRU end
+    add(gs, "m", k=OUTSIDE[1], parent=t)              # the chat's next turn: admitted
+    assert gs.order() == ["n", "old", "s", "m", "t"]
+
+
+def test_chain_bip_ghost_readmits_within_its_bytes_and_dense_media_is_admitted():
+    pol = ChainBIPPolicy(CFG)
+    gs = Groups(pol)
+    s = _shared(gs, "s")
+    add(gs, "b", k=OUTSIDE[0], parent=s)
+    evict(gs, "b")
+    b2 = add(gs, "b2", k=OUTSIDE[0], parent=s)        # back while remembered: admitted ...
+    add(gs, "b3", k=OUTSIDE[1], parent=b2)            # ... and what is chained below it
+    add(gs, "n", k=OUTSIDE[2], parent=s)
+    assert gs.order() == ["n", "b3", "b2", "s"]
+    assert OUTSIDE[0].digest not in pol._ghost        # taken back out when it returned
+    assert pol.peak == 4 * PAGE                       # the ghost holds 3 x 4 pages
+    evict(gs, "b3", "b2", "n")
+    for i in range(11):                               # 11 more pages dropped: 14 of 12, b3
+        add(gs, f"f{i}", k=OUTSIDE[3 + i], parent=s)  # and b2 are forgotten (oldest first)
+        evict(gs, f"f{i}")
+    add(gs, "n2", k=OUTSIDE[2], parent=s)             # n is still remembered: admitted
+    add(gs, "b4", k=OUTSIDE[0], parent=s)             # forgotten: a new branch again
+    assert gs.order() == ["b4", "n2", "s"]
+    v, w = key(7, "vision"), key(8, "vision")
+    assert v.digest[0] % ChainBIPPolicy.admit_every and w.digest[0] % ChainBIPPolicy.admit_every
+    add(gs, "v", "vision", 4, k=v, parent=s)          # twice text's cost per byte: admitted;
+    add(gs, "w", "vision", 1, k=w, parent=s)          # a page holding one token is not dense
+    assert gs.order(D, "vision") == ["w", "v"]
+
+
 # ---------------------------------------------------------------------------------- shared
-@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy, DuelPolicy])
+@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy, DuelPolicy, ChainBIPPolicy])
 def test_new_policies_go_leaf_first_and_respect_pins_and_leases(cls):
     clock = Clock()
     gs = Groups(cls(CFG, clock=clock))

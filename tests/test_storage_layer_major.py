@@ -313,3 +313,37 @@ def _check_every_layer(cache, on_disk, data, gen, when: str) -> None:
         expect, _ = oracle_attention(q, torch.arange(t - 3, t), kk[layer], vv[layer], torch.arange(t))
         assert rel_err(out, expect) < 1e-5, (when, layer)
     assert cache.stats().counters.get("corrupt_reads", 0) == 0
+
+
+def test_the_layer_major_copy_into_a_given_buffer_equals_the_fresh_one():
+    from mmtier.storage.layer_extent import layer_major
+    text, _, _ = specs(3)
+    pages = rand_pages(text, 5, seed=21)
+    rows = [r for r in page_rows(text, [pages[:2], pages[2:]])]
+    fresh = layer_major(rows, 3)
+    buf = np.full(5 * text.page_bytes + 64, 0xEE, dtype=np.uint8)     # larger, holding old bytes
+    laid = layer_major(rows, 3, out=buf)
+    assert [a.tobytes() for a in laid] == [a.tobytes() for a in fresh]
+    assert all(np.shares_memory(a, buf) for a in laid)
+    with pytest.raises(ValueError):
+        layer_major(rows, 3, out=np.empty(5 * text.page_bytes - 1, dtype=np.uint8))
+
+
+def test_reused_write_buffers_never_leak_the_previous_chunk_into_a_file(tmp_path):
+    """Each chunk's layer-major copy goes into a buffer the tier reuses: the second group's
+    files hold its own bytes, bitwise, although its buffer held the first group's."""
+    text, _, _ = specs(3)
+    disk = tier(tmp_path, chunk_bytes=4 * text.page_bytes)
+    a, b = rand_pages(text, 4, seed=31), rand_pages(text, 3, seed=32)     # b: a shorter chunk
+    ka, kb = key_of(text, 31), key_of(text, 32)
+    disk.put(ka, text, 4 * text.page_size, a)
+    disk.put(kb, text, 3 * text.page_size, b)
+    assert disk._write_buffers.reused >= 1
+    for k, pages in ((ka, a), (kb, b)):
+        name = disk.info(k).files[0]
+        _, batches, _ = file_layers(disk.dir / name)
+        assert batches == [layer_bytes_of(text, pages, layer) for layer in range(3)]
+        assert same_bytes(disk.get(k, text, MODEL), pages)
+    disk.close()
+    again = tier(tmp_path)                                  # and from the files alone
+    assert same_bytes(again.get(kb, text, MODEL), b) and same_bytes(again.get(ka, text, MODEL), a)

@@ -22,7 +22,7 @@ from ..cache.groups import ModalityGroup
 from ..cache.table import Segment
 from ..kernels import merge_attention_states, paged_attention, upload_ints
 from ..kernels.layout import PagedKV
-from ..storage.host import HostEntry
+from ..storage.host_slabs import HostEntry
 from .streaming import DiskStream
 
 WAIT_S = 120.0

@@ -1,10 +1,11 @@
 """Eviction: the mechanism (``base``: heaps per tier, modality and lane, leaf-first over prefix
 chains) and the policies (``policies``: LRU, modality-priority LRU, cost-aware, and the map;
-``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``: one policy each; ``lanes``: what two-queue policies share)."""
+``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``, ``chainbip``: one policy each; ``lanes``: what two-queue policies share)."""
 
 from .arc import ARCPolicy
 from .base import MAX_BUNDLE, Clock, EvictionPolicy, _Entry
 from .bimodal import BimodalLRUPolicy
+from .chainbip import ChainBIPPolicy
 from .dip import DIPPolicy
 from .duel import DuelPolicy
 from .policies import (
@@ -16,5 +17,5 @@ from .policies import (
 )
 from .s3fifo import S3FIFOPolicy
 
-__all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "BimodalLRUPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
+__all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "BimodalLRUPolicy", "ChainBIPPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
            "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "S3FIFOPolicy", "_Entry", "make_policy"]

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ShapeError
 from ..pages.copies import EngineBlocks
-from ..storage.host import paired_runs
+from ..storage.host_slabs import paired_runs
 
 
 def kv_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Storage mechanism below the device pools: host slabs, Arrow files on disk, and the mover.
 
 - ``HostTier`` (``host.py``): page-major host slabs per spec under one byte budget; an entry
-  gives ``(slab_view, slot_ids)`` for CPU attention in place, ``gather()``, ``runs()``;
+  (``HostEntry``, ``host_slabs.py`` with the slabs) gives ``(slab_view, slot_ids)`` for CPU
+  attention in place, ``gather()``, ``runs()`` and verified reads;
 - ``DiskTier`` (``arrow_files.py``, format in ``arrow_format.py``): one Arrow IPC file per
   group (or 64 MiB chunk), verified reads (corruption is a miss, counted and quarantined),
   warm restart from the directory, typed errors for a full disk or the free-space floor;

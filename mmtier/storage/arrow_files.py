@@ -79,6 +79,7 @@ from .layer_extent import (
     layer_major,
     layer_sums,
 )
+from .staging import MIN_BYTES, StagingPool
 from .tier import StorageTier
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,8 @@ class DiskTier(DiskReads, StorageTier):
         self.direct_reads = direct_reads
         self.io_align = direct_align(os.stat(self.dir).st_dev) if direct_reads else 1
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        # the writers' layer-major copies of their chunks, reused (one per write in flight)
+        self._write_buffers = StagingPool(write_concurrency * max(chunk_bytes, MIN_BYTES))
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -353,20 +356,29 @@ class DiskTier(DiskReads, StorageTier):
         lb = spec.layer_bytes
         for c, ((lo, hi), chunk_rows) in enumerate(zip(bounds, chunks)):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
-            layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers)
-            row_sums, layer_digests = await loop.run_in_executor(None, layer_sums, layers)
-            parts, offsets = serialize(meta, lb, layers, row_sums, self.io_align)
-            name = file_name(key.modality, key.hex, c, num_chunks)
-            size = await self._write_file(self.dir / name, parts, written)
+            copied = spec.page_layers > 1 or len(chunk_rows) > 1
+            buf = self._write_buffers.take((hi - lo) * spec.page_bytes) if copied else None
+            try:
+                layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers,
+                                                    buf.numpy() if buf is not None else None)
+                row_sums, layer_digests = await loop.run_in_executor(None, layer_sums, layers)
+                parts, offsets = serialize(meta, lb, layers, row_sums, self.io_align)
+                name = file_name(key.modality, key.hex, c, num_chunks)
+                size = await self._write_file(self.dir / name, parts, written)
+                extent = None
+                if offsets is not None:      # the frame digest reads the parts: before the buffer goes
+                    extent = LayerExtent(name, size, lb, lo, hi - lo, tuple(offsets), layer_digests, 0)
+                    extent = dataclasses.replace(extent, frame=frame_digest(parts, extent.gaps()))
+            finally:
+                del layers, parts            # nothing refers to the buffer once it is given back
+                if buf is not None:
+                    self._write_buffers.give(buf)
             total += size
             files.append(name)
-            if offsets is not None and extents is not None:
-                extent = LayerExtent(name, size, lb, lo, hi - lo, tuple(offsets), layer_digests, 0)
-                frame = frame_digest(parts, extent.gaps())
-                extents.append(dataclasses.replace(extent, frame=frame))
+            if extent is not None and extents is not None:
+                extents.append(extent)
             else:
                 extents = None
-            del layers, parts                # a chunk's layer-major copy lives for its write only
         if sync_dir:
             await _fsync_dir(self.dir)
             if _CRASH_STEP:

@@ -295,14 +295,24 @@ def read_frame(fd: int, gaps: list[tuple[int, int]]) -> int:
     return h.intdigest()
 
 
-def layer_major(rows: Sequence[np.ndarray], num_layers: int) -> list[np.ndarray]:
+def layer_major(rows: Sequence[np.ndarray], num_layers: int, out: np.ndarray | None = None) -> list[np.ndarray]:
     """A chunk's pages (``[k, page_bytes]`` uint8 runs) as ``num_layers`` contiguous ``[k,
     page_bytes // num_layers]`` arrays, layer ``l``'s slices of every page in page order: the
-    record batches of a layer-major file (one copy; none for one run of one-layer pages)."""
+    record batches of a layer-major file (one copy; none for one run of one-layer pages).
+    ``out``: a uint8 buffer of at least the chunk's bytes that the layers are laid into (a
+    writer's reused buffer: fresh memory costs a fault and a zeroed page per 4 KiB)."""
     if num_layers == 1 and len(rows) == 1:
         return [rows[0]]
     lb = rows[0].shape[1] // num_layers
-    return [np.concatenate([r[:, layer * lb:(layer + 1) * lb] for r in rows]) for layer in range(num_layers)]
+    if out is None:
+        return [np.concatenate([r[:, layer * lb:(layer + 1) * lb] for r in rows]) for layer in range(num_layers)]
+    k = sum(r.shape[0] for r in rows)
+    if out.dtype != np.uint8 or out.ndim != 1 or out.shape[0] < num_layers * k * lb:
+        raise ValueError(f"layer_major: out must be uint8 [>= {num_layers * k * lb}]")
+    layers = list(out[:num_layers * k * lb].reshape(num_layers, k, lb))
+    for layer, dst in enumerate(layers):
+        np.concatenate([r[:, layer * lb:(layer + 1) * lb] for r in rows], out=dst)
+    return layers
 
 
 def layer_sums(layers: Sequence[np.ndarray]) -> tuple[np.ndarray, tuple[int, ...]]:

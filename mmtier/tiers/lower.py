@@ -57,7 +57,7 @@ from ..pages.copies import view_runs
 from ..pages.pool import PagePool
 from ..stats import Counters, TierUsage
 from ..storage import DiskTier, HostTier, Mover
-from ..storage.host import HostEntry
+from ..storage.host_slabs import HostEntry
 from ..storage.staging import StagingPool
 
 WAIT_S = 120.0
