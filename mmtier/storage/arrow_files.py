@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import logging
 import os
 import signal
@@ -71,6 +72,7 @@ from .arrow_format import (
     slice_rows,
 )
 from .disk_reads import DiskReads
+from .file_writes import write_parts
 from .layer_extent import (
     DIRECT_MIN_EXTENT,
     LayerExtent,
@@ -86,7 +88,6 @@ log = logging.getLogger(__name__)
 
 TMP_SUFFIX = ".tmp"
 QUARANTINE_DIR = "quarantine"
-_afsync = aiofiles.os.wrap(os.fsync)
 
 # Test hook for crash injection (tests/chaos): ``MMTIER_CRASH_STEP=<step>[:<n>]``, read once at
 # import (or set ``_CRASH_STEP`` / ``_CRASH_AT`` in a fresh process), SIGKILLs this process the
@@ -138,7 +139,7 @@ class DiskTier(DiskReads, StorageTier):
     def __init__(self, directory: str | os.PathLike, *, model: str, capacity_bytes: int,
                  free_floor_bytes: int = 0, chunk_bytes: int = 64 << 20, io_timeout_s: float = 300.0,
                  scan_threads: int = 16, write_concurrency: int = 4, read_threads: int = 4,
-                 read_ahead_layers: int = 1, direct_reads: bool = True):
+                 read_ahead_layers: int = 1, direct_reads: bool = True, direct_writes: bool = True):
         self.dir = Path(directory)
         self._dir_str = str(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -158,6 +159,11 @@ class DiskTier(DiskReads, StorageTier):
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
         # the writers' layer-major copies of their chunks, reused (one per write in flight)
         self._write_buffers = StagingPool(write_concurrency * max(chunk_bytes, MIN_BYTES))
+        # files written with O_DIRECT from reused aligned images (``file_writes``), else buffered
+        self.direct_writes = direct_writes
+        self.write_align = direct_align(os.stat(self.dir).st_dev) if direct_writes else 1
+        self._write_images = (StagingPool(write_concurrency * (max(chunk_bytes, MIN_BYTES) + FILE_OVERHEAD + (1 << 20)))
+                              if direct_writes else None)
         self._lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -388,20 +394,11 @@ class DiskTier(DiskReads, StorageTier):
 
     async def _write_file(self, final: Path, parts: list[object], written: list[Path]) -> int:
         tmp = final.with_name(writers.tmp_name(final.name, uuid.uuid4().hex[:12]))
-        size = 0
+        loop = asyncio.get_running_loop()
         try:
-            async with aiofiles.open(tmp, "wb") as f:
-                if _CRASH_STEP:
-                    _crash_point("before_write")
-                for p in parts:
-                    await f.write(p)
-                    size += memoryview(p).nbytes  # type: ignore[arg-type]
-                await f.flush()
-                if _CRASH_STEP:
-                    _crash_point("after_write")
-                await _afsync(f.fileno())
-                if _CRASH_STEP:
-                    _crash_point("after_fsync")
+            size = await loop.run_in_executor(None, functools.partial(
+                write_parts, str(tmp), parts, align=self.write_align, images=self._write_images,
+                crash=_crash_point if _CRASH_STEP else None))
             await aiofiles.os.replace(tmp, final)
             if _CRASH_STEP:
                 _crash_point("after_rename")
