@@ -6,6 +6,8 @@
 - ``DiskTier`` (``arrow_files.py``, format in ``arrow_format.py``): one Arrow IPC file per
   group (or 64 MiB chunk), verified reads (corruption is a miss, counted and quarantined),
   warm restart from the directory, typed errors for a full disk or the free-space floor;
+  files written with ``O_DIRECT`` from reused aligned images (``file_writes.py``), layers read
+  with ``O_DIRECT`` into aligned buffers (``layer_extent.py``);
 - ``Mover`` (``mover.py``): asynchronous spill / restore / prefetch with priorities and a
   bound on bytes in flight; source pages held until their copy is done.
 
