@@ -44,11 +44,7 @@ def write_parts(path: str, parts: Sequence[object], *, align: int, images: Stagi
             crash("before_write")
         for v in views:
             _write_all(fd, v)
-        if crash:
-            crash("after_write")
-        os.fsync(fd)
-        if crash:
-            crash("after_fsync")
+        _sync(fd, crash)
     finally:
         os.close(fd)
     return size
@@ -90,17 +86,22 @@ def _write_direct(path: str, views: list[memoryview], size: int, align: int, ima
                 _REFUSED.add(os.path.dirname(path))
                 return None
             os.ftruncate(fd, size)
-            if crash:
-                crash("after_write")
-            os.fsync(fd)
-            if crash:
-                crash("after_fsync")
+            _sync(fd, crash)
         finally:
             if fd >= 0:
                 os.close(fd)
         return size
     finally:
         images.give(image)
+
+
+def _sync(fd: int, crash: Callable[[str], None] | None) -> None:
+    """The written file's fsync, between the ``after_write`` and ``after_fsync`` crash points."""
+    if crash:
+        crash("after_write")
+    os.fsync(fd)
+    if crash:
+        crash("after_fsync")
 
 
 def _write_all(fd: int, view: memoryview) -> None:
