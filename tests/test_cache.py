@@ -467,8 +467,8 @@ def test_a_write_that_fails_midway_changes_nothing(backend, monkeypatch):
 
         real_pages = payload.kv_into_pages
 
-        def broken_midway(view, ids, k, v):             # the first pages land, then it fails
-            real_pages(view, ids[:1], k[:, :view.shape[3]], v[:, :view.shape[3]])
+        def broken_midway(view, ids, k, v, *rest):      # the first pages land, then it fails
+            real_pages(view, ids[:1], k[:, :view.shape[3]], v[:, :view.shape[3]], *rest)
             raise RuntimeError("injected copy failure")
 
         monkeypatch.setattr(payload, "write_kv", broken)

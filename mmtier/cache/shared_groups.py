@@ -42,10 +42,11 @@ class SharedGroups:
         spec = self.keyer.check_key(key, "kv")
         n = check_kv(spec, k, v, block_split=True, finite=False)
         backend = self.cfg.attention_backend
-        finite = FiniteCheck(spec, k, v)      # the NaN / Inf scan, beside the copy into pages
+        on_cpu = self.residency.pools[key.modality].device.type == "cpu"
+        finite = FiniteCheck(spec, k, v, fuse=on_cpu)   # the NaN / Inf scan: in or beside the copy
         try:
-            stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(pool, k, v, pages, backend),
-                                ready=finite.wait)
+            stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(
+                pool, k, v, pages, backend, finite.tally), ready=finite.wait)
             finite.wait()                     # a key already held: the payload is still checked
             return stored
         finally:

@@ -19,6 +19,7 @@ import threading
 import torch
 
 from ..errors import ShapeError
+from ..native import rows as native_rows
 from ..pages.copies import EngineBlocks
 from ..storage.host_slabs import paired_runs
 
@@ -151,6 +152,8 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tens
     n = len(src_blocks if src_blocks is not None else dst_blocks)
     s_ids = list(src_blocks) if src_blocks is not None else list(range(n))
     d_ids = list(dst_blocks) if dst_blocks is not None else list(range(n))
+    if _native_blocks(src, s_ids, dst, d_ids):
+        return
     order = _memory_order(src)
     axis = order.index(block_axis(src))
     ps, pd = src.permute(*order), dst.permute(*order)
@@ -167,6 +170,20 @@ def copy_blocks(src: torch.Tensor, src_blocks: list[int] | None, dst: torch.Tens
 
 
 MAX_SLICE_RUNS = 4      # more runs than this: one indexed copy of whole blocks instead
+
+
+def _native_blocks(src: torch.Tensor, s_ids: list[int], dst: torch.Tensor, d_ids: list[int]) -> bool:
+    """The blocks in one C call on the CPU (``native.rows``: a block a unit, each one contiguous
+    stretch in vLLM's layouts); ``False`` where that does not apply (nothing copied)."""
+    if src.device.type != "cpu" or dst.device.type != "cpu" or src.dtype != dst.dtype or not s_ids:
+        return False
+    axis, es = block_axis(src), src.element_size()
+    if (block_axis(dst) != axis or min(s_ids) < 0 or max(s_ids) >= src.shape[axis]
+            or min(d_ids) < 0 or max(d_ids) >= dst.shape[axis]):
+        return False                               # torch's copy says what is wrong
+    srcs = src.data_ptr() + torch.tensor(s_ids, dtype=torch.int64) * (src.stride(axis) * es)
+    dsts = dst.data_ptr() + torch.tensor(d_ids, dtype=torch.int64) * (dst.stride(axis) * es)
+    return native_rows.copy_units(dsts, srcs, dst.select(axis, 0), src.select(axis, 0))
 
 
 def _memory_order(t: torch.Tensor) -> list[int]:

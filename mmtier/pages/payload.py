@@ -12,6 +12,7 @@ from ..config import ModalitySpec
 from ..errors import DTypeError, ShapeError
 from ..kernels import write_kv
 from ..kernels.layout import INDEX_DTYPE
+from ..native import rows as native_rows
 from .beside import beside, settle
 from .copies import EngineBlocks, kv_into_pages
 from .pool import PagePool
@@ -76,29 +77,53 @@ def kv_finite(k, v) -> bool:
 
 
 class FiniteCheck:
-    """A put's NaN / Inf scan (``kv_finite``) run beside the copy into pages (``pages.beside``:
-    on CPU tensors both passes read the same bytes at once, so the scan adds little to the
-    put); on a GPU, in line (its reductions are asynchronous anyway). ``wait()`` raises
-    ``DTypeError`` for a payload that is not finite; the caller waits before the group becomes
-    visible, and ``settle()`` on every way out, so no scan outlives the call."""
+    """A put's NaN / Inf scan. On the CPU into CPU pages where the native row copy applies
+    (``fuse``), the copy into pages tests every element it moves (``tally``, handed to
+    ``write_fresh_pages``): no pass of its own; should a copy not test (another dtype, a torch
+    fallback) or none run (a key already held), ``kv_finite`` decides in line at ``wait()``.
+    Otherwise on the CPU ``kv_finite`` runs beside the copy (``pages.beside``), and on a GPU in
+    line (its reductions are asynchronous anyway). ``wait()`` raises ``DTypeError`` for a
+    payload that is not finite; the caller waits before the group becomes visible, and
+    ``settle()`` on every way out, so no scan outlives the call."""
 
-    def __init__(self, spec: ModalitySpec, k, v):
+    def __init__(self, spec: ModalitySpec, k, v, *, fuse: bool = False):
         self.name = spec.name
+        self._kv = (k, v)
         device = k.device if isinstance(k, (torch.Tensor, EngineBlocks)) else None
         self._future: Future[bool] | None = None
         self._ok: bool | None = None
+        self.tally: native_rows.Tally | None = None
         if device is not None and device.type == "cpu":
-            self._future = beside(kv_finite, k, v)
+            if fuse and _fusable(k, v):
+                self.tally = native_rows.Tally()
+            else:
+                self._future = beside(kv_finite, k, v)
         else:
             self._ok = kv_finite(k, v)
 
     def wait(self) -> None:
-        ok = self._ok if self._future is None else self._future.result()
-        if not ok:
+        if self._ok is None:
+            if self._future is not None:
+                self._ok = self._future.result()
+            elif self.tally is not None and self.tally.complete:
+                self._ok = not self.tally.nonfinite
+            else:
+                self._ok = kv_finite(*self._kv)
+        if not self._ok:
             raise DTypeError(f"{self.name}: NaN or Inf in the payload")
 
     def settle(self) -> None:
         settle(self._future)
+
+
+def _fusable(k, v) -> bool:
+    """Whether the native row copy can test this payload as it copies it into CPU pages."""
+    if k.dtype not in native_rows.CHECK_KINDS or not native_rows.available():
+        return False
+    if isinstance(k, EngineBlocks):
+        return True
+    return isinstance(v, torch.Tensor) and v.dtype == k.dtype and all(
+        t.shape[-1] == 1 or t.stride(-1) == 1 for t in (k, v))
 
 
 def dense_storage(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -164,11 +189,13 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(torch.stack(torch.aminmax(t))).all())
 
 
-def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str) -> None:
+def write_fresh_pages(pool: PagePool, k, v, pages: list[int], backend: str,
+                      tally: native_rows.Tally | None = None) -> None:
     """Fill new pages from token 0, run by run of consecutive pages (``kv_into_pages``: one
-    strided copy per run for K and for V, the partial last page sliced; no index tensor)."""
+    strided copy per run for K and for V, the partial last page sliced; no index tensor);
+    ``tally``: the copies test for NaN / Inf as they go (``FiniteCheck``)."""
     del backend                                   # slices need no kernel
-    kv_into_pages(pool.view, pages, k, v)
+    kv_into_pages(pool.view, pages, k, v, tally)
 
 
 def write_embedding(pool: PagePool, x: torch.Tensor, pages: list[int]) -> None:
