@@ -8,18 +8,28 @@ keeps released buffers, up to ``capacity_bytes`` in all, and hands them out agai
 blocks: when nothing pooled is large enough, ``take`` allocates a new buffer. Every buffer
 taken must be given back (``give``), even one that is not kept: the pool holds it until then.
 Buffers start at a multiple of ``ALIGN`` (4 KiB), so disk reads may land in them with
-``O_DIRECT`` (``layer_extent.read_direct``).
+``O_DIRECT`` (``layer_extent.read_direct``). Buffers of ``HUGE`` (2 MiB) or more start on a
+2 MiB boundary and are marked for transparent huge pages (``MADV_HUGEPAGE``, best effort): a
+direct read or write is cut into requests of at most ``max_segments`` contiguous pieces of
+memory, so on 4 KiB pages a request carries about 1 MiB, on huge pages the device's largest
+(4 MiB here). On the development VM that doubled direct reads (16 x 32 MiB files, 4 at a time:
+0.9 -> 1.8 GB/s; page-cache reads 1.2-1.3).
 """
 
 from __future__ import annotations
 
 import bisect
+import ctypes
+import functools
+import sys
 import threading
 
 import torch
 
 MIN_BYTES = 1 << 20
 ALIGN = 4096
+HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
 
 
 class StagingPool:
@@ -51,10 +61,7 @@ class StagingPool:
                 buf = None
                 self.allocated += 1
         if buf is None:
-            size = max(nbytes, MIN_BYTES)
-            raw = torch.empty(size + ALIGN, dtype=torch.uint8)
-            skip = (-raw.data_ptr()) % ALIGN
-            buf = raw[skip:skip + size]          # a view: it keeps ``raw`` alive
+            buf = aligned_buffer(max(nbytes, MIN_BYTES))
         with self._lock:
             self._out[buf.data_ptr()] = buf
         return buf
@@ -80,3 +87,33 @@ class StagingPool:
         with self._lock:
             self._free.clear()
             self._held = 0
+
+
+def aligned_buffer(size: int) -> torch.Tensor:
+    """A new uint8 tensor of ``size`` bytes starting at a multiple of ``ALIGN``; from ``HUGE``
+    bytes on, at a multiple of ``HUGE`` and advised to be backed by huge pages."""
+    align = HUGE if size >= HUGE else ALIGN
+    raw = torch.empty(size + align, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % align
+    buf = raw[skip:skip + size]                  # a view: it keeps ``raw`` alive
+    if align == HUGE:
+        _advise_huge(buf.data_ptr(), size - size % HUGE)
+    return buf
+
+
+def _advise_huge(addr: int, length: int) -> None:
+    libc = _libc()
+    if libc is not None and length:
+        libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # failure: 4 KiB pages
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):      # MADV_HUGEPAGE is Linux's
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
