@@ -71,6 +71,7 @@ from .arrow_format import (
     serialize,
     slice_rows,
 )
+from .direct_reads import AHEAD_WINDOWS, WINDOW_BYTES
 from .disk_reads import DiskReads
 from .file_writes import write_parts
 from .layer_extent import (
@@ -157,6 +158,10 @@ class DiskTier(DiskReads, StorageTier):
         self.direct_reads = direct_reads
         self.io_align = direct_align(os.stat(self.dir).st_dev) if direct_reads else 1
         self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        # whole-file reads with O_DIRECT through reused aligned windows, the next window read
+        # (and the one after) while this one is checked and copied (``direct_reads``)
+        self._read_windows = StagingPool((1 + AHEAD_WINDOWS) * read_threads * WINDOW_BYTES)
+        self._window_readers: concurrent.futures.ThreadPoolExecutor | None = None
         # the writers' layer-major copies of their chunks, reused (one per write in flight)
         self._write_buffers = StagingPool(write_concurrency * max(chunk_bytes, MIN_BYTES))
         # files written with O_DIRECT from reused aligned images (``file_writes``), else buffered
@@ -177,7 +182,7 @@ class DiskTier(DiskReads, StorageTier):
              "quarantined_at_start", "partial_groups_at_start", "tmp_removed_at_start",
              "full_errors", "floor_refusals", "budget_refusals", "io_errors", "removes",
              "read_bytes", "tmp_kept_at_start", "foreign_at_start", "borrowed_at_start",
-             "old_format_at_start"), 0)
+             "old_format_at_start", "direct_read_files"), 0)
         t0 = time.perf_counter()
         self._scan()
         self.scan_s = time.perf_counter() - t0
@@ -329,9 +334,10 @@ class DiskTier(DiskReads, StorageTier):
     def close(self) -> None:
         with self._sync_lock:
             self._closed = True
-            if self._readers is not None:
-                self._readers.shutdown(wait=True)
-                self._readers = None
+            for pool in (self._readers, self._window_readers):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            self._readers = self._window_readers = None
             if self._loop is not None:
                 self._loop.run_until_complete(self._loop.shutdown_default_executor())
                 self._loop.close()

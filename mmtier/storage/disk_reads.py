@@ -2,9 +2,12 @@
 index, the writes, quarantine and warm restart).
 
 - ``get``: a group into a new tensor or the caller's destination (a tensor or contiguous runs,
-  e.g. ``HostEntry.runs()``). A group this process wrote is read lean (``read_whole``: one
-  sequential ``preadv`` pass per file, each layer's extent scattered into its slice of the
-  pages, every byte checked against digests the writer kept in memory); a group
+  e.g. ``HostEntry.runs()``). A group this process wrote is read lean, every byte checked
+  against digests the writer kept in memory: with ``O_DIRECT`` (``direct_reads``:
+  ``read_whole_direct``, the file in aligned 8 MiB windows into reused staging buffers, the
+  next windows read meanwhile, each layer's bytes copied from there into its slices of the
+  pages), else or where refused buffered (``read_whole``: one sequential ``preadv`` pass per
+  file, each layer's extent scattered into its slice of the pages); a group
   found at a warm restart is read once in full (``read_file``: footer, metadata against the
   index, the checksum column), which teaches the index its layout.
 - ``get_many``: several groups of one spec back to back into one buffer, the streaming read of
@@ -36,7 +39,8 @@ from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
 from .arrow_format import DestPages, layout_matches, layout_of, read_file
-from .layer_extent import read_layer_extent, read_whole
+from .direct_reads import AHEAD_WINDOWS, read_whole_direct
+from .layer_extent import LayerExtent, read_layer_extent, read_whole
 
 if TYPE_CHECKING:
     from .arrow_files import DiskEntry
@@ -84,7 +88,7 @@ class DiskReads:
                     part = dest.sub(first, n)
                     at = 0
                     for extent in e.extents:  # type: ignore[union-attr]
-                        at += read_whole(os.path.join(self._dir_str, extent.name), extent, part)
+                        at += self._read_whole(extent, part)
                     if at == n:
                         return True, sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
                 except (OSError, CorruptDataError, ValueError):
@@ -181,10 +185,32 @@ class DiskReads:
     def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_whole(os.path.join(self._dir_str, extent.name), extent, dest)
+            at += self._read_whole(extent, dest)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
+
+    def _read_whole(self, extent: LayerExtent, dest: DestPages) -> int:
+        """One file of a group whose layout is known into whole pages: with ``O_DIRECT``
+        (``read_whole_direct``) where ``direct_reads`` and the file system allow it, else
+        buffered (``read_whole``)."""
+        path = os.path.join(self._dir_str, extent.name)
+        if self.direct_reads:
+            got = read_whole_direct(path, extent, dest, self._read_windows, self._window_pool())
+            if got is not None:
+                with self._lock:
+                    self._counts["direct_read_files"] += 1
+                return got
+        return read_whole(path, extent, dest)
+
+    def _window_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The threads that read a direct read's next window while it checks this one (leaf
+        tasks only, so the reader threads that wait on them cannot deadlock)."""
+        with self._lock:
+            if self._window_readers is None:
+                self._window_readers = concurrent.futures.ThreadPoolExecutor(
+                    max(1, self.read_threads) * (1 + AHEAD_WINDOWS), thread_name_prefix="mmtier-disk-window")
+            return self._window_readers
 
     def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
         at = 0
