@@ -321,12 +321,20 @@ def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
         assert k.shape == (L, 40, H, D)
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("per_run", [1, 2, 5])
-def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per_run):
-    """The host read checks pages in runs of ``CHECK_BYTES`` and copies a run only once all its
-    pages matched: with page 3 bad, the runs before its run land (bitwise), nothing after."""
+def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per_run, native):
+    """Without the native helper, the host read checks pages in runs of ``CHECK_BYTES`` and
+    copies a run only once all its pages matched: with page 3 bad, the runs before its run land
+    (bitwise), nothing after. With it, the copy checks each page as it moves it: the pages
+    before page 3 land, page 3's destination is poisoned, nothing after it is copied."""
+    import mmtier.native.digests as native_digests
     import mmtier.storage.host_slabs as host_mod
 
+    if native and not native_digests.available():
+        pytest.skip("no C compiler here: the native verified copy is not built")
+    if not native:
+        monkeypatch.setattr(native_digests, "_fn", lambda: None)
     page_bytes = cfg(tmp_path).spec("text").page_bytes
     monkeypatch.setattr(host_mod, "CHECK_BYTES", per_run * page_bytes)
     with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
@@ -342,7 +350,7 @@ def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per
         out = poisoned()
         with pytest.raises(CorruptDataError):
             cache.read_group(keys[0], out=out)
-        landed = (3 // per_run) * per_run * P              # the tokens of the runs before page 3's
+        landed = (3 if native else (3 // per_run) * per_run) * P   # the tokens before page 3 (or its run)
         for t, s in zip(out, src[0]):
             assert torch.equal(t[:, :landed], s[:, :landed])
             assert torch.isnan(t[:, landed:]).all()

@@ -70,10 +70,15 @@ def row_space(dst: torch.Tensor, src: torch.Tensor) -> tuple[list[int], list[int
     es = dst.element_size()
     if dst.shape[-1] > 1 and (dst.stride(-1) != 1 or src.stride(-1) != 1):
         return None
-    row = dst.shape[-1] * es
-    dims = [(n, ds * es, ss * es) for n, ds, ss in zip(dst.shape[:-1], dst.stride()[:-1], src.stride()[:-1])
-            if n != 1]
-    dims.sort(key=lambda d: -abs(d[2]))
+    dims = [(n, ds * es, ss * es) for n, ds, ss in zip(dst.shape[:-1], dst.stride()[:-1], src.stride()[:-1])]
+    return merge_dims(dims, dst.shape[-1] * es)
+
+
+def merge_dims(dims: list[tuple[int, int, int]], row: int) -> tuple[list[int], list[int], list[int], int] | None:
+    """``row_space`` of an index space given as ``(size, dst_stride, src_stride)`` per dim (byte
+    strides, any order) over rows of ``row`` bytes: dims of size 1 dropped, the rest in the
+    source's memory order, dims that run on in both merged, whole rows back to back joined."""
+    dims = sorted((d for d in dims if d[0] != 1), key=lambda d: -abs(d[2]))
     merged: list[tuple[int, int, int]] = []
     for n, ds, ss in dims:
         if merged:

@@ -26,8 +26,9 @@ Interface (mechanism only; the cache decides what lives here)::
     host.remove(key); host.close()
 
 Verified reads: every entry keeps the xxh3 of each of its pages (``entry.sums``), taken from
-the slab as the copy into it lands (``page_digests.copy_and_digest``: each chunk hashed right
-after it landed, while cache-hot; the disk files keep the same digests). Reads that copy a
+the slab by the copy into it (``page_digests``: from the copy's own registers where the native
+helper is built, else each chunk hashed right after it landed, while cache-hot; the disk files
+keep the same digests). Reads that copy a
 group *out* (``gather``, ``copy_to``, the cache's ``read_group``) check every page against them
 first (``verify``): a mismatch is ``CorruptDataError`` (the owner treats it as a miss) and
 counted (``corrupt_reads``), never wrong KV. In-place CPU attention over ``view()`` reads the
@@ -58,7 +59,7 @@ from ..errors import (
     UnknownModalityError,
 )
 from .host_slabs import CHECK_BYTES, HostEntry, Slab, paired_runs
-from .page_digests import copy_and_digest, page_rows_of
+from .page_digests import copy_and_digest, copy_in_digested, page_rows_of
 from .tier import StorageTier
 
 __all__ = ["CHECK_BYTES", "HostEntry", "HostTier", "paired_runs"]
@@ -257,6 +258,10 @@ class HostTier(StorageTier):
         src_ids = list(page_ids) if page_ids is not None else list(range(entry.num_pages))
         runs = paired_runs(list(entry.slots), src_ids)
         if not pages.is_cuda:
+            digested = copy_in_digested(view, entry.slots, pages, src_ids)   # one pass, in C
+            if digested is not None:
+                entry.sums = tuple(digested)
+                return
             sums: list[int] | None = []
             for d, s, n in runs:
                 src = pages[s:s + n]

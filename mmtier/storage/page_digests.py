@@ -1,15 +1,30 @@
 """Per-page xxh3 digests of host pages, taken in the same pass as the copy that moves them.
 
-A host entry keeps one xxh3 per page (the disk files keep the same). Hashing a page after it
-was copied costs a second pass over memory; hashing each chunk of it right after the chunk
-landed, while it sits in the CPU's cache, costs little beyond the copy.
+A host entry keeps one xxh3 per page (the disk files keep the same). Hashing a page in a pass
+of its own costs a second read of memory. Where the native helper is built
+(``native.digests``), the copy takes each page's xxh3 from the registers it loads anyway:
+into the slab (``copy_in_digested``), out of it into K/V tensors (``copy_out_verified``, every
+page checked against its digest as it is copied, the first bad page's destination poisoned)
+and into a device pool's pages (``copy_to_verified``). Elsewhere each chunk is hashed with
+``xxhash`` right after it landed, while it sits in the CPU's cache (``copy_and_digest``), and
+reads check pages before copying them (``HostEntry.checked_pages``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import xxhash
+
+from ..errors import CorruptDataError
+from ..native import digests as native_digests
+from ..native.rows import merge_dims
+
+if TYPE_CHECKING:
+    from .host_slabs import HostEntry
 
 _CHUNK = 256 << 10      # copied, then hashed while it sits in the CPU's cache
 
@@ -32,3 +47,86 @@ def copy_and_digest(dst: np.ndarray, src: np.ndarray) -> list[int]:
 def page_rows_of(run: torch.Tensor) -> np.ndarray:
     """A run of pages as ``[pages, page_bytes]`` uint8 rows (a view of the slab)."""
     return run.reshape(run.shape[0], -1).view(torch.uint8).numpy()
+
+
+def _page_addrs(view: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+    step = view.stride(0) * view.element_size()
+    return view.data_ptr() + torch.tensor(list(ids), dtype=torch.int64) * step
+
+
+def copy_in_digested(dst_view: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
+                     src_ids: Sequence[int]) -> list[int] | None:
+    """Pages ``src[src_ids[i]]`` into ``dst_view[dst_ids[i]]`` (whole contiguous pages, CPU), the
+    xxh3 of each taken by the copy, in the order of the ids; ``None`` where the native helper
+    does not apply (nothing copied)."""
+    if (src.device.type != "cpu" or dst_view.device.type != "cpu" or src.dtype != dst_view.dtype
+            or not src[0].is_contiguous() or not dst_view[0].is_contiguous() or not native_digests.available()):
+        return None
+    page_bytes = src[0].numel() * src.element_size()
+    res = native_digests.copy_digest(_page_addrs(dst_view, dst_ids), _page_addrs(src, src_ids),
+                                     ([], [], [], page_bytes))
+    return None if res is None else res.digests
+
+
+def copy_to_verified(entry: HostEntry, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> bool:
+    """The entry's pages into rows ``dst_ids`` of a CPU page-major view, each checked against
+    its digest as it is copied (``CorruptDataError``, counted, at the first that differs: its
+    destination page poisoned, nothing after it copied). ``False`` where the native helper
+    does not apply (nothing copied)."""
+    slab = entry._slab.view
+    if entry.sums is None or dst_view.device.type != "cpu" or dst_view.dtype != slab.dtype:
+        return False
+    if not dst_view[0].is_contiguous() or not native_digests.available():
+        return False
+    page_bytes = slab[0].numel() * slab.element_size()
+    res = native_digests.copy_digest(_page_addrs(dst_view, dst_ids), _page_addrs(slab, entry.slots),
+                                     ([], [], [], page_bytes), expect=entry.sums)
+    return _settled(entry, res)
+
+
+def copy_out_verified(entry: HostEntry, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The entry's tokens into ``k, v`` (``[L, n, H, D]``, or block-split ``[L, blocks, P, H,
+    D]``; CPU tensors of one shape, strides and the entry's dtype), every page checked against
+    its digest by the copy that moves it; a partial last page is checked with ``xxhash`` first,
+    then copied. At the first page that differs: ``CorruptDataError`` (counted), that page's
+    destination poisoned (NaN bytes), nothing after it copied. ``False`` where the native
+    helper does not apply (nothing copied; the caller checks and copies by itself)."""
+    slab = entry._slab.view                       # [slots, L, 2, P, H, D]
+    if (entry.sums is None or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor)
+            or k.device.type != "cpu" or v.device.type != "cpu" or k.dtype != slab.dtype
+            or v.dtype != slab.dtype or k.stride() != v.stride() or k.stride(-1) != 1
+            or not native_digests.available()):
+        return False
+    es, P = k.element_size(), slab.shape[3]
+    gap = v.data_ptr() - k.data_ptr()             # K and V are one index apart: V at k + gap
+    s = [x * es for x in slab.stride()[1:5]]      # the page's L, 2, P, H
+    if k.dim() == 5:
+        full, token_step, block_step = k.shape[1], k.stride(2) * es, k.stride(1) * es
+        heads = k.stride(3) * es
+    else:
+        full, token_step = k.shape[1] // P, k.stride(1) * es
+        block_step, heads = P * token_step, k.stride(2) * es
+    space = merge_dims([(k.shape[0], k.stride(0) * es, s[0]), (2, gap, s[1]), (P, token_step, s[2]),
+                        (slab.shape[4], heads, s[3])], slab.shape[5] * es)
+    dst = k.data_ptr() + torch.arange(full, dtype=torch.int64) * block_step
+    res = native_digests.copy_digest(dst, _page_addrs(slab, entry.slots[:full]), space,
+                                     expect=entry.sums[:full])
+    if not _settled(entry, res):
+        return False
+    if full < entry.num_pages:                    # the partial last page: checked, then copied
+        page, rest = slab[entry.slots[full]], k.shape[1] - full * P
+        if xxhash.xxh3_64_intdigest(page_rows_of(page[None])[0]) != entry.sums[full]:
+            entry._slab.corrupt_reads += 1
+            raise CorruptDataError(f"host copy of {entry.key!r}: page checksum mismatch")
+        k[:, full * P:].copy_(page[:, 0, :rest])
+        v[:, full * P:].copy_(page[:, 1, :rest])
+    return True
+
+
+def _settled(entry: HostEntry, res: native_digests.Result | None) -> bool:
+    if res is None:
+        return False
+    if res.bad >= 0:
+        entry._slab.corrupt_reads += 1
+        raise CorruptDataError(f"host copy of {entry.key!r}: page {res.bad} checksum mismatch")
+    return True

@@ -1,0 +1,228 @@
+/* Row copies that take the XXH3-64 digest of each unit's bytes on the way (one pass).
+ *
+ * The same units and row walk as rows.c (unit u: rows of `row` bytes at byte strides from
+ * src[u] to dst[u], outermost dim first). The digest of a unit is XXH3_64bits (seed 0, default
+ * secret) of its rows' bytes in walk order: where the caller walks a contiguous source in
+ * memory order (a host slab's page), that is the page's own xxh3, the digest the host and disk
+ * tiers keep per page (python's xxhash.xxh3_64_intdigest of the same bytes). It is computed
+ * from the registers the copy loads anyway, so a verified copy reads memory once.
+ *
+ * With `expect`, unit u's digest must equal expect[u]: at the first unit that differs, its
+ * destination rows are overwritten with 0xFF bytes (NaN in float16, bfloat16 and float32:
+ * never unverified bytes left behind), nothing after it is copied, and u is returned.
+ *
+ * Only inputs longer than 240 bytes and rows a multiple of 64 bytes are taken (xxh3's long-
+ * input path, whole 64-byte stripes); the caller hashes anything else itself. The hash is
+ * written from the published XXH3 specification and checked against python's xxhash in
+ * tests/test_native_digests.py. */
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_DIMS 8
+#define STRIPE 64
+#define SECRET_SIZE 192
+#define STRIPES_PER_BLOCK ((SECRET_SIZE - STRIPE) / 8)   /* 16 */
+
+static const unsigned char SECRET[SECRET_SIZE] = {
+    0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c,
+    0xde, 0xd4, 0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f,
+    0xcb, 0x79, 0xe6, 0x4e, 0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21,
+    0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43, 0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c,
+    0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb, 0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3,
+    0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19, 0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8,
+    0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7, 0xc7, 0x0b, 0x4f, 0x1d,
+    0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78, 0x73, 0x64,
+    0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+    0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e,
+    0x2b, 0x16, 0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce,
+    0x45, 0xcb, 0x3a, 0x8f, 0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+};
+
+#define P32_1 0x9E3779B1U
+#define P32_2 0x85EBCA77U
+#define P32_3 0xC2B2AE3DU
+#define P64_1 0x9E3779B185EBCA87ULL
+#define P64_2 0xC2B2AE3D27D4EB4FULL
+#define P64_3 0x165667B19E3779F9ULL
+#define P64_4 0x85EBCA77C2B2AE63ULL
+#define P64_5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t rd64(const void *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static void acc_init(uint64_t acc[8]) {
+    acc[0] = P32_3; acc[1] = P64_1; acc[2] = P64_2; acc[3] = P64_3;
+    acc[4] = P64_4; acc[5] = P32_2; acc[6] = P64_5; acc[7] = P32_1;
+}
+
+/* One 64-byte stripe into the accumulators (scalar). */
+static inline void stripe_scalar(uint64_t acc[8], const unsigned char *in, const unsigned char *key) {
+    for (int i = 0; i < 8; i++) {
+        uint64_t v = rd64(in + 8 * i);
+        uint64_t k = v ^ rd64(key + 8 * i);
+        acc[i ^ 1] += v;
+        acc[i] += (k & 0xFFFFFFFFULL) * (k >> 32);
+    }
+}
+
+static void scramble(uint64_t acc[8]) {
+    const unsigned char *key = SECRET + SECRET_SIZE - STRIPE;
+    for (int i = 0; i < 8; i++) {
+        uint64_t a = acc[i];
+        a ^= a >> 47;
+        a ^= rd64(key + 8 * i);
+        acc[i] = a * P32_1;
+    }
+}
+
+static inline uint64_t fold128(uint64_t a, uint64_t b) {
+    unsigned __int128 p = (unsigned __int128)a * b;
+    return (uint64_t)p ^ (uint64_t)(p >> 64);
+}
+
+static uint64_t finish(const uint64_t acc[8], uint64_t len) {
+    const unsigned char *key = SECRET + 11;
+    uint64_t h = len * P64_1;
+    for (int i = 0; i < 4; i++)
+        h += fold128(acc[2 * i] ^ rd64(key + 16 * i), acc[2 * i + 1] ^ rd64(key + 16 * i + 8));
+    h ^= h >> 37;
+    h *= 0x165667919E3779F9ULL;
+    h ^= h >> 32;
+    return h;
+}
+
+/* The secret a stripe takes: stripe s of a unit of S stripes (the last one its own). */
+static inline const unsigned char *stripe_key(int64_t s, int64_t S) {
+    return s == S - 1 ? SECRET + SECRET_SIZE - STRIPE - 7 : SECRET + (s % STRIPES_PER_BLOCK) * 8;
+}
+
+/* Copy one row of whole stripes, folding them into acc; `s` counts the unit's stripes. */
+static void row_scalar(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S) {
+    memcpy(d, src, (size_t)row);
+    for (int64_t k = 0; k < row; k += STRIPE, (*s)++) {
+        stripe_scalar(acc, (const unsigned char *)src + k, stripe_key(*s, S));
+        if (*s % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1 && *s < S - 1) scramble(acc);
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2 1
+__attribute__((target("avx2")))
+static void row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
+                     int stream) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
+    for (int64_t k = 0; k < row; k += STRIPE, (*s)++) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(src + k));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(src + k + 32));
+        if (stream) {
+            _mm256_stream_si256((__m256i *)(d + k), x0);
+            _mm256_stream_si256((__m256i *)(d + k + 32), x1);
+        } else {
+            _mm256_storeu_si256((__m256i *)(d + k), x0);
+            _mm256_storeu_si256((__m256i *)(d + k + 32), x1);
+        }
+        const unsigned char *key = stripe_key(*s, S);
+        __m256i k0 = _mm256_xor_si256(x0, _mm256_loadu_si256((const __m256i *)key));
+        __m256i k1 = _mm256_xor_si256(x1, _mm256_loadu_si256((const __m256i *)(key + 32)));
+        /* acc[i] += lo32(k) * hi32(k); acc[i ^ 1] += x[i] */
+        __m256i p0 = _mm256_mul_epu32(k0, _mm256_shuffle_epi32(k0, _MM_SHUFFLE(0, 3, 0, 1)));
+        __m256i p1 = _mm256_mul_epu32(k1, _mm256_shuffle_epi32(k1, _MM_SHUFFLE(0, 3, 0, 1)));
+        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(x0, _MM_SHUFFLE(1, 0, 3, 2))));
+        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(x1, _MM_SHUFFLE(1, 0, 3, 2))));
+        if (*s % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1 && *s < S - 1) {
+            _mm256_storeu_si256((__m256i *)acc, a0);
+            _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+            scramble(acc);
+            a0 = _mm256_loadu_si256((const __m256i *)acc);
+            a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)acc, a0);
+    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+}
+#endif
+
+/* Digest (and copy, with `dst`) every unit; see the top of this file. Returns -1 when every
+   unit is done (and matched `expect`), the index of the first unit that did not match, or -2
+   on arguments it does not take (nothing copied). `dst` NULL: digests only, nothing copied. */
+int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
+                              const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
+                              int64_t row, int flags, uint64_t *digests,
+                              const uint64_t *expect) {
+    int allow_stream = flags & 1;       /* flags: 1 streaming stores allowed, 2 scalar code only */
+    if (nd < 0 || nd > MAX_DIMS || row <= 0 || row % STRIPE != 0 || n_units < 0) return -2;
+    int64_t total = 1;
+    for (int i = 0; i < nd; i++) {
+        if (shape[i] <= 0) return -2;
+        total *= shape[i];
+    }
+    int64_t len = total * row;
+    if (len <= 240) return -2;
+    int64_t S = len / STRIPE;
+    int use_avx2 = 0, stream = 0;
+#ifdef HAVE_AVX2
+    use_avx2 = !(flags & 2) && __builtin_cpu_supports("avx2");
+    if (use_avx2 && allow_stream && dst != NULL) {
+        stream = 1;
+        for (int i = 0; i < nd; i++)
+            if (dstr[i] % 32 != 0) stream = 0;
+        for (int64_t u = 0; u < n_units && stream; u++)
+            if (dst[u] % 32 != 0) stream = 0;
+    }
+#else
+    (void)allow_stream;
+#endif
+    char sink[4096];                    /* rows land here when only digests are wanted */
+    int64_t bad = -1;
+    for (int64_t u = 0; u < n_units && bad < 0; u++) {
+        char *d = dst != NULL ? (char *)(intptr_t)dst[u] : NULL;
+        const char *s = (const char *)(intptr_t)src[u];
+        uint64_t acc[8];
+        acc_init(acc);
+        int64_t idx[MAX_DIMS] = {0};
+        int64_t doff = 0, soff = 0, stripe = 0;
+        for (int64_t n = 0; n < total; n++) {
+            if (d == NULL) {            /* hash only: walk the row in sink-sized pieces */
+                for (int64_t k = 0; k < row; k += (int64_t)sizeof(sink)) {
+                    int64_t part = row - k < (int64_t)sizeof(sink) ? row - k : (int64_t)sizeof(sink);
+#ifdef HAVE_AVX2
+                    if (use_avx2) row_avx2(sink, s + soff + k, part, acc, &stripe, S, 0); else
+#endif
+                    row_scalar(sink, s + soff + k, part, acc, &stripe, S);
+                }
+            } else {
+#ifdef HAVE_AVX2
+                if (use_avx2) row_avx2(d + doff, s + soff, row, acc, &stripe, S, stream); else
+#endif
+                row_scalar(d + doff, s + soff, row, acc, &stripe, S);
+            }
+            for (int i = nd - 1; i >= 0; i--) {
+                idx[i]++; doff += dstr[i]; soff += sstr[i];
+                if (idx[i] < shape[i]) break;
+                doff -= dstr[i] * shape[i]; soff -= sstr[i] * shape[i]; idx[i] = 0;
+            }
+        }
+        uint64_t h = finish(acc, (uint64_t)len);
+        if (digests != NULL) digests[u] = h;
+        if (expect != NULL && h != expect[u]) {
+            bad = u;
+            if (d != NULL) {            /* no unverified byte stays behind: poison the unit */
+                int64_t pidx[MAX_DIMS] = {0};
+                int64_t off = 0;
+                for (int64_t n = 0; n < total; n++) {
+                    memset(d + off, 0xFF, (size_t)row);
+                    for (int i = nd - 1; i >= 0; i--) {
+                        pidx[i]++; off += dstr[i];
+                        if (pidx[i] < shape[i]) break;
+                        off -= dstr[i] * shape[i]; pidx[i] = 0;
+                    }
+                }
+            }
+        }
+    }
+#ifdef HAVE_AVX2
+    if (stream) _mm_sfence();
+#endif
+    return bad;
+}
