@@ -12,19 +12,19 @@ the median of the per-round ratios (best, worst and every pair beside it, the lo
   another (the floor: the bytes moved once, no indexing);
 - slot gather / scatter: vLLM's tensors to contiguous and back by ``slot_mapping`` (what any
   connector pays, no store behind it);
-- save: what ``MMTierConnector`` does per step for groups of whole blocks, layer by layer:
-  each group's runs of consecutive blocks copied as they lie into a stage laid out as vLLM's
-  tensors (``save_kv_layer``), then ``TieredKVCache.put`` of the stage's block-split K/V views
-  (the connector's writer thread does this after ``wait_for_save``; timed here inline, its
-  cost): one copy per crossing, the layout change in the second;
+- save: what ``MMTierConnector`` does per step for groups of whole blocks. On a CPU: ``put``
+  straight from vLLM's tensors (``vllm_copy.engine_blocks``; the connector's writer thread does
+  this after ``wait_for_save`` and the next step waits for it before vLLM writes a block): one
+  copy, the NaN / Inf test inside it. On a GPU: each group's runs of consecutive blocks copied
+  as they lie into a stage laid out as vLLM's tensors (``save_kv_layer``), then ``put`` of the
+  stage's block-split K/V views (timed here inline, its cost): the layout change in the second;
 - load: what ``start_load_kv`` does for a whole group of whole blocks: ``read_group(out=)``
   straight into vLLM's blocks of every layer (``vllm_copy.engine_blocks``: one copy from the
   cache's pages, no stage); checked equal to the source;
-- beside them (``save_direct_*``, ``load_staged_*``): the one-copy save (``put`` straight from
-  vLLM's tensors; not what the connector does: its writer thread runs after ``wait_for_save``,
-  when vLLM may reuse the blocks) and the staged load (``read_group(out=)`` into a stage laid
-  out as vLLM's tensors, then per layer each group's blocks copied as they lie into vLLM's
-  tensor: the connector's path for a load of part of a group).
+- beside them (``save_staged_*``, ``load_staged_*``): the staged save (as on a GPU) and the
+  staged load (``read_group(out=)`` into a stage laid out as vLLM's tensors, then per layer
+  each group's blocks copied as they lie into vLLM's tensor: the connector's path for a load
+  of part of a group).
 
 Save and load run twice: with one group per block (``mmtier_chunk_blocks=1``) and with the
 connector's default chunks of 16 blocks. On a CPU the torch thread count is pinned
@@ -123,9 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     block_ids = [int(b) for b in blocks]
     pool = vllm_copy.StagePool(keep=tokens // BS)      # the connector's: stages reused
 
-    def save(batch):
-        """The connector's path for groups of whole blocks: per layer, each group's runs of
-        blocks copied as they lie into a stage laid out as vLLM's tensors (``save_kv_layer``),
+    def save_staged(batch):
+        """The connector's path for groups of whole blocks on a GPU: per layer, each group's runs
+        of blocks copied as they lie into a stage laid out as vLLM's tensors (``save_kv_layer``),
         then ``put`` of the stage's block-split K/V views (the writer thread's work)."""
         keys[:] = batch
         nb = group[0] // BS
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
         sync()
 
     def save_direct(batch):
-        """The one-copy path (``vllm_copy.engine_blocks``; not yet the connector's, whose writer
-        thread runs after vLLM may reuse the blocks): ``put`` straight from vLLM's tensors."""
+        """The connector's path on a CPU (``vllm_copy.engine_blocks``): ``put`` straight from
+        vLLM's tensors, one copy."""
         keys[:] = batch
         nb = group[0] // BS
         for i, key in enumerate(keys):
@@ -175,8 +175,9 @@ def main(argv: list[str] | None = None) -> dict:
     plain()
     gather_scatter()
     rounds: dict[str, list[float]] = {"plain": [], "gather_scatter": [], "load_avg": []}
+    save, save_alt = (save_direct, save_staged) if dev.type == "cpu" else (save_staged, save_direct)
     for label, n, save_fn, load_fn in (("block", BS, save, load), ("chunk", 16 * BS, save, load),
-                                       ("alt", 16 * BS, save_direct, load_staged)):
+                                       ("alt", 16 * BS, save_alt, load_staged)):
         group[0] = n
         batches = [new_keys() for _ in range(args.repeat + 1)]   # outside the timed rounds
         save_fn(batches[0])                                      # warm-up (stages, first-touch)
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict:
            "round_loads": "; ".join(f"{x:.2f}" for x in rounds["load_avg"]),
            "save_gbs": gbs(med["save_chunk"]), "load_gbs": gbs(med["load_chunk"]),
            "save_block_groups_gbs": gbs(med["save_block"]), "load_block_groups_gbs": gbs(med["load_block"]),
-           "save_direct_gbs": gbs(med["save_alt"]), "load_staged_gbs": gbs(med["load_alt"])}
+           "save_path": "direct" if dev.type == "cpu" else "staged",
+           f"save_{'staged' if dev.type == 'cpu' else 'direct'}_gbs": gbs(med["save_alt"]),
+           "load_staged_gbs": gbs(med["load_alt"])}
     # ratios of speeds = plain seconds over the op's seconds, per round, medians
     fig.update(ratio_figures("save_over_plain_copy", plain_c, rounds["save_chunk"], higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy", plain_c, rounds["load_chunk"], higher_is_better=True))
@@ -211,7 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
                              higher_is_better=True))
     fig.update(ratio_figures("load_over_plain_copy_block_groups", plain_b, rounds["load_block"],
                              higher_is_better=True))
-    fig.update(ratio_figures("save_direct_over_plain_copy", plain_d, rounds["save_alt"], higher_is_better=True))
+    fig.update(ratio_figures(f"save_{'staged' if dev.type == 'cpu' else 'direct'}_over_plain_copy", plain_d,
+                             rounds["save_alt"], higher_is_better=True))
     fig.update(ratio_figures("load_staged_over_plain_copy", plain_d, rounds["load_alt"], higher_is_better=True))
     print_table(f"connector worker-side copy, {nbytes / 2**20:.0f} MiB, {dev} (medians of {args.repeat})",
                 [(k, v) for k, v in fig.items() if k.endswith(("gbs", "copy", "groups", "_best", "_worst"))])

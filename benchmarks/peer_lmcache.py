@@ -23,7 +23,8 @@ Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of
 - put into host memory: ``put`` of every group into a device pool (here a CPU pool) that holds
   two, so each put past them pushes the oldest group down into the host tier, against
   ``store`` of the same tokens into LMCache's CPU backend; and against the raw copies the puts
-  must make (K and V into page-major pages, one group's pages into host memory per demotion);
+  must make (K and V into page-major pages, one group's pages into host memory per demotion;
+  the layout change by the same C row copy the cache uses where it is built, ``raw_copy_path``);
 - get from host memory: ``read_group(key, out=(k, v))`` of the host-resident groups against
   ``retrieve``, and against the raw copy (pages into ``[layers, n, heads, head_dim]``);
 - durable write to disk: ``put`` of every group through a small host tier that spills to
@@ -54,7 +55,7 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
-from benchmarks.peer_lmcache_mmtier import MMTierSide
+from benchmarks.peer_lmcache_mmtier import RAW_PATH, MMTierSide
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "peer_lmcache_worker.py"
@@ -212,13 +213,15 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
             return ans["disk_bytes"]
         return n * gb * ans.get("halves", 1)
 
-    sums = [a["s"] for a in got["host_checksums"]["mmtier"]]
-    t_sum = sorted(sums)[len(sums) // 2] / n               # seconds per group
+    sums = got["host_checksums"]["mmtier"]
+    t_sum = sorted(a["s"] for a in sums)[len(sums) // 2] / n    # seconds per group, a pass of its own
     fig["host_checksum_gbs"] = gb / t_sum / 1e9
-    put = got["cache_put_host"]["mmtier"]
-    fig["cache_put_host_checksum_share"] = sorted(a["demotions"] * t_sum / a["s"] for a in put)[len(put) // 2]
-    get = got["cache_get_host"]["mmtier"]
-    fig["cache_get_host_checksum_share"] = sorted(a["groups"] * t_sum / a["s"] for a in get)[len(get) // 2]
+    fig["raw_copy_path"] = RAW_PATH
+    # what checking each page's digest costs a copy out of host memory now: the verified copy
+    # (digests taken by the copy itself) over the plain row copy of the same groups, per round
+    if all(a["s_plain"] > 0 for a in sums):
+        fig.update(ratio_figures("host_verified_copy_over_plain_copy", [a["s_verified"] for a in sums],
+                                 [a["s_plain"] for a in sums], higher_is_better=False))
     for name, _, l_op, _ in PAIRS:
         if l_op is None:
             continue

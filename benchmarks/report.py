@@ -109,7 +109,7 @@ HEADLINES = [
     ("peer_lmcache", "tier_cold_read_over_lmcache", "(reported; speed)", None),
     ("peer_lmcache", "cache_put_host_over_lmcache", "(reported; speed)", None),
     ("peer_lmcache", "cache_get_host_over_lmcache", "(reported; speed)", None),
-    ("peer_lmcache", "cache_put_host_checksum_share", "(reported: the host checksums' share of a put)", None),
+    ("peer_lmcache", "host_verified_copy_over_plain_copy", "(reported: a copy out of host memory checking every page's xxh3, over the plain copy; time)", None),
 ]
 
 

@@ -92,3 +92,81 @@ def test_a_hit_loads_the_saved_bytes_into_other_blocks(tmp_path, chunk_blocks):
     finally:
         worker.shutdown()
         close_shared()
+
+
+def _save_step(sched, worker, req, blocks, kv):
+    """One prefill step of ``req`` on ``blocks`` up to ``wait_for_save``, without waiting for the
+    writer thread (as vLLM's model runner does not)."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    hit, _ = h.ask(sched, req)
+    sched.update_state_after_alloc(req, None, hit)
+    new = NewRequestData(req.request_id, req.prompt_token_ids, req.mm_features, req.sampling_params,
+                         None, (list(blocks),), hit, None)
+    out = SchedulerOutput(
+        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={req.request_id: h.PROMPT - hit}, total_num_scheduled_tokens=h.PROMPT - hit,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
+        free_encoder_mm_hashes=[])
+    worker.bind_connector_metadata(sched.build_connector_meta(out))
+    if not worker._layers:
+        worker.register_kv_caches(kv)
+    worker.start_load_kv(None)
+    for name, layer in kv.items():
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name, layer, None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def test_a_cpu_save_reads_vllms_blocks_once_and_the_next_step_waits_for_it(tmp_path):
+    """Whole-block groups on the CPU are saved straight from vLLM's blocks by the writer thread
+    (no stage); the next step's ``start_load_kv`` returns only once those puts are done, so the
+    blocks may be reused from then on: poisoned after it, the saved bytes still load intact."""
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=1)
+    try:
+        kv = h.paged(seed=5)
+        first = [3, 17, 8, 1, 22, 12]
+        _save_step(sched, worker, h.request("r1"), first, kv)
+        assert worker._reading_blocks, "the save did not take the direct path"
+        pending = list(worker._reading_blocks)
+        worker.bind_connector_metadata(type(sched.build_connector_meta(
+            _empty_output()))())                           # the next step, nothing to load
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+        assert all(f.done() for f in pending) and not worker._reading_blocks
+        want = h.tokens_kv(kv, first, 40)
+        for t in kv.values():                              # vLLM reuses every block now
+            t.fill_(float("nan"))
+        second = [9, 4, 20, 15, 6, 0]
+        assert h.step(sched, worker, h.request("r2"), second, kv) == 40
+        assert torch.equal(h.tokens_kv(kv, second, 40), want)
+    finally:
+        worker.shutdown()
+        close_shared()
+
+
+def test_a_save_with_a_nan_in_vllms_blocks_stores_nothing(tmp_path):
+    """The copy out of vLLM's blocks tests what it moves: a NaN in one block's K makes the save
+    of its group a skipped put (logged), never a stored group, and the engine goes on."""
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=1)
+    try:
+        kv = h.paged(seed=6)
+        blocks = [2, 11, 5, 19, 7, 13]
+        layer = next(iter(kv.values()))
+        layer[blocks[1], 1, 3, 7] = float("nan")          # block 1, head 1, its 4th position, layer 0, K
+        assert h.step(sched, worker, h.request("r1"), blocks, kv) == 0
+        # blocks 0 and 1's groups chain: block 0 is held, block 1 (and what follows it) is not
+        assert sched.get_num_new_matched_tokens(h.request("r2"), 0) == (8, False)
+    finally:
+        worker.shutdown()
+        close_shared()
+
+
+def _empty_output():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+                           num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                           scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                           finished_req_ids=set(), free_encoder_mm_hashes=[])

@@ -14,7 +14,14 @@ each saved group's part of that layer into a staging buffer; ``wait_for_save`` h
 complete groups to a writer thread, which stores them. A group of whole vLLM blocks (a page of
 the cache per block) is staged as vLLM lays its blocks out (``vllm_copy.new_stage``): runs of
 consecutive blocks move as slices, and the cache copies the stage's block-split K and V into its
-pages (and out of them) once; any other group moves slot by slot. A group that
+pages (and out of them) once; any other group moves slot by slot.
+
+On the CPU such a group is saved with **one** copy instead (``direct`` saves): no stage; the
+writer thread ``put``s straight from vLLM's blocks (``vllm_copy.engine_blocks``; the copy into
+pages tests for NaN / Inf as it goes, ``native.rows``). vLLM writes its KV blocks only in a
+forward pass (attention, and this connector's loads at its start), so the next step's
+``start_load_kv`` first waits for those puts: a block freed by a finished or preempted request
+and handed to another is never written while a save still reads it. A group that
 fails to load (corrupt file, evicted meanwhile) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``; ``"mmtier_load_failure_policy": "fail"`` keeps
@@ -122,6 +129,7 @@ class _Staged:
     blocks: list[int] | None = None          # vLLM's block ids of positions [lo, hi), in order
     stage: torch.Tensor | None = None
     layers: set[int] = field(default_factory=set)
+    direct: bool = False                     # k and v are vLLM's own blocks (EngineBlocks)
 
 
 class MMTierConnector(KVConnectorBase_V1):
@@ -167,6 +175,7 @@ class MMTierConnector(KVConnectorBase_V1):
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="mmtier-load") if worker else None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save") if worker else None
         self._saving: set[Future] = set()
+        self._reading_blocks: list[Future] = []  # direct saves still reading vLLM's blocks
         self._loading: list[tuple[GroupCopy, _Staged | None, Future]] = []
         self._staged: dict[ContentKey, _Staged] = {}
         self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
@@ -288,6 +297,7 @@ class MMTierConnector(KVConnectorBase_V1):
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._wait_direct_saves()             # before this forward (or a load) writes any block
         meta = self._get_connector_metadata()
         if not self._layers:
             self.register_kv_caches({name: layer.kv_cache for name, layer in
@@ -384,33 +394,68 @@ class MMTierConnector(KVConnectorBase_V1):
         for op in meta.saves:
             staged = self._staged.get(op.key)
             if staged is None:
-                staged = self._stage_for(op, kv_layer, whole_group=False)
+                staged = self._direct_save(op, kv_layer) or self._stage_for(op, kv_layer, whole_group=False)
                 if staged is None:
                     shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
                     staged = _Staged(op, kv_layer.new_empty(shape), kv_layer.new_empty(shape))
                 self._staged[op.key] = staged
-            if staged.blocks is not None:            # vLLM's blocks as they lie, run by run
+            if staged.direct:                        # read from vLLM's blocks by the writer
+                pass
+            elif staged.blocks is not None:          # vLLM's blocks as they lie, run by run
                 vllm_copy.copy_blocks(kv_layer, staged.blocks, staged.stage[layer], None)
             else:
                 vllm_copy.gather(kv_layer, op.slots.to(kv_layer.device), cfg.head_dim,
                                  staged.k[layer], staged.v[layer])
             staged.layers.add(layer)
 
+    def _direct_save(self, op: GroupCopy, kv_layer: torch.Tensor) -> _Staged | None:
+        """A save of ``op``'s group straight from vLLM's blocks (one copy, by the writer thread),
+        where the group is whole blocks of vLLM's on the CPU and its pages are those blocks;
+        ``None`` otherwise (a stage or the slot path)."""
+        bs, spec = self.block_size, self.cache.cfg.spec(op.key.modality)
+        if (kv_layer.device.type != "cpu" or spec.page_size != bs or op.lo != op.start
+                or op.hi != op.end or op.start % bs or op.end % bs):
+            return None
+        blocks = vllm_copy.aligned_blocks(op.slots, bs)
+        if blocks is None:
+            return None
+        try:
+            engine = vllm_copy.engine_blocks(list(self._layers.values()), self.cache.cfg.head_dim, blocks)
+        except ShapeError:                 # layers of differing shapes: the stage path
+            return None
+        return _Staged(op, engine, engine, direct=True)
+
+    def _wait_direct_saves(self) -> None:
+        """Wait until no save reads vLLM's blocks any more (see the module docstring)."""
+        pending, self._reading_blocks = self._reading_blocks, []
+        for fut in pending:
+            try:
+                fut.result(timeout=LOAD_TIMEOUT_S)
+            except TimeoutError:
+                # the put is still running; the blocks must not be written under it
+                self._reading_blocks.append(fut)
+                raise
+            except Exception:        # noqa: BLE001 - the writer logged it; only its end matters
+                pass
+
     def wait_for_save(self) -> None:
-        """Hand this step's complete groups to the writer thread: the staged copies are the
-        connector's own, so vLLM may reuse its blocks at once and the step does not wait."""
+        """Hand this step's complete groups to the writer thread. Staged copies are the
+        connector's own, so vLLM may reuse those blocks at once; direct saves read vLLM's blocks
+        until the next step's ``start_load_kv``, which waits for them."""
         staged, self._staged = self._staged, {}
         layers = self.cache.cfg.num_layers
         done = [st for st in staged.values() if len(st.layers) == layers]
         if not done:
             return
         event = None
-        if done[0].k.is_cuda:                   # the gathers were queued on vLLM's stream
+        if any(not st.direct and st.k.is_cuda for st in done):   # gathers queued on vLLM's stream
             event = torch.cuda.Event()
             event.record()
         fut = self._writer.submit(self._store, done, event)
         self._saving.add(fut)
         fut.add_done_callback(self._saving.discard)
+        if any(st.direct for st in done):
+            self._reading_blocks.append(fut)
 
     def _store(self, done: list[_Staged], event) -> None:
         if event is not None:
