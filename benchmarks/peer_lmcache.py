@@ -32,8 +32,8 @@ Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of
   plus the fsyncs; compared per byte that reached the disk;
 - cold read: ``read_groups`` of the disk-resident groups against ``retrieve`` from disk.
 
-Every pair (and triple, with the raw copies) runs once per round, ``--rounds`` (>= 5) rounds,
-the order rotated each round; each ratio is the median of the per-round ratios, best, worst and
+Every pair (and triple, with the raw copies) runs twice per round, in one order and then the
+reverse (A B B A), ``--rounds`` (>= 5) rounds, the first order rotated each round; each ratio is the median of the per-round ratios, best, worst and
 every pair beside it, with ``os.getloadavg()`` per round. ``*_over_raw_*``: the cache's seconds
 over the raw copies' (target <= 1.2); ``*_over_lmcache*``: the cache's speed over LMCache's
 (bytes per second; target >= 1.0). Then the reliability probes on both: a flipped byte, a file
@@ -125,13 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
         mine = MMTierSide(**shape, workdir=str(work))
         run = {"mmtier": lambda op: getattr(mine, op)(), "lmcache": lambda op: peer.call(op),
                "raw": lambda op: getattr(mine, op)()}
-        # one untimed round: first-touch of every buffer on both sides
-        for _, m_op, l_op, r_op in PAIRS:
-            run["mmtier"](m_op)
-            if l_op:
-                run["lmcache"](l_op)
-            if r_op:
-                run["raw"](r_op)
+        # two untimed rounds: first-touch of every buffer on both sides (the cache's host slab
+        # fills over the first round and its slots are first reused in the second)
+        for _ in range(2):
+            for _, m_op, l_op, r_op in PAIRS:
+                run["mmtier"](m_op)
+                if l_op:
+                    run["lmcache"](l_op)
+                if r_op:
+                    run["raw"](r_op)
         got: dict[str, dict[str, list[dict]]] = {name: {"mmtier": [], "lmcache": [], "raw": []}
                                                   for name, *_ in PAIRS}
         loads = []
@@ -146,11 +148,13 @@ def main(argv: list[str] | None = None) -> dict:
                 if r_op and seq.index(("raw", r_op)) < seq.index(("mmtier", m_op)):
                     seq.remove(("raw", r_op))
                     seq.insert(seq.index(("mmtier", m_op)) + 1, ("raw", r_op))
-                # a pair without raw copies runs in both orders each round (A B B A), and each
-                # side's round is its two runs together: the disk serves the first writer of a
-                # round at up to 3x the second's speed (the pairs of 2026-12-02 00:31), so a
-                # ratio of one order per round measures the order, not the systems
-                halves = [seq] if r_op or len(seq) < 2 else [seq, seq[::-1]]
+                # every pair (and triple) runs in both orders each round (A B B A), and each
+                # side's round is its runs together: the disk serves the first writer of a
+                # round at up to 3x the second's speed (the pairs of 2026-12-02 00:31), and an
+                # op run right after the other process's swept memory paid for it, so a ratio of
+                # one order per round measures the order, not the systems. (The raw copies of
+                # the reversed half are sized by the first half's put: the same groups.)
+                halves = [seq] if len(seq) < 2 else [seq, seq[::-1]]
                 runs: dict[str, list[dict]] = {}
                 for half in halves:
                     for side, op in half:
@@ -240,9 +244,10 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
             raw = got[name]["raw"]
             fig.update(ratio_figures(f"{name}_over_raw_{'copies' if 'put' in name else 'copy'}",
                                      [a["s"] for a in m], [a["s"] for a in raw], higher_is_better=False))
-    fig["cache_put_host_demotions_per_round"] = got["cache_put_host"]["mmtier"][-1]["demotions"]
-    fig["cache_get_host_groups"] = got["cache_get_host"]["mmtier"][-1]["groups"]
-    fig["cache_cold_read_groups"] = got["cache_cold_read"]["mmtier"][-1]["groups"]
+    per_run = lambda name, key: (lambda a: a[key] // a["halves"])(got[name]["mmtier"][-1])  # noqa: E731
+    fig["cache_put_host_demotions_per_round"] = per_run("cache_put_host", "demotions")   # per put
+    fig["cache_get_host_groups"] = per_run("cache_get_host", "groups")
+    fig["cache_cold_read_groups"] = per_run("cache_cold_read", "groups")
     fig.update(probes)
     return fig
 
