@@ -94,31 +94,6 @@ def test_a_hit_loads_the_saved_bytes_into_other_blocks(tmp_path, chunk_blocks):
         close_shared()
 
 
-def _save_step(sched, worker, req, blocks, kv):
-    """One prefill step of ``req`` on ``blocks`` up to ``wait_for_save``, without waiting for the
-    writer thread (as vLLM's model runner does not)."""
-    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-    hit, _ = h.ask(sched, req)
-    sched.update_state_after_alloc(req, None, hit)
-    new = NewRequestData(req.request_id, req.prompt_token_ids, req.mm_features, req.sampling_params,
-                         None, (list(blocks),), hit, None)
-    out = SchedulerOutput(
-        scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={req.request_id: h.PROMPT - hit}, total_num_scheduled_tokens=h.PROMPT - hit,
-        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
-        free_encoder_mm_hashes=[])
-    worker.bind_connector_metadata(sched.build_connector_meta(out))
-    if not worker._layers:
-        worker.register_kv_caches(kv)
-    worker.start_load_kv(None)
-    for name, layer in kv.items():
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name, layer, None)
-    worker.wait_for_save()
-    worker.clear_connector_metadata()
-
-
 def test_a_cpu_save_reads_vllms_blocks_once_and_the_next_step_waits_for_it(tmp_path):
     """Whole-block groups on the CPU are saved straight from vLLM's blocks by the writer thread
     (no stage); the next step's ``start_load_kv`` returns only once those puts are done, so the
@@ -127,7 +102,7 @@ def test_a_cpu_save_reads_vllms_blocks_once_and_the_next_step_waits_for_it(tmp_p
     try:
         kv = h.paged(seed=5)
         first = [3, 17, 8, 1, 22, 12]
-        _save_step(sched, worker, h.request("r1"), first, kv)
+        assert h.step(sched, worker, h.request("r1"), first, kv, wait_saves=False) == 0
         assert worker._reading_blocks, "the save did not take the direct path"
         pending = list(worker._reading_blocks)
         worker.bind_connector_metadata(type(sched.build_connector_meta(

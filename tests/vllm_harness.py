@@ -82,9 +82,11 @@ def paged(seed=None) -> dict[str, torch.Tensor]:
     return out
 
 
-def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.Tensor]) -> int:
+def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.Tensor], *,
+         wait_saves: bool = True) -> int:
     """One prefill step of ``req``: ask for the hit, allocate, build and run the metadata.
-    Returns the hit (tokens vLLM would not compute)."""
+    Returns the hit (tokens vLLM would not compute). ``wait_saves=False``: return right after
+    ``wait_for_save``, the writer thread's puts still running (as vLLM's model runner does)."""
     hit, is_async = ask(sched, req)
     sched.update_state_after_alloc(req, None, hit)
     new = NewRequestData(req.request_id, req.prompt_token_ids, req.mm_features, req.sampling_params,
@@ -103,7 +105,8 @@ def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.
         worker.save_kv_layer(name, layer, None)
     worker.wait_for_save()
     worker.clear_connector_metadata()
-    worker.wait_for_saves()            # the writer thread's puts (vLLM itself does not wait)
+    if wait_saves:
+        worker.wait_for_saves()        # the writer thread's puts (vLLM itself does not wait)
     return hit
 
 

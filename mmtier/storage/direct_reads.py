@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptDataError
-from .layer_extent import _DIRECT_REFUSED, LayerExtent, direct_align
+from .layer_extent import _DIRECT_REFUSED, LayerExtent, direct_align, open_direct
 from .staging import ALIGN, StagingPool
 
 if TYPE_CHECKING:
@@ -52,14 +52,10 @@ def read_whole_direct(path: str, extent: LayerExtent, dest: DestPages, windows: 
     if dest.page_bytes != extent.page_bytes:
         raise CorruptDataError(f"{extent.name}: pages of {extent.page_bytes} bytes, not {dest.page_bytes}")
     folder = os.path.dirname(path)
-    if folder in _DIRECT_REFUSED or extent.size < DIRECT_MIN_FILE:
+    if extent.size < DIRECT_MIN_FILE:
         return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        _DIRECT_REFUSED.add(folder)
+    fd = open_direct(path)
+    if fd is None:
         return None
     bufs: list = []
     pending: dict[int, Future] = {}

@@ -158,21 +158,29 @@ def _direct_target(views: Sequence[np.ndarray], offset: int, span: int) -> np.nd
     return flat
 
 
+def open_direct(path: str) -> int | None:
+    """``path`` opened for reading with ``O_DIRECT``; ``None`` where its file system refuses it
+    (remembered per folder: not tried there again). Other errors raise."""
+    folder = os.path.dirname(path)
+    if folder in _DIRECT_REFUSED:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _DIRECT_REFUSED.add(folder)
+        return None
+
+
 def read_direct(path: str, extent: LayerExtent, buf: np.ndarray, offset: int) -> bool:
     """Fill ``buf`` from ``offset`` of the file with ``O_DIRECT`` reads (the device writes into
     ``buf``: no page cache, no copy) after checking the file's size. ``False`` where that
     cannot be done -- the file system refuses ``O_DIRECT``, or the device's logical block is
     larger than the alignment of ``buf``, the offset or the length -- and nothing is promised
     of ``buf``: the caller reads buffered. The caller checks the digest either way."""
-    folder = os.path.dirname(path)
-    if folder in _DIRECT_REFUSED:
-        return False
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError as exc:
-        if exc.errno != errno.EINVAL:
-            raise
-        _DIRECT_REFUSED.add(folder)
+    fd = open_direct(path)
+    if fd is None:
         return False
     try:
         st = os.fstat(fd)
