@@ -1,7 +1,8 @@
 """mmtier's C helpers, built with the system C compiler on first use and loaded with ctypes.
 
-A helper is one C file beside this one (no Python API, plain functions over addresses). It
-is compiled once per source text, compiler and machine into a cache directory
+A helper is one C file beside this one (no Python API, plain functions over addresses; the
+headers beside it are shared). It is compiled once per source text (headers included), compiler
+and machine into a cache directory
 (``MMTIER_NATIVE_CACHE``, else ``$XDG_CACHE_HOME/mmtier/native``, else ``~/.cache/mmtier/native``)
 and reused by every later process. Where no compiler is found, the build fails, or
 ``MMTIER_NATIVE=0`` is set, ``library`` returns ``None`` and callers take their torch path:
@@ -65,7 +66,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
     if cc is None:
         log.info("mmtier native %s: no C compiler found; using the torch path", name)
         return None
-    text = source.read_bytes()
+    text = b"".join([source.read_bytes(), *(h.read_bytes() for h in sorted(_HERE.glob("*.h")))])
     tag = hashlib.sha256(b"\0".join([text, cc.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
     target = cache_dir() / f"lib{name}-{tag}.so"

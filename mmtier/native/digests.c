@@ -18,7 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_DIMS 8
+#include "walk.h"
+
 #define STRIPE 64
 #define SECRET_SIZE 192
 #define STRIPES_PER_BLOCK ((SECRET_SIZE - STRIPE) / 8)   /* 16 */
@@ -151,25 +152,15 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
                               int64_t row, int flags, uint64_t *digests,
                               const uint64_t *expect) {
     int allow_stream = flags & 1;       /* flags: 1 streaming stores allowed, 2 scalar code only */
-    if (nd < 0 || nd > MAX_DIMS || row <= 0 || row % STRIPE != 0 || n_units < 0) return -2;
-    int64_t total = 1;
-    for (int i = 0; i < nd; i++) {
-        if (shape[i] <= 0) return -2;
-        total *= shape[i];
-    }
+    int64_t total = walk_rows(nd, shape);
+    if (total <= 0 || row <= 0 || row % STRIPE != 0 || n_units < 0) return -2;
     int64_t len = total * row;
     if (len <= 240) return -2;
     int64_t S = len / STRIPE;
     int use_avx2 = 0, stream = 0;
 #ifdef HAVE_AVX2
     use_avx2 = !(flags & 2) && __builtin_cpu_supports("avx2");
-    if (use_avx2 && allow_stream && dst != NULL) {
-        stream = 1;
-        for (int i = 0; i < nd; i++)
-            if (dstr[i] % 32 != 0) stream = 0;
-        for (int64_t u = 0; u < n_units && stream; u++)
-            if (dst[u] % 32 != 0) stream = 0;
-    }
+    stream = use_avx2 && allow_stream && dst != NULL && dst_aligned(dst, n_units, nd, dstr, row, 32);
 #else
     (void)allow_stream;
 #endif
@@ -180,27 +171,23 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
         const char *s = (const char *)(intptr_t)src[u];
         uint64_t acc[8];
         acc_init(acc);
-        int64_t idx[MAX_DIMS] = {0};
-        int64_t doff = 0, soff = 0, stripe = 0;
-        for (int64_t n = 0; n < total; n++) {
+        int64_t stripe = 0;
+        walk_t w;
+        walk_start(&w);
+        for (int64_t n = 0; n < total; n++, walk_next(&w, nd, shape, dstr, sstr)) {
             if (d == NULL) {            /* hash only: walk the row in sink-sized pieces */
                 for (int64_t k = 0; k < row; k += (int64_t)sizeof(sink)) {
                     int64_t part = row - k < (int64_t)sizeof(sink) ? row - k : (int64_t)sizeof(sink);
 #ifdef HAVE_AVX2
-                    if (use_avx2) row_avx2(sink, s + soff + k, part, acc, &stripe, S, 0); else
+                    if (use_avx2) row_avx2(sink, s + w.soff + k, part, acc, &stripe, S, 0); else
 #endif
-                    row_scalar(sink, s + soff + k, part, acc, &stripe, S);
+                    row_scalar(sink, s + w.soff + k, part, acc, &stripe, S);
                 }
             } else {
 #ifdef HAVE_AVX2
-                if (use_avx2) row_avx2(d + doff, s + soff, row, acc, &stripe, S, stream); else
+                if (use_avx2) row_avx2(d + w.doff, s + w.soff, row, acc, &stripe, S, stream); else
 #endif
-                row_scalar(d + doff, s + soff, row, acc, &stripe, S);
-            }
-            for (int i = nd - 1; i >= 0; i--) {
-                idx[i]++; doff += dstr[i]; soff += sstr[i];
-                if (idx[i] < shape[i]) break;
-                doff -= dstr[i] * shape[i]; soff -= sstr[i] * shape[i]; idx[i] = 0;
+                row_scalar(d + w.doff, s + w.soff, row, acc, &stripe, S);
             }
         }
         uint64_t h = finish(acc, (uint64_t)len);
@@ -208,16 +195,9 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
         if (expect != NULL && h != expect[u]) {
             bad = u;
             if (d != NULL) {            /* no unverified byte stays behind: poison the unit */
-                int64_t pidx[MAX_DIMS] = {0};
-                int64_t off = 0;
-                for (int64_t n = 0; n < total; n++) {
-                    memset(d + off, 0xFF, (size_t)row);
-                    for (int i = nd - 1; i >= 0; i--) {
-                        pidx[i]++; off += dstr[i];
-                        if (pidx[i] < shape[i]) break;
-                        off -= dstr[i] * shape[i]; pidx[i] = 0;
-                    }
-                }
+                walk_start(&w);
+                for (int64_t n = 0; n < total; n++, walk_next(&w, nd, shape, dstr, dstr))
+                    memset(d + w.doff, 0xFF, (size_t)row);
             }
         }
     }

@@ -12,11 +12,12 @@
  * for NaN / Inf on its way through (all exponent bits set), in the registers the copy loads
  * anyway: a put's finiteness scan without a pass of its own over the payload.
  *
- * Built by mmtier/native/build.py with the system C compiler; no Python API (ctypes). */
+ * The index walk is walk.h's, shared with digests.c. Built by mmtier/native/build.py with the
+ * system C compiler; no Python API (ctypes). */
 #include <stdint.h>
 #include <string.h>
 
-#define MAX_DIMS 8
+#include "walk.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -70,12 +71,7 @@ static int row_nonfinite(const char *p, int64_t row, int check) {
 /* 1 where streaming stores are used for these arguments, else 0. */
 static int can_stream(const int64_t *dst, int64_t n_units, int nd, const int64_t *dstr, int64_t row) {
 #ifdef HAVE_STREAM
-    if (!__builtin_cpu_supports("avx2") || row % 32 != 0) return 0;
-    for (int i = 0; i < nd; i++)
-        if (dstr[i] % 32 != 0) return 0;
-    for (int64_t u = 0; u < n_units; u++)
-        if (dst[u] % 32 != 0) return 0;
-    return 1;
+    return __builtin_cpu_supports("avx2") && dst_aligned(dst, n_units, nd, dstr, row, 32);
 #else
     (void)dst; (void)n_units; (void)nd; (void)dstr; (void)row;
     return 0;
@@ -87,34 +83,25 @@ static int can_stream(const int64_t *dst, int64_t n_units, int nd, const int64_t
 int mmtier_copy_rows(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
                      const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
                      int64_t row, int allow_stream, int check) {
-    if (nd < 0 || nd > MAX_DIMS || row <= 0 || n_units < 0 || check < 0 || check > 3) return -1;
+    int64_t total = walk_rows(nd, shape);
+    if (total < 0 || row <= 0 || n_units < 0 || check < 0 || check > 3) return -1;
     if (check && row % (check == 3 ? 4 : 2) != 0) return -1;
-    int64_t total = 1;
-    for (int i = 0; i < nd; i++) {
-        if (shape[i] <= 0) return 0;
-        total *= shape[i];
-    }
     int stream = allow_stream && can_stream(dst, n_units, nd, dstr, row);
     int bad = 0;
     for (int64_t u = 0; u < n_units; u++) {
         char *d = (char *)(intptr_t)dst[u];
         const char *s = (const char *)(intptr_t)src[u];
-        int64_t idx[MAX_DIMS] = {0};
-        int64_t doff = 0, soff = 0;
-        for (int64_t n = 0; n < total; n++) {
+        walk_t w;
+        walk_start(&w);
+        for (int64_t n = 0; n < total; n++, walk_next(&w, nd, shape, dstr, sstr)) {
 #ifdef HAVE_STREAM
             if (stream) {
-                bad |= stream_row(d + doff, s + soff, row, check);
+                bad |= stream_row(d + w.doff, s + w.soff, row, check);
             } else
 #endif
             {
-                memcpy(d + doff, s + soff, (size_t)row);
-                if (check) bad |= row_nonfinite(d + doff, row, check);
-            }
-            for (int i = nd - 1; i >= 0; i--) {
-                idx[i]++; doff += dstr[i]; soff += sstr[i];
-                if (idx[i] < shape[i]) break;
-                doff -= dstr[i] * shape[i]; soff -= sstr[i] * shape[i]; idx[i] = 0;
+                memcpy(d + w.doff, s + w.soff, (size_t)row);
+                if (check) bad |= row_nonfinite(d + w.doff, row, check);
             }
         }
     }
