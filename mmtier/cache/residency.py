@@ -207,7 +207,9 @@ class Residency:
         the group is a miss from now on (``host_corrupt``) and ``CorruptDataError`` is raised;
         ``k, v`` then hold only verified runs before it, never a byte of the bad page's run.
         (Measured in one process at load 3.5-5: one page at a time 1.15-1.26x the bare copy,
-        two pages 1.10-1.23x, the whole group checked first 1.27x.)"""
+        two pages 1.10-1.23x, the whole group checked first 1.27x.) Where the native helper is
+        built, the copy checks each page itself (``page_digests.copy_out_verified``: the pages
+        before the bad one land, the bad one's destination is poisoned, nothing after it)."""
         try:
             if not copy_out_verified(group.location, k, v):     # checked by the copy itself
                 pages_into_kv(group.location.checked_pages(), k, v)

@@ -29,8 +29,9 @@ Verified reads: every entry keeps the xxh3 of each of its pages (``entry.sums``)
 the slab by the copy into it (``page_digests``: from the copy's own registers where the native
 helper is built, else each chunk hashed right after it landed, while cache-hot; the disk files
 keep the same digests). Reads that copy a
-group *out* (``gather``, ``copy_to``, the cache's ``read_group``) check every page against them
-first (``verify``): a mismatch is ``CorruptDataError`` (the owner treats it as a miss) and
+group *out* (``gather``, ``copy_to``, the cache's ``read_group``) check every page against them,
+first (``verify``) or, with the native helper, as the copy moves it (``copy_to_verified``,
+``copy_out_verified``: the bad page's destination poisoned): a mismatch is ``CorruptDataError`` (the owner treats it as a miss) and
 counted (``corrupt_reads``), never wrong KV. In-place CPU attention over ``view()`` reads the
 slab as it is (one check per attention call would cost more than the attention).
 
