@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from mmtier.cache import TieredKVCache
 from mmtier.config import CacheConfig
-from mmtier.errors import CapacityError, MMTierError
+from mmtier.errors import CapacityError, ConfigError, MMTierError
 from mmtier.pages.pool import DeviceArena, PagePool, resolve_arena_bytes
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -254,10 +255,27 @@ def test_arena_bytes_override_and_resolution():
     assert resolve_arena_bytes(cfg) == 1 << 20
     small = DeviceArena(cfg, arena_bytes=cfg.modalities["text"].page_bytes * 3)
     assert small["text"].num_pages == 3
-    empty = DeviceArena(cfg, arena_bytes=10)
-    assert empty["text"].num_pages == 0 and empty["text"].view.shape[0] == 0
+    # a pool that would get no page is refused when the arena is built (issue 34: it used to build
+    # and fail in the middle of a request with "0 free of 0")
+    with pytest.raises(ConfigError, match="'text' pool gets 10 .* less than one page") as err:
+        DeviceArena(cfg, arena_bytes=10)
+    assert "device_bytes" in err.value.fields and "modalities.text" in err.value.fields
+    full = DeviceArena(cfg, arena_bytes=cfg.modalities["text"].page_bytes)
+    assert full["text"].num_pages == 1
+    full["text"].allocate(1)
     with pytest.raises(CapacityError):
-        empty["text"].allocate(1)
+        full["text"].allocate(1)
+
+
+def test_a_modality_pool_of_zero_pages_is_refused_before_anything_is_built(tmp_path):
+    """A Whisper-like cache whose device_bytes leave the audio pool no page: ConfigError at
+    construction, naming the pool and the bytes one page needs; no disk file is created."""
+    cfg = CacheConfig(model="m", num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32", device="cpu",
+                      modalities={"text": {"page_size": 16, "share": 0.9}, "audio": {"page_size": 64, "share": 0.1}},
+                      device_bytes=24 << 10, disk_dir=str(tmp_path / "spill"), disk_free_floor_bytes=0)
+    with pytest.raises(ConfigError, match=r"'audio' pool .* less than one page \(\d+ bytes: 64 tokens\)"):
+        TieredKVCache(cfg)
+    assert not (tmp_path / "spill").exists() or not any((tmp_path / "spill").iterdir())
 
 
 def test_views_are_page_major():
@@ -298,8 +316,14 @@ def test_pools_are_disjoint_inside_the_arena(specs, nbytes, with_share):
     if with_share:
         mods["m0"]["share"] = 0.4
     cfg = cfg_of(mods, layers=1, heads=1)
-    arena = DeviceArena(cfg, arena_bytes=nbytes)
     plan = cfg.pool_bytes(nbytes)
+    try:
+        arena = DeviceArena(cfg, arena_bytes=nbytes)
+    except ConfigError as err:       # a pool left without a page is refused, and only such a one
+        name = err.fields[1].removeprefix("modalities.")
+        assert plan[name] < cfg.modalities[name].page_bytes + 256
+        return
+    assert all(pool.num_pages >= 1 for pool in arena.pools.values())
     spans = sorted(_ranges(arena).values())
     for (_, e0), (s1, _) in zip(spans, spans[1:]):
         assert e0 <= s1, "pools overlap"

@@ -33,11 +33,13 @@ WIDTH = 24
 
 
 def fields(tmp_path, device_pages=64):
+    embed, text = device_pages * 16 * WIDTH * 4, 2 * (2 * 16 * 16 * 4 + 256)   # text: 2 pages (a pool
+    share = embed / (embed + text)                                              # of none is refused)
     return dict(model="tiny-ec", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32",
-                modalities={"text": {"page_size": 16, "share": 0.25},
+                modalities={"text": {"page_size": 16, "share": 1 - share},
                             "vision_embed": {"kind": "embedding", "width": WIDTH, "page_size": 16,
-                                             "share": 0.75}},
-                device="cpu", device_bytes=device_pages * 16 * WIDTH * 4 * 4 // 3, host_bytes=0,
+                                             "share": share}},
+                device="cpu", device_bytes=embed + text + 64, host_bytes=0,
                 disk_dir=str(tmp_path / "spill"), disk_bytes=64 << 20, disk_free_floor_bytes=0)
 
 

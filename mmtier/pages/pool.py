@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import CacheConfig, ModalitySpec
-from ..errors import CapacityError, MMTierError
+from ..errors import CapacityError, ConfigError, MMTierError
 from .gpu_memory import free_bytes
 
 _ALIGN = 256
@@ -103,6 +103,13 @@ class DeviceArena:
             start = -(-offset // _ALIGN) * _ALIGN          # alignment comes out of the budget
             room = max(0, min(plan[name] - (start - offset), nbytes - start))
             pages = room // spec.page_bytes
+            if pages == 0:
+                # refused here, before anything is allocated: a pool of no pages builds and then
+                # fails in the middle of a request with a CapacityError
+                raise ConfigError(
+                    f"device_bytes: the {name!r} pool gets {room} of the arena's {nbytes} bytes, "
+                    f"less than one page ({spec.page_bytes} bytes: {spec.page_size} tokens); "
+                    f"raise device_bytes or modalities.{name}.share", ("device_bytes", f"modalities.{name}"))
             sizes[name] = (start, pages * spec.page_bytes)
             offset = start + pages * spec.page_bytes
         self.nbytes = offset
