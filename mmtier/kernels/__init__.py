@@ -55,6 +55,8 @@ def paged_attention(
     """Attention of ``q [total_q, Hq, D]`` over the segments of every operand (one per pool,
     page sizes may differ), merged exactly; returns ``(out [total_q, Hq, D], lse [total_q, Hq])``
     with ``lse`` float32 in natural log (``-inf``, ``out == 0`` where a query sees no key).
+    The Triton path computes in the pool's dtype: a float32 ``q`` over a 16-bit pool is rounded
+    to it, as if given in it (the dots run on 16-bit tiles with float32 sums).
 
     ``host_q_indptr``: ``q_indptr``'s values on the CPU; with operands that carry their
     tables on the host too (``PagedKV.host``), the Triton path plans without a device sync."""

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
-from .launch import launch_guard
+from .launch import gpu_choices, launch_guard
 from .layout import INDEX_DTYPE, PagedKV, check_queries, upload_ints
 from .triton_merge import merge_partials
 
@@ -44,14 +44,13 @@ INTERPRET_BLOCK_N = 128
 @triton.jit
 def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
           m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-          CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
-    """One ``[BLOCK_N, D]`` K/V tile folded into the running ``(m, l, acc)`` (base 2)."""
+          CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One ``[BLOCK_N, D]`` K/V tile folded into the running ``(m, l, acc)`` (base 2). Both dots
+    take the pool's dtype (``q`` arrives cast to it, ``p`` is cast here) and sum in float32."""
     tok = page.to(tl.int64) * s_kp + slot.to(tl.int64) * s_kt
     k_ptrs = kv_head + tok[:, None] + d64[None, :] * s_kd
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    if DOT_F32:
-        k = k.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     vis = row_ok[:, None] & k_ok[None, :]
     if CAUSAL:
@@ -63,8 +62,6 @@ def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(k_ptrs + s_kk, mask=kv_mask, other=0.0)
-    if DOT_F32:
-        v = v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -82,7 +79,7 @@ def _kernel(
     s_lp, s_lt, s_lh,
     G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    SKIP_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    SKIP_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Softmax attention of one query tile over one split of one batch item's pages.
 
@@ -116,11 +113,9 @@ def _kernel(
     head64 = head.to(tl.int64)
     d64 = d.to(tl.int64)
     q_off = qi64[:, None] * s_qt + head64[:, None] * s_qh + d64[None, :] * s_qd
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if DOT_F32:  # the interpreter's tl.dot mishandles bfloat16: it runs this mode in float32
-        q = q.to(tl.float32)
-    else:
-        q = q.to(kv_ptr.dtype.element_ty)
+    # the query takes the pool's dtype: a float32 query over a 16-bit pool is rounded to it
+    # (the dots run on 16-bit tiles, as FlashAttention's and vLLM's require one dtype)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(kv_ptr.dtype.element_ty)
     q_pos = tl.load(q_pos_ptr + qi, mask=row_ok, other=-1)
     max_q_pos = tl.max(q_pos, 0)
 
@@ -148,11 +143,11 @@ def _kernel(
             if tl.max(k_ok.to(tl.int32), 0) > 0:
                 m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                       m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                      CAUSAL, DOT_PRECISION, DOT_F32)
+                                      CAUSAL, DOT_PRECISION)
         else:
             m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                   m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                  CAUSAL, DOT_PRECISION, DOT_F32)
+                                  CAUSAL, DOT_PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -199,8 +194,11 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _block_m(group: int, max_q: int, d_pad: int) -> int:
-    cap = 64 if d_pad <= 128 else 32
+def _block_m(group: int, max_q: int, d_pad: int, small: bool = False) -> int:
+    """Query-tile rows: every query head of a KV head group for as many queries as fit, at
+    least 16 (``tl.dot``'s minimum); ``small``: at most 16 (float32 tiles on a GPU, whose
+    FMA dot spills registers on 32- and 64-row tiles)."""
+    cap = 16 if small else 64 if d_pad <= 128 else 32
     return max(_next_pow2(group), min(cap, max(16, _next_pow2(max_q * group))))
 
 
@@ -268,7 +266,8 @@ def plan_paged_attention(
     max_q = max(q_counts, default=0)
 
     d_pad = max(16, _next_pow2(head_dim))
-    block_m = _block_m(group, max_q, d_pad)
+    fp32_tiles = gpu_choices(q.device) and any(op.kv.dtype == torch.float32 for op in operands)
+    block_m = _block_m(group, max_q, d_pad, small=fp32_tiles)
     qb_size = block_m // group
     blocks = torch.tensor([-(-n // qb_size) for n in q_counts], dtype=torch.int64)
     work_b = torch.repeat_interleave(torch.arange(batch, dtype=torch.int64), blocks)
@@ -371,21 +370,40 @@ def _check_launchable(*tensors: torch.Tensor) -> None:
             raise DTypeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
+def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int) -> tuple[int, dict]:
+    """``BLOCK_N`` and the launch options on a GPU, chosen so that no variant spills a
+    register on sm_80 / sm_90 / sm_100 (``./run kernels-compile`` compiles every one; what the
+    choices replaced is in parentheses):
+
+    - float32 tiles (an FMA dot, "ieee"): ``16 x 16`` tiles (``BLOCK_M`` <= 16 from the plan),
+      4 warps, 3 stages: 64-130 registers (32-key tiles spilled 0.4-2 KB at 16 rows and 10-45 KB
+      at 64 rows; 2 stages left 8-16 B on sm_80);
+    - 16-bit, one query tile of <= 16 rows (decode, small chunks): 32-key tiles; 4 warps and 3
+      stages, 8 warps and 2 stages at head dims over 128 (64-key tiles at 2 stages left 4-16 B
+      on sm_90; at head dim 256, 4 warps and 3 stages 8-16 B on sm_80, 8 warps and 3 stages
+      16 B on sm_90 / sm_100);
+    - 16-bit, 32-64 rows (prefill, chunked prefill): 64-key tiles (32 at head dims over 128)
+      on 8 warps, 2 stages (4 warps spilled 4-8 B at 168-255 registers on sm_80 / sm_90).
+    """
+    if kv_dtype == torch.float32:
+        return 16, {"num_warps": 4, "num_stages": 3}
+    if block_m <= 16:
+        return 32, {"num_warps": 4, "num_stages": 3} if d_pad <= 128 else {"num_warps": 8, "num_stages": 2}
+    return (64 if d_pad <= 128 else 32), {"num_warps": 8, "num_stages": 2}
+
+
 def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: AttentionPlan,
             out, lse, *, causal: bool, scale: float) -> None:
     kv = op.kv
-    on_gpu = kv.device.type == "cuda"
     head_dim = kv.shape[5]
     d_pad = max(16, _next_pow2(head_dim))
-    block_n = 64 if d_pad <= 128 else 32
-    if kv.dtype == torch.float32:
-        block_n = min(block_n, 32)
-    if not on_gpu:   # the interpreter pays per tile op, not per element: fewer, wider tiles
-        block_n = INTERPRET_BLOCK_N
-    precision = "ieee" if kv.dtype == torch.float32 or q.dtype == torch.float32 else "tf32"
-    dot_f32 = not on_gpu and torch.bfloat16 in (kv.dtype, q.dtype)
+    if gpu_choices(kv.device):
+        block_n, extra = _gpu_tiles(kv.dtype, plan.block_m, d_pad)
+    else:   # the interpreter pays per tile op, not per element: fewer, wider tiles
+        block_n, extra = INTERPRET_BLOCK_N, {}
+    # float32 tiles multiply exactly ("ieee", not tf32); 16-bit tiles are exact products anyway
+    precision = "ieee"
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
-    extra = {"num_warps": 4, "num_stages": 2} if on_gpu else {}
     with launch_guard(kv.device.type):
         _kernel[grid](
             q, q_indptr, q_pos,
@@ -396,8 +414,7 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
             *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
             G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
             BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
-            SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision,
-            DOT_F32=dot_f32, **extra,
+            SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision, **extra,
         )
 
 

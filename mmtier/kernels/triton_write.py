@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ..errors import DTypeError, ShapeError
-from .launch import launch_guard
+from .launch import gpu_choices, launch_guard
 from .layout import INDEX_DTYPE, upload_ints
 
 
@@ -103,7 +103,7 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids
     d_pad = triton.next_power_of_2(head_dim)
     hd_pad = triton.next_power_of_2(heads) * d_pad
     block_t = max(1, min(16, 4096 // hd_pad))
-    extra = {"num_warps": 4} if kv.device.type == "cuda" else {}
+    extra = {"num_warps": 4} if gpu_choices(kv.device) else {}
     grid = (triton.cdiv(n, block_t), num_layers)
     with launch_guard(kv.device.type):
         _kernel[grid](
