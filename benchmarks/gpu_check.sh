@@ -4,35 +4,46 @@
 #   0. when .gpu-wheels/ came along (benchmarks/gpu_wheels.sh here, then `carry: [".gpu-wheels"]`)
 #      the cache's missing pure dependencies (pydantic, ...) are unpacked into a scratch
 #      directory on PYTHONPATH, so the whole cache imports; without them only the kernels do
-#      (through a shim package) and steps 1b and 3 are skipped;
-#   1. tests: (a) the Triton kernel tests; (b) the cache suite with its pool on the GPU
-#      (tests/test_cache.py, test_cache_tiers.py, test_model_e2e.py, each test on the torch and
-#      the triton backend, and the test that an attention call makes no host sync);
-#   2. `python -m benchmarks.kernels --device cuda` (paged Triton vs SDPA / flash over the same
-#      K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
-#   3. `python -m benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS`
+#      (through a shim package) and the steps that need the cache (1b, 3, 4) are skipped;
+#   1. tests: (a) the Triton kernel tests (compiled, the GPU's own tile configuration); (b) the
+#      cache suite with its pool on the GPU (tests/test_cache.py, test_cache_tiers.py,
+#      test_model_e2e.py, each test on the torch and the triton backend, and the test that an
+#      attention call makes no host sync);
+#   2. `python -m benchmarks.kernels --device cuda` (paged Triton vs SDPA's flash backend over the
+#      same K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
+#   3. `python -m benchmarks.connector_copy --device cuda` (the vLLM connector's staged save /
+#      load of whole blocks against a plain D2H / H2D copy of the same bytes);
+#   4. `python -m benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS`
 #      (one layer of a real model's shape per decode step, across GPU, host and NVMe).
-# Everything lands under $OUT (default ./gpu_check_out): env.txt, tests.txt + tests.xml
-# (junit), bench.txt, kernels.json, long_context.txt/.json, summary.json (exit codes, test
-# counts, headline figures): 8 files at most, what a device call brings back. Exit status:
-# non-zero if a step that ran failed.
-# Time: the three steps' limits (TEST_TIMEOUT 240 s, BENCH_TIMEOUT 200 s, LC_TIMEOUT 120 s)
-# fit one 10-minute device call. BENCH_ARGS adds kernel benchmark flags (BENCH_ARGS=--quick:
-# 64K-256K only); LC_PRESET (qwen2.5-vl-7b: 28 query / 4 KV heads), LC_TOKENS (500000);
-# TEST_WORKERS (8: pytest-xdist processes, where it is installed; they share the GPU);
-# LC_LAYERS (1; 'all': the preset's).
+# Under $OUT (default ./gpu_check_out): log.txt (every step's output, the environment first),
+# tests.xml (junit), kernels.json, connector_copy.json, long_context.json, summary.json (exit
+# codes, test counts, headline figures): 6 files, within the 8 a device call brings back.
+# Exit status: non-zero if a step that ran failed.
+# Time: the steps' limits (TEST_TIMEOUT 210 s, BENCH_TIMEOUT 150 s, COPY_TIMEOUT 60 s,
+# LC_TIMEOUT 120 s) fit one 10-minute device call. BENCH_ARGS adds kernel benchmark flags
+# (BENCH_ARGS=--quick: 64K-256K only); LC_PRESET (qwen2.5-vl-7b: 28 query / 4 KV heads),
+# LC_TOKENS (500000); TEST_WORKERS (8: pytest-xdist processes, where it is installed; they share
+# the GPU); LC_LAYERS (1; 'all': the preset's).
+# `benchmarks/gpu_check.sh --dry-run` (any machine, no GPU needed): checks that each step would
+# start: the tests collect, each benchmark imports and takes its arguments (`--help` after
+# them); it runs nothing, writes the same log.txt and summary.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_check_out}
 PY=${PYTHON:-python}
 command -v "$PY" >/dev/null 2>&1 || PY=python3
+DRY=0
+if [[ ${1:-} == --dry-run ]]; then DRY=1; fi
 mkdir -p "$OUT"
+LOG=$OUT/log.txt
+SCRATCH=$(mktemp -d)          # benchmarks write here (JSON, plots); only the JSON goes to $OUT
 unset TRITON_INTERPRET MMTIER_TEST_DEVICE
 export PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
 
 {
     date -u +%FT%TZ
+    if [[ $DRY == 1 ]]; then echo "dry run: each step's start is checked, nothing runs"; fi
     nvidia-smi 2>&1 || echo "nvidia-smi failed"
     "$PY" - <<'EOF2'
 import sys
@@ -43,11 +54,33 @@ try:
     print("triton", triton.__version__)
 except ImportError as e:
     print("triton missing:", e)
+try:
+    import flash_attn
+    print("flash_attn", flash_attn.__version__)
+except ImportError:
+    print("flash_attn not installed (the kernel benchmark compares SDPA's flash backend)")
 print("cuda available", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
 EOF2
-} > "$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} > "$LOG" 2>&1
+cat "$LOG"
+
+# step NAME TIMEOUT CMD...: run CMD (its output into log.txt), or in a dry run start it with
+# `--help` after its arguments (imports, argument parsing); sets rc_NAME
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*" | tee -a "$LOG"
+    if [[ $DRY == 1 ]]; then
+        timeout 120 "$@" --help >/dev/null 2>>"$LOG"
+    else
+        timeout "$limit" "$@" 2>&1 | tee -a "$LOG"
+        (exit "${PIPESTATUS[0]}")
+    fi
+    local rc=$?
+    printf -v "rc_$name" '%s' "$rc"
+    echo "=== $name: rc=$rc" | tee -a "$LOG"
+}
 
 # 0. the cache's pure dependencies, when their wheels were sent along. A wheel is a zip of what
 # goes on the path: extracting needs no pip and no network.
@@ -55,10 +88,10 @@ if [[ -d .gpu-wheels ]]; then
     DEPS=$(mktemp -d)
     if "$PY" -c "import glob, sys, zipfile
 for w in sorted(glob.glob('.gpu-wheels/*.whl')):
-    zipfile.ZipFile(w).extractall(sys.argv[1])" "$DEPS" >>"$OUT/env.txt" 2>&1; then
+    zipfile.ZipFile(w).extractall(sys.argv[1])" "$DEPS" >>"$LOG" 2>&1; then
         export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
     else
-        echo "unpacking .gpu-wheels failed (see env.txt)"
+        echo "unpacking .gpu-wheels failed (see log.txt)" | tee -a "$LOG"
     fi
 fi
 
@@ -70,28 +103,34 @@ if ! "$PY" -c "import mmtier" >/dev/null 2>&1; then
     SHIM=$(mktemp -d)
     mkdir -p "$SHIM/mmtier"
     printf '__path__ = [%s]\n' "'$ROOT/mmtier'" > "$SHIM/mmtier/__init__.py"
-    echo "mmtier's dependencies are missing here: kernels loaded through a shim package"
+    echo "mmtier's dependencies are missing here: kernels loaded through a shim package" | tee -a "$LOG"
 fi
 export PYTHONPATH="${SHIM:+$SHIM:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 # 1. tests. With pytest when it is installed (the kernel tests, and the cache suite on CUDA when
 # the whole cache imports), else a minimal runner that understands the few pytest features
 # the kernel tests use (parametrize, skipif, raises, skip).
-TEST_TIMEOUT=${TEST_TIMEOUT:-240}
+TEST_TIMEOUT=${TEST_TIMEOUT:-210}
 TESTS=(tests/test_kernels_triton.py)
 if [[ -z $SHIM ]]; then
     TESTS+=(tests/test_cache.py tests/test_cache_tiers.py tests/test_model_e2e.py)
 else
-    echo "the cache suite is skipped: mmtier does not import here (send .gpu-wheels)" | tee "$OUT/tests.txt"
+    echo "the cache suite is skipped: mmtier does not import here (send .gpu-wheels)" | tee -a "$LOG"
 fi
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
     XDIST=()
     if "$PY" -c "import xdist" >/dev/null 2>&1 && [[ ${TEST_WORKERS:-8} -gt 1 ]]; then
         XDIST=(-n "${TEST_WORKERS:-8}")       # compiles in parallel; the tests share the GPU
     fi
-    timeout "$TEST_TIMEOUT" "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" -q -rs -p no:cacheprovider \
-        -o addopts="" --junitxml="$OUT/tests.xml" 2>&1 | tee -a "$OUT/tests.txt"
+    echo "=== tests: pytest ${TESTS[*]}" | tee -a "$LOG"
+    if [[ $DRY == 1 ]]; then
+        "$PY" -m pytest "${TESTS[@]}" --collect-only -q -p no:cacheprovider -o addopts="" 2>&1 | tail -3 | tee -a "$LOG"
+    else
+        timeout "$TEST_TIMEOUT" "$PY" -m pytest "${TESTS[@]}" "${XDIST[@]}" -q -rs -p no:cacheprovider \
+            -o addopts="" --junitxml="$OUT/tests.xml" 2>&1 | tee -a "$LOG"
+    fi
     rc_tests=${PIPESTATUS[0]}
+    echo "=== tests: rc=$rc_tests" | tee -a "$LOG"
 else
     RUNNER=$(mktemp -d)
     cat > "$RUNNER/pytest.py" <<'EOF'
@@ -186,47 +225,44 @@ for name in [n for n in dir(mod) if n.startswith("test_")]:
 print(f"{passed} passed, {failed} failed, {skipped} skipped in {time.time() - t0:.1f}s")
 sys.exit(1 if failed else 0)
 EOF
-    timeout "$TEST_TIMEOUT" env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" "$RUNNER/run_tests.py" 2>&1 \
-        | tee "$OUT/tests.txt"
+    if [[ $DRY == 1 ]]; then       # the stand-in runner only imports the test module
+        env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" -c "import tests.test_kernels_triton" 2>&1 | tee -a "$LOG"
+    else
+        timeout "$TEST_TIMEOUT" env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" "$RUNNER/run_tests.py" 2>&1 \
+            | tee -a "$LOG"
+    fi
     rc_tests=${PIPESTATUS[0]}
 fi
 
-# 2. the kernel benchmark (writes benchmarks/results/kernels.json; copied to $OUT)
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-200}
-STAMP=$(mktemp)             # results older than this are the checkout's, not this run's
+# 2.-4. the benchmarks, each writing its JSON into the scratch folder, copied to $OUT
 # shellcheck disable=SC2086
-timeout "$BENCH_TIMEOUT" "$PY" -m benchmarks.kernels --device cuda ${BENCH_ARGS:-} 2>&1 \
-    | tee "$OUT/bench.txt"
-rc_bench=${PIPESTATUS[0]}
-fresh() { [[ -f $1 && $1 -nt $STAMP ]]; }
-if fresh benchmarks/results/kernels.json; then cp -f benchmarks/results/kernels.json "$OUT/kernels.json"; fi
-
-# 3. the long-context benchmark on CUDA at a real preset (needs the whole cache)
-rc_lc=0
+step kernels "${BENCH_TIMEOUT:-150}" "$PY" -m benchmarks.kernels --device cuda --out "$SCRATCH" ${BENCH_ARGS:-}
+rc_copy=skipped rc_lc=skipped
 if [[ -z $SHIM ]]; then
-    timeout "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.long_context --device cuda \
-        --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" --layers "${LC_LAYERS:-1}" 2>&1 \
-        | tee "$OUT/long_context.txt"
-    rc_lc=${PIPESTATUS[0]}
-    if fresh benchmarks/results/long_context.json; then
-        cp -f benchmarks/results/long_context.json "$OUT/long_context.json"
-    fi
+    step copy "${COPY_TIMEOUT:-60}" "$PY" -m benchmarks.connector_copy --device cuda --out "$SCRATCH"
+    step lc "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.long_context --device cuda \
+        --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" --layers "${LC_LAYERS:-1}" \
+        --out "$SCRATCH"
 else
-    rc_lc=skipped
-    echo "mmtier does not import here: long-context step skipped (run benchmarks/gpu_wheels.sh, carry .gpu-wheels)" \
-        | tee "$OUT/long_context.txt"
+    echo "mmtier does not import here: the connector and long-context steps are skipped" \
+        "(run benchmarks/gpu_wheels.sh, carry .gpu-wheels)" | tee -a "$LOG"
 fi
+for name in kernels connector_copy long_context; do
+    if [[ -f $SCRATCH/$name.json ]]; then cp -f "$SCRATCH/$name.json" "$OUT/$name.json"; fi
+done
 
-echo "tests: rc=$rc_tests  benchmark: rc=$rc_bench  long_context: rc=$rc_lc"   # also in summary.json
-"$PY" - "$OUT" "$rc_tests" "$rc_bench" "$rc_lc" <<'EOF2'
+echo "tests: rc=$rc_tests  kernels: rc=$rc_kernels  connector_copy: rc=$rc_copy  long_context: rc=$rc_lc" \
+    | tee -a "$LOG"      # also in summary.json
+"$PY" - "$OUT" "$DRY" "$rc_tests" "$rc_kernels" "$rc_copy" "$rc_lc" <<'EOF2'
 """summary.json: each step's exit code, the test counts (junit), the headline figures."""
 import json
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-out, rc_tests, rc_bench, rc_lc = Path(sys.argv[1]), *sys.argv[2:]
-summary = {"rc": {"tests": rc_tests, "kernels": rc_bench, "long_context": rc_lc}}
+out, dry, rc_tests, rc_kernels, rc_copy, rc_lc = Path(sys.argv[1]), *sys.argv[2:]
+summary = {"dry_run": dry == "1",
+           "rc": {"tests": rc_tests, "kernels": rc_kernels, "connector_copy": rc_copy, "long_context": rc_lc}}
 try:
     root = ET.parse(out / "tests.xml").getroot()
     suites = [root] if root.tag == "testsuite" else list(root)
@@ -236,6 +272,7 @@ except (OSError, ET.ParseError) as e:
     summary["tests"] = f"no junit report: {e}"
 for name, keys in (("kernels", ("gpu_name", "gpu_paged_over_contiguous", "gpu_bandwidth_fraction",
                                 "gpu_plan_us", "gpu_copy_bandwidth_gbs", "gpu_sdpa_backend")),
+                   ("connector_copy", ("save_over_plain_copy", "load_over_plain_copy")),
                    ("long_context", ("preset", "tokens", "device", "decode_over_floor", "decode_s"))):
     try:
         figures = json.loads((out / f"{name}.json").read_text())
@@ -245,4 +282,5 @@ for name, keys in (("kernels", ("gpu_name", "gpu_paged_over_contiguous", "gpu_ba
 (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 print(json.dumps(summary, indent=2))
 EOF2
-[[ $rc_tests == 0 && $rc_bench == 0 && ( $rc_lc == 0 || $rc_lc == skipped ) ]]
+ok() { [[ $1 == 0 || $1 == skipped ]]; }
+ok "$rc_tests" && ok "$rc_kernels" && ok "$rc_copy" && ok "$rc_lc"

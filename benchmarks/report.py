@@ -36,6 +36,9 @@ COMMANDS = {
                    "5 paired rounds of a 2,048-token prompt)",
     "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
                      "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 rounds per router, the routers in turn)",
+    "kernel_compile": "./run kernels-compile  (python -m benchmarks.kernel_compile in .venv-triton: triton 3.6, "
+                      "CPU torch; every variant the launch code makes, compiled with no GPU; a row is "
+                      "registers, spilled bytes, shared KiB per arch)",
     "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 7; LMCache 0.5.6 "
                     "in .venv-lmcache from benchmarks/peers_env.sh)",
 }
@@ -99,6 +102,10 @@ HEADLINES = [
     ("serve_routing", "ttft_later_affinity_over_default", "(reported; turns after the first)", None),
     ("serve_routing", "pulled_groups_default", "(reported; groups read from the other node, affinity: "
      "pulled_groups_affinity)", None),
+    ("kernel_compile", "failures", "0 (compile errors, shared memory over the limit, spills)", lambda v: v == 0),
+    *(("kernel_compile", f"sm{a}_spilling_variants", "0", lambda v: v == 0) for a in (80, 90, 100)),
+    *(("kernel_compile", f"sm{a}_max_shared_kib", "(reported; limit 163 KiB sm_80, 227 KiB sm_90 / sm_100)",
+       None) for a in (80, 90, 100)),
     ("connector_copy", "save_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
     ("connector_copy", "load_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),
     ("peer_lmcache", "cache_put_host_over_raw_copies", "<= 1.2 (time)", lambda v: v <= 1.2),
