@@ -4,8 +4,13 @@ vLLM builds a scheduler-side and a worker-side connector (and SGLang one backend
 where they share a process they must share one cache, so that what a worker saved is what the
 scheduler finds. Engines pass their connector's extra config here:
 
+    {}                                                      # nothing: vLLM's connectors read
+                                                            # the shape from the engine
+                                                            # (``vllm_shape``), sizes default
+    {"mmtier_host_bytes": "8GiB", "mmtier_disk_dir": "/nvme/mmtier"}   # flat sizes (or MMTIER_*)
     {"mmtier_config": "configs/llava-1.5-7b.yaml"}          # a CacheConfig YAML, or
-    {"mmtier_cache": {...CacheConfig fields...}}            # the same fields inline
+    {"mmtier_cache": {...CacheConfig fields...}}            # the same fields inline (only sizes
+                                                            # where an engine gives the shape)
     "mmtier_tenant": "acme"                                 # optional, the server-side tenant
     "mmtier_cluster": {"namespace": "mmtier", ...}          # optional: join the running cluster
 
@@ -27,14 +32,17 @@ import json
 import os
 import threading
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
 from pydantic import ValidationError
 
 from ..cache import TieredKVCache
 from ..config import CacheConfig
 from ..errors import ConfigError
 from ..stats.report import StatsReport
+from .vllm_shape import EngineShape, cache_config
 
 if TYPE_CHECKING:
     from ..actors.connector_link import EngineLink
@@ -48,20 +56,44 @@ _LINKS: dict[int, EngineLink] = {}          # id(cache) -> its link
 _REPORTS: dict[int, StatsReport] = {}       # id(cache) -> the one report of its stats
 
 
-def config_from_extra(extra: Mapping[str, Any] | None) -> CacheConfig:
-    """The ``CacheConfig`` named by an engine's extra config (exactly one of the two fields)."""
+def user_fields(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The cache fields an engine's extra config gives (``mmtier_config``'s YAML or the
+    ``mmtier_cache`` mapping; at most one of them), as given; ``None`` when neither is set."""
     extra = dict(extra or {})
     path, inline = extra.get("mmtier_config"), extra.get("mmtier_cache")
-    if (path is None) == (inline is None):
-        raise ConfigError("set exactly one of mmtier_config (a YAML path) or mmtier_cache (fields)",
+    if path is not None and inline is not None:
+        raise ConfigError("set at most one of mmtier_config (a YAML path) or mmtier_cache (fields)",
                           ("mmtier_config", "mmtier_cache"))
     if path is not None:
-        return CacheConfig.from_yaml(path)
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}", ("mmtier_config",)) from None
+        if isinstance(data, dict) and "cache" in data and "model" not in data:
+            data = data["cache"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"config {path} must be a mapping", ("mmtier_config",))
+        return data
+    if inline is None:
+        return None
     if isinstance(inline, CacheConfig):
-        return inline
+        return inline.model_dump()
     if not isinstance(inline, Mapping):
         raise ConfigError(f"mmtier_cache must be a mapping, got {type(inline).__name__}", ("mmtier_cache",))
-    return CacheConfig(**inline)
+    return dict(inline)
+
+
+def config_from_extra(extra: Mapping[str, Any] | None, engine: EngineShape | None = None) -> CacheConfig:
+    """The ``CacheConfig`` for an engine's extra config: with ``engine`` (the shape a vLLM
+    connector read from its engine) the shape comes from there and any given shape is checked
+    against it (``vllm_shape.cache_config``); without, the extra config must give a whole config."""
+    fields = user_fields(extra)
+    if engine is not None:
+        return cache_config(fields, extra, engine)
+    if fields is None:
+        raise ConfigError("set mmtier_config (a YAML path) or mmtier_cache (fields)",
+                          ("mmtier_config", "mmtier_cache"))
+    return CacheConfig(**fields)
 
 
 def tenant_from_extra(extra: Mapping[str, Any] | None) -> str | None:
@@ -104,17 +136,18 @@ def lookup_only(cfg: CacheConfig) -> CacheConfig:
     opens the tiers the worker owns (two processes over one ``disk_dir``)."""
     page = max(cfg.spec(name).page_bytes for name in cfg.modalities)
     mods = {name: spec.model_copy(update={"share": None}) for name, spec in cfg.modalities.items()}
-    return cfg.model_copy(update={"device": "cpu", "device_bytes": 2 * page * len(mods),
+    return cfg.model_copy(update={"device": "cpu", "device_bytes": (2 * page + 256) * len(mods),
                                   "host_bytes": 0, "disk_dir": None, "modalities": mods})
 
 
-def open_shared(extra: Mapping[str, Any] | None, *, lookup: bool = False
+def open_shared(extra: Mapping[str, Any] | None, *, lookup: bool = False, engine: EngineShape | None = None
                 ) -> tuple[TieredKVCache, EngineLink | None]:
     """This process's cache for an engine's extra config and, when it names a cluster, the
     cache's link to it (one per cache and process: vLLM's connector roles and SGLang's
     backends share both); ``None`` for the link otherwise. ``lookup``: a process that only
-    makes and looks up keys (``lookup_only``)."""
-    cfg = config_from_extra(extra)
+    makes and looks up keys (``lookup_only``). ``engine``: the shape of the engine the cache
+    serves (``vllm_shape.engine_shape``), which fills and checks the config's."""
+    cfg = config_from_extra(extra, engine)
     if lookup:
         cfg = lookup_only(cfg)
     cluster = cluster_from_extra(extra)

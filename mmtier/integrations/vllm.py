@@ -3,7 +3,12 @@
     kv_transfer_config = {"kv_connector": "MMTierConnector",
                           "kv_connector_module_path": "mmtier.integrations.vllm",
                           "kv_role": "kv_both",
-                          "kv_connector_extra_config": {"mmtier_config": "configs/x.yaml"}}
+                          "kv_connector_extra_config": {"mmtier_host_bytes": "8GiB"}}
+
+The cache's shape (layers, KV heads of this rank, head size, KV dtype, the block size as page
+size, the model's media) is read from vLLM (``vllm_shape``); the extra config gives sizes only,
+or a preset / inline shape that is then checked against the engine's (a ``ConfigError`` at
+startup naming the field and both values) and against the KV tensors vLLM registers.
 
 Scheduler side: a request's prompt becomes chained groups (``vllm_plan``); the hit is the
 leading run of held groups in whole blocks, looked up in one pass; ``build_connector_meta``
@@ -20,7 +25,8 @@ On the CPU such a group is saved with **one** copy instead (``direct`` saves): n
 writer thread ``put``s straight from vLLM's blocks (``vllm_copy.engine_blocks``; the copy into
 pages tests for NaN / Inf as it goes, ``native.rows``). vLLM writes its KV blocks only in a
 forward pass (attention, and this connector's loads at its start), so the next step's
-``start_load_kv`` first waits for those puts: a block freed by a finished or preempted request
+``bind_connector_metadata``, called before every forward, first waits for those puts (vLLM
+0.32 calls ``start_load_kv`` after the forward on steps without synchronous loads): a block freed by a finished or preempted request
 and handed to another is never written while a save still reads it. A group that
 fails to load (corrupt file, evicted meanwhile) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the connector sets vLLM's
@@ -76,6 +82,7 @@ from .lookup_channel import LookupChannel
 from .vllm_keys import KeyScheme
 from .vllm_metrics import MMTierKVStats, MMTierPromMetrics
 from .vllm_plan import RequestPlan, Segment, slots_for
+from .vllm_shape import engine_shape
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -148,8 +155,10 @@ class MMTierConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         worker = role == KVConnectorRole.WORKER
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS
+        # the shape is vLLM's (any shape the extra config gives is checked against it)
+        self.shape = engine_shape(vllm_config, kv_cache_config)
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
-        self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
+        self.cache, self.link = open_shared(extra, lookup=self.split and not worker, engine=self.shape)
         self.report = report_for(self.cache)
         self._channel = (LookupChannel(self._kv_transfer_config.engine_id or "engine", par.data_parallel_rank,
                                        worker=worker, cache=self.cache) if self.split else None)
@@ -290,14 +299,34 @@ class MMTierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if len(kv_caches) != self.cache.cfg.num_layers:
-            raise ConfigError(f"vLLM has {len(kv_caches)} attention layers, the mmtier config "
-                              f"{self.cache.cfg.num_layers}", ("num_layers",))
+        cfg = self.cache.cfg
+        if len(kv_caches) != cfg.num_layers:
+            raise ConfigError(f"num_layers: vLLM has {len(kv_caches)} attention layers, the mmtier config "
+                              f"{cfg.num_layers}", ("num_layers",))
+        for name, tensor in kv_caches.items():       # the tensors themselves, not only the config
+            if tensor.dtype != cfg.spec(self.scheme.text_modality).torch_dtype:
+                raise ConfigError(f"dtype: vLLM's KV cache of {name} is {tensor.dtype}, the mmtier config's "
+                                  f"pages {cfg.dtype}", ("dtype",))
+            try:
+                k, _ = vllm_copy.kv_views(tensor, cfg.head_dim)
+            except ShapeError as exc:
+                raise ConfigError(f"head_dim: {exc}", ("head_dim",)) from None
+            if k.shape[-2] != cfg.num_kv_heads:
+                raise ConfigError(f"num_kv_heads: vLLM's KV cache of {name} has {k.shape[-2]} KV heads, the "
+                                  f"mmtier config {cfg.num_kv_heads}", ("num_kv_heads",))
         self._layers = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # Called before every forward. vLLM 0.32 calls start_load_kv *after* the forward on
+        # steps without synchronous loads, so this is the place to wait for the saves that
+        # still read vLLM's blocks: a block freed and handed to another request is written
+        # by this very forward.
+        super().bind_connector_metadata(connector_metadata)
+        self._wait_direct_saves()
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        self._wait_direct_saves()             # before this forward (or a load) writes any block
+        self._wait_direct_saves()             # before a load writes any block
         meta = self._get_connector_metadata()
         if not self._layers:
             self.register_kv_caches({name: layer.kv_cache for name, layer in

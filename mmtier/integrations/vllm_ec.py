@@ -59,6 +59,7 @@ from .lookup_channel import LookupChannel
 from .vllm import SPLIT_BACKENDS
 from .vllm_keys import embedding_key
 from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
+from .vllm_shape import engine_shape
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -99,7 +100,10 @@ class MMTierECConnector(ECConnectorBase):
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS
         worker = role == ECConnectorRole.WORKER
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
-        self.cache, self.link = open_shared(extra, lookup=self.split and not worker)
+        # the shape is vLLM's (any shape the extra config gives is checked against it); the KV
+        # connector of the same engine reads the same, so both share one cache
+        self.cache, self.link = open_shared(extra, lookup=self.split and not worker,
+                                            engine=engine_shape(vllm_config))
         self.report = report_for(self.cache)
         self._channel = (LookupChannel("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
                                        par.data_parallel_rank, worker=worker, cache=self.cache)

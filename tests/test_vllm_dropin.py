@@ -1,0 +1,85 @@
+"""mmtier turned on the way a vLLM user turns it on, with vLLM itself as the oracle: no connector
+for a miss, vLLM's own prefix cache for a hit, in float32 and bfloat16; the connector given only
+sizes; vLLM's prefix cache on with a block pool smaller than the working set. Real engines
+(vLLM's CPU build) in processes of their own (``tests/vllm_dropin_scenarios.py``).
+
+Needs the engines environment (``./run engines``); skipped with the reason otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm.entrypoints.llm", reason="no vLLM engine here: run ./run engines "
+                    "(vLLM's CPU build in .venv-engines); ./run test then runs this file there")
+
+from tests import engine_runs  # noqa: E402
+from tests.vllm_models import BLOCK, build_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return str(build_llama(tmp_path_factory.mktemp("models") / "llama"))
+
+
+def scenario(name: str, tmp: Path, **args) -> dict:
+    return engine_runs.scenario("tests.vllm_dropin_scenarios", name, tmp, **args)
+
+
+def tokens(rows):
+    return [r["tokens"] for r in rows]
+
+
+def cached(rows):
+    return [r["cached"] for r in rows]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllm_is_the_oracle_miss_equals_no_connector_hit_equals_its_own_prefix_cache(model, tmp_path, dtype):
+    r = scenario("oracle", tmp_path, model=model, dtype=dtype)
+    full = r["full_blocks"] * BLOCK
+    plain, own, mine = r["plain"][0], r["prefix_cache"], r["mmtier"]
+    assert cached(own) == [0, full] and cached(mine) == [0, full]
+    # the connector's presence changes nothing vLLM computes: a miss is the plain engine's
+    # run to the last bit of every logprob, and vLLM's CPU backend chose the same kernels
+    assert mine[0]["logprobs"] == plain["logprobs"] and mine[0]["tokens"] == plain["tokens"]
+    assert r["mmtier_isa"] == r["plain_isa"] == r["prefix_cache_isa"]
+    # a hit is vLLM's own prefix-cache hit, to the last bit (the same KV, the same suffix computation)
+    assert mine[1]["logprobs"] == own[1]["logprobs"] and mine[1]["tokens"] == own[1]["tokens"]
+    assert own[0]["logprobs"] == plain["logprobs"]
+    # the KV mmtier stored, and the KV it loaded into other blocks of vLLM's, is bit-equal to
+    # the KV vLLM computed for those blocks
+    assert r["kv_nonzero"]
+    assert r["stored_bit_equal"]
+    assert r["loaded_blocks_differ_from_first"] and r["loaded_bit_equal"]
+
+
+def test_a_connector_given_only_sizes_starts_and_hits_and_a_wrong_shape_is_refused(model, tmp_path):
+    r = scenario("sizes_only", tmp_path, model=model)
+    assert cached(r["flat"]) == [0, 0, 0, 288] and r["files"] > 0
+    assert cached(r["flat_restart"]) == [288]                   # from the disk tier after a restart
+    assert cached(r["bare"]) == [0, 288]                        # no extra config at all
+    want = tokens(r["plain"])
+    assert tokens(r["flat"]) == [want[0], want[1], want[2], want[0]]
+    assert tokens(r["flat_restart"]) == [want[1]] and tokens(r["bare"]) == [want[0], want[0]]
+    assert r["wrong_shape"] is not None
+    assert "ConfigError" in r["wrong_shape"] and "num_kv_heads" in r["wrong_shape"]
+    assert "4" in r["wrong_shape"] and "2" in r["wrong_shape"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_vllms_prefix_cache_on_with_a_small_pool_what_vllm_lost_comes_from_mmtier(model, tmp_path, dtype):
+    r = scenario("evicted", tmp_path, model=model, dtype=dtype)
+    mine, plain = r["mmtier"], r["plain"]
+    assert tokens(mine) == tokens(plain)
+    # A again after four fillers: vLLM's own cache lost it (the plain engine recomputes it) ...
+    assert cached(plain)[5] == 0
+    # ... and mmtier brings back exactly what vLLM lost: every hit is local or external, the
+    # external part is the rest of the full blocks
+    assert cached(mine)[5] == 288 and mine[5]["local"] + mine[5]["external"] == 288
+    assert mine[5]["external"] == 288 - mine[5]["local"] > 0
+    assert cached(mine)[6] == 224 == mine[6]["local"] + mine[6]["external"]
+    for row in mine[:5]:
+        assert row["external"] == 0                              # nothing to bring back yet
+    assert all(p["external"] == 0 for p in plain)
