@@ -28,7 +28,8 @@ from pydantic import (
 from .errors import ConfigError
 
 DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
-POLICIES = ("lru", "modality_lru", "cost_aware", "bimodal_lru", "s3fifo", "arc", "dip", "duel", "chain_bip")
+POLICIES = ("lru", "modality_lru", "cost_aware", "bimodal_lru", "s3fifo", "arc", "dip", "duel", "chain_bip",
+            "adaptive_slru")
 DEFAULT_KEY_SECRET = "mmtier-default-secret"    # public: fine in-process and in tests, never served
 KEY_SECRET_ENV = "MMTIER_KEY_SECRET"            # where `mmtier start` reads a preset's secret
 _MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
