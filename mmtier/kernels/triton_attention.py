@@ -44,14 +44,16 @@ INTERPRET_BLOCK_N = 128
 @triton.jit
 def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
           m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-          CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+          CAUSAL: tl.constexpr):
     """One ``[BLOCK_N, D]`` K/V tile folded into the running ``(m, l, acc)`` (base 2). Both dots
-    take the pool's dtype (``q`` arrives cast to it, ``p`` is cast here) and sum in float32."""
+    take the pool's dtype (``q`` arrives cast to it, ``p`` is cast here) and sum in float32;
+    float32 tiles multiply exactly ("ieee", never tf32: the precision asked for is only read
+    for float32 operands, 16-bit products are exact anyway)."""
     tok = page.to(tl.int64) * s_kp + slot.to(tl.int64) * s_kt
     k_ptrs = kv_head + tok[:, None] + d64[None, :] * s_kd
     kv_mask = k_ok[:, None] & d_ok[None, :]
     k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     vis = row_ok[:, None] & k_ok[None, :]
     if CAUSAL:
         vis = vis & (k_pos[None, :] <= q_pos[:, None])
@@ -62,7 +64,7 @@ def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(k_ptrs + s_kk, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -79,7 +81,7 @@ def _kernel(
     s_lp, s_lt, s_lh,
     G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    SKIP_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SKIP_TILES: tl.constexpr,
 ):
     """Softmax attention of one query tile over one split of one batch item's pages.
 
@@ -143,11 +145,11 @@ def _kernel(
             if tl.max(k_ok.to(tl.int32), 0) > 0:
                 m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                       m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                      CAUSAL, DOT_PRECISION)
+                                      CAUSAL)
         else:
             m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                   m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                  CAUSAL, DOT_PRECISION)
+                                  CAUSAL)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -401,8 +403,6 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
         block_n, extra = _gpu_tiles(kv.dtype, plan.block_m, d_pad)
     else:   # the interpreter pays per tile op, not per element: fewer, wider tiles
         block_n, extra = INTERPRET_BLOCK_N, {}
-    # float32 tiles multiply exactly ("ieee", not tf32); 16-bit tiles are exact products anyway
-    precision = "ieee"
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
     with launch_guard(kv.device.type):
         _kernel[grid](
@@ -414,7 +414,7 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
             *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
             G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
             BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
-            SKIP_TILES=causal and plan.max_q > 1, DOT_PRECISION=precision, **extra,
+            SKIP_TILES=causal and plan.max_q > 1, **extra,
         )
 
 
