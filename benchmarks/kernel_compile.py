@@ -43,8 +43,6 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)   # compiled kernels: @triton.jit must not interpret
-
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = (80, 90, 100)
 # the most dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -61,7 +59,10 @@ SPLITS = {"decode": (False, True), "chunked": (False, True), "prefill": (False,)
 def _import_kernels():
     """``mmtier.kernels`` without the rest of the cache: where ``import mmtier`` fails (this
     side environment has torch and triton only) a bare package whose path is ``mmtier/``
-    stands in, so that only the modules the kernels use load."""
+    stands in, so that only the modules the kernels use load. Compiled kernels: this process
+    must not run Triton's interpreter (``@triton.jit`` reads ``TRITON_INTERPRET`` when the
+    kernel modules load)."""
+    os.environ.pop("TRITON_INTERPRET", None)
     try:
         import mmtier  # noqa: F401
     except ImportError:

@@ -91,3 +91,27 @@ def test_gpu_check_dry_run_starts_every_step(tmp_path):
                   "benchmarks.long_context --device cuda"):
         assert start in log, start
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json"]
+
+
+def test_check_fails_on_errors_shared_memory_over_the_limit_and_spills():
+    """What fails the check: a compile error, shared memory over the arch's per-block limit,
+    any spilled byte; a clean variant does not, and every variant gets its row."""
+    from benchmarks.kernel_compile import SHARED_LIMIT, summarize
+
+    labels = ["clean", "broken", "too much shared", "spills"]
+    scen = [[f"scenario {i}"] for i in range(4)]
+    ok = {"regs": 96, "spill": 0, "shared": 20000, "error": None}
+    results = [
+        {"index": 0, "arch": 90, **ok},
+        {"index": 1, "arch": 90, "error": "CompilationError: boom"},
+        {"index": 2, "arch": 90, **ok, "shared": SHARED_LIMIT[90] + 1},
+        {"index": 3, "arch": 90, **ok, "regs": 255, "spill": 4},
+    ]
+    figures, failures = summarize(labels, scen, results, [90])
+    assert len(failures) == 3
+    assert failures[0].startswith("compile error: sm_90 broken") and "boom" in failures[0]
+    assert failures[1].startswith("shared memory") and "too much shared" in failures[1]
+    assert failures[2].startswith("spills 4 B (255 registers)") and "scenario 3" in failures[2]
+    assert figures["sm90_compile_errors"] == 1 and figures["sm90_spilling_variants"] == 1
+    assert figures["v clean"] == "sm90 96r 0B 19.5K" and figures["v broken"] == "sm90 error"
+    assert summarize(labels[:1], scen[:1], results[:1], [90])[1] == []
