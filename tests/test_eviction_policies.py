@@ -1,5 +1,5 @@
-"""S3-FIFO, ARC, DIP, duel and chain_bip on tiny pools: exact victim orders, prefix chains, pins and leases, and
-what bytes and recompute cost change (pages of 4 tokens, 64 bytes; vision costs twice text)."""
+"""S3-FIFO, ARC, DIP, duel, chain_bip and adaptive_slru on tiny pools: exact victim orders, prefix chains, pins
+and leases, and what bytes and recompute cost change (pages of 4 tokens, 64 bytes; vision costs twice text)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.content import ContentKey, KeyMaker
 from mmtier.eviction import (
+    AdaptiveSLRUPolicy,
     ARCPolicy,
     BimodalLRUPolicy,
     ChainBIPPolicy,
@@ -246,8 +247,71 @@ def test_chain_bip_ghost_readmits_within_its_bytes_and_dense_media_is_admitted()
     assert gs.order(D, "vision") == ["w", "v"]
 
 
+# ---------------------------------------------------------------------------------- adaptive_slru
+def test_adaptive_slru_is_lru_until_probation_passes_its_share():
+    gs = Groups(AdaptiveSLRUPolicy(CFG))
+    for n in "abcd":
+        add(gs, n)
+    assert gs.order() == ["a", "b", "c", "d"]    # all in probation, over its half: LRU among them
+    gs.policy.on_access(gs.by_name["a"])         # an attach, no later lookup: recency only
+    assert gs.order() == ["b", "c", "d", "a"]
+    reuse(gs, "a", "b")                          # later lookups found a, b: protected
+    # probation holds c, d: 2 pages of 4, not over 0.5: the two lanes merged by recency (LRU)
+    assert gs.order() == ["c", "d", "a", "b"]
+    add(gs, "e")
+    add(gs, "f")
+    # probation c, d, e, f: 4 pages of 6, over its half: it goes first, then the reused groups;
+    # LRU would keep e and f (the newest) over a and b
+    assert gs.order() == ["c", "d", "e", "f", "a", "b"]
+    assert gs.names(gs.policy.victims(D, 1)) == ["c"]
+    gs.policy.share["text"] = 1.0                # share 1: LRU exactly
+    assert gs.order() == ["c", "d", "a", "b", "e", "f"]
+
+
+def test_adaptive_slru_learns_its_share_from_three_ghosts():
+    pol = AdaptiveSLRUPolicy(CFG)
+    gs = Groups(pol)
+    for i, n in enumerate("abcd"):
+        add(gs, n, k=key(i))
+    reuse(gs, "d")                               # d protected; a, b, c: 3 pages of 4, over 0.5
+    got = []
+    for _ in range(4):                           # the cache makes room one page at a time
+        (v,) = pol.victims(D, PAGE)
+        got.append(gs.names([v])[0])
+        pol.on_remove(v)
+    # a and b go because probation is over its share (the "cut" ghost); then c (probation 1 of
+    # 2 pages) in LRU order ("aged"), and d, the reused group ("protected")
+    assert got == ["a", "b", "c", "d"]
+    assert pol.peak["text"] == 4 * PAGE and pol.share["text"] == 0.5
+    add(gs, "a2", k=key(0))                      # cut too early: the share grows by a page of 4,
+    assert pol.share["text"] == 0.75             # times max(1, protected 1 / cut 2 pages)
+    add(gs, "d2", k=key(3))                      # a reused group LRU let go: the share shrinks by
+    assert pol.share["text"] == 0.5              # a page of 4, times max(1, cut 1 / protected 1)
+    add(gs, "c2", k=key(2))                      # aged: any share would have lost it; no change
+    assert pol.share["text"] == 0.5
+    add(gs, "n", k=key(9))                       # new: probation, 1 page of 4, under the share
+    # the three that came back are protected; all four in LRU order
+    assert gs.order() == ["a2", "d2", "c2", "n"]
+    pol.share["text"] = 0.3
+    (v,) = pol.victims(D, PAGE)                  # n: probation 1 of 4 pages, under 0.3: LRU order
+    assert gs.names([v]) == ["a2"]               # (a2 is the least recent), not cut
+    pol.on_remove(v)
+    pol.on_remove(gs.by_name["d2"])              # dropped: in the protected ghost
+    add(gs, "d3", k=key(3))
+    assert pol.share["text"] == pol.floor == 0.25    # never under the floor
+
+
+def test_adaptive_slru_dense_media_starts_protected():
+    gs = Groups(AdaptiveSLRUPolicy(CFG))
+    add(gs, "thin", "vision", 1)                 # one token on a page: half text's cost per byte
+    add(gs, "full", "vision", 4)                 # a full image page: twice text's: protected
+    add(gs, "thin2", "vision", 1)
+    # probation: 2 pages of 3, over its half: the thin pages go first; LRU: thin, full, thin2
+    assert gs.order(D, "vision") == ["thin", "thin2", "full"]
+
+
 # ---------------------------------------------------------------------------------- shared
-@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy, DuelPolicy, ChainBIPPolicy])
+@pytest.mark.parametrize("cls", [S3FIFOPolicy, ARCPolicy, DIPPolicy, DuelPolicy, ChainBIPPolicy, AdaptiveSLRUPolicy])
 def test_new_policies_go_leaf_first_and_respect_pins_and_leases(cls):
     clock = Clock()
     gs = Groups(cls(CFG, clock=clock))

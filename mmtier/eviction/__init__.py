@@ -1,6 +1,6 @@
 """Eviction: the mechanism (``base``: heaps per tier, modality and lane, leaf-first over prefix
 chains) and the policies (``policies``: LRU, modality-priority LRU, cost-aware, and the map;
-``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``, ``chainbip``: one policy each; ``lanes``: what two-queue policies share)."""
+``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``, ``chainbip``, ``slru``: one policy each; ``lanes``: what two-queue policies share)."""
 
 from .arc import ARCPolicy
 from .base import MAX_BUNDLE, Clock, EvictionPolicy, _Entry
@@ -16,6 +16,7 @@ from .policies import (
     make_policy,
 )
 from .s3fifo import S3FIFOPolicy
+from .slru import AdaptiveSLRUPolicy
 
-__all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "BimodalLRUPolicy", "ChainBIPPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
+__all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "AdaptiveSLRUPolicy", "BimodalLRUPolicy", "ChainBIPPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
            "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "S3FIFOPolicy", "_Entry", "make_policy"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
 from .base import Clock, EvictionPolicy, _Entry
-from .lanes import Ghosts, density
+from .lanes import Ghosts, density, reused
 
 RECENT, FREQUENT = 0, 1
 _FIRST = float(1 << 40)          # rank offset: the lane over its target goes first
@@ -57,8 +57,7 @@ class ARCPolicy(EvictionPolicy):
 
     def on_access(self, group: ModalityGroup) -> None:
         entry = self._entries.get(group.gid)
-        if entry is not None and group.hits > self._seen.get(group.gid, 0):
-            self._seen[group.gid] = group.hits
+        if entry is not None and reused(self._seen, group):
             entry.lane = FREQUENT
         super().on_access(group)
 

@@ -1,4 +1,5 @@
-"""What the two-queue policies (S3-FIFO, ARC) share: bytes per lane, ghosts, cost density.
+"""What the two-queue policies (S3-FIFO, ARC, adaptive SLRU) share: bytes per lane, ghosts,
+reuse, cost density.
 
 ``LaneBytes`` counts the bytes of the groups in each ``(tier, modality, lane)`` (the mechanism
 keeps one, ``EvictionPolicy.lane_bytes``, for policies with more than one lane), their total and
@@ -88,6 +89,15 @@ class Ghosts:
 
     def __contains__(self, digest: bytes) -> bool:
         return digest in self._items
+
+
+def reused(seen: dict[int, int], group: ModalityGroup) -> bool:
+    """Whether a later lookup found ``group`` since ``seen`` last noted its hits (noted now):
+    a two-lane policy's signal to move it to its reuse lane (ARC's frequent, SLRU's protected)."""
+    if group.hits <= seen.get(group.gid, 0):
+        return False
+    seen[group.gid] = group.hits
+    return True
 
 
 def density(cfg: CacheConfig, group: ModalityGroup) -> float:

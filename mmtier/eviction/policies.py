@@ -1,6 +1,6 @@
 """The shipped eviction policies: each is one ``_key`` (and maybe ``_rank``) over the mechanism
 in ``base.py``; a new policy is one class (here, or in a file of its own past a few dozen lines:
-``bimodal.py``, ``s3fifo.py``, ``arc.py``, ``dip.py``, ``chainbip.py``) plus one line in ``POLICIES`` (and its name
+``bimodal.py``, ``s3fifo.py``, ``arc.py``, ``dip.py``, ``chainbip.py``, ``slru.py``) plus one line in ``POLICIES`` (and its name
 in ``config.POLICIES``)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from .chainbip import ChainBIPPolicy
 from .dip import DIPPolicy
 from .duel import DuelPolicy
 from .s3fifo import S3FIFOPolicy
+from .slru import AdaptiveSLRUPolicy
 
 
 class LRUPolicy(EvictionPolicy):
@@ -78,6 +79,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
     "dip": DIPPolicy,
     "duel": DuelPolicy,
     "chain_bip": ChainBIPPolicy,
+    "adaptive_slru": AdaptiveSLRUPolicy,
 }
 
 
