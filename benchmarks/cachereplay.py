@@ -8,8 +8,15 @@ made by the cache's own ``_make_room -> policy.victims`` path; there is no lower
 victim is dropped. Payloads are tiny (1 layer, 1 KV head, head dim 1, float32: 8 bytes a token)
 and real: page counts, keys, pools and policies are the cache's own.
 
-A request's hit is the longest cached prefix of its chain (tokens); the recompute time it avoids
-is the hit groups' tokens times the measured seconds per token of their modality.
+A request's hit is the longest cached prefix of its chain, scored three ways: tokens, blocks (the
+trace's blocks: a 512-token block of a Mooncake-form trace, a partial last block counting as one;
+a media group counts the blocks it merged, a group of a generated trace one) and the recompute
+time it avoids (the hit groups' tokens times the measured seconds per token of their modality).
+
+The pools hold exactly the pages they are given. A group that cannot be stored (everything else
+is held by the request's own attached chain) is not stored, and neither is the rest of its chain
+(keyed under it); the request goes on uncached from there (``uncached`` counts such groups,
+``overflow`` the requests that had one), as a cache of that size serves it.
 
 ``page_lru``: the per-page baseline. Every group is split into one-page groups chained page to
 page (as a per-block prefix cache holds them), replayed with plain LRU; a text page hits on its
@@ -47,13 +54,17 @@ class ReplayResult:
     requests: int = 0
     chain_tokens: int = 0
     hit_tokens: int = 0
+    chain_blocks: int = 0
+    hit_blocks: int = 0
     recompute_s: float = 0.0             # every chain group recomputed
     avoided_s: float = 0.0               # of which the hits avoided
+    hit_blocks_by_request: list[int] = field(default_factory=list)
     hit_tokens_by_mod: Counter = field(default_factory=Counter)
     chain_tokens_by_mod: Counter = field(default_factory=Counter)
     puts: int = 0
     evictions: int = 0
-    overflow: int = 0                    # requests whose chain did not fit (CapacityError)
+    overflow: int = 0                    # requests with a group that could not be stored
+    uncached: int = 0                    # groups that could not be stored (CapacityError)
     ops: int = 0                         # policy calls (``policyreplay`` counts them)
     last_error: str = ""
     wall_s: float = 0.0
@@ -61,6 +72,14 @@ class ReplayResult:
     @property
     def hit_ratio(self) -> float:
         return self.hit_tokens / self.chain_tokens if self.chain_tokens else 0.0
+
+    @property
+    def block_hit_ratio(self) -> float:
+        return self.hit_blocks / self.chain_blocks if self.chain_blocks else 0.0
+
+    @property
+    def avoided_fraction(self) -> float:
+        return self.avoided_s / self.recompute_s if self.recompute_s else 0.0
 
 
 def bench_config(trace: ChainTrace, pages: dict[str, int], page_size: int, policy: str,
@@ -182,34 +201,39 @@ def replay(trace: ChainTrace, policy: str, pages: dict[str, int], costs: dict[st
                 oracle.uid_of[key.digest] = uid
             return key
 
-        def store(uid: int, key) -> None:
+        def store(uid: int, key) -> bool:
+            """Whether the group is now stored (``False``: no room while the chain is held)."""
             derive(uid)                       # as a client does before a put: notes the parent
             n = run.items[uid].tokens
-            if cache.put(key, k[:, :n], k[:, :n]):
-                res.puts += 1
+            try:
+                if cache.put(key, k[:, :n], k[:, :n]):
+                    res.puts += 1
+            except CapacityError as exc:
+                res.uncached += 1
+                res.last_error = str(exc)
+                return False
+            return True
 
         for i, r in enumerate(run.requests):
             if oracle is not None:
                 oracle.now = i
             seq = cache.create_sequence(tenant=TENANT)
             present: dict[int, bool] = {}
+            before = res.uncached
             try:
-                try:
-                    for uid in r.chain:
-                        key = key_of(uid)
-                        present[uid] = cache.contains(key)
-                        if not present[uid]:
-                            store(uid, key)
-                        cache.attach(seq, key)
-                finally:
-                    cache.release(seq)
-                for uid in r.outputs:
+                for uid in r.chain:
                     key = key_of(uid)
-                    if not cache.contains(key):
-                        store(uid, key)
-            except CapacityError as exc:
-                res.overflow += 1
-                res.last_error = str(exc)
+                    present[uid] = cache.contains(key)
+                    if not present[uid] and not store(uid, key):
+                        break                 # the rest of the chain hangs off it: uncached
+                    cache.attach(seq, key)
+            finally:
+                cache.release(seq)
+            for uid in r.outputs:
+                key = key_of(uid)
+                if not cache.contains(key):
+                    store(uid, key)
+            res.overflow += res.uncached > before
             _score(trace, trace.requests[i], present, groups_of, run, costs, res)
         res.evictions = int(cache.stats().counters.get("evictions", 0))
     res.wall_s = time.perf_counter() - t0
@@ -221,9 +245,11 @@ def _score(trace: ChainTrace, r: Request, present: dict[int, bool], groups_of, r
     """Add the request's prefix hit (tokens, seconds avoided) to ``res``."""
     res.requests += 1
     hit = True
+    before = res.hit_blocks
     for uid in r.chain:
         it = trace.items[uid]
         res.chain_tokens += it.tokens
+        res.chain_blocks += it.blocks
         res.chain_tokens_by_mod[it.modality] += it.tokens
         res.recompute_s += it.tokens * costs[it.modality]
         if not hit:
@@ -242,3 +268,5 @@ def _score(trace: ChainTrace, r: Request, present: dict[int, bool], groups_of, r
         res.hit_tokens_by_mod[it.modality] += got
         res.avoided_s += got * costs[it.modality]
         hit = got == it.tokens
+        res.hit_blocks += it.blocks if hit else 0
+    res.hit_blocks_by_request.append(res.hit_blocks - before)

@@ -49,6 +49,7 @@ class Item:
     modality: str
     tokens: int
     parent: int | None            # the group its key chains; None: a root or content-only
+    blocks: int = 1               # the trace's blocks it holds (a media group: several)
 
 
 @dataclass
@@ -161,9 +162,9 @@ def from_records(records: Iterable[dict], block_tokens: int = 512, name: str = "
             if uid is None and media is not None and pos >= user_start:
                 if media_uid is None:
                     media_uid, next_uid = next_uid, next_uid + 1
-                    items[media_uid] = Item(media_uid, media, 0, prev)
+                    items[media_uid] = Item(media_uid, media, 0, prev, 0)
                 it = items[media_uid]
-                items[media_uid] = Item(media_uid, media, it.tokens + tokens, it.parent)
+                items[media_uid] = Item(media_uid, media, it.tokens + tokens, it.parent, it.blocks + 1)
                 group_of[h] = uid = media_uid
             elif uid is None:
                 uid, next_uid = next_uid, next_uid + 1
@@ -178,8 +179,11 @@ def from_records(records: Iterable[dict], block_tokens: int = 512, name: str = "
     return ChainTrace(name, items, requests)
 
 
-def load_jsonl(path: str | Path, block_tokens: int = 512, name: str | None = None) -> ChainTrace:
-    return from_records(read_jsonl(path, block_tokens), block_tokens, name or Path(path).stem)
+def load_jsonl(path: str | Path, block_tokens: int = 512, name: str | None = None,
+               limit: int | None = None) -> ChainTrace:
+    """The file's chain trace; ``limit``: its first ``limit`` requests only (their groups)."""
+    records = read_jsonl(path, block_tokens)
+    return from_records(records[:limit], block_tokens, name or Path(path).stem)
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:

@@ -8,8 +8,10 @@ of policies x traces x capacities runs in minutes:
 - a lookup that finds the group counts a hit (``group.hits += 1``, as ``contains`` does);
 - a missing group is stored: its pages come from the pool's free count, room is made as
   ``Room.make_room`` does (``policy.victims(DEVICE, bytes, modality)``, whole groups, a child in
-  another pool counts no pages, then every chosen group dropped: ``on_remove``), and the new
-  group's parent is the nearest stored ancestor (``Lineage.parent_of``, at most four hops);
+  another pool counts no pages, then every chosen group dropped: ``on_remove``; all or nothing:
+  when not enough can go, nothing is dropped and the group is not stored, as a ``put`` that
+  raises ``CapacityError``, nor is the rest of the chain), and the new group's parent is the
+  nearest stored ancestor (``Lineage.parent_of``, at most four hops);
 - ``attach`` is ``refs += 1`` and ``on_access``; ``release`` drops one reference per segment and
   calls ``on_release`` at zero; outputs are stored after the release.
 
@@ -71,14 +73,21 @@ class PolicyReplay:
         self.groups: dict[int, ModalityGroup] = {}
         self.uid_of: dict[int, int] = {}        # gid -> uid
         self._gid = 0
-        self.puts = self.evictions = self.ops = 0
+        self.puts = self.evictions = self.ops = self.uncached = 0
+        self.last_error = ""
 
-    def store(self, uid: int) -> ModalityGroup:
+    def store(self, uid: int) -> ModalityGroup | None:
+        """The new group, or ``None`` when no room can be made (nothing changed then)."""
         it = self.trace.items[uid]
         spec = self.cfg.modalities[it.modality]
         need = spec.pages_for(it.tokens)
         while need > self.free[it.modality]:
-            self._make_room(it.modality, need - self.free[it.modality])
+            try:
+                self._make_room(it.modality, need - self.free[it.modality])
+            except _Capacity as exc:
+                self.uncached += 1
+                self.last_error = str(exc)
+                return None
         self.free[it.modality] -= need
         self._gid += 1
         g = ModalityGroup(self._gid, self.keys[uid], spec, it.tokens, pages=[], parent=self._parent(uid),
@@ -153,32 +162,31 @@ def replay_policy(trace: ChainTrace, policy: str, pages: dict[str, int], costs: 
             oracle.now = i
         present: dict[int, bool] = {}
         held: list[ModalityGroup] = []
-        try:
-            try:
-                for uid in r.chain:
-                    g = run.groups.get(uid)
-                    present[uid] = g is not None
-                    if g is None:
-                        g = run.store(uid)
-                    else:
-                        g.hits += 1
-                    g.refs += 1
-                    held.append(g)
-                    pol.on_access(g)
-                    run.ops += 1
-            finally:
-                for g in held:
-                    g.refs -= 1
-                    if g.refs == 0 and run.groups.get(run.uid_of.get(g.gid, -1)) is g:
-                        pol.on_release(g)
-                        run.ops += 1
-            for uid in r.outputs:
-                if uid not in run.groups:
-                    run.store(uid)
-        except _Capacity as exc:
-            res.overflow += 1
-            res.last_error = str(exc)
+        before = run.uncached
+        for uid in r.chain:
+            g = run.groups.get(uid)
+            present[uid] = g is not None
+            if g is None:
+                g = run.store(uid)
+                if g is None:
+                    break                       # the rest of the chain hangs off it: uncached
+            else:
+                g.hits += 1
+            g.refs += 1
+            held.append(g)
+            pol.on_access(g)
+            run.ops += 1
+        for g in held:
+            g.refs -= 1
+            if g.refs == 0 and run.groups.get(run.uid_of.get(g.gid, -1)) is g:
+                pol.on_release(g)
+                run.ops += 1
+        for uid in r.outputs:
+            if uid not in run.groups:
+                run.store(uid)
+        res.overflow += run.uncached > before
         _score(source, source.requests[i], present, groups_of, trace, costs, res)
     res.puts, res.evictions, res.ops = run.puts, run.evictions, run.ops
+    res.uncached, res.last_error = run.uncached, run.last_error
     res.wall_s = time.perf_counter() - t0
     return res

@@ -29,11 +29,9 @@ PROMISED = {
                 "cpu_decode_ctx2048_pools3_paged_over_contiguous"),
     "spill": ("spill_over_raw_write", "restore_over_raw_read", "spill_over_torch_save",
               "restore_over_torch_load", "warm_restart_s_per_10k_files", "spill_via_mover_gbps"),
-    "eviction": ("heavytail_best_avoided_over_lru_cap0.05", "heavytail_lru_hit_over_belady_cap0.05",
-                 "min_avoided_over_lru__lru", "min_avoided_over_lru__bimodal_lru",
-                 "min_hit_over_lru__cost_aware", "cache_parity_mismatches",
-                 "target_min_hit_over_lru__dip", "target_min_heavy_hit_over_lru__s3fifo",
-                 "op_cost_over_lru__arc", "op_cost_growth__s3fifo"),
+    "eviction": ("min_avoided_over_lru__lru", "min_block_hit_over_lru__bimodal_lru",
+                 "cache_parity_mismatches", "target_min_over_lru__dip",
+                 "target_lift_over_asked__adaptive_slru", "op_cost_over_lru__arc", "op_cost_growth__s3fifo"),
     "cluster": ("registry_lookups_per_s", "registry_single_lookups_per_s", "remote_over_local_attention",
                 "remote_fetch_over_object_store", "copy_gb_per_s"),
     "long_context": ("decode_over_overlap_floor", "decode_over_summed_floor", "max_rel_err"),
@@ -49,7 +47,7 @@ CORRECT = {
     "long_context": lambda d: d["max_rel_err"] < 8e-3,          # the preset's bf16 output
     "hf_generate": lambda d: d["tiny_tokens_match"] is True and d["batch_max_abs_diff"] <= 1e-5,
     "multiturn": lambda d: d["tokens_match"] is True,
-    "eviction": lambda d: d["cache_parity_mismatches"] == 0,
+    "eviction": lambda d: d["cache_parity_mismatches"] == 0 and d.get("independent_replay_mismatches", 0) == 0,
 }
 
 

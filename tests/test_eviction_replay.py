@@ -1,16 +1,21 @@
 """The policy replay (``benchmarks.policyreplay``) against the whole cache (``benchmarks.cachereplay``):
 the same hits, stores and evictions for every policy, Belady and per-page LRU, on the first
 requests of the checked-in heavy-tailed sample at 5% of its distinct bytes (the benchmark
-checks 5% and 10% on more requests: ``cache_parity_mismatches``); and the
+checks 5% and 10% on more requests: ``cache_parity_mismatches``); the policy replay against an
+independent replay of the published form (``benchmarks.blockreplay``: one group per hash id,
+capacity in blocks), request by request, with the cache's keys and with its own; pools of exactly
+the asked size (a chain larger than the pool runs uncached past what fits); and the
 Mooncake-format importer on lines of that form."""
 
 from __future__ import annotations
 
 import pytest
 
+from benchmarks.blockreplay import block_replay, capacity_for
 from benchmarks.cachereplay import bench_config, replay
 from benchmarks.chains import ChainTrace, TraceFormatError, from_records, load_jsonl, parse_record
 from benchmarks.eviction import PAGE, SAMPLE, pages_for
+from benchmarks.heavytail import HeavyTailConfig, generate
 from benchmarks.policyreplay import replay_policy, trace_keys
 from benchmarks.recompute import load_costs
 from mmtier.eviction import POLICIES
@@ -31,8 +36,56 @@ def test_policy_replay_equals_the_cache(short, policy):
     a = replay(short, policy, pages, COSTS, PAGE)
     b = replay_policy(short, policy, pages, COSTS, PAGE, keys)
     assert a.evictions > 0                       # the pools were full: eviction decided the hits
-    assert (b.hit_tokens, b.puts, b.evictions, b.overflow) == (a.hit_tokens, a.puts, a.evictions, a.overflow)
+    assert ((b.hit_tokens, b.hit_blocks, b.puts, b.evictions, b.uncached)
+            == (a.hit_tokens, a.hit_blocks, a.puts, a.evictions, a.uncached))
+    assert b.hit_blocks_by_request == a.hit_blocks_by_request
     assert b.ops > b.puts
+
+
+@pytest.fixture(scope="module")
+def text_records() -> list[dict]:
+    """A prefix-hash trace in the published form, text only (each hash id one block)."""
+    recs = generate(HeavyTailConfig(seed=3, requests=160, duration_s=288.0, p_image=0.0, p_audio=0.0))
+    assert any(r["input_length"] % 512 for r in recs)           # partial last blocks
+    return recs
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.1])
+def test_independent_block_replay_agrees_request_by_request(text_records, frac):
+    trace = from_records(text_records, 512, "text")
+    cap = capacity_for(text_records, frac)
+    uid_of = {}
+    for rec, r in zip(text_records, trace.requests, strict=True):
+        uid_of.update(zip(rec["hash_ids"], r.chain, strict=True))
+    keys = trace_keys(trace, bench_config(trace, {"text": cap}, 512, "lru", COSTS))
+    for policy in POLICIES:
+        a = block_replay(text_records, policy, cap, key_of=lambda h: keys[uid_of[h]])
+        b = replay_policy(trace, policy, {"text": cap}, COSTS, 512, keys)
+        assert a.evictions == b.evictions > 0, policy
+        assert a.per_request == b.hit_blocks_by_request, policy
+        assert (a.hit_blocks, a.hit_tokens, a.uncached) == (b.hit_blocks, b.hit_tokens, b.uncached), policy
+        assert a.avoided_fraction == pytest.approx(b.avoided_fraction), policy
+    # with its own keys (digests of the hash ids): the policies that read no hash agree too
+    for policy in ("lru", "s3fifo", "arc", "adaptive_slru"):
+        a = block_replay(text_records, policy, cap)
+        b = replay_policy(trace, policy, {"text": cap}, COSTS, 512, keys)
+        assert a.per_request == b.hit_blocks_by_request, policy
+
+
+def test_pools_hold_exactly_their_size_and_a_long_chain_runs_uncached():
+    lines = [{"timestamp": 0, "input_length": 1500, "output_length": 1, "hash_ids": [1, 2, 3]},
+             {"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+             {"timestamp": 2, "input_length": 1500, "output_length": 1, "hash_ids": [1, 2, 3]}]
+    trace = from_records(lines, 512, "long")
+    for res in (replay(trace, "lru", {"text": 2}, COSTS, 512),
+                replay_policy(trace, "lru", {"text": 2}, COSTS, 512)):
+        # request 0 holds blocks 1, 2 (the pool's two pages): block 3 is not stored; request 1
+        # hits both; request 2 again stores no block 3
+        assert res.hit_blocks_by_request == [0, 2, 2]
+        assert (res.uncached, res.overflow, res.evictions) == (2, 2, 0)
+        assert res.block_hit_ratio == 4 / 8 and res.hit_ratio == 2048 / (1500 + 1024 + 1500)
+    got = block_replay(lines, "lru", 2)
+    assert got.per_request == [0, 2, 2] and got.uncached == 2
 
 
 def test_mooncake_lines_chain_their_blocks():
