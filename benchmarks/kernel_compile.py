@@ -18,9 +18,9 @@ kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's,
    same signature, constexprs, alignment and divisibility attributes) and compiled with
    ``triton.compile(..., target=GPUTarget("cuda", arch, 32))`` down to PTX and cubin by the
    ptxas in the triton wheel; no driver is asked anything.
-3. **Measure and check.** Registers and spills come from ``ptxas -v`` on the PTX (a
-   ``CompiledKernel`` fills ``n_regs`` / ``n_spills`` only once loaded on a GPU); shared memory
-   from the compiled metadata. The check fails (exit 1) on a compile error, on shared memory
+3. **Measure and check.** Registers and spills come from ``ptxas -v`` (the log of Triton's own
+   ptxas run, kept by the kernel's hash; a ``CompiledKernel`` fills ``n_regs`` / ``n_spills``
+   only once loaded on a GPU); shared memory from the compiled metadata. The check fails (exit 1) on a compile error, on shared memory
    over the arch's per-block limit, or on any spill.
 
 Writes ``OUT/kernel_compile.json`` (default ``benchmarks/results/``): the summary figures and
@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
+import io
 import multiprocessing
 import os
 import re
@@ -254,40 +256,49 @@ _PTXAS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
-def _ptxas_log(kernel, arch: int) -> str:
-    """``ptxas -v`` on the kernel's PTX (its register and spill lines), kept beside Triton's
-    own cache under the compiled kernel's hash: a kernel Triton found in its cache costs no
-    ptxas run either."""
+def _ptxas_log(kernel, arch: int, printed: str) -> str:
+    """``ptxas -v``'s report of the kernel (registers, spills), kept beside Triton's cache under
+    the compiled kernel's hash: ``printed`` is the log Triton's own ptxas run printed while it
+    built the cubin (``knobs.nvidia.dump_ptxas_log``); a kernel Triton found in its cache was
+    not assembled again, and its kept log is read, else ptxas runs on its PTX here."""
     from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     kept = Path(knobs.cache.dir) / "mmtier-ptxas" / f"{kernel.hash}-sm{arch}.log"
-    if kept.exists():
+    if _PTXAS.search(printed):
+        log = printed
+    elif kept.exists():
         return kept.read_text()
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
-        ptx.flush()
-        res = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v", f"--gpu-name={sm_arch_from_capability(arch)}",
-                              ptx.name, "-o", os.devnull], capture_output=True, text=True, check=True)
+    else:
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+            ptx.write(kernel.asm["ptx"])
+            ptx.flush()
+            log = subprocess.run([get_ptxas(arch).path, "-lineinfo", "-v",
+                                  f"--gpu-name={sm_arch_from_capability(arch)}", ptx.name, "-o", os.devnull],
+                                 capture_output=True, text=True, check=True).stderr
     kept.parent.mkdir(parents=True, exist_ok=True)
     tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(res.stderr)
+    tmp.write_text(log)
     tmp.replace(kept)
-    return res.stderr
+    return log
 
 
 def compile_one(index: int, arch: int) -> dict:
     """Compile recorded launch ``index`` for ``sm_<arch>``; its resources, or its error."""
     import triton
+    from triton import knobs
     from triton.compiler import ASTSource
 
     launch = _LAUNCHES[index]
     t0 = time.perf_counter()
     try:
         target, options, signature, constexprs, attrs = _bind(launch, arch)
-        kernel = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
-                                options=options.__dict__)
-        log = _ptxas_log(kernel, arch)
+        knobs.nvidia.dump_ptxas_log = True        # Triton's ptxas -v log, printed: kept
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            kernel = triton.compile(ASTSource(launch.fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+        log = _ptxas_log(kernel, arch, printed.getvalue())
         regs, spill = _PTXAS.search(log), _SPILL.search(log)
         return {"index": index, "arch": arch, "regs": int(regs.group(1)) if regs else None,
                 "spill": int(spill.group(1)) + int(spill.group(2)) if spill else None,
