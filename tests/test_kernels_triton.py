@@ -5,13 +5,13 @@ with a GPU they run compiled on CUDA. Every case uses random non-zero inputs; pa
 that no segment lists are filled with NaN, so a kernel reading anything it was not given
 fails loudly; output buffers the API takes are poisoned with NaN before each run.
 
-The attention cases that dtypes, head dims and tile edges touch run in two tile configurations (the ``tiles`` fixture): the interpreter's
-own (wide ``BLOCK_N`` tiles, fewest interpreted ops) and a GPU's (``as_on_gpu()``: the block
-sizes, warps and stages a compiled launch takes), so the configuration a GPU compiles is checked
-against the oracle on a CPU too (on CUDA both are the GPU's; the first is skipped). In both the
-dots run on the pool's dtype: the query is cast to it, the softmax weights P are rounded to it
-before ``P @ V`` (the interpreter's bfloat16 dot and rounding are made a GPU's by
-``launch_guard``).
+The cases that dtypes, head dims and tile edges touch (attention, merge, write) run in two
+configurations (the ``tiles`` fixture): the interpreter's own (wide ``BLOCK_N`` tiles, fewest
+interpreted ops) and a GPU's (``as_on_gpu()``: the block sizes, warps and stages a compiled
+launch takes), so the configuration a GPU compiles is checked against the oracle on a CPU too
+(on CUDA both are the GPU's; the first is skipped). In both the dots run on the pool's dtype:
+the query is cast to it, the softmax weights P are rounded to it before ``P @ V`` (the
+interpreter's bfloat16 dot and rounding are made a GPU's by ``launch_guard``).
 """
 
 from __future__ import annotations
@@ -523,7 +523,7 @@ def _oracle_merge(outs, lses):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 2, 5, 70])
-def test_merge_states(dtype, n):
+def test_merge_states(dtype, n, tiles):
     gen = torch.Generator().manual_seed(n)
     t, h, d = 9, 4, 80
     outs = [torch.randn((t, h, d), generator=gen).to(dtype) for _ in range(n)]
@@ -566,7 +566,7 @@ def test_merge_backends_agree():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80])
-def test_write_kv(dtype, head_dim):
+def test_write_kv(dtype, head_dim, tiles):
     gen = torch.Generator().manual_seed(head_dim)
     pages, layers, size, heads = 7, 3, 16, 2
     kv = torch.full((pages, layers, 2, size, heads, head_dim), float("nan"), dtype=dtype)
