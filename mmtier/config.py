@@ -190,7 +190,7 @@ class CacheConfig(BaseModel):
         256 << 20, ge=0, strict=True, description="Never write when the filesystem's free space would drop below this.")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
-    eviction_policy: str = Field("lru", description=f"Eviction policy, one of {POLICIES}.")
+    eviction_policy: str = Field("adaptive_slru", description=f"Eviction policy, one of {POLICIES}.")
     key_secret: str = Field(
         DEFAULT_KEY_SECRET, description="Server-side secret that authenticates keys and derives tenant salts "
                                         "(the default is public: `mmtier start` and the Serve app refuse it "

@@ -82,7 +82,7 @@ class CacheArgs(_Strict):
                                     "memory NVML reports (CacheConfig.device_fraction).")
     host_bytes: int = Field(0, ge=0, description="Host tier of each node store, bytes (0: ClusterSettings.store_bytes).")
     device: str = Field("cpu", description="'cpu' or 'cuda' (GPU pools take their arena from NVML when on a GPU node).")
-    eviction_policy: str = Field("lru", description="Eviction policy of each pool.")
+    eviction_policy: str = Field("adaptive_slru", description="Eviction policy of each pool.")
     key_secret_env: str | None = Field(
         None, description="Environment variable holding the cache's key secret (salts tenants, "
                           "authenticates keys), e.g. MMTIER_KEY_SECRET; required unless "
