@@ -150,7 +150,7 @@ def test_small_budget_moves_groups_to_host_and_disk_and_stays_equal(chat, tmp_pa
     want = [dense_chat(chat, c, NEW) for c in convs]
     cfg = chat.cache_config(device_bytes=12 << 20, host_bytes=3 << 20, disk_dir=tmp_path, disk_bytes=256 << 20,
                             shares={"text": 0.3, "vision": 0.2, "vision_embed": 0.05, "transcript": 0.05,
-                                    "audio": 0.35})
+                                    "audio": 0.28, "video": 0.1})    # every pool gets at least one page
     with TieredKVCache(cfg) as cache:
         open_ = [chat.conversation(cache, tenant="acme") for _ in convs]
         got = [[], []]
