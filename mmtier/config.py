@@ -188,6 +188,10 @@ class CacheConfig(BaseModel):
     disk_bytes: int = Field(8 << 30, ge=0, strict=True, description="Disk tier budget in bytes.")
     disk_free_floor_bytes: int = Field(
         256 << 20, ge=0, strict=True, description="Never write when the filesystem's free space would drop below this.")
+    persist_on_close: bool = Field(
+        True, description="On close, write the shared groups still on the device and host tiers to the disk tier "
+                          "(when there is one and its budget takes them), so a cache restarted over disk_dir finds "
+                          "what this one held, not only what it had spilled.")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("adaptive_slru", description=f"Eviction policy, one of {POLICIES}.")

@@ -202,8 +202,13 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         assert all(cache.contains(k) for k in keys if k not in victims)
 
 
-def test_warm_restart_knows_every_group_on_disk(tmp_path, backend):
-    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+@pytest.mark.parametrize("persist", [False, True])
+def test_warm_restart_knows_every_group_on_disk(tmp_path, backend, persist):
+    """Three groups spilled to disk; the fourth is on the device when the cache closes:
+    ``persist_on_close`` writes it too (a restart then knows all four), without it only the
+    spilled three come back."""
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": persist})
     data = {}
     with TieredKVCache(cfg) as cache:
         for i in range(4):
@@ -212,6 +217,8 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path, backend):
             cache.put(key, *data[key])
         on_disk = [k for k in data if cache.index.groups[k].tier == Tier.DISK]
         assert len(on_disk) == 3
+        held = [k for k in data if k not in on_disk]
+        assert [cache.index.groups[k].tier for k in held] == [Tier.DEVICE]
     (tmp_path / "spill" / "leftover.arrow.tmp").write_bytes(b"partial write")
     with TieredKVCache(cfg) as again:
         assert not (tmp_path / "spill" / "leftover.arrow.tmp").exists()
@@ -226,7 +233,11 @@ def test_warm_restart_knows_every_group_on_disk(tmp_path, backend):
         k, v = data[key]
         expect, _ = oracle_attention(q, torch.zeros(1), k[0], v[0], torch.arange(50), causal=False)
         assert rel_err(out, expect) < 1e-5
-        assert again.stats().counters["adopted_from_disk"] == 3
+        assert again.stats().counters["adopted_from_disk"] == 3 + persist
+        assert again.contains(held[0]) == persist
+        if persist:                   # the group written at close reads back exactly
+            got_k, got_v = again.read_group(held[0])
+            assert torch.equal(got_k, data[held[0]][0]) and torch.equal(got_v, data[held[0]][1])
 
 
 def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, backend):
@@ -246,12 +257,29 @@ def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, bac
     with TieredKVCache(cfg) as again:
         st = again.stats()
         assert st.counters["private_runs_removed_at_start"] == 1
-        assert st.counters["adopted_from_disk"] == len(on_disk)
+        # the shared groups still on the device and host were written at close: all four
+        assert st.counters["adopted_from_disk"] == len(shared) > len(on_disk)
         assert not any(p.exists() for p in text_files)
         assert st.tiers["disk"]["text"].groups == 0 and st.tiers["disk"]["text"].bytes == 0
-        assert st.tiers["disk"]["vision"].groups == len(on_disk)
-        assert all(again.contains(k) for k in on_disk)
-        assert len(again.index.groups) == len(on_disk)
+        assert st.tiers["disk"]["vision"].groups == len(shared)
+        assert all(again.contains(k) for k in shared)
+        assert len(again.index.groups) == len(shared)
+
+
+def test_writing_at_close_takes_only_what_the_disk_budget_holds_and_drops_nothing(tmp_path, backend):
+    """A disk budget of three vision groups: the three spilled stay, the one on the device at
+    close is not written: nothing on disk is dropped for it."""
+    group_bytes = 2 * VISION_PAGE                          # a 50-token group: two vision pages
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(
+        update={"host_bytes": 0, "disk_bytes": 3 * group_bytes + group_bytes // 2})
+    with TieredKVCache(cfg) as cache:
+        keys = [cache.content_key("vision", f"b{i}".encode(), tenant="acme") for i in range(4)]
+        for key in keys:
+            cache.put(key, *kv(50))
+        assert tiers_of(cache, keys) == [Tier.DISK] * 3 + [Tier.DEVICE]
+    with TieredKVCache(cfg) as again:
+        assert again.stats().counters["adopted_from_disk"] == 3
+        assert [again.contains(k) for k in keys] == [True, True, True, False]
 
 
 def _flip_one_byte(path, at=None):

@@ -58,6 +58,8 @@ class Residency:
             if self.closed:
                 return
             self.closed = True
+            if self.lower.cfg.persist_on_close:
+                self.lower.persist(self.live_groups(), self.pools)
             self.lower.close()
 
     def stats(self, sequences: Callable[[], int]) -> CacheStats:

@@ -22,12 +22,18 @@ connected yet; default ``RAY_ADDRESS``, else ``"auto"``). ``open_shared`` then j
 cache one ``EngineLink``: saved groups are written through to the node's store and published,
 misses are looked up in the registry and pulled. Without it nothing here imports Ray.
 
+The caches close when the process exits (``atexit``; vLLM's engine and worker processes exit
+through ``SystemExit`` on shutdown): closing writes what the device and host tiers still hold
+to the disk tier (``persist_on_close``), so an engine restarted over the same ``disk_dir``
+finds what this one held.
+
 ``report_for`` gives each cache one ``StatsReport``: the connectors export its statistics
 through their engine's metrics (vLLM: ``vllm_metrics``, on vLLM's own ``/metrics``).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -170,6 +176,9 @@ def shared_cache(cfg: CacheConfig) -> TieredKVCache:
     with _LOCK:
         cache = _CACHES.get(name)
         if cache is None or cache.closed:
+            if not _CACHES:
+                atexit.unregister(close_shared)
+                atexit.register(close_shared)
             cache = _CACHES[name] = TieredKVCache(cfg)
         return cache
 

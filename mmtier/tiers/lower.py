@@ -443,6 +443,43 @@ class LowerTiers:
         out["stream_buffer_bytes_pooled"] = self.staging.pooled_bytes
         return out
 
+    # ------------------------------------------------------------------ shutdown
+    def persist(self, groups: Iterable[ModalityGroup], pools: dict[str, PagePool]) -> int:
+        """Write the shared groups held on the device and host tiers to disk (the cache is
+        closing), so a cache restarted over the same directory finds them, not only what was
+        spilled. Groups already on disk, private runs (their keys die with this cache) and
+        groups the disk budget cannot take without dropping what is on disk stay as they are;
+        returns how many were written (``persisted_on_close``)."""
+        if self.mover is None or self.disk is None:
+            return 0
+        self.apply_completions()
+        seen: set[int] = set()
+        pending: list[tuple[ModalityGroup, Future]] = []
+        room = self.disk.capacity_bytes - self.disk.used_bytes - sum(self._spill_bytes.values())
+        for g in groups:
+            if g.gid in seen or g.freed or g.key is None or g.tier not in (Tier.DEVICE, Tier.HOST):
+                continue
+            seen.add(g.gid)
+            if g.gid in self._spilling or self.disk.contains(g.key) or g.nbytes > room:
+                continue
+            pages = view_runs(pools[g.modality].view, g.pages) if g.tier == Tier.DEVICE else None
+            try:
+                fut = self.mover.spill(g.key, g.spec, g.num_tokens, pages)
+            except MMTierError:
+                continue
+            room -= g.nbytes
+            pending.append((g, fut))
+        written = 0
+        for g, fut in pending:
+            try:
+                fut.result(timeout=WAIT_S)
+            except (MMTierError, OSError, TimeoutError):
+                self.counters.add("spill_failures", g.modality)
+                continue
+            written += 1
+            self.counters.add("persisted_on_close", g.modality)
+        return written
+
     def close(self) -> None:
         if self.mover is not None:
             self.mover.close(timeout=WAIT_S)
