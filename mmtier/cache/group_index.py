@@ -14,7 +14,7 @@ from ..content import ContentKey
 from ..errors import UnknownKeyError
 from ..eviction import EvictionPolicy
 from ..stats import Counters
-from .groups import ModalityGroup
+from .groups import ModalityGroup, Tier
 from .lineage import Lineage
 
 
@@ -49,9 +49,11 @@ class GroupIndex:
             raise UnknownKeyError(f"{key!r} is not in the cache (put it first)")
         return group
 
-    def insert(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int]) -> ModalityGroup:
-        """A new shared group of ``n`` tokens on ``pages``, filed under its lineage parent."""
-        group = ModalityGroup(self.new_gid(), key, spec, n, pages=pages,
+    def insert(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int], *,
+               tier: Tier = Tier.DEVICE, location: object = None) -> ModalityGroup:
+        """A new shared group of ``n`` tokens on device ``pages`` (or in a lower ``tier`` at
+        ``location``: a put written around the device), filed under its lineage parent."""
+        group = ModalityGroup(self.new_gid(), key, spec, n, tier=tier, pages=pages, location=location,
                               parent=self.lineage.parent_of(key, self.groups))
         self.groups[key] = group
         self.policy.on_insert(group)

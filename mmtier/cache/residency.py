@@ -24,6 +24,7 @@ from ..stats import CacheStats, Counters, TierUsage
 from ..storage.page_digests import copy_out_verified
 from ..tiers.leases import Lease, LeaseTable
 from ..tiers.lower import WAIT_S, LowerTiers
+from ..tiers.placement import PutPlacement
 from ..tiers.room import Room
 from .group_index import GroupIndex
 from .groups import ModalityGroup, Tier
@@ -44,6 +45,7 @@ class Residency:
         self.leases = LeaseTable(ttl=30.0, clock=policy.clock)
         self.lower = LowerTiers(cfg, keyer.maker, counters, policy, owner=self)
         self.room = Room(lock, policy, self.lower, live_groups, self.drop, pools)
+        self.placement = PutPlacement(cfg.put_placement, self.lower.host is not None, live_groups)
         self.live_groups = live_groups
         self.closed = False
         index.adopt(self.lower.adopt_disk_inventory(index.groups, index.new_gid))
@@ -161,7 +163,8 @@ class Residency:
             if out is not None:            # all checked before anything is read or counted
                 dests = [check_out_kv(o, shape, s.torch_dtype, s.page_size) for o, shape, s in zip(out, shapes, specs)]
             else:
-                dests = [(torch.empty(shape, dtype=s.torch_dtype), torch.empty(shape, dtype=s.torch_dtype))
+                staging = self.lower.staging         # pooled memory: no fault per 4 KiB written
+                dests = [(staging.empty(shape, s.torch_dtype), staging.empty(shape, s.torch_dtype))
                          for shape, s in zip(shapes, specs)]
             on_disk = [i for i, g in enumerate(groups) if g.tier == Tier.DISK]
             for i in on_disk:

@@ -13,7 +13,9 @@ from ..errors import ShapeError
 from ..eviction import EvictionPolicy
 from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
 from ..stats import Counters
+from ..storage.host import write_host_slots
 from .group_index import GroupIndex
+from .groups import Tier
 from .keys import CacheKeys
 from .locking import OwnerLock
 from .residency import Residency
@@ -46,7 +48,8 @@ class SharedGroups:
         finite = FiniteCheck(spec, k, v, fuse=on_cpu)   # the NaN / Inf scan: in or beside the copy
         try:
             stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(
-                pool, k, v, pages, backend, finite.tally), ready=finite.wait)
+                pool, k, v, pages, backend, finite.tally), ready=finite.wait,
+                write_host=lambda entry: write_host_slots(self.residency.lower.host, entry, k, v, finite.tally))
             finite.wait()                     # a key already held: the payload is still checked
             return stored
         finally:
@@ -61,16 +64,24 @@ class SharedGroups:
         check_payload(spec, x)
         return self.store(key, spec, x.shape[0], lambda pool, pages: write_embedding(pool, x, pages))
 
-    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write, ready=None) -> bool:
+    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write, ready=None, write_host=None) -> bool:
         """A new shared group of ``n`` tokens: pages (making room), ``write(pool, pages)``, then
         ``ready()`` (a check of the payload that ran beside the write: it raises to refuse it),
         index. A refusal frees the pages and records nothing; room made for them by moving
-        groups one tier down stays made (those groups are intact there)."""
+        groups one tier down stays made (those groups are intact there). With ``write_host``
+        (``write_host(entry)`` fills host slots), a put the placement policy sends around a
+        full pool lands in the host tier instead, in one copy (``tiers.placement``)."""
         with self.lock:
             self.residency.lower.apply_completions()
             if key in self.index:
                 return False
             pool = self.residency.pools[key.modality]
+            if write_host is not None and self.residency.placement.around(pool, spec.pages_for(n)):
+                stored = self.store_host(key, spec, n, write_host, ready)
+                if stored is not None:
+                    return stored
+                if key in self.index:            # put by another thread while room was made
+                    return False
             pages = self.residency.allocate(pool, spec.pages_for(n), [])
             if key in self.index:            # put by another thread while room was made
                 pool.free(pages)
@@ -84,6 +95,31 @@ class SharedGroups:
                 raise
             self.index.insert(key, spec, n, pages)
             return True
+
+    def store_host(self, key: ContentKey, spec: ModalitySpec, n: int, write_host, ready) -> bool | None:
+        """The put written around the device: host slots (room made below as for a demotion;
+        may let go of the lock), ``write_host(entry)``, ``ready()``, commit, index. ``None``:
+        the host tier could not take it (the caller takes the device path); ``False``: the key
+        was put meanwhile. A refusal gives the slots back and records nothing (lock held)."""
+        lower = self.residency.lower
+        entry = lower.reserve_host(key, spec, n)
+        if entry is None:
+            return None
+        if key in self.index:
+            lower.host.abort(entry)
+            return False
+        try:
+            write_host(entry)
+            if ready is not None:
+                ready()
+            lower.host.commit(entry)
+        except BaseException:
+            lower.host.abort(entry)
+            raise
+        self.index.insert(key, spec, n, [], tier=Tier.HOST, location=entry)
+        self.counters.add("puts_written_around", key.modality)
+        lower.maybe_background_spill()
+        return True
 
     def get_embedding(self, key: ContentKey) -> torch.Tensor:
         spec = self.keyer.check_key(key, "embedding")

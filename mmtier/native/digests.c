@@ -11,6 +11,11 @@
  * destination rows are overwritten with 0xFF bytes (NaN in float16, bfloat16 and float32:
  * never unverified bytes left behind), nothing after it is copied, and u is returned.
  *
+ * With a finiteness check (`flags` bits 2-3: 1 float16, 2 bfloat16, 3 float32) every element
+ * copied is also tested for NaN / Inf (all exponent bits set) in the same registers, as rows.c
+ * does: a put written straight into the host tier takes its digests and its finiteness scan
+ * in the one pass that moves it (`mmtier_copy_rows_xxh3_checked`).
+ *
  * Only inputs longer than 240 bytes and rows a multiple of 64 bytes are taken (xxh3's long-
  * input path, whole 64-byte stripes); the caller hashes anything else itself. The hash is
  * written from the published XXH3 specification and checked against python's xxhash in
@@ -109,8 +114,13 @@ static void row_scalar(char *d, const char *src, int64_t row, uint64_t acc[8], i
 #include <immintrin.h>
 #define HAVE_AVX2 1
 __attribute__((target("avx2")))
-static void row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
-                     int stream) {
+static int row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
+                    int stream, int check) {
+    __m256i bad = _mm256_setzero_si256();
+    __m256i m = check == 3 ? _mm256_set1_epi32(0x7F800000)
+              : _mm256_set1_epi16((short)(check == 2 ? 0x7F80 : 0x7C00));
+#define MMT_TEST(x) (check == 3 ? _mm256_cmpeq_epi32(_mm256_and_si256((x), m), m) \
+                                : _mm256_cmpeq_epi16(_mm256_and_si256((x), m), m))
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     for (int64_t k = 0; k < row; k += STRIPE, (*s)++) {
@@ -123,6 +133,7 @@ static void row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int
             _mm256_storeu_si256((__m256i *)(d + k), x0);
             _mm256_storeu_si256((__m256i *)(d + k + 32), x1);
         }
+        if (check) bad = _mm256_or_si256(bad, _mm256_or_si256(MMT_TEST(x0), MMT_TEST(x1)));
         const unsigned char *key = stripe_key(*s, S);
         __m256i k0 = _mm256_xor_si256(x0, _mm256_loadu_si256((const __m256i *)key));
         __m256i k1 = _mm256_xor_si256(x1, _mm256_loadu_si256((const __m256i *)(key + 32)));
@@ -141,17 +152,39 @@ static void row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int
     }
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+#undef MMT_TEST
+    return !_mm256_testz_si256(bad, bad);
 }
 #endif
+
+/* Whether a row (already copied, read again from the cache) holds a NaN / Inf (rows.c's test). */
+static int row_nonfinite(const char *p, int64_t row, int check) {
+    unsigned bad = 0;
+    if (check == 3) {
+        for (int64_t i = 0; i < row; i += 4) {
+            uint32_t x; memcpy(&x, p + i, 4);
+            bad |= (x & 0x7F800000u) == 0x7F800000u;
+        }
+    } else {
+        uint16_t m = check == 2 ? 0x7F80 : 0x7C00;
+        for (int64_t i = 0; i < row; i += 2) {
+            uint16_t x; memcpy(&x, p + i, 2);
+            bad |= (x & m) == m;
+        }
+    }
+    return bad != 0;
+}
 
 /* Digest (and copy, with `dst`) every unit; see the top of this file. Returns -1 when every
    unit is done (and matched `expect`), the index of the first unit that did not match, or -2
    on arguments it does not take (nothing copied). `dst` NULL: digests only, nothing copied. */
-int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
+static int64_t copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
                               const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
                               int64_t row, int flags, uint64_t *digests,
-                              const uint64_t *expect) {
-    int allow_stream = flags & 1;       /* flags: 1 streaming stores allowed, 2 scalar code only */
+                              const uint64_t *expect, int *nonfinite) {
+    int allow_stream = flags & 1;       /* flags: 1 streaming stores allowed, 2 scalar code only, */
+    int check = (flags >> 2) & 3;       /* bits 2-3: the finiteness check's dtype (0: none) */
+    int found = 0;
     int64_t total = walk_rows(nd, shape);
     if (total <= 0 || row <= 0 || row % STRIPE != 0 || n_units < 0) return -2;
     int64_t len = total * row;
@@ -179,15 +212,18 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
                 for (int64_t k = 0; k < row; k += (int64_t)sizeof(sink)) {
                     int64_t part = row - k < (int64_t)sizeof(sink) ? row - k : (int64_t)sizeof(sink);
 #ifdef HAVE_AVX2
-                    if (use_avx2) row_avx2(sink, s + w.soff + k, part, acc, &stripe, S, 0); else
+                    if (use_avx2) row_avx2(sink, s + w.soff + k, part, acc, &stripe, S, 0, 0); else
 #endif
                     row_scalar(sink, s + w.soff + k, part, acc, &stripe, S);
                 }
             } else {
 #ifdef HAVE_AVX2
-                if (use_avx2) row_avx2(d + w.doff, s + w.soff, row, acc, &stripe, S, stream); else
+                if (use_avx2) found |= row_avx2(d + w.doff, s + w.soff, row, acc, &stripe, S, stream, check); else
 #endif
-                row_scalar(d + w.doff, s + w.soff, row, acc, &stripe, S);
+                {
+                    row_scalar(d + w.doff, s + w.soff, row, acc, &stripe, S);
+                    if (check) found |= row_nonfinite(d + w.doff, row, check);
+                }
             }
         }
         uint64_t h = finish(acc, (uint64_t)len);
@@ -204,5 +240,24 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
 #ifdef HAVE_AVX2
     if (stream) _mm_sfence();
 #endif
+    if (nonfinite != NULL) *nonfinite = found;
     return bad;
+}
+
+int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
+                              const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
+                              int64_t row, int flags, uint64_t *digests,
+                              const uint64_t *expect) {
+    return copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, flags & 3, digests, expect, NULL);
+}
+
+/* The same copy, each element also tested for NaN / Inf (`check`: 1 float16, 2 bfloat16,
+   3 float32); *nonfinite is set to 1 where one was found (every unit is still copied). */
+int64_t mmtier_copy_rows_xxh3_checked(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
+                                      const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
+                                      int64_t row, int flags, uint64_t *digests, int check,
+                                      int *nonfinite) {
+    if (check < 1 || check > 3 || dst == NULL || nonfinite == NULL) return -2;
+    return copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, (flags & 3) | (check << 2),
+                          digests, NULL, nonfinite);
 }

@@ -6,7 +6,9 @@ from memory, the copy moves ~10-17 GB/s); taken from the registers the copy load
 costs next to nothing. ``copy_digest`` is that copy: units (pages) of rows between two
 layouts (``rows.row_space`` / ``rows.merge_dims``), the digest of each unit's source bytes
 in walk order, and with ``expect`` a check that stops at the first page that differs (its
-destination overwritten with NaN bytes, nothing after it copied).
+destination overwritten with NaN bytes, nothing after it copied); with ``check``, a test of
+every element it moves for NaN / Inf (float16, bfloat16, float32): a put written straight into
+host slots takes its digests and its finiteness scan in the pass that moves it.
 
 ``None`` where it does not apply: no native helper here, rows not whole 64-byte stripes, a
 page of 240 bytes or less (xxh3's short-input paths), not on the CPU; the caller then hashes
@@ -27,15 +29,20 @@ from .rows import MAX_DIMS, STREAM_MIN_BYTES
 _I64P = ctypes.POINTER(ctypes.c_int64)
 
 
-def _fn():
+_ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, _I64P, _I64P, ctypes.c_int64,
+         ctypes.c_int, ctypes.c_void_p]
+_SIGNATURES = {"mmtier_copy_rows_xxh3": [*_ARGS, ctypes.c_void_p],                       # expect
+               "mmtier_copy_rows_xxh3_checked": [*_ARGS, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]}
+
+
+def _fn(name: str = "mmtier_copy_rows_xxh3"):
     lib = build.library("digests")
     if lib is None:
         return None
-    fn = lib.mmtier_copy_rows_xxh3
+    fn = getattr(lib, name)
     if fn.argtypes is None:
         fn.restype = ctypes.c_int64
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, _I64P,
-                       _I64P, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes = _SIGNATURES[name]
     return fn
 
 
@@ -50,16 +57,21 @@ class Result:
 
     digests: list[int]
     bad: int
+    nonfinite: bool = False        # with ``check``: a NaN / Inf was among the elements
 
 
 def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
                 space: tuple[list[int], list[int], list[int], int] | None, *,
                 expect: list[int] | tuple[int, ...] | None = None, stream: bool | None = None,
-                scalar: bool = False) -> Result | None:
+                scalar: bool = False, check: int = 0) -> Result | None:
     """Copy units (``dst_addrs`` ``None``: only digest them) over ``space`` (``rows.row_space``),
     each unit's xxh3 taken on the way; with ``expect``, stop at the first unit that differs.
-    ``scalar``: the portable code only (tests). ``None`` where this does not apply."""
-    fn = _fn()
+    ``check`` (``rows.CHECK_KINDS``: 1 float16, 2 bfloat16, 3 float32; a copy, no ``expect``):
+    every element also tested for NaN / Inf (``Result.nonfinite``). ``scalar``: the portable
+    code only (tests). ``None`` where this does not apply."""
+    if check and (check not in (1, 2, 3) or dst_addrs is None or expect is not None):
+        return None
+    fn = _fn("mmtier_copy_rows_xxh3_checked" if check else "mmtier_copy_rows_xxh3")
     if fn is None or space is None:
         return None
     shape, dstr, sstr, row = space
@@ -80,11 +92,16 @@ def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
     sa = src_addrs.to(torch.int64).contiguous()
     da = dst_addrs.to(torch.int64).contiguous() if dst_addrs is not None else None
     out = np.zeros(n, dtype=np.uint64)
-    want = np.asarray(expect, dtype=np.uint64) if expect is not None else None
     arr = ctypes.c_int64 * max(1, len(shape))
     flags = (1 if stream else 0) | (2 if scalar else 0)
-    bad = fn(da.data_ptr() if da is not None else None, sa.data_ptr(), n, len(shape), arr(*shape),
-             arr(*dstr), arr(*sstr), row, flags, out.ctypes.data, want.ctypes.data if want is not None else None)
+    args = [da.data_ptr() if da is not None else None, sa.data_ptr(), n, len(shape), arr(*shape), arr(*dstr),
+            arr(*sstr), row, flags, out.ctypes.data]
+    found = ctypes.c_int(0)
+    if check:
+        bad = fn(*args, check, ctypes.byref(found))
+    else:
+        want = np.asarray(expect, dtype=np.uint64) if expect is not None else None
+        bad = fn(*args, want.ctypes.data if want is not None else None)
     if bad == -2:
         raise ValueError("mmtier_copy_rows_xxh3 refused its arguments")
-    return Result([int(d) for d in out], int(bad))
+    return Result([int(d) for d in out], int(bad), bool(found.value))

@@ -59,11 +59,13 @@ from ..errors import (
     ShapeError,
     UnknownModalityError,
 )
+from ..native import rows as native_rows
+from ..pages.copies import kv_into_pages
 from .host_slabs import CHECK_BYTES, HostEntry, Slab, paired_runs
-from .page_digests import copy_and_digest, copy_in_digested, page_rows_of
+from .page_digests import copy_and_digest, copy_in_digested, kv_in_digested, page_rows_of
 from .tier import StorageTier
 
-__all__ = ["CHECK_BYTES", "HostEntry", "HostTier", "paired_runs"]
+__all__ = ["CHECK_BYTES", "HostEntry", "HostTier", "paired_runs", "write_host_slots"]
 
 
 class HostTier(StorageTier):
@@ -291,6 +293,20 @@ class HostTier(StorageTier):
                 stream = torch.cuda.Stream(device=index)
                 self._streams[index] = stream
             return stream
+
+
+def write_host_slots(host: HostTier, entry: HostEntry, k, v, tally: native_rows.Tally | None = None) -> None:
+    """A put's K/V into the slots of a reserved ``entry`` (``HostTier.reserve``), in one copy: the
+    tokens of ``[L, n, H, D]`` CPU tensors by the native copy that also takes each page's xxh3
+    and (``tally``) tests each element for NaN / Inf (``page_digests.kv_in_digested``); any other
+    form (block-split, an engine's blocks, another device) by the page copies (``kv_into_pages``),
+    the digests then taken from the slab at ``commit``."""
+    view = host.slab_view(entry.spec)
+    sums = kv_in_digested(view, entry.slots, k, v, tally)
+    if sums is not None:
+        entry.sums = tuple(sums)
+        return
+    kv_into_pages(view, entry.slots, k, v, tally)
 
 
 def _check_pages(spec: ModalitySpec, n: int, pages: torch.Tensor, page_ids: Sequence[int] | None) -> None:

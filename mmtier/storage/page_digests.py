@@ -3,7 +3,8 @@
 A host entry keeps one xxh3 per page (the disk files keep the same). Hashing a page in a pass
 of its own costs a second read of memory. Where the native helper is built
 (``native.digests``), the copy takes each page's xxh3 from the registers it loads anyway:
-into the slab (``copy_in_digested``), out of it into K/V tensors (``copy_out_verified``, every
+into the slab (``copy_in_digested``; a put's token-major K/V straight into slots,
+``kv_in_digested``, which also tests every element for NaN / Inf), out of it into K/V tensors (``copy_out_verified``, every
 page checked against its digest as it is copied, the first bad page's destination poisoned)
 and into a device pool's pages (``copy_to_verified``). Elsewhere each chunk is hashed with
 ``xxhash`` right after it landed, while it sits in the CPU's cache (``copy_and_digest``), and
@@ -21,6 +22,7 @@ import xxhash
 
 from ..errors import CorruptDataError
 from ..native import digests as native_digests
+from ..native import rows as native_rows
 from ..native.rows import merge_dims
 
 if TYPE_CHECKING:
@@ -66,6 +68,71 @@ def copy_in_digested(dst_view: torch.Tensor, dst_ids: Sequence[int], src: torch.
     res = native_digests.copy_digest(_page_addrs(dst_view, dst_ids), _page_addrs(src, src_ids),
                                      ([], [], [], page_bytes))
     return None if res is None else res.digests
+
+
+def kv_in_digested(slab: torch.Tensor, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+                   tally: native_rows.Tally | None = None) -> list[int] | None:
+    """Token ``t`` of ``k, v [L, n, H, D]`` (CPU tensors of one shape and strides, the slab's
+    dtype) into page ``slots[t // P]`` of a page-major host ``slab``, the xxh3 of each page taken
+    by the copy that moves it (the page's bytes in page order: each page's rows walked in the
+    slab's order, K then V of a layer) and, with ``tally``, every element tested for NaN / Inf
+    on the way; a partial last page is copied by the row copy, then hashed. ``None`` where the
+    native helper does not apply (nothing copied)."""
+    check = native_rows.CHECK_KINDS.get(k.dtype, 0) if tally is not None else 0
+    if (not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k.dim() != 4
+            or k.device.type != "cpu" or v.device.type != "cpu" or slab.device.type != "cpu"
+            or k.dtype != slab.dtype or v.dtype != slab.dtype or k.shape != v.shape
+            or k.stride() != v.stride() or k.stride(-1) != 1 or (tally is not None and not check)
+            or not native_digests.available()):
+        return None
+    es, P = k.element_size(), slab.shape[3]
+    n = k.shape[1]
+    full = n // P
+    s = [x * es for x in slab.stride()[1:5]]       # a page's L, 2, P, H
+    dims = [(k.shape[0], s[0], k.stride(0) * es), (2, s[1], v.data_ptr() - k.data_ptr()),
+            (P, s[2], k.stride(1) * es), (slab.shape[4], s[3], k.stride(2) * es)]
+    space = _in_order(dims, slab.shape[5] * es)     # walked in the page's order: its own xxh3
+    sums: list[int] = []
+    if full:
+        dst = _page_addrs(slab, slots[:full])
+        src = k.data_ptr() + torch.arange(full, dtype=torch.int64) * (P * k.stride(1) * es)
+        res = native_digests.copy_digest(dst, src, space, check=check)
+        if res is None:
+            return None
+        sums = res.digests
+        if tally is not None:
+            tally.checked += 1
+            tally.nonfinite |= res.nonfinite
+    if full < len(slots):                            # the partial last page
+        page, rest = slab[slots[full]], n - full * P
+        for j, src_t in ((0, k), (1, v)):
+            dst_t = page[:, j, :rest]
+            if not native_rows.copy_view(dst_t, src_t[:, full * P:], tally=tally):
+                if tally is not None:
+                    tally.unchecked += 1
+                dst_t.copy_(src_t[:, full * P:])
+        sums.append(xxhash.xxh3_64_intdigest(page_rows_of(page[None])[0]))
+    return sums
+
+
+def _in_order(dims: list[tuple[int, int, int]], row: int) -> tuple[list[int], list[int], list[int], int] | None:
+    """``rows.row_space``'s form of ``(size, dst_stride, src_stride)`` dims (byte strides) kept in
+    the order given (outermost first; ``merge_dims`` puts them in the source's order instead):
+    dims of size 1 dropped, a dim that runs on into the next on both sides merged with it, whole
+    rows back to back joined."""
+    merged: list[tuple[int, int, int]] = []
+    for size, ds, ss in dims:
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == ds * size and merged[-1][2] == ss * size:
+            merged[-1] = (merged[-1][0] * size, ds, ss)
+        else:
+            merged.append((size, ds, ss))
+    while merged and merged[-1][1] == row and merged[-1][2] == row:
+        row *= merged.pop()[0]
+    if len(merged) > native_rows.MAX_DIMS:
+        return None
+    return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged], row
 
 
 def copy_to_verified(entry: HostEntry, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> bool:

@@ -48,7 +48,7 @@ import torch
 from ..attention.streaming import DiskStream
 from ..cache.groups import ModalityGroup, Tier
 from ..cache.table import Segment, compile_segments
-from ..config import CacheConfig
+from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, tenant_scope
 from ..errors import CapacityError, CorruptDataError, MMTierError
 from ..eviction import EvictionPolicy
@@ -242,6 +242,19 @@ class LowerTiers:
                 return None
             return StagedCopy(key, Tier.DISK, entry)
         return None
+
+    def reserve_host(self, key: ContentKey, spec: ModalitySpec, num_tokens: int) -> HostEntry | None:
+        """Host slots for a new group written around the device (``tiers.placement``), room made
+        by spilling host groups to disk as for a demotion (may wait, the owner's lock let go);
+        ``None`` when the host tier cannot take it. The caller fills the slots, then commits or
+        aborts the entry (``HostTier.commit`` / ``abort``)."""
+        nbytes = spec.pages_for(num_tokens) * spec.page_bytes
+        if self.host is None or not self._host_room(nbytes):
+            return None
+        try:
+            return self.host.reserve(key, spec, num_tokens)
+        except CapacityError:
+            return None
 
     def commit_demotion(self, group: ModalityGroup, staged: StagedCopy, pool: PagePool) -> None:
         """The staged copy becomes the group's: its device pages are freed (cannot fail)."""
