@@ -21,7 +21,9 @@ Storage level (``HostTier``, ``DiskTier`` against ``LocalCPUBackend``, ``LocalDi
 
 Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of 30 lines):
 - put into host memory: ``put`` of every group into a device pool (here a CPU pool) that holds
-  two, so each put past them pushes the oldest group down into the host tier, against
+  two; each put past them finds the pool full and, under ``--put-placement`` (default ``auto``:
+  the pool is in host memory, so a demotion would buy nothing), is written around it into the
+  host tier in one copy (``demote``: pushes the oldest group down first, two copies), against
   ``store`` of the same tokens into LMCache's CPU backend; and against the raw copies the puts
   must make (K and V into page-major pages, one group's pages into host memory per demotion;
   the layout change by the same C row copy the cache uses where it is built, ``raw_copy_path``);
@@ -30,7 +32,11 @@ Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of
 - durable write to disk: ``put`` of every group through a small host tier that spills to
   disk, then ``flush`` (every spill durable), against ``store`` into LMCache's disk backend
   plus the fsyncs; compared per byte that reached the disk;
-- cold read: ``read_groups`` of the disk-resident groups against ``retrieve`` from disk.
+- cold read: ``read_groups`` of the disk-resident groups against ``retrieve`` from disk;
+- the simple calls a user writes first: ``read_group(key)`` of each host group, and of each disk
+  group after dropping the page cache, one at a time, no ``out=`` (the cache allocates the
+  results), against LMCache and against the ``out=`` / ``read_groups`` calls of the same round
+  (``*_simple_over_*``: time, target <= 1.2).
 
 Every pair (and triple, with the raw copies) runs twice per round, in one order and then the
 reverse (A B B A), ``--rounds`` (>= 5) rounds, the first order rotated each round; each ratio is the median of the per-round ratios, best, worst and
@@ -70,8 +76,13 @@ PAIRS = [
     ("cache_get_host", "cache_get_host", "cache_get_host", "raw_get_copy"),
     ("cache_durable_write", "cache_put_disk", "cache_put_disk", None),
     ("cache_cold_read", "cache_cold_read", "cache_cold_read", None),
+    # the simple calls (read_group(key) one group at a time, no out=) against LMCache and, in
+    # the third slot, against the batched / out= call of the same groups
+    ("cache_get_host_simple", "cache_get_host_simple", "cache_get_host", "cache_get_host"),
+    ("cache_cold_read_simple", "cache_cold_read_simple", "cache_cold_read", "cache_cold_read"),
     ("host_checksums", "checksums", None, None),          # what the verified reads cost
 ]
+SIMPLE = {"cache_get_host_simple": "cache_get_host", "cache_cold_read_simple": "cache_cold_read"}
 
 
 class Peer:
@@ -108,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peer-python", default=str(ROOT / ".venv-lmcache" / "bin" / "python"))
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    ap.add_argument("--put-placement", default="auto", choices=("auto", "demote", "write_around"),
+                    help="the host cache's put_placement (CacheConfig)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.rounds < 5:
@@ -122,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     mine = None
     try:
         info = peer.call("init", **shape, workdir=str(work))
-        mine = MMTierSide(**shape, workdir=str(work))
+        mine = MMTierSide(**shape, workdir=str(work), put_placement=args.put_placement)
         run = {"mmtier": lambda op: getattr(mine, op)(), "lmcache": lambda op: peer.call(op),
                "raw": lambda op: getattr(mine, op)()}
         # two untimed rounds: first-touch of every buffer on both sides (the cache's host slab
@@ -189,7 +202,7 @@ def merged(answers: list[dict]) -> dict:
     """One side's answers of one round as one: seconds, byte and group counts added up (its
     speed is then the bytes of both runs over their time together), ``halves`` how many."""
     out = dict(answers[0])
-    for key in ("s", "s_no_fsync", "groups", "disk_bytes", "demotions"):
+    for key in ("s", "s_no_fsync", "groups", "disk_bytes", "demotions", "written_around"):
         if key in out:
             out[key] = sum(a[key] for a in answers)
     out["halves"] = len(answers)
@@ -209,9 +222,7 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
         """Bytes the op moved: a cache op only over the groups it touched on that tier."""
         if side == "lmcache":
             return n * gb * ans.get("halves", 1)
-        if name == "cache_get_host":
-            return ans["groups"] * gb
-        if name == "cache_cold_read":
+        if name in ("cache_get_host", "cache_cold_read", *SIMPLE):
             return ans["groups"] * gb
         if name == "cache_durable_write":
             return ans["disk_bytes"]
@@ -240,12 +251,18 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
         if "s_no_fsync" in lm[0]:
             l_run = [bytes_of(name, "lmcache", a) / a["s_no_fsync"] for a in lm]
             fig.update(ratio_figures(label.replace("_fsynced", "_as_it_runs"), m_speed, l_run, higher_is_better=True))
-        if got[name]["raw"]:
+        if got[name]["raw"] and name in SIMPLE:       # the simple call over the batched / out= one
+            raw = got[name]["raw"]
+            fig.update(ratio_figures(f"{name}_over_{SIMPLE[name]}", [a["s"] / a["groups"] for a in m],
+                                     [a["s"] / a["groups"] for a in raw], higher_is_better=False))
+        elif got[name]["raw"]:
             raw = got[name]["raw"]
             fig.update(ratio_figures(f"{name}_over_raw_{'copies' if 'put' in name else 'copy'}",
                                      [a["s"] for a in m], [a["s"] for a in raw], higher_is_better=False))
     per_run = lambda name, key: (lambda a: a[key] // a["halves"])(got[name]["mmtier"][-1])  # noqa: E731
+    fig["put_placement"] = args.put_placement
     fig["cache_put_host_demotions_per_round"] = per_run("cache_put_host", "demotions")   # per put
+    fig["cache_put_host_written_around_per_round"] = per_run("cache_put_host", "written_around")
     fig["cache_get_host_groups"] = per_run("cache_get_host", "groups")
     fig["cache_cold_read_groups"] = per_run("cache_cold_read", "groups")
     fig.update(probes)

@@ -46,7 +46,8 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
 
 class MMTierSide:
     def __init__(self, groups: int, layers: int, heads: int, head_dim: int, chunk: int, seed: int,
-                 workdir: str, page_size: int = 16, device_groups: int = 2, host_groups: int = 2):
+                 workdir: str, page_size: int = 16, device_groups: int = 2, host_groups: int = 2,
+                 put_placement: str = "auto"):
         self.n, self.C, self.P = groups, chunk, page_size
         self.dir = Path(workdir)
         self.kv = [group_kv(seed, i, layers, chunk, heads, head_dim) for i in range(groups)]
@@ -67,11 +68,14 @@ class MMTierSide:
         self.disk_dir = self.dir / "mmtier-disk"
         shutil.rmtree(self.disk_dir, ignore_errors=True)
         self.disk = DiskTier(self.disk_dir, model=MODEL, capacity_bytes=100 << 30)
-        slack = 1 << 20
-        # the cache over host memory: the device pool holds ``device_groups``, so each put past
-        # them pushes the oldest group down into the host tier (room for every group of a round)
+        slack = min(1 << 20, self.group_bytes // 2)   # room for no extra group (small groups in tests)
+        # the cache over host memory: the device pool holds ``device_groups``; each put past them
+        # finds it full and, under ``put_placement`` ("auto": the pool is in host memory, so a
+        # demotion would buy nothing), writes around it into the host tier in one copy ("demote":
+        # pushes the oldest group down first, two copies). Room for every group of a round.
         self.cache_host = TieredKVCache(CacheConfig(**self.cfg_args, device_bytes=device_groups * self.group_bytes
-                                                    + slack, host_bytes=int(groups * self.group_bytes * 1.02)))
+                                                    + slack, host_bytes=int(groups * self.group_bytes * 1.02),
+                                                    put_placement=put_placement))
         # the cache over disk: a small host tier, spilling to disk as it fills
         self.cache_disk_dir = self.dir / "mmtier-cache-disk"
         shutil.rmtree(self.cache_disk_dir, ignore_errors=True)
@@ -136,16 +140,19 @@ class MMTierSide:
 
     def cache_put_host(self) -> dict:
         keys = self._new_keys(self.cache_host)
-        before = self.cache_host.stats().counters.get("spills_to_host", 0)
+        counters = self.cache_host.stats().counters
+        before = counters.get("spills_to_host", 0), counters.get("puts_written_around", 0)
         t0 = time.perf_counter()
         for key, (k, v) in zip(keys, self.kv):
             self.cache_host.put(key, k, v)
         dt = time.perf_counter() - t0
-        demoted = self.cache_host.stats().counters.get("spills_to_host", 0) - before
+        counters = self.cache_host.stats().counters
+        demoted = counters.get("spills_to_host", 0) - before[0]
+        around = counters.get("puts_written_around", 0) - before[1]
         tiers = {key: tier for key, tier, _ in self.cache_host.inventory()}
         self.host_keys = [(i, key) for i, key in enumerate(keys) if tiers.get(key) == "host"]
         self.demotions = demoted
-        return {"s": dt, "demotions": demoted}
+        return {"s": dt, "demotions": demoted, "written_around": around}
 
     def cache_get_host(self) -> dict:
         out_k, out_v = self.get_k, self.get_v
@@ -158,6 +165,19 @@ class MMTierSide:
             self.cache_host.read_group(key, out=(out_k, out_v))
             dt += time.perf_counter() - t0
             ok = ok and torch.equal(out_k, self.kv[i][0]) and torch.equal(out_v, self.kv[i][1])
+        return {"s": dt, "groups": len(self.host_keys), "equal": ok}
+
+    def cache_get_host_simple(self) -> dict:
+        """``cache_get_host`` through the call a user writes first: ``read_group(key)``, one group
+        at a time, no ``out=`` (the cache allocates the result)."""
+        ok = True
+        dt = 0.0
+        for i, key in self.host_keys:
+            t0 = time.perf_counter()
+            k, v = self.cache_host.read_group(key)
+            dt += time.perf_counter() - t0
+            ok = ok and torch.equal(k, self.kv[i][0]) and torch.equal(v, self.kv[i][1])
+            del k, v
         return {"s": dt, "groups": len(self.host_keys), "equal": ok}
 
     def cache_put_disk(self) -> dict:
@@ -183,6 +203,19 @@ class MMTierSide:
         dt = time.perf_counter() - t0
         ok = all(torch.equal(o[0], self.kv[i][0]) and torch.equal(o[1], self.kv[i][1])
                  for (i, _), o in zip(self.disk_keys, outs))
+        return {"s": dt, "groups": len(self.disk_keys), "equal": ok, "drop": how}
+
+    def cache_cold_read_simple(self) -> dict:
+        """``cache_cold_read`` through the call a user writes first: ``read_group(key)`` of each
+        disk group in turn, no ``out=``."""
+        how = drop_cache([str(p) for p in self.cache_disk_dir.glob("*.arrow")])
+        got = []
+        t0 = time.perf_counter()
+        for _, key in self.disk_keys:
+            got.append(self.cache_disk.read_group(key))
+        dt = time.perf_counter() - t0
+        ok = all(torch.equal(o[0], self.kv[i][0]) and torch.equal(o[1], self.kv[i][1])
+                 for (i, _), o in zip(self.disk_keys, got))
         return {"s": dt, "groups": len(self.disk_keys), "equal": ok, "drop": how}
 
     # ------------------------------------------------------------------ the raw copies
