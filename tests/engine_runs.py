@@ -24,3 +24,20 @@ def scenario(module: str, name: str, tmp: Path, **args) -> dict:
     lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
     assert done.returncode == 0 and lines, (done.stdout[-2000:] + done.stderr[-6000:])
     return json.loads(lines[-1][len("RESULT "):])
+
+
+def scenario_main(scenarios: dict, argv: list[str]) -> int:
+    """A scenario module's ``main``: runs ``scenarios[argv[0]]`` with the JSON arguments
+    ``argv[1]``, keeps the result in ``tmp/NAME.json`` (to look at) and prints it."""
+    name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+    tmp = Path(args.get("tmp", "."))
+    tmp.mkdir(parents=True, exist_ok=True)
+    result = scenarios[name](**args)
+    (tmp / f"{name}.json").write_text(json.dumps(result))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+def column(rows: list[dict], name: str) -> list:
+    """One field of a scenario's rows: ``column(rows, "cached")``."""
+    return [r[name] for r in rows]

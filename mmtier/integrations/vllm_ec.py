@@ -6,7 +6,9 @@
                           "ec_connector_extra_config": {"mmtier_config": "configs/x.yaml",
                                                         "mmtier_embed_modality": "vision_embed"}}
 
-An item's key is the digest mmtier computes over the item's processed inputs
+Each item's encoder output goes to the embedding pool of its medium (``embed_pools``: an image's
+and a video's to ``vision_embed``, a clip's to ``audio_embed``), or every item to the one
+``mmtier_embed_modality`` names. An item's key is the digest mmtier computes over the item's processed inputs
 (``vllm_keys.inputs_digest`` of ``mm_features[i].data``: the pixels as the model sees them) under the
 server-side tenant (``mmtier_tenant``), never vLLM's identifier, which a client may choose
 (``multi_modal_uuids``): two images sent under one uuid never share an encoder output. The group
@@ -53,13 +55,13 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from ..content import ContentKey
-from ..errors import ConfigError, MMTierError
+from ..errors import MMTierError
 from .connector_cache import open_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupChannel
 from .vllm import SPLIT_BACKENDS
-from .vllm_keys import embedding_key
+from .vllm_keys import embed_pools, embedding_key
 from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
-from .vllm_shape import engine_shape
+from .vllm_shape import engine_shape, engine_shard
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -97,8 +99,12 @@ class MMTierECConnector(ECConnectorBase):
         super().__init__(vllm_config=vllm_config, role=role)
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
         par = vllm_config.parallel_config
-        self.split = par.distributed_executor_backend in SPLIT_BACKENDS
         worker = role == ECConnectorRole.WORKER
+        # tensor / pipeline parallel: vLLM computes the whole encoder output on every worker,
+        # so each worker's cache keeps it under the item's own key (a disk directory the
+        # workers share holds one file of it) and the scheduler asks them all
+        shard = engine_shard(vllm_config, worker=worker)
+        self.split = par.distributed_executor_backend in SPLIT_BACKENDS or shard.count > 1
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
         # the shape is vLLM's (any shape the extra config gives is checked against it); the KV
         # connector of the same engine reads the same, so both share one cache
@@ -106,12 +112,11 @@ class MMTierECConnector(ECConnectorBase):
                                             engine=engine_shape(vllm_config))
         self.report = report_for(self.cache)
         self._channel = (LookupChannel("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
-                                       par.data_parallel_rank, worker=worker, cache=self.cache)
+                                       par.data_parallel_rank, worker=worker, cache=self.cache,
+                                       shards=shard.count, shard=shard.index)
                          if self.split else None)
         self.tenant = tenant_from_extra(extra)
-        self.modality = extra.get("mmtier_embed_modality", "vision_embed")
-        if self.cache.cfg.spec(self.modality).kind != "embedding":
-            raise ConfigError(f"{self.modality!r} must hold embedding payloads", ("mmtier_embed_modality",))
+        self.pools = embed_pools(self.cache.cfg, extra)
         self._loads: dict[str, list[str]] = {}
         self._keys: dict[str, ContentKey] = {}
         self._req_keys: dict[str, dict[str, ContentKey | None]] = {}   # request id -> its items' keys
@@ -125,7 +130,10 @@ class MMTierECConnector(ECConnectorBase):
     def item_key(self, feature: Any) -> ContentKey | None:
         """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of
         its processed inputs; ``None`` when they are not at hand (nothing cached for it)."""
-        return embedding_key(self.cache, feature, modality=self.modality, tenant=self.tenant)
+        pool = self.pools.get(feature.modality)
+        if pool is None:                         # a medium with no pool of its own: not cached
+            return None
+        return embedding_key(self.cache, feature, modality=pool, tenant=self.tenant)
 
     # ------------------------------------------------------------------ scheduler side
     def _request_keys(self, request: Request) -> dict[str, ContentKey | None]:

@@ -17,9 +17,11 @@ from typing import Any
 import torch
 
 from ..cache import TieredKVCache
+from ..config import CacheConfig
 from ..content import ContentKey
+from ..errors import ConfigError
 from .connector_cache import tenant_from_extra
-from .vllm_plan import MediaItem, RequestPlan, plan_request
+from .vllm_plan import DEFAULT_MODALITIES, MediaItem, RequestPlan, plan_request
 
 
 def media_of(request: Any) -> list[MediaItem]:
@@ -116,3 +118,24 @@ def embedding_key(cache: TieredKVCache, feature: Any, *, modality: str, tenant: 
     if digest is None:
         return None
     return cache.content_key(modality, b"vllm-ec\x00" + digest, tenant=tenant)
+
+
+def embed_pools(cfg: CacheConfig, extra: dict[str, Any]) -> dict[str, str]:
+    """vLLM's modality names -> the mmtier pool holding their encoder outputs: every medium in
+    ``mmtier_embed_modality`` where the extra config names one, else each in the ``<kv>_embed``
+    pool of the KV modality it maps to (``"image"`` and ``"video"`` -> ``vision_embed``,
+    ``"audio"`` -> ``audio_embed``; ``mmtier_modalities`` overrides the map) where the cache has
+    it. A named pool that is not an embedding pool, or a cache with none, is a ``ConfigError``."""
+    one = extra.get("mmtier_embed_modality")
+    if one is not None:
+        if one not in cfg.modalities or cfg.spec(one).kind != "embedding":
+            raise ConfigError(f"{one!r} must hold embedding payloads", ("mmtier_embed_modality",))
+        return dict.fromkeys(DEFAULT_MODALITIES, one)
+    kv_of = {**DEFAULT_MODALITIES, **dict(extra.get("mmtier_modalities", {}))}
+    pools = {medium: f"{kv}_embed" for medium, kv in kv_of.items()
+             if f"{kv}_embed" in cfg.modalities and cfg.spec(f"{kv}_embed").kind == "embedding"}
+    if not pools:
+        raise ConfigError("the mmtier cache has no encoder-output pool: give one of kind 'embedding' named "
+                          "'<modality>_embed' (vision_embed, audio_embed) or name it in mmtier_embed_modality",
+                          ("mmtier_embed_modality",))
+    return pools

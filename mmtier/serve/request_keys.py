@@ -98,7 +98,7 @@ class RequestKeyer:
         from vllm.v1.engine.input_processor import InputProcessor
 
         from ..actors.connector_link import join
-        from ..integrations.vllm_keys import KeyScheme
+        from ..integrations.vllm_keys import KeyScheme, embed_pools
 
         # the arguments LLMServer.start builds, and the renderer vLLM's init_app_state makes of them
         engine_args, vllm_config = _get_vllm_engine_config(self.llm_config)
@@ -124,7 +124,7 @@ class RequestKeyer:
         if self.ec_extra is not None:
             ec_cfg = config_from_extra(self.ec_extra).model_copy(update={"key_secret": cfg.key_secret})
             self._ec_cache = shared_cache(lookup_only(ec_cfg))
-            self._ec_modality = self.ec_extra.get("mmtier_embed_modality", "vision_embed")
+            self._ec_pools = embed_pools(ec_cfg, self.ec_extra)
             self._ec_tenant = tenant_from_extra(self.ec_extra)
 
     def submit(self, request: Any) -> Future:
@@ -157,7 +157,8 @@ class RequestKeyer:
         media: list[ContentKey] = []
         if self._ec_cache is not None:
             for f in core.mm_features or []:
-                key = embedding_key(self._ec_cache, f, modality=self._ec_modality, tenant=self._ec_tenant)
+                pool = self._ec_pools.get(f.modality)
+                key = pool and embedding_key(self._ec_cache, f, modality=pool, tenant=self._ec_tenant)
                 if key is not None:
                     media.append(key)
         return RequestKeys(tuple(dict.fromkeys(media)), tuple((s.key, s.end - s.start) for s in plan.segments))

@@ -49,15 +49,16 @@ def word(i: int) -> str:
     return f"w{i}"
 
 
-def build_tokenizer():
+def build_tokenizer(specials: list[str] = SPECIALS):
+    """The word-level tokenizer: ``specials`` (ids 0..), then the ``WORDS`` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    vocab.update({word(i): len(SPECIALS) + i for i in range(WORDS)})
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({word(i): len(specials) + i for i in range(WORDS)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens(SPECIALS)
+    tok.add_special_tokens(specials)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                    eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
