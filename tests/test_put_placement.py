@@ -308,3 +308,31 @@ def test_the_native_copy_takes_page_digests_and_finds_non_finite_values(dtype, s
     res = native_digests.copy_digest(dst.data_ptr() + addrs, src.data_ptr() + addrs, ([], [], [], row),
                                      check=native_rows.CHECK_KINDS[dtype], scalar=scalar)
     assert not res.nonfinite
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the 'auto' rule for a GPU pool")
+def test_auto_on_a_gpu_pool_writes_around_only_when_the_room_would_take_running_groups():
+    gen = torch.Generator().manual_seed(12)
+    gb = group_bytes(torch.float32)
+    c = CacheConfig(model="placement", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+                    modalities={"text": ModalitySpec(page_size=P)}, device="cuda:0", device_bytes=2 * gb,
+                    host_bytes=8 * gb, put_placement="auto", eviction_policy="lru", persist_on_close=False)
+    with TieredKVCache(c) as cache:
+        data = {cache.content_key("text", b"g%d" % i): kv(gen) for i in range(4)}
+        keys = list(data)
+        for key in keys[:2]:
+            assert cache.put(key, *(t.cuda() for t in data[key]))
+        seq = cache.create_sequence()
+        for key in keys[:2]:
+            cache.attach(seq, key)              # both device groups serve a running sequence
+        assert cache.put(keys[2], *(t.cuda() for t in data[keys[2]]))
+        assert tiers(cache)[keys[2]] == "host"  # written around: the room would demote them
+        cache.release(seq)
+        assert cache.put(keys[3], *(t.cuda() for t in data[keys[3]]))
+        where = tiers(cache)
+        assert where[keys[3]] == "device" and where[keys[0]] == "host"     # made room: LRU demoted
+        c = cache.stats().counters
+        assert c["puts_written_around"] == 1 and c["spills_to_host"] == 1
+        for key in keys:
+            k, v = cache.read_group(key)
+            assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
