@@ -27,12 +27,18 @@ from pydantic import (
 
 from .errors import ConfigError
 
-DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2}
+DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+DType = Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+# an fp8 KV cache's dequantization scale (real value = stored value x scale), as an engine keeps
+# it: one for every layer (a float), one per layer (vLLM's per-tensor ``k_scale`` of each
+# attention layer), or one per layer and KV head (``[layers][kv_heads]``)
+Scale = float | tuple[float, ...] | tuple[tuple[float, ...], ...]
 POLICIES = ("lru", "modality_lru", "cost_aware", "bimodal_lru", "s3fifo", "arc", "dip", "duel", "chain_bip",
             "adaptive_slru")
 DEFAULT_KEY_SECRET = "mmtier-default-secret"    # public: fine in-process and in tests, never served
 KEY_SECRET_ENV = "MMTIER_KEY_SECRET"            # where `mmtier start` reads a preset's secret
-_MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
+_MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "k_scale", "v_scale")
 
 
 class ModalitySpec(BaseModel):
@@ -47,7 +53,11 @@ class ModalitySpec(BaseModel):
     num_layers: int | None = Field(None, gt=0, strict=True, description="Layers whose KV this modality holds; default: the model's.")
     num_kv_heads: int | None = Field(None, gt=0, strict=True, description="KV heads; default: the model's.")
     head_dim: int | None = Field(None, gt=0, le=1024, strict=True, description="Head dimension; default: the model's.")
-    dtype: Literal["float32", "float16", "bfloat16"] | None = Field(None, description="Element dtype; default: the model's.")
+    dtype: DType | None = Field(None, description="Element dtype; default: the model's.")
+    k_scale: Scale | None = Field(
+        None, description="fp8 pages only: K's dequantization scale (a float, one per layer, or one per layer and "
+                          "KV head); default: the model's, else 1.0.")
+    v_scale: Scale | None = Field(None, description="fp8 pages only: V's dequantization scale, as k_scale.")
     width: int | None = Field(None, gt=0, strict=True, validate_default=True,
                               description="Vector width per token; required for kind='embedding'.")
     share: float | None = Field(
@@ -131,7 +141,22 @@ class ModalitySpec(BaseModel):
             ("width", str(self.width)),
             ("dtype", str(self.dtype)),
             ("page_size", str(self.page_size)),
-        )
+        ) + ((("k_scale", repr(self.k_scale)), ("v_scale", repr(self.v_scale))) if self.is_fp8 else ())
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in FP8_DTYPES
+
+    def scale_rows(self, which: str) -> tuple[tuple[float, ...], ...] | None:
+        """fp8 pages: the ``which`` ("k" or "v") dequantization scale as ``[layers][kv_heads]``
+        floats (broadcast from a float or a per-layer list); ``None`` when the pages are not fp8
+        or every scale is 1.0 (nothing to apply)."""
+        if not self.is_fp8:
+            return None
+        value = self.k_scale if which == "k" else self.v_scale
+        layers, heads = self._need("num_layers"), self._need("num_kv_heads")
+        rows = _scale_rows(1.0 if value is None else value, layers, heads, f"{which}_scale")
+        return None if all(x == 1.0 for row in rows for x in row) else rows
 
     def _need(self, field: str):
         value = getattr(self, field)
@@ -177,7 +202,11 @@ class CacheConfig(BaseModel):
     num_layers: int = Field(..., gt=0, strict=True, description="Decoder layers (default for modalities).")
     num_kv_heads: int = Field(..., gt=0, strict=True, description="KV heads (default for modalities).")
     head_dim: int = Field(..., gt=0, le=1024, strict=True, description="Head dimension (default for modalities).")
-    dtype: Literal["float32", "float16", "bfloat16"] = Field("float16", description="KV dtype (default for modalities).")
+    dtype: DType = Field("float16", description="KV dtype (default for modalities).")
+    k_scale: Scale | None = Field(
+        None, description="fp8 KV only: K's dequantization scale (real = stored x scale): a float, one per layer, "
+                          "or one per layer and KV head (default for modalities; unset on fp8: 1.0).")
+    v_scale: Scale | None = Field(None, description="fp8 KV only: V's dequantization scale, as k_scale.")
     modalities: dict[str, ModalitySpec] = Field(..., min_length=1, description="Modality name -> page layout.")
     device: str = Field("cpu", description="Device of the page arena: 'cpu' or 'cuda:N'.")
     device_bytes: int | None = Field(
@@ -252,6 +281,9 @@ class CacheConfig(BaseModel):
 
     @model_validator(mode="after")
     def _resolve(self) -> CacheConfig:
+        if self.dtype not in FP8_DTYPES and (self.k_scale is not None or self.v_scale is not None):
+            raise ValueError(f"k_scale / v_scale are for an fp8 KV cache (dtype float8_e4m3fn / float8_e5m2), "
+                             f"dtype is {self.dtype}")
         resolved = {}
         for name, spec in self.modalities.items():
             update: dict[str, Any] = {"name": name}
@@ -259,9 +291,13 @@ class CacheConfig(BaseModel):
                 for field in _MODEL_FIELDS:
                     if getattr(spec, field) is None:
                         update[field] = getattr(self, field)
+                if (spec.dtype or self.dtype) not in FP8_DTYPES:      # the model's scales: its fp8 pools'
+                    update.update({f: None for f in ("k_scale", "v_scale") if getattr(spec, f) is None})
             elif spec.dtype is None:
                 update["dtype"] = self.dtype
-            resolved[name] = spec.model_copy(update=update)
+            spec = spec.model_copy(update=update)
+            _check_scales(spec, name)
+            resolved[name] = spec
         object.__setattr__(self, "modalities", FrozenModalities(resolved))
         return self
 
@@ -309,6 +345,39 @@ def require_key_secret(cfg: CacheConfig, allow_default: bool, how: str) -> None:
             f"derived by anyone); {how}, e.g. `export {KEY_SECRET_ENV}=$(python -c "
             f"'import secrets; print(secrets.token_hex(32))')`, the same on every node; or allow "
             f"the default explicitly for a local / development run", ("key_secret",))
+
+
+def _scale_rows(value: Scale, layers: int, heads: int, field: str) -> tuple[tuple[float, ...], ...]:
+    """``value`` as ``[layers][heads]`` floats; ``ValueError`` naming ``field`` where its shape
+    or a value is wrong."""
+    if isinstance(value, (int, float)):
+        rows = ((float(value),) * heads,) * layers
+    elif len(value) != layers:
+        raise ValueError(f"{field}: {len(value)} entries for {layers} layers")
+    elif all(isinstance(x, (int, float)) for x in value):
+        rows = tuple((float(x),) * heads for x in value)
+    else:
+        if any(isinstance(x, (int, float)) or len(x) != heads for x in value):
+            raise ValueError(f"{field}: each layer's entry must be {heads} per-head scales")
+        rows = tuple(tuple(float(x) for x in row) for row in value)
+    if not all(math.isfinite(x) and x > 0 for row in rows for x in row):
+        raise ValueError(f"{field}: scales must be finite and > 0")
+    return rows
+
+
+def _check_scales(spec: ModalitySpec, name: str) -> None:
+    """Scales only on fp8 kv pages, each of a shape the spec's layers and heads take."""
+    for field in ("k_scale", "v_scale"):
+        value = getattr(spec, field)
+        if value is None:
+            continue
+        if not spec.is_fp8 or spec.kind != "kv":
+            raise ValueError(f"modalities.{name}.{field}: scales are for fp8 kv pages "
+                             f"(dtype float8_e4m3fn / float8_e5m2), this one is {spec.kind} {spec.dtype}")
+        try:
+            _scale_rows(value, spec.num_layers, spec.num_kv_heads, field)
+        except ValueError as exc:
+            raise ValueError(f"modalities.{name}.{exc}") from None
 
 
 def _config_error(exc: ValidationError) -> ConfigError:

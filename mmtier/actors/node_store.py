@@ -20,6 +20,7 @@ foreign files left alone) and reports them in ``inventory`` (tier ``"disk"``).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import warnings
@@ -33,7 +34,7 @@ import torch
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker
 from ..errors import CapacityError, CorruptDataError, MMTierError, ShapeError, UnknownKeyError
-from ..kernels import merge_attention_states, paged_attention
+from ..kernels import merge_attention_states, paged_attention, spec_scales
 from ..kernels.layout import build_paged_kv
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
@@ -265,6 +266,9 @@ class NodeStoreService:
                 view, ids, n, entry = self._read(ContentKey.from_wire(wire))
                 try:
                     op = build_paged_kv(view, layer, [[(ids, int(start), n)]])
+                    scales = spec_scales(self.cfg.spec(ContentKey.from_wire(wire).modality), view.device)
+                    if scales is not None:
+                        op = dataclasses.replace(op, scales=scales)
                     o, s = paged_attention(q.cpu(), indptr, pos, [op], causal=causal, scale=scale,
                                            backend="torch", out_dtype=torch.float32)
                 finally:

@@ -165,7 +165,8 @@ class DiskStream:
                 if self.failed:
                     continue                        # the answer is a miss: just drain
                 at = 0 if _read_per_layer(groups[0].spec) else self.layer  # the layer within ``pages``
-                states.append(_batch_state(groups, pages, by_gid, at, q, q_indptr, q_pos, causal, scale))
+                states.append(_batch_state(groups, pages, by_gid, at, self.layer - at, q, q_indptr, q_pos,
+                                           causal, scale))
             finally:
                 self.staging.give(pages)          # computed (or dropped): the buffer is free
         if wait and self.failed:
@@ -179,7 +180,7 @@ def _read_per_layer(spec) -> bool:
     return spec.page_layers > 1
 
 
-def _batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale):
+def _batch_state(groups, pages, by_gid, layer, scale_offset, q, q_indptr, q_pos, causal, scale):
     first, at = {}, 0
     for g in groups:
         first[g.gid] = at
@@ -189,6 +190,6 @@ def _batch_state(groups, pages, by_gid, layer, q, q_indptr, q_pos, causal, scale
         return "disk", pages, list(range(first[g.gid], first[g.gid] + g.num_pages))
 
     segs = [s for g in groups for s in by_gid.get(g.gid, ())]
-    ops = compile_segments(segs, layer, view_of)
+    ops = compile_segments(segs, layer, view_of, scale_offset)
     return paged_attention(q, q_indptr, q_pos, ops, causal=causal, scale=scale,
                            backend="torch", out_dtype=torch.float32)

@@ -13,12 +13,14 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..config import ModalitySpec
 from ..content import ContentKey
 from ..kernels.layout import HostTables, PagedKV, paged_kv_from_host
+from ..kernels.scales import spec_scales
 from .groups import ModalityGroup
 
 
@@ -137,37 +139,43 @@ def compile_segments(
     segments: Iterable[Segment],
     layer: int,
     view_of: Callable[[ModalityGroup], tuple[object, torch.Tensor, list[int]]],
+    scale_offset: int = 0,
 ) -> list[PagedKV]:
     """One ``PagedKV`` (batch of one) per distinct page store of the chosen segments.
 
     ``view_of(group)`` names where the group's pages are: ``(store_id, page-major view,
     page ids in that view)``; segments in the same store share one operand (one launch).
     The tables are built from the host's lists, kept on the host (``PagedKV.host``: planning
-    reads them, never the device) and copied to the view's device without a sync.
+    reads them, never the device) and copied to the view's device without a sync. An fp8
+    store's operand carries its spec's scales (``kernels.scales``); ``scale_offset``: the model
+    layer of the views' layer 0 (views that hold one layer of each page).
     """
-    return compile_batch([segments], layer, view_of)
+    return compile_batch([segments], layer, view_of, scale_offset)
 
 
 def compile_batch(
     batch: Sequence[Iterable[Segment]],
     layer: int,
     view_of: Callable[[ModalityGroup], tuple[object, torch.Tensor, list[int]]],
+    scale_offset: int = 0,
 ) -> list[PagedKV]:
     """``compile_segments`` for a batch of sequences: one ``PagedKV`` per page store, whose
     ``seg_indptr`` gives batch item ``b`` the segments of ``batch[b]`` in that store (none
     where it has none), so one launch per store serves every sequence."""
     by_store: dict[object, tuple[torch.Tensor, list[list[list[int]]], list[list[int]], list[list[int]]]] = {}
+    spec_of: dict[object, ModalitySpec] = {}
     size = len(batch)
     for b, segments in enumerate(batch):
         for seg in segments:
             store, view, pages = view_of(seg.group)
             entry = by_store.setdefault(store, (view, [[] for _ in range(size)],
                                                 [[] for _ in range(size)], [[] for _ in range(size)]))
+            spec_of.setdefault(store, seg.group.spec)
             entry[1][b].append(pages)
             entry[2][b].append(seg.start)
             entry[3][b].append(seg.num_tokens)
     operands = []
-    for view, page_lists, starts, lens in by_store.values():
+    for store, (view, page_lists, starts, lens) in by_store.items():
         seg_indptr, indptr, flat, all_starts, all_lens = [0], [0], [], [], []
         for b in range(size):
             for pages in page_lists[b]:
@@ -176,7 +184,11 @@ def compile_batch(
             all_starts.extend(starts[b])
             all_lens.extend(lens[b])
             seg_indptr.append(len(all_starts))
-        operands.append(_paged_kv(view, layer, seg_indptr, indptr, all_starts, all_lens, flat))
+        op = _paged_kv(view, layer, seg_indptr, indptr, all_starts, all_lens, flat)
+        scales = spec_scales(spec_of[store], view.device)
+        if scales is not None:
+            op = replace(op, scales=scales.shifted(scale_offset) if scale_offset else scales)
+        operands.append(op)
     return operands
 
 

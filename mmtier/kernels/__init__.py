@@ -12,15 +12,17 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, DTypeError
 from .layout import HostTables, PagedKV, build_paged_kv, check_queries, upload_ints
 from .reference import merge_attention_states_torch, paged_attention_torch, write_kv_torch
+from .scales import KVScales, fold_query, spec_scales, unfold_output
 
 BACKENDS = ("auto", "triton", "torch")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 __all__ = [
-    "BACKENDS", "HostTables", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
-    "paged_attention", "triton_available", "upload_ints", "write_kv",
+    "BACKENDS", "HostTables", "KVScales", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
+    "paged_attention", "spec_scales", "triton_available", "upload_ints", "write_kv",
 ]
 
 
@@ -60,6 +62,9 @@ def paged_attention(
 
     ``host_q_indptr``: ``q_indptr``'s values on the CPU; with operands that carry their
     tables on the host too (``PagedKV.host``), the Triton path plans without a device sync."""
+    if any(op.scales is not None for op in operands):
+        return _scaled_attention(q, q_indptr, q_pos, operands, causal=causal, scale=scale, backend=backend,
+                                 out_dtype=out_dtype, host_q_indptr=host_q_indptr)
     if _use_triton(backend, q.device):
         from .triton_attention import paged_attention_triton
 
@@ -67,6 +72,38 @@ def paged_attention(
                                       out_dtype=out_dtype, host_q_indptr=host_q_indptr)
     return paged_attention_torch(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
                                  out_dtype=out_dtype)
+
+
+def _scaled_attention(q, q_indptr, q_pos, operands, *, causal, scale, backend, out_dtype, host_q_indptr):
+    """Operands with fp8 scales (``scales.py``): each in a call of its own, the K scale folded
+    into the query (float32: the Triton kernel then widens the fp8 tiles to float32, so the
+    scaled query is not rounded) and the V scale into the output; the unscaled ones in one
+    call; merged."""
+    check_queries(q, q_indptr, q_pos)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    plain = [op for op in operands if op.scales is None]
+    states = []
+    if plain:
+        states.append(paged_attention(q, q_indptr, q_pos, plain, causal=causal, scale=scale, backend=backend,
+                                      out_dtype=torch.float32, host_q_indptr=host_q_indptr))
+    for op in operands:
+        if op.scales is None:
+            continue
+        if q.shape[1] % op.num_kv_heads:
+            from ..errors import ShapeError
+
+            raise ShapeError(f"{q.shape[1]} query heads are not a multiple of {op.num_kv_heads} KV heads")
+        k_scale, v_scale = op.scales.at(op.layer)
+        out, lse = paged_attention(fold_query(q, k_scale), q_indptr, q_pos, [op.unscaled()], causal=causal,
+                                   scale=scale, backend=backend, out_dtype=torch.float32,
+                                   host_q_indptr=host_q_indptr)
+        states.append((unfold_output(out, v_scale), lse))
+    if len(states) == 1:
+        out, lse = states[0]
+    else:
+        out, lse = merge_attention_states([o for o, _ in states], [s for _, s in states], backend=backend,
+                                          out_dtype=torch.float32)
+    return out.to(out_dtype or q.dtype), lse
 
 
 def merge_attention_states(
@@ -96,6 +133,10 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch
     if _use_triton(backend, kv.device):
         from .triton_write import write_kv_triton
 
+        if kv.dtype in FP8_DTYPES and k.dtype == v.dtype == kv.dtype:   # fp8 into fp8: a copy of bytes
+            kv, k, v = kv.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        elif kv.dtype in FP8_DTYPES:
+            raise DTypeError(f"fp8 pages take fp8 K/V of their own format ({kv.dtype}), got {k.dtype} / {v.dtype}")
         write_kv_triton(kv, k, v, page_ids, offsets)
         return
     write_kv_torch(kv, k, v, page_ids.to(kv.device), offsets.to(kv.device))

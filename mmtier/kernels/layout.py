@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import DTypeError, ShapeError
+from .scales import KVScales
 
 INDEX_DTYPE = torch.int32
 ALIGN_INTS = 4    # 16 bytes of int32
@@ -60,10 +61,16 @@ class PagedKV:
     seg_len: torch.Tensor
     page_ids: torch.Tensor
     host: HostTables | None = None   # the tables on the host, when built there (no planning sync)
+    scales: KVScales | None = None   # fp8 pages' dequantization scales (``scales.py``); None: unscaled
 
     def at_layer(self, layer: int) -> PagedKV:
         """The same tables over another layer of the pool (a layer is an offset, not a table)."""
         return PagedKV(self.kv, layer, self.seg_indptr, self.seg_page_indptr, self.seg_start,
+                       self.seg_len, self.page_ids, host=self.host, scales=self.scales)
+
+    def unscaled(self) -> PagedKV:
+        """The same operand without its scales (the kernels' view: fp8 values as stored)."""
+        return PagedKV(self.kv, self.layer, self.seg_indptr, self.seg_page_indptr, self.seg_start,
                        self.seg_len, self.page_ids, host=self.host)
 
     @property

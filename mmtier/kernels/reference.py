@@ -242,11 +242,19 @@ def write_kv_torch(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         flat, (page_rows, layer_rows, v_rows, slot_rows) = rows
         width = hkv * head_dim
         idx = ((torch.arange(layers, device=kv.device) * layer_rows)[:, None] + (pid * page_rows + off * slot_rows)).reshape(-1)
-        flat.index_copy_(0, idx, k.reshape(-1, width).to(kv.dtype))
-        flat.index_copy_(0, idx + v_rows, v.reshape(-1, width).to(kv.dtype))
+        flat = as_bits(flat)
+        flat.index_copy_(0, idx, as_bits(k.reshape(-1, width).to(kv.dtype)))
+        flat.index_copy_(0, idx + v_rows, as_bits(v.reshape(-1, width).to(kv.dtype)))
         return
-    kv[pid, :, 0, off] = k.transpose(0, 1).to(kv.dtype)
-    kv[pid, :, 1, off] = v.transpose(0, 1).to(kv.dtype)
+    kv = as_bits(kv)
+    kv[pid, :, 0, off] = as_bits(k.transpose(0, 1).to(kv.dtype))
+    kv[pid, :, 1, off] = as_bits(v.transpose(0, 1).to(kv.dtype))
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as its bytes (``uint8``, a view: torch's CPU copies by index do not take
+    fp8); any other tensor as it is. A copy of the bytes is a copy of the values."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
 
 
 @dataclass(frozen=True)
@@ -275,8 +283,9 @@ def write_layer_rows(rows: LayerRows, layer: int, k: torch.Tensor, v: torch.Tens
     """One layer's ``k, v [n, Hkv, D]`` into their rows: one ``index_copy_`` each."""
     idx = rows.base + layer * rows.layer_rows if layer else rows.base
     width = rows.flat.shape[1]
-    rows.flat.index_copy_(0, idx, k.reshape(-1, width).to(rows.flat.dtype))
-    rows.flat.index_copy_(0, idx + rows.v_rows, v.reshape(-1, width).to(rows.flat.dtype))
+    flat = as_bits(rows.flat)
+    flat.index_copy_(0, idx, as_bits(k.reshape(-1, width).to(rows.flat.dtype)))
+    flat.index_copy_(0, idx + rows.v_rows, as_bits(v.reshape(-1, width).to(rows.flat.dtype)))
 
 
 def _token_rows(kv: torch.Tensor):

@@ -30,7 +30,7 @@ import torch
 
 from ..errors import ShapeError
 from .layout import PagedKV
-from .unmasked import FLASH_OP
+from .unmasked import FLASH_OP, widened
 
 SMALL_TOKENS = 2048          # key slots (pages x page size, all operands) of the small case
 SMALL_SCORES = 1 << 22       # and at most this many scores (query rows x key slots)
@@ -69,7 +69,7 @@ def small_attention(q: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[Pag
         k, v = (torch.cat(ks), torch.cat(vs)) if len(ks) > 1 else (ks[0], vs[0])
     k, v = k.view(-1, hkv, head_dim), v.view(-1, hkv, head_dim)           # [T, Hkv, D]
     if k.dtype != torch.float32:
-        k, v = k.float(), v.float()
+        k, v = widened(k), widened(v)
     group = num_q_heads // hkv
     bias = _causal_bias(slots_of, q_pos, group) if causal else None
     if bias is not None and n_q > 1 and q.device.type == "cpu":

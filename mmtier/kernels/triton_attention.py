@@ -42,17 +42,34 @@ INTERPRET_BLOCK_N = 128
 
 
 @triton.jit
+def _fp8_bytes_to_f16(x, FP8: tl.constexpr):
+    """fp8 bytes (uint8) as float16, exactly, with integer ops that every GPU has (sm_80 has no
+    e4m3 conversion): e5m2 (``FP8 == 2``) is float16's top byte; e4m3fn (``FP8 == 1``: sign,
+    4 exponent bits of bias 7, 3 mantissa bits) placed in float16's fields reads as the value
+    times 2**-8 (bias 15), subnormals included, so it is scaled by 256 (exact). NaN bytes,
+    which writes refuse, would read as +-480."""
+    b = x.to(tl.uint16)
+    if FP8 == 1:
+        return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True) * 256.0
+    return (b << 8).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
           m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-          CAUSAL: tl.constexpr):
+          CAUSAL: tl.constexpr, FP8: tl.constexpr):
     """One ``[BLOCK_N, D]`` K/V tile folded into the running ``(m, l, acc)`` (base 2). Both dots
-    take the pool's dtype (``q`` arrives cast to it, ``p`` is cast here) and sum in float32;
-    float32 tiles multiply exactly ("ieee", never tf32: the precision asked for is only read
-    for float32 operands, 16-bit products are exact anyway)."""
+    take ``q``'s dtype (the pool's; an fp8 pool's tiles are widened to the query's, exactly:
+    every e4m3 / e5m2 value is a float16, bfloat16 and float32 value; ``p`` is cast here) and
+    sum in float32; float32 tiles multiply exactly ("ieee", never tf32: the precision asked for
+    is only read for float32 operands, 16-bit products are exact anyway)."""
     tok = page.to(tl.int64) * s_kp + slot.to(tl.int64) * s_kt
     k_ptrs = kv_head + tok[:, None] + d64[None, :] * s_kd
     kv_mask = k_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    if FP8:
+        k = _fp8_bytes_to_f16(tl.load(k_ptrs, mask=kv_mask, other=0), FP8).to(q.dtype)
+    else:
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     vis = row_ok[:, None] & k_ok[None, :]
     if CAUSAL:
@@ -63,7 +80,10 @@ def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(k_ptrs + s_kk, mask=kv_mask, other=0.0)
+    if FP8:
+        v = _fp8_bytes_to_f16(tl.load(k_ptrs + s_kk, mask=kv_mask, other=0), FP8).to(q.dtype)
+    else:
+        v = tl.load(k_ptrs + s_kk, mask=kv_mask, other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
@@ -81,7 +101,7 @@ def _kernel(
     s_lp, s_lt, s_lh,
     G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-    SKIP_TILES: tl.constexpr,
+    SKIP_TILES: tl.constexpr, FP8: tl.constexpr,
 ):
     """Softmax attention of one query tile over one split of one batch item's pages.
 
@@ -95,7 +115,9 @@ def _kernel(
         acc' = acc * 2^(m - m') + sum_t 2^(s_t - m') v_t
 
     and the program writes ``out = acc / l`` and ``lse = (m + log2 l) * ln 2`` (natural log),
-    or ``out = 0, lse = -inf`` when it saw no visible key. Every address is int64.
+    or ``out = 0, lse = -inf`` when it saw no visible key. Every address is int64. ``FP8``:
+    0 for a float pool; 1 (e4m3fn) or 2 (e5m2) for fp8 pages passed as their bytes, widened
+    exactly to the query's dtype in ``_tile`` (their scales are the caller's: ``scales.py``).
     """
     w = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -116,8 +138,11 @@ def _kernel(
     d64 = d.to(tl.int64)
     q_off = qi64[:, None] * s_qt + head64[:, None] * s_qh + d64[None, :] * s_qd
     # the query takes the pool's dtype: a float32 query over a 16-bit pool is rounded to it
-    # (the dots run on 16-bit tiles, as FlashAttention's and vLLM's require one dtype)
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(kv_ptr.dtype.element_ty)
+    # (the dots run on 16-bit tiles, as FlashAttention's and vLLM's require one dtype); over an
+    # fp8 pool it keeps its own and the tiles are widened to it (``_tile``)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if not FP8:
+        q = q.to(kv_ptr.dtype.element_ty)
     q_pos = tl.load(q_pos_ptr + qi, mask=row_ok, other=-1)
     max_q_pos = tl.max(q_pos, 0)
 
@@ -145,11 +170,11 @@ def _kernel(
             if tl.max(k_ok.to(tl.int32), 0) > 0:
                 m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                       m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                      CAUSAL)
+                                      CAUSAL, FP8)
         else:
             m_i, l_i, acc = _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
                                   m_i, l_i, acc, qk_scale, s_kp, s_kk, s_kt, s_kd,
-                                  CAUSAL)
+                                  CAUSAL, FP8)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -268,7 +293,7 @@ def plan_paged_attention(
     max_q = max(q_counts, default=0)
 
     d_pad = max(16, _next_pow2(head_dim))
-    fp32_tiles = gpu_choices(q.device) and any(op.kv.dtype == torch.float32 for op in operands)
+    fp32_tiles = gpu_choices(q.device) and any(tile_dtype(op.kv.dtype, q.dtype) == torch.float32 for op in operands)
     block_m = _block_m(group, max_q, d_pad, small=fp32_tiles)
     qb_size = block_m // group
     blocks = torch.tensor([-(-n // qb_size) for n in q_counts], dtype=torch.int64)
@@ -372,6 +397,14 @@ def _check_launchable(*tensors: torch.Tensor) -> None:
             raise DTypeError("the Triton backend needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
 
 
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def tile_dtype(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dots run in: the pool's; an fp8 pool's widened to the query's."""
+    return q_dtype if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
+
+
 def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int) -> tuple[int, dict]:
     """``BLOCK_N`` and the launch options on a GPU, chosen so that no variant spills a
     register on sm_80 / sm_90 / sm_100 (``./run kernels-compile`` compiles every one; what the
@@ -400,21 +433,22 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
     head_dim = kv.shape[5]
     d_pad = max(16, _next_pow2(head_dim))
     if gpu_choices(kv.device):
-        block_n, extra = _gpu_tiles(kv.dtype, plan.block_m, d_pad)
+        block_n, extra = _gpu_tiles(tile_dtype(kv.dtype, q.dtype), plan.block_m, d_pad)
     else:   # the interpreter pays per tile op, not per element: fewer, wider tiles
         block_n, extra = INTERPRET_BLOCK_N, {}
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
+    fp8 = FP8_CODES.get(kv.dtype, 0)      # fp8 pages go in as their bytes (``_fp8_bytes_to_f16``)
     with launch_guard(kv.device.type):
         _kernel[grid](
             q, q_indptr, q_pos,
-            kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
+            kv.view(torch.uint8) if fp8 else kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
             plan.work_b, plan.work_qb,
             out, lse,
             op.layer, op_plan.pages_per_split, op_plan.part_base, scale * LOG2E,
             *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
             G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
             BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
-            SKIP_TILES=causal and plan.max_q > 1, **extra,
+            SKIP_TILES=causal and plan.max_q > 1, FP8=fp8, **extra,
         )
 
 

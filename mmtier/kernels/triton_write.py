@@ -63,7 +63,7 @@ def check_write(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: to
     for name, t in (("k", k), ("v", v)):
         if t.dim() != 4 or t.shape[0] != num_layers or t.shape[2:] != (heads, head_dim):
             raise ShapeError(f"{name} must be [{num_layers}, n, {heads}, {head_dim}], got {tuple(t.shape)}")
-        if not t.is_floating_point():
+        if not t.is_floating_point() and not t.dtype == kv.dtype == torch.uint8:   # uint8: fp8 pages' bytes
             raise DTypeError(f"{name} must be floating point, got {t.dtype}")
         if t.device != kv.device:
             raise DTypeError(f"{name} is on {t.device}, kv on {kv.device}")

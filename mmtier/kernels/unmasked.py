@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from ..native import fp8
 from .layout import PagedKV
 
 GATHER_BYTES = 8 << 20
@@ -96,7 +97,10 @@ def _copy_run(op: PagedKV, first: int, n: int, out: torch.Tensor) -> torch.Tenso
     float32 ``out [2, n, page elements]``: one strided copy that widens as it reads (a 16-bit
     run costs one pass over its bytes, not a gather and then a conversion)."""
     size, hkv, head_dim = op.page_size, op.num_kv_heads, op.head_dim
-    out.view(2, n, size, hkv, head_dim).copy_(op.kv[first:first + n, op.layer].transpose(0, 1))
+    src = op.kv[first:first + n, op.layer]                                    # [n, 2, P, Hkv, D]
+    if src.dtype in fp8.FP8 and all(fp8.widen(src[:, i], out[i].view(n, size, hkv, head_dim)) for i in (0, 1)):
+        return out                                                            # fp8: one table pass
+    out.view(2, n, size, hkv, head_dim).copy_(src.transpose(0, 1))
     return out
 
 
@@ -126,7 +130,16 @@ def _written_slots(op: PagedKV, ids: torch.Tensor, valid: torch.Tensor) -> tuple
     rows = torch.repeat_interleave(first, valid) + slot
     k = torch.index_select(tokens, 0, rows).view(-1, hkv, head_dim)
     v = torch.index_select(tokens, 0, rows + size).view(-1, hkv, head_dim)
-    return k.float(), v.float()
+    return widened(k), widened(v)
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t.float()``; fp8 through the native table (``native.fp8``) where it applies."""
+    if t.dtype in fp8.FP8:
+        out = torch.empty(t.shape, dtype=torch.float32, device=t.device)
+        if fp8.widen(t, out):
+            return out
+    return t.float()
 
 
 def _flash(qh, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,7 +230,9 @@ class _Gather:
             return out.copy_(pages.flatten(2).transpose(0, 1))
         dst = out.view(2 * n, -1) if self.stage is None else self.stage[:2 * n]
         torch.index_select(self.rows, 0, self.row_ids[2 * c0:2 * (c0 + n)], out=dst)
-        return out if self.stage is None else out.copy_(dst.view(out.shape))
+        if self.stage is None or fp8.widen(dst, out.view(dst.shape)):
+            return out
+        return out.copy_(dst.view(out.shape))
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
