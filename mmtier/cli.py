@@ -1,8 +1,10 @@
 """The ``mmtier`` command.
 
-- ``mmtier demo [--quick] [--out DIR]``: the main job: an embedded local Ray, mmtier on it, a
-  multi-turn multimodal chat workload on Qwen2-VL + Whisper (transformers, random weights), a table,
-  a JSON report and a chart;
+- ``mmtier demo [--quick] [--out DIR]``: the main job: interleaved multi-turn multimodal chats
+  sent with the openai client to vLLM's OpenAI API server with and without mmtier's connectors
+  (prefix caching on in both, a KV pool smaller than the conversations, mmtier's server restarted
+  midway), a table per phase, a JSON report and a chart (``--engine transformers``: Qwen2-VL +
+  Whisper through mmtier's own chat engine on an embedded local Ray);
 - ``mmtier start --config FILE [--address auto] [--allow-default-secret]``: start mmtier on a
   running cluster (the key secret from ``MMTIER_KEY_SECRET`` or the Serve config's
   ``cache.key_secret_env``; the public default only with the flag);
@@ -43,26 +45,29 @@ def main() -> None:
 # ---------------------------------------------------------------------- demo
 @main.command()
 @click.option("--engine", type=click.Choice(["vllm", "transformers"]), default="vllm", show_default=True,
-              help="vllm: the openai client against Ray Serve LLM over vLLM with mmtier's connectors (the "
-                   "engines environment); transformers: mmtier's own chat engine actor (Qwen2-VL + Whisper).")
+              help="vllm: the openai client against vLLM's OpenAI API server with and without mmtier's "
+                   "connectors (the engines environment); transformers: mmtier's own chat engine actor "
+                   "(Qwen2-VL + Whisper).")
 @click.option("--quick", is_flag=True, help="A smaller workload with the same checks.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
-              show_default=True, help="Directory of the JSON report (and, for transformers, demo.png).")
-@click.option("--tenants", type=click.IntRange(1, 16), help="Tenants (default 2 / 3 for transformers; --quick 2).")
-@click.option("--conversations", type=click.IntRange(1, 64), help="Conversations per tenant (default 2 / 3; --quick 1 / 2).")
-@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 4 / 3 for transformers; --quick 2).")
+              show_default=True, help="Directory of the JSON report, the PNG chart (and, for vllm, the engines' log).")
+@click.option("--tenants", type=click.IntRange(1, 16), help="transformers: tenants (default 3; --quick 2).")
+@click.option("--conversations", type=click.IntRange(1, 64),
+              help="Conversations (vllm: in all, default 10, --quick 4; transformers: per tenant, default 3, --quick 2).")
+@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 4 / 3 for transformers; --quick 3 / 2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and model seed.")
-@click.option("--port", type=click.IntRange(1, 65535), help="vllm: the app's port on 127.0.0.1 (default: a free one).")
 @click.option("--no-progress", is_flag=True, help="No progress lines.")
 def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations: int | None, turns: int | None,
-         seed: int, port: int | None, no_progress: bool) -> None:
+         seed: int, no_progress: bool) -> None:
     """Run multi-turn multimodal chats through mmtier on an embedded local Ray.
 
-    vllm (default): several tenants (one API key each) send text and repeated images (PNG / JPEG
-    data URLs) in multi-turn conversations with the openai client to an OpenAI-compatible app
-    (Ray Serve LLM, vLLM engines with mmtier's KV and encoder-cache connectors, a tiny
-    random-weight LLaVA) and to the same engine without mmtier; every answer must be equal.
-    Prints cached prompt tokens and time to first token with and without mmtier.
+    vllm (default): interleaved multi-turn conversations (a shared system prompt, images reused
+    across turns and conversations, PNG / JPEG data URLs) sent with the openai client to two
+    vLLM OpenAI API servers on 127.0.0.1, both with vLLM's prefix cache on and a KV pool smaller
+    than the working set: vLLM alone, and vLLM with mmtier's KV and encoder-cache connectors
+    (a page pool, host and disk tiers), restarted midway; every answer must be equal. Prints per
+    phase cached prompt tokens, paired time to first token and encoder runs; engine logs go to
+    a file.
 
     transformers: mmtier's own chat engine (a small random-weight Qwen2-VL and Whisper through
     mmtier's adapter, in an engine actor that holds its pool), with audio and video, spills to
@@ -70,14 +75,18 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
     kw = {k: v for k, v in {"tenants": tenants, "conversations": conversations, "turns": turns}.items()
           if v is not None}
     if engine == "vllm":
+        from .demo.chart import plot_serving
         from .demo.serving import ServingDemoSpec, format_serving_report, run_serving_demo
 
+        if tenants is not None:
+            raise click.UsageError("--tenants applies to --engine transformers (the vLLM demo's conversations "
+                                   "share one system prompt and image catalogue)")
         spec = ServingDemoSpec.quick(seed=seed, **kw) if quick else ServingDemoSpec(seed=seed, **kw)
-        report = run_serving_demo(spec, progress=not no_progress, port=port)
-        out.mkdir(parents=True, exist_ok=True)
+        report = run_serving_demo(spec, out, progress=not no_progress)
         json_path = out / "demo_serving.json"
         json_path.write_text(json.dumps(report.figures, indent=1, sort_keys=True, default=str))
-        click.echo(format_serving_report(report, json_path))
+        png_path = plot_serving(report, out / "demo_serving.png")
+        click.echo(format_serving_report(report, json_path, png_path))
     else:
         from .demo.chat import DemoSpec, run_demo
         from .demo.report import format_report, plot, write_json

@@ -1,28 +1,31 @@
 """``mmtier demo`` (the default): multi-turn multimodal chats sent with the ``openai`` client to
-the OpenAI-compatible path users serve with — Ray Serve LLM over vLLM engines that carry both
-mmtier connectors — on an embedded local Ray bound to 127.0.0.1.
+two OpenAI API servers the way people serve vLLM (``python -m vllm.entrypoints.openai.api_server``
+on 127.0.0.1, ``mmtier.demo.engines``), both with vLLM's own prefix cache on and a KV block pool
+that holds a fraction of the conversations:
+
+- ``plain``: vLLM alone: what its block pool lost is prefilled (and its images encoded) again;
+- ``mmtier``: the same engine with mmtier's KV and encoder-cache connectors, named with sizes only
+  (a page pool, a host tier, a disk tier); what vLLM's pool lost comes back from mmtier.
 
 What it does, in order:
 
-1. builds the app of ``configs/serve-llm-cpu.yaml`` (``mmtier.serve.llm_app``): mmtier's ingress
-   (API keys -> tenants, each tenant's vLLM ``cache_salt`` set by the server), the tiny
-   random-weight LLaVA built and saved if missing, mmtier's cluster (registry, node store) that
-   the engines' connectors join, and beside it the *same engine without mmtier* (a second model
-   id, ``<model>-plain``: no connectors; vLLM's own prefix caching is off in both, so every
-   cached token is mmtier's);
-2. runs a seeded workload: several tenants (one API key each), a few conversations each, several
-   turns; turns carry text and images (PNG or JPEG data URLs: a per-tenant catalogue plus an
-   image every tenant sends, so repeats are frequent); each request carries the whole history
-   (OpenAI's API is stateless), conversations interleave;
-3. sends every turn to both models, streamed (``stream_options.include_usage``): time to first
-   token is the first content chunk; greedy answers (temperature 0) must be equal; the history
-   goes on with the answer;
-4. reports cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``) on first and
-   later turns, time to first token with and without mmtier, the images (and image tokens)
-   the prompts carried, what mmtier's cluster holds at the end (groups and bytes per tier and
-   modality), and the check; a flat JSON report. Encoder runs are not counted here (the
-   engines' processes do not report them to the client); the two-replica test counts them
-   through Ray Serve LLM's ``collective_rpc`` (``tests/serve_worker_ext.py``).
+1. builds the model (``mmtier.demo.model``: a random-weight LLaVA whose language model is the
+   8-layer, 512-wide shape of ``benchmarks/vllm_engine.py``, 256 image tokens a picture) and
+   starts both servers (their logs go to one file the summary names);
+2. runs a seeded workload: conversations that open with one shared system prompt, carry images
+   (PNG / JPEG data URLs from a small catalogue: an image recurs across turns and conversations)
+   and interleave turn by turn, so that between two turns of a conversation the others pass
+   through vLLM's pool; the working set is several times vLLM's KV pool;
+3. sends every turn to both servers, streamed, in alternating order (paired): time to first
+   token is the first content chunk; greedy answers (temperature 0) must be equal;
+4. midway, restarts the mmtier server (SIGTERM: its caches write what they hold to the disk
+   tier; a new server over the same disk folder) and carries on: the conversations continue
+   from mmtier's disk tier;
+5. per phase (first turns, later turns before the restart, later turns after it): cached prompt
+   tokens (``usage.prompt_tokens_details.cached_tokens``), paired time to first token, vision
+   encoder runs (counted in the engines' workers, read through ``/collective_rpc``), answers
+   equal; a table, a flat JSON report, a PNG chart and every request's figures
+   (``demo_requests.jsonl``).
 
 Runs in the engines environment (``./run demo`` creates it: vLLM's CPU build here)."""
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import random
 import statistics
@@ -40,22 +44,34 @@ from pathlib import Path
 
 from ..stats.machine import machine
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "serve-llm-cpu.yaml"
+PHASES = ("first_turns", "later_before_restart", "later_after_restart")
+PHASE_TITLES = {"first_turns": "first turns", "later_before_restart": "later, before restart",
+                "later_after_restart": "later, after restart"}
 
 
 @dataclass(frozen=True)
 class ServingDemoSpec:
-    tenants: int = 2
-    conversations: int = 2              # per tenant
+    conversations: int = 10
     turns: int = 4
+    restart_after: int = 2              # the mmtier server restarts after this many turns of every conversation
     max_tokens: int = 8
-    p_image: float = 0.6                # a turn carries an image
-    user_words: int = 160
+    system_words: int = 200             # the shared system prompt (one token a word)
+    user_words: int = 120
+    p_image: float = 0.6                # a later turn carries an image (the first always does)
+    images: int = 6                     # the catalogue every conversation draws from
+    kv_blocks: int = 112                # vLLM's KV block pool, blocks of 32 tokens (both engines)
+    device_bytes: int = 512 << 20       # mmtier's page pool (the CPU's memory here, like the host tier)
+    host_bytes: int = 1 << 30           # mmtier's host tier
     seed: int = 0
 
     @classmethod
     def quick(cls, seed: int = 0, **kw) -> ServingDemoSpec:
-        return cls(**{"tenants": 2, "conversations": 1, "turns": 2, **kw, "seed": seed})
+        return cls(**{"conversations": 4, "turns": 3, "restart_after": 2, "system_words": 100, "user_words": 60,
+                      "images": 3, "kv_blocks": 40, **kw, "seed": seed})
+
+    @property
+    def max_model_len(self) -> int:
+        return min(4096, self.kv_blocks * 32 - 64)
 
 
 @dataclass
@@ -67,73 +83,42 @@ class Turn:
 
 @dataclass
 class Conversation:
-    tenant: str
-    key: str
+    index: int
     turns: list[Turn]
     messages: list[dict] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
 
 
-def workload(spec: ServingDemoSpec) -> list[Conversation]:
-    """Seeded conversations: a tenant's images come from its own small catalogue or from the
-    image every tenant sends (seed 0), so an image recurs across turns and conversations."""
+def workload(spec: ServingDemoSpec) -> tuple[str, list[Conversation]]:
+    """The shared system prompt and seeded conversations; images come from one catalogue with
+    a skew (low seeds are popular), so an image recurs across turns and conversations."""
     from ..serve.tiny_models import text
 
     rng = random.Random(spec.seed)
+    system = text(10_000 + spec.seed, spec.system_words)
     convs = []
-    for t in range(spec.tenants):
-        tenant = f"tenant-{t}"
-        for _c in range(spec.conversations):
-            turns = []
-            for _i in range(spec.turns):
-                img = None
-                if rng.random() < spec.p_image:
-                    img = 0 if rng.random() < 0.3 else 1 + 10 * t + rng.randrange(2)
-                turns.append(Turn(text(rng.randrange(1 << 30), spec.user_words), img,
-                                  "JPEG" if rng.random() < 0.3 else "PNG"))
-            convs.append(Conversation(tenant, f"sk-demo-{t}", turns))
-    return convs
+    for c in range(spec.conversations):
+        turns = []
+        for i in range(spec.turns):
+            img = None
+            if i == 0 or rng.random() < spec.p_image:
+                img = 1 + min(int(rng.expovariate(0.6)), spec.images - 1)
+            turns.append(Turn(text(rng.randrange(1 << 30), spec.user_words), img,
+                              "JPEG" if rng.random() < 0.3 else "PNG"))
+        convs.append(Conversation(c, turns))
+    return system, convs
 
 
-def _data_url(seed: int, fmt: str) -> str:
+def data_url(seed: int, fmt: str) -> str:
     from ..serve.tiny_models import image
+    from .model import IMAGE_SIDE
 
     buf = io.BytesIO()
-    image(seed).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
+    image(seed, IMAGE_SIDE).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-def app_config(spec: ServingDemoSpec, disk_dir: str) -> tuple[dict, str, str]:
-    """The CPU config with the demo's tenants, room for every image of a conversation, a disk
-    tier, and the same engine without mmtier beside it: ``(doc, model, plain_model)``."""
-    import copy
-
-    from ..serve.llm_app import load_serve_config
-
-    doc = load_serve_config(CONFIG)
-    args = doc["applications"][0]["args"]
-    ingress = args["ingress_cls_config"]["ingress_extra_kwargs"]
-    ingress["api_keys"] = {f"sk-demo-{t}": f"tenant-{t}" for t in range(spec.tenants)}
-    llm = args["llm_configs"][0]
-    kw = llm["engine_kwargs"]
-    kw["limit_mm_per_prompt"] = {"image": spec.turns}
-    kw["max_model_len"] = max(int(kw.get("max_model_len", 1024)),
-                              spec.turns * (spec.user_words + 64 + spec.max_tokens + 8) + 64)
-    for conn in ("kv_transfer_config", "ec_transfer_config"):
-        extra = kw[conn][f"{conn[:2]}_connector_extra_config"]
-        extra["mmtier_cache"] = {**extra["mmtier_cache"], "disk_dir": disk_dir, "disk_bytes": 256 << 20}
-    plain = copy.deepcopy(llm)
-    model = llm["model_loading_config"]["model_id"]
-    plain["model_loading_config"]["model_id"] = f"{model}-plain"
-    for conn in ("kv_transfer_config", "ec_transfer_config"):
-        plain["engine_kwargs"].pop(conn, None)
-    args["llm_configs"] = [llm, plain]
-    media = ingress.setdefault("media", {})
-    media[f"{model}-plain"] = list(media.get(model, ["image"]))
-    return doc, model, f"{model}-plain"
-
-
-def _stream(client, model: str, messages: list[dict], max_tokens: int) -> dict:
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     """One streamed, greedy chat completion: its text, usage and time to the first content."""
     t0 = time.perf_counter()
     first = None
@@ -156,151 +141,208 @@ def _stream(client, model: str, messages: list[dict], max_tokens: int) -> dict:
             "prompt_tokens": usage.prompt_tokens if usage else 0, "cached_tokens": cached}
 
 
+def phase_of(spec: ServingDemoSpec, turn: int) -> str:
+    if turn == 0:
+        return "first_turns"
+    return "later_before_restart" if turn < spec.restart_after else "later_after_restart"
+
+
 @dataclass
 class ServingDemoReport:
     spec: ServingDemoSpec
     figures: dict
     mismatches: list[str]
+    records: list[dict]
+    log_path: Path
 
     @property
     def passed(self) -> bool:
         return not self.mismatches
 
 
-def run_serving_demo(spec: ServingDemoSpec, progress: bool = True, port: int | None = None) -> ServingDemoReport:
-    """Start the app on a fresh local Ray, run the workload against both models, stop it."""
+def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) -> ServingDemoReport:
+    """Build the model, start both servers, run the workload (restarting the mmtier server
+    midway), stop them. Engine and HTTP logs go to ``out/demo_engines.log``."""
     import openai
-    import ray
+    from tqdm import tqdm
 
-    from ..serve.llm_app import start_llm_app, stop_llm_app
+    from .engines import EngineServer, EngineSpec, mmtier_sizes
+    from .model import ensure_demo_llava
 
-    convs = workload(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "demo_engines.log"
+    log_path.write_text("")
+    system, convs = workload(spec)
     t_all = time.perf_counter()
-    # Ray's logical CPUs, not the cores: each engine's placement group takes one, the ingress a
-    # quarter, mmtier's node store and pool theirs; a 2-core machine would leave the ingress
-    # unscheduled. The engines' threads share the cores either way.
-    ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), _node_ip_address="127.0.0.1",
-             include_dashboard=False, namespace="mmtier", log_to_driver=False)
-    app = None
-    with tempfile.TemporaryDirectory(prefix="mmtier-demo-") as disk:
+    order = [(c, i) for i in range(spec.turns) for c in convs]          # conversations interleave
+    bar = tqdm(total=len(order) + 3, desc="demo: model", unit="step", disable=not progress,
+               bar_format="{desc:<34}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+    model = str(ensure_demo_llava(seed=spec.seed))
+    bar.update(1)
+    encoded = {name: {p: 0 for p in PHASES} for name in ("plain", "mmtier")}
+    timings: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="mmtier-demo-disk-") as disk:
+        common = dict(model=model, kv_blocks=spec.kv_blocks, max_model_len=spec.max_model_len,
+                      images_per_prompt=spec.turns)
+        mm_spec = EngineSpec("mmtier", mmtier=mmtier_sizes(disk, device_bytes=spec.device_bytes,
+                                                            host_bytes=spec.host_bytes), **common)
+        servers = {"plain": EngineServer(EngineSpec("plain", **common), log_path),
+                   "mmtier": EngineServer(mm_spec, log_path)}
         try:
-            doc, model, plain = app_config(spec, disk)
-            app = start_llm_app(doc, port=port or _free_port())
-            start_s = time.perf_counter() - t_all
-            clients = {c.key: openai.OpenAI(base_url=app.base_url, api_key=c.key, max_retries=0, timeout=600)
-                       for c in convs}
-            order = [(c, i) for i in range(spec.turns) for c in convs]      # conversations interleave
+            bar.set_description_str("demo: starting both engines")
+            for s in servers.values():
+                s.start()
+            for s in servers.values():
+                s.wait_ready()
+                s.encoded()                                   # installs the counting hook
+            timings["engines_start_s"] = time.perf_counter() - t_all
+            bar.update(1)
+            clients = {n: openai.OpenAI(base_url=s.base_url + "/v1", api_key="demo", max_retries=0, timeout=600)
+                       for n, s in servers.items()}
+            restarted = False
             for n, (conv, i) in enumerate(order):
+                phase = phase_of(spec, i)
+                if phase == "later_after_restart" and not restarted:
+                    for name, s in servers.items():
+                        encoded[name][_prev(spec, i)] += s.encoded()
+                    bar.set_description_str("demo: restarting mmtier's engine")
+                    t0 = time.perf_counter()
+                    timings["caches_closed_at_restart"] = servers["mmtier"].close_caches()
+                    servers["mmtier"].stop()
+                    files = sorted(Path(disk).rglob("*.arrow"))
+                    timings["disk_files_at_restart"] = len(files)
+                    timings["disk_bytes_at_restart"] = sum(f.stat().st_size for f in files)
+                    servers["mmtier"] = EngineServer(mm_spec, log_path).start()
+                    servers["mmtier"].wait_ready()
+                    servers["mmtier"].encoded()
+                    clients["mmtier"] = openai.OpenAI(base_url=servers["mmtier"].base_url + "/v1", api_key="demo",
+                                                      max_retries=0, timeout=600)
+                    timings["restart_s"] = time.perf_counter() - t0
+                    restarted = True
+                    bar.update(1)
+                bar.set_description_str(f"demo: {PHASE_TITLES[phase]}")
+                if i == 0:
+                    conv.messages.append({"role": "system", "content": system})
                 turn = conv.turns[i]
                 content: list[dict] = []
                 if turn.image is not None:
-                    content.append({"type": "image_url", "image_url": {"url": _data_url(turn.image, turn.fmt)}})
+                    content.append({"type": "image_url", "image_url": {"url": data_url(turn.image, turn.fmt)}})
                 content.append({"type": "text", "text": turn.words})
                 conv.messages.append({"role": "user", "content": content})
-                client = clients[conv.key]
-                got = _stream(client, model, conv.messages, spec.max_tokens)
-                ref = _stream(client, plain, conv.messages, spec.max_tokens)
-                conv.records.append({"turn": i, "image": turn.image, "mmtier": got, "plain": ref,
-                                     "images_in_prompt": sum(t.image is not None for t in conv.turns[: i + 1])})
-                conv.messages.append({"role": "assistant", "content": got["text"]})
-                if progress:
-                    print(f"[demo] {n + 1}/{len(order)} {conv.tenant} turn {i}: cached {got['cached_tokens']}"
-                          f"/{got['prompt_tokens']} ttft {got['ttft_s'] * 1e3:.0f} ms vs "
-                          f"{ref['ttft_s'] * 1e3:.0f} ms plain, equal {got['text'] == ref['text']}", flush=True)
-            held = _cluster_holdings()
+                got: dict[str, dict] = {}
+                names = ("plain", "mmtier") if n % 2 == 0 else ("mmtier", "plain")   # paired, alternating
+                for name in names:
+                    got[name] = stream_chat(clients[name], name, conv.messages, spec.max_tokens)
+                conv.records.append({"conversation": conv.index, "turn": i, "phase": phase, "image": turn.image,
+                                     "mmtier": got["mmtier"], "plain": got["plain"], "first": names[0]})
+                conv.messages.append({"role": "assistant", "content": got["mmtier"]["text"]})
+                bar.update(1)
+            for name, s in servers.items():
+                encoded[name][phase_of(spec, spec.turns - 1)] += s.encoded()
         finally:
-            if app is not None:
-                stop_llm_app(app)
-            ray.shutdown()
-    mismatches = [f"{c.tenant} turn {r['turn']}: {r['mmtier']['text']!r} != {r['plain']['text']!r}"
-                  for c in convs for r in c.records if r["mmtier"]["text"] != r["plain"]["text"]]
-    figures = _figures(spec, convs, held, start_s, time.perf_counter() - t_all, mismatches, model)
-    return ServingDemoReport(spec, figures, mismatches)
+            bar.set_description_str("demo: stopping the engines")
+            for s in servers.values():
+                s.stop()
+            bar.close()
+    records = [r for c in convs for r in c.records]
+    mismatches = [f"conversation {r['conversation']} turn {r['turn']}: {r['mmtier']['text']!r} != "
+                  f"{r['plain']['text']!r}" for r in records if r["mmtier"]["text"] != r["plain"]["text"]]
+    timings["elapsed_s"] = time.perf_counter() - t_all
+    with open(out / "demo_requests.jsonl", "w") as fh:                  # every request, both engines
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    figures = _figures(spec, convs, records, encoded, timings, mismatches)
+    return ServingDemoReport(spec, figures, mismatches, records, log_path)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cluster_holdings() -> dict:
-    """What mmtier's cluster holds at the end: groups and bytes per tier and modality, summed
-    over its actors (the node store the engines write through to, and its pool)."""
-    from .. import actors
-
-    with actors.connect(actors.ClusterSettings()) as cc:
-        stats = cc.stats()
-    out: dict = {}
-    for tier, per in stats.tiers.items():
-        for modality, u in per.items():
-            out[f"cluster_{tier}_groups__{modality}"] = u.groups
-            out[f"cluster_{tier}_bytes__{modality}"] = u.bytes
-    return out
+def _prev(spec: ServingDemoSpec, turn: int) -> str:
+    return phase_of(spec, turn - 1)
 
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _figures(spec, convs, held, start_s, elapsed, mismatches, model) -> dict:
-    from ..serve.tiny_models import IMAGE_TOKENS
+def _figures(spec, convs, records, encoded, timings, mismatches) -> dict:
+    from .engines import BLOCK
+    from .model import HIDDEN, IMAGE_TOKENS, LAYERS
 
-    recs = [r for c in convs for r in c.records]
-    first = [r for r in recs if r["turn"] == 0]
-    later = [r for r in recs if r["turn"] > 0]
     f: dict = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-        "load_1min": os.getloadavg()[0], "path": "openai -> Ray Serve LLM -> vLLM (both mmtier connectors)",
-        "model": model, "tenants": spec.tenants, "conversations": spec.tenants * spec.conversations,
-        "turns": spec.turns, "requests": 2 * len(recs), "max_tokens": spec.max_tokens,
-        "app_start_s": start_s, "elapsed_s": elapsed,
-        "check_turns": len(recs), "check_mismatches": len(mismatches),
+        "load_1min": os.getloadavg()[0],
+        "path": "openai -> vLLM OpenAI API server (python -m vllm.entrypoints.openai.api_server)",
+        "model": f"random-weight LLaVA, Llama {LAYERS} layers x {HIDDEN}, {IMAGE_TOKENS} image tokens, float32",
+        "conversations": spec.conversations, "turns": spec.turns, "restart_after_turns": spec.restart_after,
+        "requests": 2 * len(records), "max_tokens": spec.max_tokens,
+        "vllm_kv_tokens": spec.kv_blocks * BLOCK, "mmtier_device_bytes": spec.device_bytes,
+        "mmtier_host_bytes": spec.host_bytes,
+        "check_turns": len(records), "check_mismatches": len(mismatches), **timings,
     }
-    for name, sel in (("first_turns", first), ("later_turns", later), ("all_turns", recs)):
-        prompt = sum(r["mmtier"]["prompt_tokens"] for r in sel)
-        f[f"prompt_tokens__{name}"] = prompt
-        f[f"cached_tokens__{name}"] = sum(r["mmtier"]["cached_tokens"] for r in sel)
-        f[f"cached_tokens_plain__{name}"] = sum(r["plain"]["cached_tokens"] for r in sel)
-        f[f"cached_fraction__{name}"] = f[f"cached_tokens__{name}"] / prompt if prompt else 0.0
-        f[f"ttft_s_mmtier__{name}"] = _median([r["mmtier"]["ttft_s"] for r in sel])
-        f[f"ttft_s_plain__{name}"] = _median([r["plain"]["ttft_s"] for r in sel])
-    paired = [r["mmtier"]["ttft_s"] / r["plain"]["ttft_s"] for r in later if r["plain"]["ttft_s"] > 0]
-    f["later_turns_ttft_mmtier_over_plain"] = _median(paired)
-    f["images_sent"] = sum(r["images_in_prompt"] for r in recs)
-    f["image_tokens_sent"] = f["images_sent"] * IMAGE_TOKENS
-    f.update(held)
+    # the working set: every conversation's last prompt and answer, the shared system prompt once
+    last = [c.records[-1]["plain"]["prompt_tokens"] + spec.max_tokens for c in convs if c.records]
+    system_tokens = spec.system_words + 1
+    f["working_set_tokens"] = sum(last) - system_tokens * (len(last) - 1)
+    f["working_set_over_vllm_kv"] = f["working_set_tokens"] / f["vllm_kv_tokens"]
+    for phase in (*PHASES, "later_turns"):
+        sel = [r for r in records if (r["phase"] == phase or (phase == "later_turns" and r["turn"] > 0))]
+        f[f"requests__{phase}"] = len(sel)
+        for name in ("mmtier", "plain"):
+            prompt = sum(r[name]["prompt_tokens"] for r in sel)
+            f[f"prompt_tokens_{name}__{phase}"] = prompt
+            f[f"cached_tokens_{name}__{phase}"] = sum(r[name]["cached_tokens"] for r in sel)
+            f[f"cached_fraction_{name}__{phase}"] = f[f"cached_tokens_{name}__{phase}"] / prompt if prompt else 0.0
+            f[f"ttft_s_{name}__{phase}"] = _median([r[name]["ttft_s"] for r in sel])
+            if phase != "later_turns":
+                f[f"encoder_runs_{name}__{phase}"] = encoded[name][phase]
+        f[f"ttft_mmtier_over_plain__{phase}"] = _median(
+            [r["mmtier"]["ttft_s"] / r["plain"]["ttft_s"] for r in sel if r["plain"]["ttft_s"] > 0])
+        f[f"answers_equal__{phase}"] = sum(r["mmtier"]["text"] == r["plain"]["text"] for r in sel)
+    f["encoder_runs_mmtier__later_turns"] = sum(encoded["mmtier"][p] for p in PHASES[1:])
+    f["encoder_runs_plain__later_turns"] = sum(encoded["plain"][p] for p in PHASES[1:])
+    f["images_sent"] = sum(sum(t.image is not None for t in c.turns[: r["turn"] + 1]) for c in convs
+                           for r in c.records)
+    f["target_later_turns_ttft_ratio"] = 0.5
+    f["target_met"] = bool(f["ttft_mmtier_over_plain__later_turns"] <= 0.5 and not mismatches)
     return f
 
 
-def format_serving_report(r: ServingDemoReport, json_path: Path | None = None) -> str:
+def format_serving_report(r: ServingDemoReport, json_path: Path | None = None, png_path: Path | None = None) -> str:
     f = r.figures
     lines = [
-        f"mmtier demo (OpenAI API): {f['tenants']} tenants, {f['conversations']} conversations, "
-        f"{f['turns']} turns, {f['max_tokens']} tokens per answer; {f['path']}",
-        f"model: {f['model']} (tiny random-weight LLaVA), beside it {f['model']}-plain: the same engine "
-        "without mmtier; vLLM's own prefix caching off in both",
+        f"mmtier demo: {f['conversations']} conversations x {f['turns']} turns, interleaved, images reused; "
+        f"{f['max_tokens']} tokens an answer",
+        f"engines: vLLM OpenAI API server, prefix caching on, KV pool {f['vllm_kv_tokens']} tokens "
+        f"(working set {f['working_set_tokens']} tokens: {f['working_set_over_vllm_kv']:.1f}x); "
+        f"mmtier adds a {f['mmtier_device_bytes'] >> 20} MiB page pool, {f['mmtier_host_bytes'] >> 20} MiB host "
+        f"tier and a disk tier, and restarts after turn {f['restart_after_turns']}",
+        f"model: {f['model']}",
         "",
-        f"{'':<14}{'prompt tok':>11}{'cached':>8}{'cached %':>9}{'TTFT mmtier':>13}{'TTFT plain':>12}",
+        f"{'phase':<24}{'req':>4}{'cached mmtier':>15}{'cached plain':>14}{'TTFT mmtier':>13}{'TTFT plain':>12}"
+        f"{'paired':>8}{'encoder':>9}{'equal':>7}",
     ]
-    for name in ("first_turns", "later_turns", "all_turns"):
-        lines.append(f"{name.replace('_', ' '):<14}{f[f'prompt_tokens__{name}']:>11}{f[f'cached_tokens__{name}']:>8}"
-                     f"{100 * f[f'cached_fraction__{name}']:>8.1f}%{f[f'ttft_s_mmtier__{name}'] * 1e3:>11.0f}ms"
-                     f"{f[f'ttft_s_plain__{name}'] * 1e3:>10.0f}ms")
+    for p in (*PHASES, "later_turns"):
+        enc = (f"{f[f'encoder_runs_mmtier__{p}']}/{f[f'encoder_runs_plain__{p}']}")
+        lines.append(
+            f"{PHASE_TITLES.get(p, 'later turns (all)'):<24}{f[f'requests__{p}']:>4}"
+            f"{100 * f[f'cached_fraction_mmtier__{p}']:>14.0f}%{100 * f[f'cached_fraction_plain__{p}']:>13.0f}%"
+            f"{f[f'ttft_s_mmtier__{p}'] * 1e3:>11.0f}ms{f[f'ttft_s_plain__{p}'] * 1e3:>10.0f}ms"
+            f"{f[f'ttft_mmtier_over_plain__{p}']:>7.2f}x{enc:>9}{f[f'answers_equal__{p}']:>4}/{f[f'requests__{p}']}")
+    ratio = f["ttft_mmtier_over_plain__later_turns"]
     lines += [
-        f"later turns, median paired TTFT with mmtier over without: {f['later_turns_ttft_mmtier_over_plain']:.2f}",
-        f"images sent in prompts (history included): {f['images_sent']} ({f['image_tokens_sent']} image tokens)",
-        "mmtier's cluster at the end: " + ", ".join(
-            f"{k.removeprefix('cluster_')}={v}" for k, v in sorted(f.items())
-            if k.startswith("cluster_") and "_groups__" in k) or "(nothing)",
+        "(cached: prompt tokens served from cache; paired: median over turns of mmtier's TTFT / plain's; "
+        "encoder: images the vision tower encoded, mmtier/plain)",
         "",
+        f"later turns start in {ratio:.2f}x the time with mmtier (target <= 0.5): "
+        f"{'MET' if f['target_met'] else 'NOT MET'}",
         f"correctness: {f['check_turns'] - f['check_mismatches']}/{f['check_turns']} answers equal the engine "
         f"without mmtier: {'PASSED' if r.passed else 'FAILED'}",
     ]
     lines += [f"  {m}" for m in r.mismatches[:5]]
-    lines.append(f"app start {f['app_start_s']:.1f} s; whole run {f['elapsed_s']:.1f} s; load {f['load_1min']:.1f}")
+    lines.append(f"engines start {f['engines_start_s']:.0f} s, restart {f.get('restart_s', float('nan')):.0f} s; "
+                 f"whole run {f['elapsed_s']:.0f} s; load {f['load_1min']:.1f} ({f['machine']})")
+    lines.append(f"engine and HTTP logs: {r.log_path}")
     if json_path is not None:
         lines.append(f"report: {json_path}")
+    if png_path is not None:
+        lines.append(f"chart: {png_path}")
     return "\n".join(lines)

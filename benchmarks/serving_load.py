@@ -1,0 +1,289 @@
+"""Serving under load: an open-loop generator replays multi-turn multimodal conversations against
+two vLLM OpenAI API servers on 127.0.0.1 (``python -m vllm.entrypoints.openai.api_server`` from
+the engines environment, ``mmtier.demo.engines``), both with vLLM's own prefix cache on and a KV
+block pool that holds a fraction of the conversations:
+
+- ``plain``: vLLM alone;
+- ``mmtier``: the same engine with mmtier's KV and encoder-cache connectors (sizes only: a page
+  pool, a host tier and a disk tier).
+
+The trace: conversations that open with one shared system prompt, turns of text with images
+from a small catalogue (an image recurs across turns and users), the history's assistant turns
+replayed from the trace (so every request is known up front, as in a trace replay). Requests are
+sent in the interleaved order (every conversation's turn 1, then every turn 2, ...) at Poisson
+arrival times of rate ``r`` (open loop: a request is sent at its time whether or not earlier
+ones finished), bounded in count (``--requests``) and time (``--max-seconds``: what has not
+finished by then counts as not completed). Each rate replays fresh conversations (its own words
+and images), first on one engine and then on the other (the order alternates by rate), both
+servers up throughout.
+
+Per rate and engine: requests/s completed, prompt tokens/s, p50 / p99 time to first token (a
+request not completed counts as infinitely late), hit ratio (cached / prompt tokens, vLLM's
+``usage.prompt_tokens_details.cached_tokens``: its own prefix cache and mmtier's together).
+The sustainable rate at a p99 bound is the highest rate tried whose p99 TTFT is within the bound
+(every request completed); the headline is mmtier's over plain's. A PNG plot under
+``benchmarks/results/`` (matplotlib, where it imports).
+
+Run it from the base environment (the engines start from ``.venv-engines``):
+``.venv/bin/python -m benchmarks.serving_load [--rates 0.25,0.5,1,2] [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks._common import add_out_arg, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    conversations: int = 12
+    turns: int = 4
+    requests: int = 48                  # per rate and engine, at most
+    max_seconds: float = 150.0          # per rate and engine
+    p99_bound_s: float = 4.0
+    system_words: int = 200
+    user_words: int = 100
+    answer_words: int = 8
+    p_image: float = 0.5
+    images: int = 6
+    max_tokens: int = 8
+    kv_blocks: int = 112                # vLLM's pool: 3584 tokens
+    device_bytes: int = 512 << 20
+    host_bytes: int = 1 << 30
+
+    @classmethod
+    def quick(cls) -> LoadSpec:
+        return cls(rates=(1.0,), conversations=3, turns=2, requests=6, max_seconds=90.0, p99_bound_s=60.0,
+                   system_words=60, user_words=40, images=2, kv_blocks=40)
+
+
+def trace(spec: LoadSpec, seed: int) -> list[list[dict]]:
+    """Requests (OpenAI chat messages) in the interleaved order, for one rate's conversations."""
+    from mmtier.demo.serving import data_url
+    from mmtier.serve.tiny_models import text
+
+    rng = random.Random(seed)
+    system = {"role": "system", "content": text(10_000, spec.system_words)}      # shared by every rate
+    convs = []
+    for _ in range(spec.conversations):
+        msgs, per_turn = [system], []
+        for i in range(spec.turns):
+            content: list[dict] = []
+            if i == 0 or rng.random() < spec.p_image:
+                img = 1000 * seed + 1 + min(int(rng.expovariate(0.6)), spec.images - 1)
+                content.append({"type": "image_url", "image_url": {"url": data_url(img, "PNG")}})
+            content.append({"type": "text", "text": text(rng.randrange(1 << 30), spec.user_words)})
+            msgs = msgs + [{"role": "user", "content": content}]
+            per_turn.append(msgs)
+            msgs = msgs + [{"role": "assistant", "content": text(rng.randrange(1 << 30), spec.answer_words)}]
+        convs.append(per_turn)
+    order = [convs[c][i] for i in range(spec.turns) for c in range(spec.conversations)]
+    return order[: spec.requests]
+
+
+async def one_request(client, url: str, model: str, messages: list[dict], max_tokens: int, t_send: float) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    first, usage = None, None
+    async with client.stream("POST", url, json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                first = time.perf_counter() - t_send
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    done = time.perf_counter()
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return {"ttft_s": first if first is not None else done - t_send, "done": done,
+            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens") or 0}
+
+
+async def run_rate(base_url: str, model: str, requests: list[list[dict]], rate: float, spec: LoadSpec,
+                   seed: int) -> dict:
+    """Open loop: request k is sent at the k-th Poisson arrival; what has not finished by
+    ``max_seconds`` is cancelled and counts as not completed."""
+    import httpx
+
+    rng = random.Random(seed)
+    t, times = 0.0, []
+    for _ in requests:
+        times.append(t)
+        t += rng.expovariate(rate)
+    results: list[dict | None] = [None] * len(requests)
+    limits = httpx.Limits(max_connections=len(requests) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(spec.max_seconds + 30), limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def fire(k: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + times[k] - time.perf_counter()))
+            try:
+                results[k] = await one_request(client, base_url + "/v1/chat/completions", model, requests[k],
+                                               spec.max_tokens, time.perf_counter())
+            except (httpx.HTTPError, ValueError) as exc:          # counted as not completed
+                results[k] = {"error": repr(exc)}
+
+        tasks = [asyncio.create_task(fire(k)) for k in range(len(requests))]
+        _, pending = await asyncio.wait(tasks, timeout=spec.max_seconds)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    ok = [r for r in results if r is not None and "error" not in r]
+    errors = [r["error"] for r in results if r is not None and "error" in r]
+    span = (max(r["done"] for r in ok) - t0) if ok else float("nan")
+    ttfts = sorted([r["ttft_s"] for r in ok] + [math.inf] * (len(requests) - len(ok)))
+    prompt = sum(r["prompt_tokens"] for r in ok)
+    return {"rate": rate, "sent": len(requests), "completed": len(ok), "errors": errors[:3],
+            "completed_per_s": len(ok) / span if ok else 0.0, "prompt_tokens_per_s": prompt / span if ok else 0.0,
+            "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
+            "hit_ratio": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
+            "prompt_tokens": prompt, "offered_span_s": times[-1] if times else 0.0}
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    """Nearest-rank quantile of sorted ``xs`` (inf where a request did not complete)."""
+    if not xs:
+        return math.nan
+    return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
+
+
+def sustainable(rows: list[dict], bound: float) -> float:
+    """The highest rate whose p99 TTFT is within ``bound`` with every request completed (0: none)."""
+    good = [r["rate"] for r in rows if r["ttft_p99_s"] <= bound and r["completed"] == r["sent"]]
+    return max(good, default=0.0)
+
+
+def plot(per_engine: dict[str, list[dict]], bound: float, path: Path) -> Path | None:
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name, rows in per_engine.items():
+        rates = [r["rate"] for r in rows]
+        axes[0].plot(rates, [min(r["ttft_p99_s"], 1e3) for r in rows], "o-", label=f"{name} p99")
+        axes[0].plot(rates, [min(r["ttft_p50_s"], 1e3) for r in rows], "x--", label=f"{name} p50")
+        axes[1].plot(rates, [r["completed_per_s"] for r in rows], "o-", label=name)
+        axes[2].plot(rates, [r["hit_ratio"] for r in rows], "o-", label=name)
+    axes[0].axhline(bound, color="red", lw=0.8, label=f"p99 bound {bound:g} s")
+    axes[0].set(xlabel="offered rate (req/s)", ylabel="TTFT (s)", yscale="log", title="time to first token")
+    axes[1].set(xlabel="offered rate (req/s)", ylabel="completed req/s", title="throughput")
+    axes[2].set(xlabel="offered rate (req/s)", ylabel="cached / prompt tokens", title="hit ratio", ylim=(0, 1))
+    for ax in axes:
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from mmtier.demo.engines import EngineServer, EngineSpec, mmtier_sizes
+    from mmtier.demo.model import ensure_demo_llava
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rates", help="offered rates, req/s, comma-separated (default 0.25,0.5,1,2)")
+    ap.add_argument("--requests", type=int, help="requests per rate and engine, at most")
+    ap.add_argument("--max-seconds", type=float, help="time bound per rate and engine")
+    ap.add_argument("--p99-bound", type=float, help="p99 TTFT bound of the sustainable rate, seconds")
+    ap.add_argument("--quick", action="store_true", help="one rate, a few requests (a check that it runs)")
+    ap.add_argument("--engines-python", default=str(ROOT / ".venv-engines" / "bin" / "python"),
+                    help="the engines environment's interpreter (vLLM)")
+    ap.add_argument("--log", type=Path, help="the engines' log (default OUT/serving_load_engines.log)")
+    add_out_arg(ap)
+    args = ap.parse_args(argv)
+    spec = LoadSpec.quick() if args.quick else LoadSpec()
+    over = {"rates": tuple(float(x) for x in args.rates.split(",")) if args.rates else None,
+            "requests": args.requests, "max_seconds": args.max_seconds, "p99_bound_s": args.p99_bound}
+    spec = LoadSpec(**{**spec.__dict__, **{k: v for k, v in over.items() if v is not None}})
+    engines_python = args.engines_python if Path(args.engines_python).exists() else sys.executable
+    log = args.log or args.out / "serving_load_engines.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()
+    model = str(ensure_demo_llava())
+    per_engine: dict[str, list[dict]] = {"plain": [], "mmtier": []}
+    with tempfile.TemporaryDirectory(prefix="mmtier-load-disk-") as disk:
+        common = dict(model=model, kv_blocks=spec.kv_blocks, max_model_len=spec.kv_blocks * 32 - 64,
+                      images_per_prompt=spec.turns, max_num_seqs=16, python=engines_python)
+        servers = {"plain": EngineServer(EngineSpec("plain", **common), log),
+                   "mmtier": EngineServer(EngineSpec("mmtier", mmtier=mmtier_sizes(
+                       disk, device_bytes=spec.device_bytes, host_bytes=spec.host_bytes), **common), log)}
+        try:
+            for s in servers.values():
+                s.start()
+            for s in servers.values():
+                s.wait_ready()
+            started_s = time.perf_counter() - t_start
+            for k, rate in enumerate(spec.rates):
+                requests = trace(spec, seed=k + 1)
+                names = ("plain", "mmtier") if k % 2 == 0 else ("mmtier", "plain")
+                for name in names:
+                    row = asyncio.run(run_rate(servers[name].base_url, name, requests, rate, spec, seed=k))
+                    per_engine[name].append(row)
+                    print(f"[serving_load] {name:6s} rate {rate:5.2f}/s: {row['completed']}/{row['sent']} done, "
+                          f"{row['completed_per_s']:.2f} req/s, {row['prompt_tokens_per_s']:.0f} prompt tok/s, "
+                          f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s, "
+                          f"hit {row['hit_ratio']:.2f}", flush=True)
+        finally:
+            for s in servers.values():
+                s.stop()
+    for rows in per_engine.values():
+        rows.sort(key=lambda r: r["rate"])
+    sus = {name: sustainable(rows, spec.p99_bound_s) for name, rows in per_engine.items()}
+    png = plot(per_engine, spec.p99_bound_s, args.out / "serving_load.png")
+    figures: dict = {
+        "rates": ",".join(f"{r:g}" for r in spec.rates), "conversations_per_rate": spec.conversations,
+        "turns": spec.turns, "requests_per_rate": min(spec.requests, spec.conversations * spec.turns),
+        "max_seconds_per_rate": spec.max_seconds, "p99_bound_s": spec.p99_bound_s,
+        "vllm_kv_tokens": spec.kv_blocks * 32, "mmtier_device_bytes": spec.device_bytes,
+        "mmtier_host_bytes": spec.host_bytes, "engines_start_s": started_s,
+        "load_1min_before": load_before[0], "load_1min_after": os.getloadavg()[0],
+        "sustainable_rate_plain": sus["plain"], "sustainable_rate_mmtier": sus["mmtier"],
+        "sustainable_mmtier_over_plain": (sus["mmtier"] / sus["plain"]) if sus["plain"] else math.nan,
+        "plot": str(png) if png is not None else "(matplotlib not in this environment)",
+        "engines_log": str(log),
+    }
+    for name, rows in per_engine.items():
+        for r in rows:
+            tag = f"{name}__r{r['rate']:g}"
+            for key in ("completed_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio"):
+                figures[f"{key}_{tag}"] = r[key]
+            figures[f"completed_{tag}"] = f"{r['completed']}/{r['sent']}"
+            if r["errors"]:
+                figures[f"errors_{tag}"] = "; ".join(r["errors"])
+    p50 = [(a["ttft_p50_s"] / b["ttft_p50_s"]) for a, b in zip(per_engine["mmtier"], per_engine["plain"])
+           if b["ttft_p50_s"] > 0 and math.isfinite(a["ttft_p50_s"]) and math.isfinite(b["ttft_p50_s"])]
+    figures["ttft_p50_mmtier_over_plain_median"] = statistics.median(p50) if p50 else math.nan
+    figures["wall_s"] = time.perf_counter() - t_start
+    for k, v in figures.items():
+        print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
+    write_results("serving_load", figures, args.out)
+    return figures
+
+
+if __name__ == "__main__":
+    main()
