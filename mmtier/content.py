@@ -166,6 +166,21 @@ class KeyMaker:
             ("tenant", tenant_salt)])).digest()
         return self._make(digest, modality, "prefix", tenant_scope(tenant_salt))
 
+    def shard(self, key: ContentKey, shard: str) -> ContentKey:
+        """The key of one shard of ``key``'s group (``"tp0/2"``: the first half of the KV heads,
+        on rank 0 of a tensor-parallel engine): its own digest, so no shard is ever read as
+        another and a TP=2 engine's groups never collide with a TP=1 engine's; modality,
+        sharing and tenant scope as ``key``'s, the parent (if any) mapped alike."""
+        self.verify(key)
+
+        def mapped(digest: bytes) -> bytes:
+            return hashlib.sha256(encode_fields(b"mmtier/shard", [
+                ("version", str(KEY_FORMAT_VERSION)), ("model", self.model), ("key", digest),
+                ("shard", shard)])).digest()
+
+        return self._make(mapped(key.digest), key.modality, key.sharing, key.scope,
+                          None if key.parent is None else mapped(key.parent))
+
     def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes,
               parent: bytes | None = None) -> ContentKey:
         return ContentKey(digest, modality, sharing, scope,

@@ -115,6 +115,11 @@ class TieredKVCache:
         """A key naming everything ``seq`` holds so far; pass it as ``parent=`` to chain."""
         return self.seqs.prefix_key(seq)
 
+    def shard_key(self, key: ContentKey, shard: str) -> ContentKey:
+        """The key of one shard of ``key``'s group (a tensor-parallel rank's heads, a pipeline
+        stage's layers: ``KeyMaker.shard``); ``key`` must be this cache's."""
+        return self.keys.shard(key, shard)
+
     # ------------------------------------------------------------------ sequences
     def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
         return self.seqs.create(tenant)

@@ -22,10 +22,13 @@ connected yet; default ``RAY_ADDRESS``, else ``"auto"``). ``open_shared`` then j
 cache one ``EngineLink``: saved groups are written through to the node's store and published,
 misses are looked up in the registry and pulled. Without it nothing here imports Ray.
 
-The caches close when the process exits (``atexit``; vLLM's engine and worker processes exit
-through ``SystemExit`` on shutdown): closing writes what the device and host tiers still hold
-to the disk tier (``persist_on_close``), so an engine restarted over the same ``disk_dir``
-finds what this one held.
+Each connector that opened a cache gives it back when its engine shuts down
+(``release_shared``; vLLM calls the connectors' ``shutdown`` as its workers stop). When the
+last one has, a cache with a disk tier closes, which writes what its device and host tiers
+still hold to disk (``persist_on_close``): an engine restarted over the same ``disk_dir``
+finds what this one held. (Not at interpreter exit: Python then refuses new work to the
+threads the disk tier writes with.) A cache without one stays open for a later engine of the
+same process, as closing it would only lose what it holds.
 
 ``report_for`` gives each cache one ``StatsReport``: the connectors export its statistics
 through their engine's metrics (vLLM: ``vllm_metrics``, on vLLM's own ``/metrics``).
@@ -33,7 +36,6 @@ through their engine's metrics (vLLM: ``vllm_metrics``, on vLLM's own ``/metrics
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import threading
@@ -60,6 +62,7 @@ _LOCK = threading.Lock()
 _CACHES: dict[str, TieredKVCache] = {}
 _LINKS: dict[int, EngineLink] = {}          # id(cache) -> its link
 _REPORTS: dict[int, StatsReport] = {}       # id(cache) -> the one report of its stats
+_USERS: dict[int, int] = {}                 # id(cache) -> connectors that hold it open
 
 
 def user_fields(extra: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -176,11 +179,31 @@ def shared_cache(cfg: CacheConfig) -> TieredKVCache:
     with _LOCK:
         cache = _CACHES.get(name)
         if cache is None or cache.closed:
-            if not _CACHES:
-                atexit.unregister(close_shared)
-                atexit.register(close_shared)
             cache = _CACHES[name] = TieredKVCache(cfg)
+            _USERS[id(cache)] = 0
+        _USERS[id(cache)] += 1
         return cache
+
+
+def release_shared(cache: TieredKVCache) -> bool:
+    """A connector of ``cache`` is done with it (its engine shuts down). The last one closes a
+    cache that has a disk tier (its groups are written there: ``persist_on_close``) and its
+    link; ``True`` when it closed."""
+    with _LOCK:
+        users = _USERS.get(id(cache), 0) - 1
+        if users > 0 or cache.cfg.disk_dir is None or cache.closed:
+            _USERS[id(cache)] = max(users, 0)
+            return False
+        _USERS.pop(id(cache), None)
+        for name, held in list(_CACHES.items()):
+            if held is cache:
+                del _CACHES[name]
+        link = _LINKS.pop(id(cache), None)
+        _REPORTS.pop(id(cache), None)
+    if link is not None:
+        link.close()
+    cache.close()
+    return True
 
 
 def report_for(cache: TieredKVCache) -> StatsReport:
@@ -201,6 +224,7 @@ def close_shared() -> None:
         _CACHES.clear()
         _LINKS.clear()
         _REPORTS.clear()
+        _USERS.clear()
     for link in links:
         link.close()
     for cache in caches:

@@ -37,8 +37,9 @@ MAX_MESSAGE = 8 << 20          # bytes in one request or answer (about 20K keys)
 _HEADER = struct.Struct(">I")
 
 
-def socket_path(engine_id: str, rank: int = 0) -> Path:
-    """Where the worker of engine ``engine_id`` (data-parallel ``rank``) listens."""
+def socket_path(engine_id: str, rank: int = 0, shard: int | None = None) -> Path:
+    """Where the worker of engine ``engine_id`` (data-parallel ``rank``; ``shard``: its
+    tensor / pipeline-parallel worker, where there are several) listens."""
     safe = "".join(c for c in engine_id if c.isalnum() or c in "-_")[:48]
     if not safe:
         raise ConfigError(f"engine id {engine_id!r} names no lookup socket", ("engine_id",))
@@ -46,7 +47,7 @@ def socket_path(engine_id: str, rank: int = 0) -> Path:
     base.mkdir(mode=0o700, exist_ok=True)
     if base.stat().st_uid != os.getuid() or base.stat().st_mode & 0o077:
         raise ConfigError(f"{base} must belong to this user alone (mode 0700)", ("TMPDIR",))
-    return base / f"lookup-{safe}-{rank}.sock"
+    return base / (f"lookup-{safe}-{rank}.sock" if shard is None else f"lookup-{safe}-{rank}-{shard}.sock")
 
 
 def _send(sock: socket.socket, obj: dict) -> None:
@@ -210,21 +211,35 @@ def held_run(cache: Any, keys: Sequence[ContentKey]) -> int:
 
 
 class LookupChannel:
-    """One connector's end of the channel where vLLM's worker runs in a process of its own:
-    the worker's end serves its cache (``held_run``), the scheduler's end (``asks``) asks it."""
+    """One connector's end of the channel where vLLM's workers run in processes of their own:
+    each worker's end serves its cache (``held_run``), the scheduler's end (``asks``) asks
+    them all. An engine of ``shards`` workers (tensor / pipeline parallel, each holding its
+    shard of every group) has a socket per worker (``shard``: this worker's); the scheduler's
+    answer is the least of theirs, so it reports a hit only where every worker can load it.
+    ``key_of`` maps a scheduler's key to the one the worker's cache holds (its shard's)."""
 
-    def __init__(self, name: str, rank: int, *, worker: bool, cache: Any):
-        path = socket_path(name, rank)
+    def __init__(self, name: str, rank: int, *, worker: bool, cache: Any, shards: int = 1, shard: int = 0,
+                 key_of: Callable[[ContentKey], ContentKey] | None = None):
+        def path(i: int) -> Path:
+            return socket_path(name, rank, None if shards == 1 else i)
+
         self.asks = not worker
-        self._server = None if self.asks else LookupServer(path, lambda keys: held_run(cache, keys))
-        self._client = LookupClient(path) if self.asks else None
+        mapped = key_of or (lambda key: key)
+        self._server = None if self.asks else LookupServer(
+            path(shard), lambda keys: held_run(cache, [mapped(k) for k in keys]))
+        self._clients = [LookupClient(path(i)) for i in range(shards)] if self.asks else []
 
     def leading_held(self, keys: Sequence[ContentKey]) -> int:
-        """The worker's answer (the scheduler's end only)."""
-        assert self._client is not None, "the worker's end answers, it does not ask"
-        return self._client.leading_held(keys)
+        """The workers' answer, the least of theirs (the scheduler's end only)."""
+        assert self._clients, "the worker's end answers, it does not ask"
+        held = len(keys)
+        for client in self._clients:
+            held = min(held, client.leading_held(keys))
+            if held == 0:
+                break
+        return held
 
     def close(self) -> None:
-        for end in (self._server, self._client):
+        for end in (self._server, *self._clients):
             if end is not None:
                 end.close()

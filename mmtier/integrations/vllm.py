@@ -77,12 +77,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
 from . import vllm_copy
-from .connector_cache import open_shared, report_for
+from .connector_cache import open_shared, release_shared, report_for
 from .lookup_channel import LookupChannel
 from .vllm_keys import KeyScheme
 from .vllm_metrics import MMTierKVStats, MMTierPromMetrics
 from .vllm_plan import RequestPlan, Segment, slots_for
-from .vllm_shape import engine_shape
+from .vllm_shape import engine_shape, engine_shard
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -146,22 +146,26 @@ class MMTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size * par.pipeline_parallel_size != 1:
-            # Each rank would hold other heads / layers under the same keys, and the scheduler
-            # (in the engine core) would not see the workers' caches: one GPU per engine for now.
-            raise ConfigError("mmtier's vLLM connector runs with tensor_parallel_size 1 and "
-                              "pipeline_parallel_size 1 (one GPU per engine; scale with replicas)",
-                              ("tensor_parallel_size", "pipeline_parallel_size"))
         self.block_size = vllm_config.cache_config.block_size
         worker = role == KVConnectorRole.WORKER
-        self.split = par.distributed_executor_backend in SPLIT_BACKENDS
-        # the shape is vLLM's (any shape the extra config gives is checked against it)
+        # tensor / pipeline parallel: each worker holds its shard (heads, layers) of every group
+        self.shard = engine_shard(vllm_config, worker=worker)
+        self.split = par.distributed_executor_backend in SPLIT_BACKENDS or self.shard.count > 1
+        # the shape is vLLM's, this rank's (any shape the extra config gives is checked against it)
         self.shape = engine_shape(vllm_config, kv_cache_config)
         # split: the worker's process owns the cache; the scheduler's makes keys and asks it
         self.cache, self.link = open_shared(extra, lookup=self.split and not worker, engine=self.shape)
+        if self.link is not None and self.shard.count > 1:
+            # the registry would have to be asked for every worker's shard keys; not built yet
+            raise ConfigError("mmtier_cluster with a tensor- or pipeline-parallel engine is not supported: each "
+                              "worker's cache holds its own shard; drop mmtier_cluster (a disk_dir shared by the "
+                              "engines still shares the groups) or run tensor_parallel_size 1",
+                              ("mmtier_cluster", "tensor_parallel_size"))
+        self._released = False
         self.report = report_for(self.cache)
         self._channel = (LookupChannel(self._kv_transfer_config.engine_id or "engine", par.data_parallel_rank,
-                                       worker=worker, cache=self.cache) if self.split else None)
+                                       worker=worker, cache=self.cache, shards=self.shard.count,
+                                       shard=self.shard.index, key_of=self._key) if self.split else None)
         # A group that fails to load (corrupt, evicted since the lookup) is recomputed by vLLM:
         # vLLM 0.32 defaults to failing the request instead ("fail"), which only this connector's
         # extra config may keep. vLLM's scheduler reads the policy after it built this connector.
@@ -189,6 +193,11 @@ class MMTierConnector(KVConnectorBase_V1):
         self._staged: dict[ContentKey, _Staged] = {}
         self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
         self._failed_blocks: set[int] = set()
+
+    def _key(self, key: ContentKey) -> ContentKey:
+        """The key this worker's cache holds ``key``'s group under: its shard's, where the
+        engine has several workers (``engine_shard``), else the group's own."""
+        return key if self.shard.tag is None else self.cache.shard_key(key, self.shard.tag)
 
     # ------------------------------------------------------------------ scheduler side
     def _plan(self, request: Request) -> _ReqState:
@@ -335,17 +344,19 @@ class MMTierConnector(KVConnectorBase_V1):
         if self.link is not None and meta.loads:
             # first on the reader thread: what this cache lacks (a scheduler in another process
             # located it, or it was evicted since) pulled in one lookup; none when all is here
-            self._reader.submit(self.link.pull, [op.key for op in meta.loads])
+            self._reader.submit(self.link.pull, [self._key(op.key) for op in meta.loads])
         first = next(iter(self._layers.values()), None)
         self._loading = []
         for op in meta.loads:
             direct = self._direct_blocks(op, first)
             if direct is not None:         # the whole group into vLLM's blocks: one copy, no stage
-                self._loading.append((op, None, self._reader.submit(self.cache.read_group, op.key, out=direct)))
+                self._loading.append((op, None, self._reader.submit(self.cache.read_group, self._key(op.key),
+                                                                    out=direct)))
                 continue
             staged = self._stage_for(op, first, whole_group=True)
             out = (staged.k, staged.v) if staged is not None else None
-            self._loading.append((op, staged, self._reader.submit(self.cache.read_group, op.key, out=out)))
+            self._loading.append((op, staged, self._reader.submit(self.cache.read_group, self._key(op.key),
+                                                                  out=out)))
 
     def _direct_blocks(self, op: GroupCopy, kv_layer: torch.Tensor | None) -> vllm_copy.EngineBlocks | None:
         """vLLM's own blocks of every layer as the destination of ``op``'s read, where the load is
@@ -492,8 +503,9 @@ class MMTierConnector(KVConnectorBase_V1):
         stored = []
         for st in done:
             try:
-                if self.cache.put(st.op.key, st.k, st.v):
-                    stored.append(st.op.key)
+                key = self._key(st.op.key)
+                if self.cache.put(key, st.k, st.v):
+                    stored.append(key)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
                 log.warning("mmtier: save of %r skipped: %s", st.op.key, exc)
             finally:
@@ -535,3 +547,6 @@ class MMTierConnector(KVConnectorBase_V1):
             self.wait_for_saves()
             self._reader.shutdown(wait=True)
             self._writer.shutdown(wait=True)
+        if not self._released:             # the last connector of the cache closes it
+            self._released = True
+            release_shared(self.cache)

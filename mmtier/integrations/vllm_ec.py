@@ -56,7 +56,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from ..content import ContentKey
 from ..errors import MMTierError
-from .connector_cache import open_shared, report_for, tenant_from_extra
+from .connector_cache import open_shared, release_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupChannel
 from .vllm import SPLIT_BACKENDS
 from .vllm_keys import embed_pools, embedding_key
@@ -110,6 +110,7 @@ class MMTierECConnector(ECConnectorBase):
         # connector of the same engine reads the same, so both share one cache
         self.cache, self.link = open_shared(extra, lookup=self.split and not worker,
                                             engine=engine_shape(vllm_config))
+        self._released = False
         self.report = report_for(self.cache)
         self._channel = (LookupChannel("ec-" + (vllm_config.ec_transfer_config.engine_id or "engine"),
                                        par.data_parallel_rank, worker=worker, cache=self.cache,
@@ -284,3 +285,6 @@ class MMTierECConnector(ECConnectorBase):
     def shutdown(self) -> None:
         if self._channel is not None:
             self._channel.close()
+        if not self._released:             # the last connector of the cache closes it
+            self._released = True
+            release_shared(self.cache)

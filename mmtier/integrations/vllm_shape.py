@@ -121,6 +121,34 @@ def engine_shape(vllm_config: Any, kv_cache_config: Any = None) -> EngineShape |
                        device=_device(vllm_config))
 
 
+@dataclass(frozen=True)
+class EngineShard:
+    """Which shard of every group this process's worker holds. A tensor-parallel rank holds its
+    KV heads, a pipeline stage its layers: ``count`` workers (TP x PP), this one ``index``
+    (``pp_rank * tp + tp_rank``; 0 on the scheduler), keyed apart by ``tag`` (``"tp1/2.pp0/1"``,
+    ``None`` for an engine of one worker, whose keys stay the groups' own)."""
+
+    index: int = 0
+    count: int = 1
+    tag: str | None = None
+
+
+def engine_shard(vllm_config: Any, *, worker: bool) -> EngineShard:
+    """The shard of the engine ``vllm_config`` this process holds (``worker``: a model runner's
+    process, whose tensor / pipeline ranks vLLM has set up before it builds connectors)."""
+    par = vllm_config.parallel_config
+    tp, pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
+    if tp * pp == 1:
+        return EngineShard()
+    tp_rank = pp_rank = 0
+    if worker:
+        from vllm.distributed import parallel_state
+
+        tp_rank = parallel_state.get_tp_group().rank_in_group
+        pp_rank = parallel_state.get_pp_group().rank_in_group
+    return EngineShard(pp_rank * tp + tp_rank, tp * pp, f"tp{tp_rank}/{tp}.pp{pp_rank}/{pp}")
+
+
 def _device(vllm_config: Any) -> str:
     """``"cpu"`` for vLLM's CPU build, else the CUDA device this worker computes on."""
     device_type = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")

@@ -370,6 +370,7 @@ class DiskTier(DiskReads, StorageTier):
             meta = {**base, "chunk": c, "first_page": lo, "chunk_pages": hi - lo}
             copied = spec.page_layers > 1 or len(chunk_rows) > 1
             buf = self._write_buffers.take((hi - lo) * spec.page_bytes) if copied else None
+            layers = parts = None
             try:
                 layers = await loop.run_in_executor(None, layer_major, chunk_rows, spec.page_layers,
                                                     buf.numpy() if buf is not None else None)

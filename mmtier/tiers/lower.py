@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Container, Iterable
@@ -60,6 +61,7 @@ from ..storage import DiskTier, HostTier, Mover
 from ..storage.host_slabs import HostEntry
 from ..storage.staging import StagingPool
 
+log = logging.getLogger(__name__)
 WAIT_S = 120.0
 HIGH_WATER = 0.9
 LOW_WATER = 0.75
@@ -486,7 +488,8 @@ class LowerTiers:
         for g, fut in pending:
             try:
                 fut.result(timeout=WAIT_S)
-            except (MMTierError, OSError, TimeoutError):
+            except Exception:  # noqa: BLE001 - best effort at close: the group is not kept, said here
+                log.warning("mmtier: %r not written to disk at close", g.key, exc_info=True)
                 self.counters.add("spill_failures", g.modality)
                 continue
             written += 1
