@@ -8,7 +8,8 @@
 #   1. tests: (a) the Triton kernel tests (compiled, the GPU's own tile configuration); (b) the
 #      cache suite with its pool on the GPU (tests/test_cache.py, test_cache_tiers.py,
 #      test_model_e2e.py, each test on the torch and the triton backend, and the test that an
-#      attention call makes no host sync);
+#      attention call makes no host sync; tests/test_fp8_pages.py: fp8 pages, the Triton kernel
+#      over them compiled);
 #   2. `python -m benchmarks.kernels --device cuda` (paged Triton vs SDPA's flash backend over the
 #      same K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
 #   3. `python -m benchmarks.connector_copy --device cuda` (the vLLM connector's staged save /
@@ -113,7 +114,7 @@ export PYTHONPATH="${SHIM:+$SHIM:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 TEST_TIMEOUT=${TEST_TIMEOUT:-210}
 TESTS=(tests/test_kernels_triton.py)
 if [[ -z $SHIM ]]; then
-    TESTS+=(tests/test_cache.py tests/test_cache_tiers.py tests/test_model_e2e.py)
+    TESTS+=(tests/test_cache.py tests/test_cache_tiers.py tests/test_model_e2e.py tests/test_fp8_pages.py)
 else
     echo "the cache suite is skipped: mmtier does not import here (send .gpu-wheels)" | tee -a "$LOG"
 fi

@@ -171,6 +171,12 @@ def record_launches(modules) -> list[Launch]:
                 for mode in ("decode", "prefill"):
                     rec.scenario = f"attention {str(dtype)[6:]} pool, float32 q, D{head_dim} {mode}"
                     _attention(ta, dtype, torch.float32, head_dim, mode, 16, 4, False)
+        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # fp8 pages (as bytes), widened to the query's
+            for q_dtype in (torch.float32, torch.bfloat16):         # float32: a scaled operand's folded query
+                for head_dim in (128, 256):
+                    for mode in ("decode", "prefill"):
+                        rec.scenario = f"attention {str(dtype)[6:]} pool, {str(q_dtype)[6:]} q, D{head_dim} {mode}"
+                        _attention(ta, dtype, q_dtype, head_dim, mode, 16, 4, False)
         for dtype in dtypes:              # merges of 16-bit or float32 partial states
             for head_dim, n in ((64, 2), (128, 5), (256, 70), (80, 3)):
                 rec.scenario = f"merge {str(dtype)[6:]} D{head_dim} {n} states"
@@ -185,23 +191,33 @@ def record_launches(modules) -> list[Launch]:
                     k = torch.empty((2, 5, heads, head_dim), dtype=src, device="meta")
                     ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
                     tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
+        for heads, head_dim in ((8, 128), (4, 128)):   # fp8 pages written as bytes (``kernels.write_kv``)
+            rec.scenario = f"write fp8 pool (uint8) H{heads} D{head_dim}"
+            kv = torch.empty((4, 2, 2, 16, heads, head_dim), dtype=torch.uint8, device="meta")
+            k = torch.empty((2, 5, heads, head_dim), dtype=torch.uint8, device="meta")
+            ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+            tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
     return rec.launches
 
 
 def unreached(modules, launches: list[Launch]) -> list[str]:
     """``@triton.jit`` functions of the kernel modules that no recorded launch launched or
-    called (by name, in a launched kernel's source)."""
+    called (by name, in a launched kernel's source or, transitively, in a function it calls)."""
     from triton.runtime.jit import JITFunction
 
     launched = {id(x.fn): x.fn for x in launches}
+    jitted = [(mod, name, obj) for mod in modules for name, obj in vars(mod).items()
+              if isinstance(obj, JITFunction)]
+    reached = set(launched)
     sources = "\n".join(fn.src for fn in launched.values())
-    missing = []
-    for mod in modules:
-        for name, obj in vars(mod).items():
-            if isinstance(obj, JITFunction) and id(obj) not in launched \
-                    and not re.search(rf"\b{name}\s*\(", sources):
-                missing.append(f"{mod.__name__}.{name}")
-    return missing
+    while True:
+        new = [obj for _, name, obj in jitted
+               if id(obj) not in reached and re.search(rf"\b{name}\s*\(", sources)]
+        if not new:
+            break
+        reached.update(id(obj) for obj in new)
+        sources += "\n" + "\n".join(obj.src for obj in new)
+    return [f"{mod.__name__}.{name}" for mod, name, obj in jitted if id(obj) not in reached]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,9 +29,8 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 NAMES = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# fp8 widens exactly and a scaled operand's query stays float32, so what is left is float32
-# arithmetic; the bfloat16 pool beside them rounds P to bfloat16 in Triton (2**-7, as
-# test_kernels_triton's TOL)
+# fp8 widens exactly: what is left is float32 arithmetic on the torch path; Triton's dots run on
+# bfloat16 tiles (the scaled query and P rounded to bfloat16: 2**-7, test_kernels_triton's TOL)
 TOL = {"torch": 2e-5, "triton": 2**-7}
 
 
@@ -80,8 +79,7 @@ def test_scaled_pools_against_oracle(dtype, backend, n_q):
 @pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "unscaled"])
 def test_triton_fp8_in_a_gpus_tile_configuration(dtype, scaled):
     """The Triton kernel in the block sizes, warps and stages a GPU launch takes
-    (``as_on_gpu``); unscaled fp8 pools (vLLM's default scales of 1.0) compute in the query's
-    bfloat16, scaled ones in float32."""
+    (``as_on_gpu``), fp8 pools with scales and without (vLLM's default scales of 1.0)."""
     from mmtier.kernels.launch import as_on_gpu
 
     with as_on_gpu():
@@ -124,7 +122,9 @@ def _pools_case(dtype, backend: str, n_q: int, *, scaled: bool) -> None:
                                out_dtype=torch.float32)
     assert not torch.isnan(out).any()
     assert rel_err(out.cpu(), ref_out) <= TOL[backend], rel_err(out.cpu(), ref_out)
-    assert (lse.cpu().double() - ref_lse).abs().max() <= 1e-4
+    # lse: exact products summed in float32 on the torch path; in Triton the scaled query is
+    # rounded to bfloat16 (2**-9 of each score, scores of a few units here)
+    assert (lse.cpu().double() - ref_lse).abs().max() <= (1e-4 if backend == "torch" else 2**-7)
 
 
 @pytest.mark.parametrize("dtype", FP8)
@@ -182,9 +182,10 @@ def stored(n, dtype, cfg, gen):
             (torch.randn(L, n, H, D, generator=gen) / vs).to(dtype))
 
 
-def check_attention(cache, seq, ks, vs, cfg, gen, n_q=3):
+def check_attention(cache, seq, ks, vs, cfg, gen, n_q=3, tol=2e-5):
     """Every layer's attention of ``n_q`` fresh queries against the float64 oracle over the
-    dequantized K/V the sequence holds."""
+    dequantized K/V the sequence holds (``tol``: the torch path's float32; Triton's bfloat16
+    tiles take ``TOL["triton"]``)."""
     k_all, v_all = torch.cat(ks, 1), torch.cat(vs, 1)
     total = k_all.shape[1]
     for layer in range(L):
@@ -193,7 +194,7 @@ def check_attention(cache, seq, ks, vs, cfg, gen, n_q=3):
         k = k_all[layer].double() * scale_rows(cfg.k_scale)[layer][None, :, None]
         v = v_all[layer].double() * scale_rows(cfg.v_scale)[layer][None, :, None]
         ref, _ = oracle_attention(q, torch.arange(total - n_q, total), k, v, torch.arange(total))
-        assert rel_err(out, ref) <= 2e-5, (layer, rel_err(out, ref))
+        assert rel_err(out, ref) <= tol, (layer, rel_err(out, ref))
 
 
 @pytest.mark.parametrize("dtype", NAMES.values())
@@ -240,7 +241,7 @@ def test_cache_device_pool_on_triton(tmp_path):
             vs.append(v)
         cache.flush()
         assert {s.group.tier for s in cache.sequence(seq).segments} >= {Tier.DEVICE, Tier.HOST}
-        check_attention(cache, seq, ks, vs, cfg, gen, n_q=1)
+        check_attention(cache, seq, ks, vs, cfg, gen, n_q=1, tol=TOL["triton"])
 
 
 @pytest.mark.parametrize("dtype", NAMES.values())

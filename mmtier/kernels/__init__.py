@@ -76,9 +76,8 @@ def paged_attention(
 
 def _scaled_attention(q, q_indptr, q_pos, operands, *, causal, scale, backend, out_dtype, host_q_indptr):
     """Operands with fp8 scales (``scales.py``): each in a call of its own, the K scale folded
-    into the query (float32: the Triton kernel then widens the fp8 tiles to float32, so the
-    scaled query is not rounded) and the V scale into the output; the unscaled ones in one
-    call; merged."""
+    into the query (float32; the Triton kernel rounds it to its 16-bit tile dtype) and the V
+    scale into the output; the unscaled ones in one call; merged."""
     check_queries(q, q_indptr, q_pos)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     plain = [op for op in operands if op.scales is None]

@@ -401,8 +401,12 @@ FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
 def tile_dtype(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the dots run in: the pool's; an fp8 pool's widened to the query's."""
-    return q_dtype if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else kv_dtype
+    """The dtype the dots run in: the pool's; an fp8 pool's widened to the query's when that is
+    16-bit, else to bfloat16 (float32 tiles over fp8 bytes spilled registers in decode on
+    sm_80 / sm_90: 0.5-9 KB; the query is then rounded to bfloat16, as over a bfloat16 pool)."""
+    if kv_dtype in FP8_CODES:
+        return q_dtype if q_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+    return kv_dtype
 
 
 def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int) -> tuple[int, dict]:
@@ -438,6 +442,8 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
         block_n, extra = INTERPRET_BLOCK_N, {}
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
     fp8 = FP8_CODES.get(kv.dtype, 0)      # fp8 pages go in as their bytes (``_fp8_bytes_to_f16``)
+    if fp8 and q.dtype != tile_dtype(kv.dtype, q.dtype):
+        q = q.to(tile_dtype(kv.dtype, q.dtype))
     with launch_guard(kv.device.type):
         _kernel[grid](
             q, q_indptr, q_pos,
