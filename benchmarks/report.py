@@ -31,7 +31,10 @@ COMMANDS = {
     "multiturn": "python -m benchmarks.multiturn  (40 turns, 3 rounds; the chat model)",
     "hf_generate": "python -m benchmarks.hf_generate",
     "demo": "mmtier demo --engine transformers (./run demo --engine transformers)",
-    "demo_serving": "mmtier demo (./run demo: the openai client, Ray Serve LLM, vLLM's CPU build)",
+    "demo_serving": "mmtier demo (./run demo: the openai client against vLLM's OpenAI API server with and without "
+                    "mmtier, prefix caching on, vLLM's CPU build)",
+    "serving_load": ".venv/bin/python -m benchmarks.serving_load  (open-loop Poisson load against vLLM's OpenAI API "
+                    "server with and without mmtier, the engines from .venv-engines)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
     "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
@@ -43,7 +46,7 @@ COMMANDS = {
                     "LMCache 0.5.6 in .venv-lmcache from benchmarks/peers_env.sh)",
 }
 
-OWN_PLOTS = {"eviction", "multiturn", "demo"}     # benchmarks that draw their own PNG
+OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load"}   # they draw their own PNG
 
 # (benchmark, figure, target as text, predicate on the value)
 HEADLINES = [
@@ -73,9 +76,15 @@ HEADLINES = [
     ("cluster", "remote_fetch_over_object_store", ">= 0.9", lambda v: v >= 0.9),
     ("demo", "later_turns_cached_over_dense", "<= 0.5", lambda v: v <= 0.5),
     ("demo_serving", "check_mismatches", "0 (every answer equals the engine without mmtier)", lambda v: v == 0),
-    ("demo_serving", "cached_fraction__later_turns", "(reported: prompt tokens served from mmtier)", None),
-    ("demo_serving", "later_turns_ttft_mmtier_over_plain", "(reported; < 1: mmtier's later turns start sooner)",
-     None),
+    ("demo_serving", "ttft_mmtier_over_plain__later_turns", "<= 0.5 (paired median; vLLM's prefix cache on in both)",
+     lambda v: v <= 0.5),
+    ("demo_serving", "ttft_mmtier_over_plain__later_after_restart", "(reported; after mmtier's restart)", None),
+    ("demo_serving", "cached_fraction_mmtier__later_turns", "(reported: vLLM's and mmtier's cached prompt tokens)", None),
+    ("demo_serving", "cached_fraction_plain__later_turns", "(reported: vLLM's own prefix cache)", None),
+    ("demo_serving", "working_set_over_vllm_kv", ">= 3 (the conversations over vLLM's KV pool)", lambda v: v >= 3),
+    ("serving_load", "sustainable_mmtier_over_plain", ">= 2 (sustainable rate at the p99 TTFT bound)",
+     lambda v: v >= 2),
+    ("serving_load", "ttft_p50_mmtier_over_plain_median", "(reported; median over rates)", None),
     ("long_context", "decode_over_overlap_floor", "<= 1.3", lambda v: v <= 1.3),
     ("long_context", "decode_over_summed_floor", "(reported)", None),
     ("long_context", "max_rel_err", "< 8e-3 (bf16 output)", lambda v: v < 8e-3),

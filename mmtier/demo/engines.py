@@ -60,10 +60,15 @@ class EngineSpec:
         return args
 
 
-def mmtier_sizes(disk_dir: str | Path, *, device_bytes: int, host_bytes: int, disk_bytes: int = 4 << 30) -> dict:
-    """The connectors' extra config: sizes and the disk tier's folder, nothing of the shape."""
-    return {"mmtier_device_bytes": device_bytes, "mmtier_host_bytes": host_bytes,
-            "mmtier_disk_dir": str(disk_dir), "mmtier_disk_bytes": disk_bytes, "mmtier_disk_free_floor_bytes": 0}
+def mmtier_sizes(disk_dir: str | Path, *, device_bytes: int, host_bytes: int, disk_bytes: int = 4 << 30,
+                 chunk_blocks: int | None = None) -> dict:
+    """The connectors' extra config: sizes and the disk tier's folder, nothing of the shape
+    (``chunk_blocks``: blocks per text group, the connector's default where None)."""
+    extra = {"mmtier_device_bytes": device_bytes, "mmtier_host_bytes": host_bytes,
+             "mmtier_disk_dir": str(disk_dir), "mmtier_disk_bytes": disk_bytes, "mmtier_disk_free_floor_bytes": 0}
+    if chunk_blocks is not None:
+        extra["mmtier_chunk_blocks"] = chunk_blocks
+    return extra
 
 
 def free_port() -> int:
