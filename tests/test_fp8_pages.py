@@ -356,3 +356,27 @@ def test_spec_size_math_and_scales():
     ones = CacheConfig(model="m", num_layers=L, num_kv_heads=H, head_dim=D, device_bytes=1 << 20,
                        dtype="float8_e4m3fn", modalities={"text": ModalitySpec(page_size=16)})
     assert spec_scales(ones.spec("text"), "cpu") is None
+
+
+def test_vllm_kv_cache_dtypes_map_to_fp8_pages_and_runtime_scales_are_refused():
+    """The connector reads the KV dtype from vLLM: its fp8 cache names (``fp8``, ``fp8_e4m3``,
+    ``fp8_e5m2``; the tensors are uint8) map to mmtier's fp8 pages, viewed over the same bytes;
+    scales vLLM computes at run time and fp8 formats mmtier has no pages for are refused."""
+    from types import SimpleNamespace
+
+    from mmtier.integrations import vllm_copy
+    from mmtier.integrations.vllm_shape import _fp8_name
+
+    cc = lambda dtype, calc=False: SimpleNamespace(cache_dtype=dtype, calculate_kv_scales=calc)  # noqa: E731
+    assert _fp8_name(cc("fp8")) == _fp8_name(cc("fp8_e4m3")) == "float8_e4m3fn"
+    assert _fp8_name(cc("fp8_e5m2")) == "float8_e5m2"
+    assert _fp8_name(cc("auto")) is None and _fp8_name(cc("bfloat16")) is None
+    for bad in (cc("fp8", calc=True), cc("fp8_ds_mla")):
+        with pytest.raises(ConfigError, match="dtype"):
+            _fp8_name(bad)
+    raw = torch.randint(0, 256, (4, 2, 64, 32), dtype=torch.uint8)
+    raw[raw & 0x7F == 0x7F] = 0
+    view = vllm_copy.as_page_dtype(raw, torch.float8_e4m3fn)
+    assert view.dtype == torch.float8_e4m3fn and view.data_ptr() == raw.data_ptr()
+    assert torch.equal(view.view(torch.uint8), raw)
+    assert vllm_copy.as_page_dtype(raw.float(), torch.float8_e4m3fn).dtype == torch.float32

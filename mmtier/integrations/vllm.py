@@ -309,6 +309,9 @@ class MMTierConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self.cache.cfg
+        # an fp8 KV cache is uint8 in vLLM: viewed as the pages' fp8 dtype (the same bytes)
+        kv_caches = {name: vllm_copy.as_page_dtype(t, cfg.spec(self.scheme.text_modality).torch_dtype)
+                     for name, t in kv_caches.items()}
         if len(kv_caches) != cfg.num_layers:
             raise ConfigError(f"num_layers: vLLM has {len(kv_caches)} attention layers, the mmtier config "
                               f"{cfg.num_layers}", ("num_layers",))

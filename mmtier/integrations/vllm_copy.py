@@ -24,6 +24,15 @@ from ..pages.copies import EngineBlocks
 from ..storage.host_slabs import paired_runs
 
 
+def as_page_dtype(kv_layer: torch.Tensor, page_dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's KV tensor of one layer as the pages' dtype: an fp8 KV cache (vLLM allocates it as
+    uint8, its kernels read the bytes as e4m3 / e5m2) viewed as that fp8 dtype, the same bytes;
+    any other tensor as it is (``register_kv_caches`` then checks its dtype)."""
+    if kv_layer.dtype == torch.uint8 and page_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return kv_layer.view(page_dtype)
+    return kv_layer
+
+
 def kv_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views ``[blocks, block_size, heads, head_dim]`` of one layer's paged tensor."""
     if kv_layer.dim() == 4 and kv_layer.shape[-1] == 2 * head_dim:      # [B, H, N, 2D]

@@ -58,19 +58,39 @@ class EngineShape:
     num_layers: int                  # attention layers whose KV the connector moves
     num_kv_heads: int                # per rank
     head_dim: int
-    dtype: str                       # float32 / float16 / bfloat16
+    dtype: str                       # float32 / float16 / bfloat16 / float8_e4m3fn / float8_e5m2
     block_size: int
     media: tuple[str, ...] = ()      # mmtier KV modalities of the model's media ("vision", "audio")
     embed_width: int | None = None   # width of encoder outputs (the language model's input width)
     device: str = "cpu"
 
 
+# vLLM's fp8 KV caches (``--kv-cache-dtype``): its tensors are uint8, the name says the format
+_FP8_CACHE = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
 def _dtype_name(value: Any, field: str) -> str:
     name = _TORCH_DTYPES.get(str(value))
     if name is None:
-        raise ConfigError(f"{field}: vLLM's KV cache dtype is {value}; mmtier's pages hold float32, float16 "
-                          f"or bfloat16 (an fp8 KV cache is not served yet)", (field,))
+        raise ConfigError(f"{field}: vLLM's KV cache dtype is {value}; mmtier's pages hold float32, float16, "
+                          f"bfloat16 or fp8 (kv_cache_dtype fp8 / fp8_e4m3 / fp8_e5m2)", (field,))
     return name
+
+
+def _fp8_name(cc: Any) -> str | None:
+    """mmtier's page dtype for vLLM's fp8 KV cache, or ``None`` where it is not fp8. Scales
+    computed from the first batch (``calculate_kv_scales``) are refused: the bytes of a block
+    would mean other values in an engine that computed other scales, under the same key."""
+    cache_dtype = str(getattr(cc, "cache_dtype", "auto") or "auto")
+    if cache_dtype not in _FP8_CACHE:
+        if cache_dtype.startswith("fp8"):
+            raise ConfigError(f"dtype: vLLM's KV cache dtype {cache_dtype} is not one mmtier serves "
+                              f"({sorted(_FP8_CACHE)})", ("dtype",))
+        return None
+    if getattr(cc, "calculate_kv_scales", False):
+        raise ConfigError("dtype: an fp8 KV cache whose scales vLLM computes at run time (calculate_kv_scales) "
+                          "cannot be shared: stored blocks would be read under other scales", ("dtype",))
+    return _FP8_CACHE[cache_dtype]
 
 
 def _attention_specs(kv_cache_config: Any) -> list[tuple[Any, list[str]]]:
@@ -106,12 +126,12 @@ def engine_shape(vllm_config: Any, kv_cache_config: Any = None) -> EngineShape |
         spec, _ = specs[0]
         layers = sum(len(names) for _, names in specs)
         heads, head_dim, block = int(spec.num_kv_heads), int(spec.head_size), int(spec.block_size)
-        dtype = _dtype_name(spec.dtype, "dtype")
+        dtype = _fp8_name(cc) or _dtype_name(spec.dtype, "dtype")
     else:
         layers = int(mc.get_num_layers_by_block_type(par, "attention"))
         heads, head_dim, block = int(mc.get_num_kv_heads(par)), int(mc.get_head_size()), int(cc.block_size)
         cache_dtype = getattr(cc, "cache_dtype", "auto")
-        dtype = _dtype_name(mc.dtype if cache_dtype in ("auto", None) else cache_dtype, "dtype")
+        dtype = _fp8_name(cc) or _dtype_name(mc.dtype if cache_dtype in ("auto", None) else cache_dtype, "dtype")
     media = _media(mc)
     width = None
     if media:
