@@ -1,4 +1,5 @@
-"""Real vLLM engines on tiny audio and video models (``mmtier.serve.tiny_audio``), with and
+"""Real vLLM engines on tiny audio and video models (``mmtier.serve.tiny_audio``'s Qwen2-Audio,
+``mmtier.serve.tiny_video``'s Qwen2-VL, the latter through mmtier's vLLM plugin), with and
 without mmtier's KV and encoder-cache connectors, one scenario per process:
 ``python -m tests.vllm_av_scenarios NAME ARGS_JSON`` prints one ``RESULT {...}`` line.
 
@@ -45,12 +46,13 @@ def av_engine(model: str, tmp: str | None, medium: str):
 
 
 def _hook_tower(worker, tower: str) -> None:
-    """In the worker (``collective_rpc``): count the items its model's ``tower`` encodes."""
+    """In the worker (``collective_rpc``): count the calls of its model's ``tower`` (each
+    request below carries one item, so a call is an item encoded)."""
     w = getattr(worker, "worker", worker)
     w.mmtier_encoded = 0
 
     def count(module, args, output) -> None:
-        w.mmtier_encoded += int(args[0].shape[0])
+        w.mmtier_encoded += 1
 
     getattr(w.model_runner.model, tower).register_forward_hook(count)
 
@@ -62,8 +64,8 @@ def _take_encoded(worker) -> int:
 
 
 class TowerCalls:
-    """Items an engine's encoder ``tower`` (a submodule of vLLM's model) encodes, through a
-    forward hook installed after the engine's start-up profiling."""
+    """Calls of an engine's encoder ``tower`` (a submodule of vLLM's model), through a forward
+    hook installed after the engine's start-up profiling."""
 
     def __init__(self, llm, tower: str):
         self.llm = llm
@@ -113,7 +115,8 @@ def repeat_across_engines(model: str, tmp: str, medium: str, tower: str, placeho
     (another 60 words after) and ``other`` (another 40 words before), ``wrap(before, after)``
     placing the item's placeholder between the words.
 
-    - ``first``: both connectors: A same, A again, A tail, C same under the client uuid ``"u"``.
+    - ``first``: both connectors: A same, A again, A tail, C same under the client uuid ``"u"``,
+      C again (its prompt shares A's text up to the item, mid-block).
     - ``second``: a second engine over the same disk directory, both connectors: B same under
       ``"u"`` (C's uuid), A other under ``"v"`` (no KV hit: other text first), A same under ``"v"``.
     - ``plain``: vLLM alone: A same, A tail, C same, B same, A other, each in a fresh engine's
@@ -123,7 +126,8 @@ def repeat_across_engines(model: str, tmp: str, medium: str, tower: str, placeho
     out: dict = {}
     llm = av_engine(model, tmp, medium)
     out["first"] = run(llm, [request(same, medium, a), request(same, medium, a), request(tail, medium, a),
-                             request(same, medium, c, "u")], TowerCalls(llm, tower), placeholder)
+                             request(same, medium, c, "u"), request(same, medium, c, "u")], TowerCalls(llm, tower),
+                       placeholder)
     out.update(pools())
     close(llm)
     llm = av_engine(model, tmp, medium)
@@ -138,13 +142,21 @@ def repeat_across_engines(model: str, tmp: str, medium: str, tower: str, placeho
     return out
 
 
-def audio(model: str, tmp: str) -> dict:
-    """``repeat_across_engines`` with clips of one second (25 placeholder tokens each)."""
+def audio_and_video(audio: str, video: str, tmp: str) -> dict:
+    """``repeat_across_engines`` for audio on the Qwen2-Audio ``audio`` (clips of one second:
+    25 placeholder tokens) and for video on the Qwen2-VL ``video`` (16 frames of 56 x 56: 32
+    placeholder tokens), one process for both (one import of vLLM)."""
+    from mmtier.serve.tiny_video import VIDEO_ID, frames, video_prompt
+
     clips = [(clip(seed), SAMPLE_RATE) for seed in (1, 2, 3)]
-    return repeat_across_engines(model, tmp, "audio", "audio_tower", AUDIO_ID, clips, audio_prompt)
+    videos = [frames(seed, 16) for seed in (1, 2, 3)]
+    return {"audio": repeat_across_engines(audio, str(Path(tmp) / "audio"), "audio", "audio_tower", AUDIO_ID, clips,
+                                           audio_prompt),
+            "video": repeat_across_engines(video, str(Path(tmp) / "video"), "video", "visual", VIDEO_ID, videos,
+                                           video_prompt)}
 
 
-SCENARIOS = {f.__name__: f for f in (audio,)}
+SCENARIOS = {f.__name__: f for f in (audio_and_video,)}
 
 
 def main(argv: list[str]) -> int:

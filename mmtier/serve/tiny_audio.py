@@ -32,6 +32,7 @@ from .tiny_models import (
     SPECIALS,
     WORDS,
     build_tokenizer,
+    ensure_built,
 )
 
 AUDIO_SPECIALS = [*SPECIALS, "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
@@ -40,6 +41,7 @@ AUDIO_VOCAB = len(AUDIO_SPECIALS) + WORDS
 SAMPLE_RATE = 16_000
 TOKENS_PER_SECOND = 25
 AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+TINY_AUDIO_VERSION = 1                         # bump when build_qwen2_audio's output changes
 
 
 def build_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
@@ -71,6 +73,12 @@ def build_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     Qwen2AudioProcessor(feature_extractor=WhisperFeatureExtractor(feature_size=128, sampling_rate=SAMPLE_RATE),
                         tokenizer=build_tokenizer(AUDIO_SPECIALS), chat_template=CHAT_TEMPLATE).save_pretrained(path)
     return path
+
+
+def ensure_tiny_qwen2_audio(root: str | Path | None = None, *, seed: int = 0) -> Path:
+    """The tiny Qwen2-Audio under ``root`` (``tiny_models.ensure_built``): what
+    ``model_source: mmtier://tiny-qwen2-audio`` names in a Serve config."""
+    return ensure_built(f"tiny-qwen2-audio-v{TINY_AUDIO_VERSION}-seed{seed}", build_qwen2_audio, root, seed=seed)
 
 
 def _vllm_layout(file: Path) -> None:

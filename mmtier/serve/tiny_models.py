@@ -112,16 +112,22 @@ def build_llava(path: str | Path, *, seed: int = 0) -> Path:
 
 def ensure_tiny_llava(root: str | Path | None = None, *, seed: int = 0) -> Path:
     """The tiny LLaVA under ``root`` (default ``$MMTIER_MODELS`` or ``~/.cache/mmtier/models``),
-    built there first if missing: into a temporary folder beside it, then renamed, so an
-    interrupted build never leaves a half-written model behind."""
+    built there first if missing (``ensure_built``)."""
+    return ensure_built(f"tiny-llava-v{TINY_LLAVA_VERSION}-seed{seed}", build_llava, root, seed=seed)
+
+
+def ensure_built(name: str, build, root: str | Path | None = None, *, seed: int = 0) -> Path:
+    """``root/name`` (root: default ``$MMTIER_MODELS`` or ``~/.cache/mmtier/models``), made by
+    ``build(path, seed=seed)`` first if missing: into a temporary folder beside it, then
+    renamed, so an interrupted build never leaves a half-written model behind."""
     root = Path(root or os.environ.get("MMTIER_MODELS") or Path.home() / ".cache" / "mmtier" / "models")
-    path = root / f"tiny-llava-v{TINY_LLAVA_VERSION}-seed{seed}"
+    path = root / name
     if (path / "config.json").exists():
         return path
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=root))
     try:
-        build_llava(tmp / "model", seed=seed)
+        build(tmp / "model", seed=seed)
         try:
             (tmp / "model").rename(path)
         except OSError:                        # another process built it meanwhile
