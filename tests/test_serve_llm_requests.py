@@ -88,9 +88,12 @@ def test_wav_input_audio_where_the_model_takes_audio():
     good = base64.b64encode(buf.getvalue()).decode()
     check_messages(chat_with({"type": "input_audio", "input_audio": {"data": good, "format": "wav"}}), "m",
                    frozenset({"audio"}), LIMITS)
-    err = refused(chat_with({"type": "input_audio", "input_audio": {"data": good, "format": "mp3"}}),
+    err = refused(chat_with({"type": "input_audio", "input_audio": {"data": good, "format": "flac"}}),
                   accepts=frozenset({"audio"}))
     assert err.param == "messages[1].content[0].input_audio.format"
+    err = refused(chat_with({"type": "input_audio", "input_audio": {"data": good, "format": "mp3"}}),
+                  accepts=frozenset({"audio"}))                     # WAV bytes declared MP3
+    assert err.param == "messages[1].content[0].input_audio.data" and "not an MP3" in err.message
     cut = base64.b64encode(buf.getvalue()[:60]).decode()
     err = refused(chat_with({"type": "input_audio", "input_audio": {"data": cut, "format": "wav"}}),
                   accepts=frozenset({"audio"}))

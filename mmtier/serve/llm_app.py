@@ -34,6 +34,7 @@ import yaml
 from ..errors import ConfigError
 
 TINY_LLAVA = "mmtier://tiny-llava"
+TINY_QWEN2_AUDIO = "mmtier://tiny-qwen2-audio"
 LLM_IMPORT = "ray.serve.llm"
 
 
@@ -69,7 +70,8 @@ def is_serve_llm(doc: dict[str, Any]) -> bool:
 
 
 def resolve_models(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with every ``model_source: mmtier://tiny-llava`` replaced by the built model's path."""
+    """``doc`` with every ``model_source: mmtier://tiny-llava`` (or ``mmtier://tiny-qwen2-audio``)
+    replaced by the built model's path."""
     for app in doc["applications"]:
         for llm in (app.get("args") or {}).get("llm_configs") or []:
             loading = llm.get("model_loading_config") if isinstance(llm, dict) else None
@@ -77,6 +79,10 @@ def resolve_models(doc: dict[str, Any]) -> dict[str, Any]:
                 from .tiny_models import ensure_tiny_llava
 
                 loading["model_source"] = str(ensure_tiny_llava())
+            elif isinstance(loading, dict) and loading.get("model_source") == TINY_QWEN2_AUDIO:
+                from .tiny_audio import ensure_tiny_qwen2_audio
+
+                loading["model_source"] = str(ensure_tiny_qwen2_audio())
     return doc
 
 

@@ -6,7 +6,7 @@ OpenAI-shaped errors it answers with: ``{"error": {"message", "type", "param", "
 - media in chat messages: ``image_url`` only as a ``data:`` URL of ``image/png`` or
   ``image/jpeg``, base64, whose bytes are the type it declares and decode in full
   (``serve.media.check_image``; a remote URL is refused: the server fetches nothing);
-  ``input_audio`` (base64 WAV, ``serve.media.check_wav``), ``audio_url`` and ``video_url`` only
+  ``input_audio`` (base64 WAV or MP3, ``serve.media.check_wav`` / ``check_mp3``), ``audio_url`` and ``video_url`` only
   for a model that takes that modality, else a 400 that says which inputs it takes.
 
 Everything here is pure (no Ray, no vLLM): ``RequestError`` carries the status and the four
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadMediaError
-from .media import TooLargeMedia, check_image, check_wav
+from .media import TooLargeMedia, check_image, check_mp3, check_wav
 
 DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)(?P<params>(?:;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 IMAGE_TYPES = ("image/png", "image/jpeg")
@@ -130,18 +130,25 @@ def check_image_url(value: Any, where: str, limits: RequestLimits) -> None:
 
 
 def check_input_audio(value: Any, where: str, limits: RequestLimits) -> None:
-    """``{"data": base64 WAV, "format": "wav"}``."""
+    """``{"data": base64 WAV or MP3, "format": "wav" | "mp3"}``: the bytes are that format and
+    no longer than the limit."""
     if not isinstance(value, dict) or not isinstance(value.get("data"), str):
         raise RequestError(400, "input_audio needs data (base64) and format", param=where,
                            code="invalid_value")
-    if value.get("format") != "wav":
-        raise RequestError(400, f"input_audio format {value.get('format')!r} is not accepted; send wav (16-bit PCM)",
-                           param=f"{where}.format", code="invalid_value")
+    check = AUDIO_CHECKS.get(value.get("format"))
+    if check is None:
+        raise RequestError(400, f"input_audio format {value.get('format')!r} is not accepted; send wav (16-bit "
+                                "PCM) or mp3", param=f"{where}.format", code="invalid_value")
     data = b64decode(value["data"], f"{where}.data")
     try:
-        check_wav(data, limits.max_audio_seconds)
+        check(data, limits.max_audio_seconds)
+    except TooLargeMedia as exc:
+        raise RequestError(400, f"input_audio: {exc}", param=f"{where}.data", code="audio_too_long") from None
     except BadMediaError as exc:
         raise RequestError(400, f"input_audio: {exc}", param=f"{where}.data", code="invalid_value") from None
+
+
+AUDIO_CHECKS = {"wav": check_wav, "mp3": check_mp3}
 
 
 def decode_data_url(url: str, where: str) -> tuple[str, bytes]:

@@ -1,8 +1,9 @@
 """Media bytes the Serve app accepts, checked before a turn is routed: ``image/png``,
-``image/jpeg`` (decoded in full by Pillow), ``video/mp4`` (every frame decoded by PyAV) and
-``audio/wav`` (PCM16, read by the stdlib ``wave``).
+``image/jpeg`` (decoded in full by Pillow), ``video/mp4`` (every frame decoded by PyAV),
+``audio/wav`` (PCM16, read by the stdlib ``wave``) and ``audio/mpeg`` (MP3, every frame decoded
+by PyAV).
 
-``check_image`` / ``check_video`` / ``check_wav`` return what the bytes hold (``ImageInfo`` /
+``check_image`` / ``check_video`` / ``check_wav`` / ``check_mp3`` return what the bytes hold (``ImageInfo`` /
 ``VideoInfo`` / ``AudioInfo``) or raise ``BadMediaError``: ``unsupported`` when the bytes are
 another format (a GIF, a WebM or QuickTime video, a float WAV) or a media type the app does not
 take, else bytes that do not decode (truncated, not an image).
@@ -23,10 +24,11 @@ if TYPE_CHECKING:                     # video_frames imports torch: only when a 
     from ..integrations.video_frames import VideoHeader
 
 IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg"}      # Pillow format -> media type
-AUDIO_TYPES = ("audio/wav",)
+AUDIO_TYPES = ("audio/wav",)                  # mmtier's own app; the vLLM ingress also takes MP3
 VIDEO_TYPES = ("video/mp4",)
 ACCEPTED = {"image": tuple(IMAGE_TYPES.values()), "video": VIDEO_TYPES, "audio": AUDIO_TYPES}
 MIN_RATE, MAX_RATE = 1000, 192_000
+MP3_SLACK_S = 0.1                     # an MP3's decoded length may fall short of its header's by a frame
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class VideoInfo:
 
 @dataclass(frozen=True)
 class AudioInfo:
-    media_type: str            # "audio/wav"
+    media_type: str            # "audio/wav" | "audio/mpeg"
     rate: int                  # samples per second
     channels: int
     frames: int
@@ -110,6 +112,40 @@ def check_wav(data: bytes, max_seconds: float) -> AudioInfo:
     if got != frames * channels * width:
         raise BadMediaError(f"the WAV file is cut short: {got} of {frames * channels * width} sample bytes")
     return AudioInfo("audio/wav", rate, channels, frames)
+
+
+def check_mp3(data: bytes, max_seconds: float) -> AudioInfo:
+    """An MP3 (an ID3 tag or an MPEG audio frame first) whose every frame decodes (PyAV, with
+    the decoder's ``err_detect=explode``: a damaged frame is an error), of at most
+    ``max_seconds``: the declared length is checked before decoding, the decoded one after."""
+    import av
+
+    if not (data[:3] == b"ID3" or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)):
+        raise BadMediaError("not an MP3 file (no ID3 tag or MPEG audio frame first)")
+    frames = rate = channels = 0
+    declared = None
+    try:
+        with av.open(io.BytesIO(data), format="mp3") as container:
+            declared = None if container.duration is None else container.duration / av.time_base
+            stream = next((s for s in container.streams if s.type == "audio"), None)
+            if stream is None or stream.codec_context.name not in ("mp3", "mp3float"):
+                raise BadMediaError("an MP3 container with no MP3 audio stream", unsupported=True)
+            if declared is not None and declared > max_seconds:
+                raise TooLargeMedia(f"{declared:.1f} s of audio is over the {max_seconds} s limit")
+            stream.codec_context.options = {"err_detect": "explode"}
+            rate, channels = stream.codec_context.sample_rate, stream.codec_context.channels
+            for frame in container.decode(stream):
+                frames += frame.samples
+                if frames > max_seconds * rate:
+                    raise TooLargeMedia(f"over {max_seconds} s of audio (the limit)")
+    except av.FFmpegError as exc:
+        raise BadMediaError(f"the MP3 does not decode ({exc})") from None
+    if frames < 1 or not MIN_RATE <= rate <= MAX_RATE:
+        raise BadMediaError(f"an MP3 of {frames} samples at {rate} Hz")
+    if declared is not None and frames < (declared - MP3_SLACK_S) * rate:      # frames are independent:
+        raise BadMediaError(f"the MP3 is cut short: {frames / rate:.2f} s of the {declared:.2f} s its "
+                            "header declares")                                  # a cut file decodes
+    return AudioInfo("audio/mpeg", rate, channels, frames)
 
 
 def check_video(data: bytes, max_seconds: float, max_frames: int, max_pixels: int) -> VideoInfo:
