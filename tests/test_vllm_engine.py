@@ -1,8 +1,10 @@
 """mmtier's vLLM connector in real vLLM engines (vLLM's CPU build): the scheduler, model runner
 and KV connector loop of ``vllm.LLM``, on tiny random-weight models this module builds and
 saves. Every scenario compares greedy tokens with a plain engine (no connector) under the same
-settings and counts cached tokens as vLLM reports them (``RequestOutput.num_cached_tokens``;
-vLLM's own prefix caching is off, so they all come from mmtier). Each scenario runs in a
+settings and counts cached tokens as vLLM reports them (``RequestOutput.num_cached_tokens``),
+with vLLM's own prefix caching off (they all come from mmtier) and on (the plain oracle then has
+it too). ``tests/test_vllm_dropin.py`` adds vLLM's prefix cache over a pool too small to keep
+what mmtier brings back, and the bit-level oracle. Each scenario runs in a
 process of its own (``tests/vllm_scenarios.py``), as vLLM's spawned processes want.
 
 Needs the engines environment (``./run engines``); skipped with the reason otherwise."""
@@ -30,6 +32,17 @@ def scenario(name: str, tmp: Path, **args) -> dict:
     return engine_runs.scenario("tests.vllm_scenarios", name, tmp, **args)
 
 
+# vLLM's own prefix cache off (every cached token is mmtier's) and on (how users serve: every
+# engine of the scenario, mmtier's and the plain oracle, has it); the in-process executor runs
+# with it off only (its point is the executor). The scenarios over a disk directory (corrupt,
+# shared_disk) run with it off: with it on and a roomy pool vLLM's own blocks answer the
+# repeats and mmtier's files go unread; tests/test_vllm_dropin.py runs vLLM's prefix cache
+# over a pool too small to keep what mmtier brings back, restart from disk included
+RUNS = [pytest.param("mp", False, id="mp"), pytest.param("uni", False, id="uni"),
+        pytest.param("mp", True, id="mp-prefix-cache")]
+PREFIX = [pytest.param(False, id="no-prefix-cache"), pytest.param(True, id="prefix-cache")]
+
+
 def tokens(rows: list[dict]) -> list[list[int]]:
     return [r["tokens"] for r in rows]
 
@@ -38,21 +51,23 @@ def cached(rows: list[dict]) -> list[int]:
     return [r["cached"] for r in rows]
 
 
-@pytest.mark.parametrize("executor", ["mp", "uni"])
-def test_repeats_and_shared_prefixes_hit_and_a_changed_token_hits_up_to_its_block(models, tmp_path, executor):
+@pytest.mark.parametrize("executor, prefix_caching", RUNS)
+def test_repeats_and_shared_prefixes_hit_and_a_changed_token_hits_up_to_its_block(models, tmp_path, executor,
+                                                                                  prefix_caching):
     """``mp`` is vLLM's default (engine core and worker in processes of their own, no Ray):
     the worker's cache answers the scheduler through the lookup channel."""
-    r = scenario("hits", tmp_path, model=models["llama"], executor=executor)
+    r = scenario("hits", tmp_path, model=models["llama"], executor=executor, prefix_caching=prefix_caching)
     # a 301-token prompt: 9 full blocks (288) hit; 230 shared tokens: 7 blocks (224);
     # token 100 changed: the blocks before it (96)
     assert cached(r["mmtier"]) == [0, 288, 7 * BLOCK, 3 * BLOCK]
-    assert cached(r["plain"]) == [0, 0, 0, 0]
+    # vLLM's own prefix cache (a roomy pool) hits the same tokens; without it, nothing
+    assert cached(r["plain"]) == ([0, 288, 7 * BLOCK, 3 * BLOCK] if prefix_caching else [0, 0, 0, 0])
     assert tokens(r["mmtier"]) == tokens(r["plain"])
 
 
-@pytest.mark.parametrize("executor", ["mp", "uni"])
-def test_preemption_and_resume_while_mmtier_holds_the_prefixes(models, tmp_path, executor):
-    r = scenario("preemption", tmp_path, model=models["llama"], executor=executor)
+@pytest.mark.parametrize("executor, prefix_caching", RUNS)
+def test_preemption_and_resume_while_mmtier_holds_the_prefixes(models, tmp_path, executor, prefix_caching):
+    r = scenario("preemption", tmp_path, model=models["llama"], executor=executor, prefix_caching=prefix_caching)
     assert r["mmtier_preemptions"] > 0 and r["plain_preemptions"] > 0     # vLLM did preempt
     assert tokens(r["plain"]) == tokens(r["roomy"])                        # vLLM alone is exact
     assert tokens(r["mmtier"]) == tokens(r["plain"])
@@ -66,14 +81,16 @@ def test_preemption_and_resume_while_mmtier_holds_the_prefixes(models, tmp_path,
         assert counts["load_tokens"] == counts["hit_tokens"] > 3 * 288
 
 
-def test_chunked_prefill_of_prompts_longer_than_a_step(models, tmp_path):
-    r = scenario("chunked", tmp_path, model=models["llama"])
+@pytest.mark.parametrize("prefix_caching", PREFIX)
+def test_chunked_prefill_of_prompts_longer_than_a_step(models, tmp_path, prefix_caching):
+    r = scenario("chunked", tmp_path, model=models["llama"], prefix_caching=prefix_caching)
     assert cached(r["mmtier"]) == [0, 672, 0, 512]           # 700 -> 21 blocks; 520 -> 16 blocks
     assert tokens(r["mmtier"]) == tokens(r["plain"])
 
 
-def test_bf16_pages(models, tmp_path):
-    r = scenario("bf16", tmp_path, model=models["llama"])
+@pytest.mark.parametrize("prefix_caching", PREFIX)
+def test_bf16_pages(models, tmp_path, prefix_caching):
+    r = scenario("bf16", tmp_path, model=models["llama"], prefix_caching=prefix_caching)
     assert cached(r["mmtier"]) == [0, 384]
     assert tokens(r["mmtier"]) == tokens(r["plain"])
 
@@ -86,8 +103,9 @@ def test_a_corrupt_stored_group_is_recomputed_by_vllm_tokens_equal(models, tmp_p
     assert [q for q in r["quarantined"] if q.startswith(r["victim"] + ".")] != []
 
 
-def test_two_lora_adapters_on_one_prompt_never_share_kv(models, tmp_path):
-    r = scenario("lora", tmp_path, model=models["llama"])
+@pytest.mark.parametrize("prefix_caching", PREFIX)
+def test_two_lora_adapters_on_one_prompt_never_share_kv(models, tmp_path, prefix_caching):
+    r = scenario("lora", tmp_path, model=models["llama"], prefix_caching=prefix_caching)
     # order: a, a, b, b, base: each adapter hits only what it saved itself
     assert cached(r["mmtier"]) == [0, 288, 0, 288, 0]
     assert tokens(r["mmtier"]) == tokens(r["plain"])

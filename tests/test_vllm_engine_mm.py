@@ -128,3 +128,22 @@ def test_the_encoder_cache_connector_under_the_default_executor_answers_plain_to
 def test_the_encoder_cache_connector_skips_the_encoder_under_the_default_executor(default_executor):
     """The scheduler (engine-core process) asks the worker's cache over the lookup channel."""
     assert encoded(default_executor["ec"])[4] == 0             # A again: vLLM's own cache let it go
+
+
+def test_both_connectors_given_only_sizes_read_the_llavas_shape_and_share_one_cache(llava, tmp_path):
+    from tests.vllm_mm_models import EMBED_WIDTH
+
+    r = scenario("sizes_only", tmp_path, model=llava)
+    assert r["caches"] == 1                                   # the KV and EC connectors share it
+    mods = r["modalities"]
+    assert set(mods) == {"text", "vision", "vision_embed"}
+    assert mods["vision_embed"][0] == "embedding" and mods["vision_embed"][2] == EMBED_WIDTH
+    assert mods["text"][1] == mods["vision"][1] == BLOCK
+    rows, plain = r["mmtier"], r["plain"]
+    assert tokens(rows) == tokens(plain)
+    assert cached(rows)[:2] == [0, (IMAGE_AT + IMAGE_TOKENS) // BLOCK * BLOCK]  # the tail: through the image
+    # a second engine: no KV hit (other text first), the vision tower skipped for the image it
+    # never saw (a fresh plain engine encodes it)
+    assert cached(rows)[2] == 0 and encoded(rows)[2] == 0 and encoded(r["plain_fresh"]) == [1]
+    assert tokens(r["plain_fresh"]) == tokens(plain)[2:]
+    assert encoded(rows)[0] == 1 and cached(plain) == [0, 0, 0]

@@ -190,13 +190,52 @@ def across_instances(model: str, tmp: str) -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (default_executor, across_instances)}
+def sizes_only(model: str, tmp: str) -> dict:
+    """Both connectors given only sizes, as a vLLM user turns them on: each reads the LLaVA's
+    shape from vLLM (its text and vision KV, its projector's output width) and the two share one
+    cache. A; A with another tail (a KV hit through the image). Then a second engine over the
+    same disk directory: A after other text (no KV hit; the encoder-cache connector skips the
+    vision tower). Plain engines: the three in one, the last alone in a fresh one."""
+    from vllm.config import ECTransferConfig
+
+    from mmtier.integrations import connector_cache
+
+    p = prompts()
+    a = image(1)
+    reqs = [request(p["same"], a), request(p["tail"], a), request(image_prompt(text(4, 40), AFTER), a)]
+    sizes = {"mmtier_host_bytes": "64MiB", "mmtier_disk_dir": str(Path(tmp) / "disk"),
+             "mmtier_disk_bytes": "256MiB", "mmtier_disk_free_floor_bytes": 0}
+    out: dict = {"mmtier": []}
+    for part in (reqs[:2], reqs[2:]):
+        ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_connector_module_path=EC_CONNECTOR,
+                              ec_role="ec_both", ec_connector_extra_config=dict(sizes))
+        llm = engine(model, mmtier={**sizes, "mmtier_chunk_blocks": 1}, executor="uni", ec_transfer_config=ec,
+                     **MM_ARGS)
+        out["mmtier"] += run(llm, part, EncoderCalls(llm))
+        caches = list(connector_cache._CACHES.values())
+        out["caches"] = len(caches)
+        out["modalities"] = {n: [s.kind, s.page_size, s.width, s.num_kv_heads, s.head_dim, s.dtype]
+                             for n, s in caches[0].cfg.modalities.items()}
+        close(llm)
+    plain = engine(model, executor="uni", **MM_ARGS)
+    out["plain"] = run(plain, reqs, EncoderCalls(plain))
+    close(plain)
+    fresh = engine(model, executor="uni", **MM_ARGS)
+    out["plain_fresh"] = run(fresh, reqs[2:], EncoderCalls(fresh))
+    close(fresh)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (default_executor, across_instances, sizes_only)}
 
 
 def main(argv: list[str]) -> int:
     import json
 
     name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+    from tests import vllm_scenarios
+
+    vllm_scenarios.PREFIX_CACHING = bool(args.pop("prefix_caching", False))
     tmp = Path(args.get("tmp", "."))
     tmp.mkdir(parents=True, exist_ok=True)
     result = SCENARIOS[name](**args)

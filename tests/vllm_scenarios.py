@@ -26,6 +26,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tests.vllm_models import BLOCK, VOCAB, cache_fields  # noqa: E402
 
 CONNECTOR = "mmtier.integrations.vllm"
+# vLLM's own prefix caching in every engine a scenario starts (with and without mmtier): the
+# scenario's ``prefix_caching`` argument sets it (``main``), so each scenario runs both ways
+PREFIX_CACHING = False
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -46,7 +49,7 @@ def engine(model: str, *, mmtier: dict | None = None, executor: str = "mp", dtyp
         kv = KVTransferConfig(kv_connector="MMTierConnector", kv_connector_module_path=CONNECTOR,
                               kv_role="kv_both", kv_connector_extra_config=mmtier)
     args = dict(skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK, max_model_len=2048,
-                dtype=dtype, enable_prefix_caching=False, seed=0, max_num_seqs=8, disable_log_stats=False,
+                dtype=dtype, enable_prefix_caching=PREFIX_CACHING, seed=0, max_num_seqs=8, disable_log_stats=False,
                 kv_transfer_config=kv, distributed_executor_backend=executor)
     args.update(kw)
     return LLM(model, **args)
@@ -277,7 +280,9 @@ SCENARIOS = {f.__name__: f for f in (hits, preemption, chunked, bf16, corrupt, l
 
 
 def main(argv: list[str]) -> int:
+    global PREFIX_CACHING
     name, args = argv[0], json.loads(argv[1]) if len(argv) > 1 else {}
+    PREFIX_CACHING = bool(args.pop("prefix_caching", False))
     result = SCENARIOS[name](**args)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
