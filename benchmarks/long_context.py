@@ -18,6 +18,17 @@ Without ``--preset`` two rows run, each writing its own JSON:
 - ``long_context_1layer.json``: 2,000,000 tokens of one layer, one KV head, head dim 64, fp32
   (512 B per token), 30 % device, 30 % host, 40 % disk.
 
+``--dtype float8_e4m3fn`` (or ``float8_e5m2``) runs a real preset's row in fp8 pages, as an
+engine with an fp8 KV cache keeps them (``--kv-cache-dtype fp8``): K and V stored as value /
+``FP8_SCALE`` (a per-tensor scale in the config), half bf16's bytes (28 KiB per token at
+Qwen2.5-VL-7B's shape: 2,097,152 tokens are 56 GiB), the oracle over the dequantized values;
+it writes ``long_context_fp8.json``. ``--host-gib`` sizes the host tier (less goes to disk).
+``--compare`` runs the preset's dtype and then fp8 at the same tokens, one after the other
+(``long_context_fp8_vs_bf16.json``: bytes per token, decode time, floor ratios and errors side
+by side, fp8's over bf16's). Every row checks first that the disk holds what its device and
+host tiers do not, with ``--reserve-gib`` left free, and says what it needs when it does not;
+its spill directory is a temporary one, removed at the end.
+
 Each builds one sequence of interleaved text, images (576 tokens), audio clips (1500 tokens per
 30 s; presets without audio skip it) and video segments, then measures one decode step: every
 layer's attention over every token, computed where the pages live and merged by log-sum-exp.
@@ -80,6 +91,7 @@ from benchmarks.floors import (
 )
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.cache.groups import Tier
+from mmtier.config import FP8_DTYPES
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)
@@ -93,31 +105,53 @@ PROBE_BYTES = 2 << 30         # the disk bandwidth probe's cold read
 CPU_PRESET_TOKENS = 32_768    # a real preset's default on a CPU (see the module's docstring)
 
 
-def token_bytes(preset: str, layers: int) -> int:
-    hkv, dim, _, dtype, _ = PRESETS[preset]
-    return 2 * hkv * dim * getattr(torch, dtype).itemsize * layers
+FP8_SCALE = 1 / 64            # the fp8 rows' per-tensor K and V scale (stored = value / scale)
 
 
-def max_tokens(directory: Path, preset: str, layers: int, reserve: int) -> int:
+def token_bytes(preset: str, layers: int, dtype: str | None = None) -> int:
+    hkv, dim, _, preset_dtype, _ = PRESETS[preset]
+    return 2 * hkv * dim * getattr(torch, dtype or preset_dtype).itemsize * layers
+
+
+def max_tokens(directory: Path, preset: str, layers: int, reserve: int, dtype: str | None = None) -> int:
     """The most tokens whose K/V fit the disk under ``directory`` with ``reserve`` bytes left
     free (the device and host tiers hold some too: they are not counted, a margin)."""
     free = shutil.disk_usage(directory).free - reserve
     if free <= 0:
         raise SystemExit(f"{directory}: {shutil.disk_usage(directory).free >> 30} GiB free, "
                          f"under the {reserve >> 30} GiB reserve")
-    return int(free * 0.95) // token_bytes(preset, layers)
+    return int(free * 0.95) // token_bytes(preset, layers, dtype)
+
+
+def check_disk(directory: Path, tokens: int, preset: str, layers: int, reserve: int, dtype: str | None,
+               in_memory: int) -> None:
+    """Refuse up front, saying what the run needs, when the disk under ``directory`` cannot take
+    the tokens' K/V beyond what the device and host tiers hold (``in_memory`` bytes) with
+    ``reserve`` bytes left free."""
+    need = max(0, tokens * token_bytes(preset, layers, dtype) - in_memory) + (1 << 30)   # + Arrow files, probes
+    free = shutil.disk_usage(directory).free
+    if free - need < reserve:
+        raise SystemExit(
+            f"{directory}: {tokens:,} tokens of {preset} x {layers} layers in {dtype or PRESETS[preset][3]} need "
+            f"{need / 2**30:.1f} GiB on disk and {reserve / 2**30:.1f} GiB left free: "
+            f"{(need + reserve) / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free "
+            f"(--tokens max takes what fits; MMTIER_BENCH_DIR names another disk)")
 
 
 def build_config(tokens: int, preset: str, layers: int, device: str, spill_dir: Path,
-                 reserve: int) -> CacheConfig:
+                 reserve: int, dtype: str | None = None, host_bytes: int = TIER_BYTES) -> CacheConfig:
     """``tiny``: one layer, tiers of 30 / 30 / 40 % of the bytes. A real preset: its ``configs/``
-    file (modalities, page sizes, policy) with ``layers`` layers, 1 GiB device and host tiers."""
-    total = tokens * token_bytes(preset, layers)
+    file (modalities, page sizes, policy) with ``layers`` layers, 1 GiB device tier and a
+    ``host_bytes`` host tier. ``dtype``: the pages' (default: the preset's); fp8 pages carry
+    ``FP8_SCALE`` as their per-tensor K and V scale."""
+    total = tokens * token_bytes(preset, layers, dtype)
+    fp8 = {"k_scale": FP8_SCALE, "v_scale": FP8_SCALE} if dtype in FP8_DTYPES else {}
     path = CONFIGS / f"{preset}.yaml"
     if preset == "tiny" or not path.exists():
-        hkv, dim, _, dtype, _ = PRESETS[preset]
+        hkv, dim, _, preset_dtype, _ = PRESETS[preset]
         return CacheConfig(
-            model=f"long-context-{preset}", num_layers=layers, num_kv_heads=hkv, head_dim=dim, dtype=dtype,
+            model=f"long-context-{preset}", num_layers=layers, num_kv_heads=hkv, head_dim=dim,
+            dtype=dtype or preset_dtype, **fp8,
             modalities={"text": ModalitySpec(page_size=16, share=0.25),
                         "vision": ModalitySpec(page_size=64, share=0.25),
                         "audio": ModalitySpec(page_size=60, share=0.25),
@@ -131,8 +165,10 @@ def build_config(tokens: int, preset: str, layers: int, device: str, spill_dir: 
     CacheConfig.from_yaml(path)                      # the preset as shipped is valid
     base = yaml.safe_load(path.read_text())         # its own fields only (no filled defaults)
     # each pool (a share of a tier) must take its modality's largest group whole
-    tier = min(TIER_BYTES, max(4 * max(MEDIA.values()) * token_bytes(preset, layers), total // 4))
-    base.update(num_layers=layers, device=device, device_bytes=tier, host_bytes=tier, disk_dir=spill_dir,
+    tier = min(TIER_BYTES, max(4 * max(MEDIA.values()) * token_bytes(preset, layers, dtype), total // 4))
+    host = min(host_bytes, max(tier, total // 4))
+    base.update(dtype=dtype or base["dtype"], **fp8)
+    base.update(num_layers=layers, device=device, device_bytes=tier, host_bytes=host, disk_dir=spill_dir,
                 disk_bytes=2 * total + (1 << 30), disk_free_floor_bytes=reserve, max_inflight_bytes=64 << 20)
     return CacheConfig(**base)
 
@@ -167,7 +203,9 @@ def feed(cache, seq, plan, gen, shape, keep=(0, 0), put_opts=lambda i: {}, attac
     layers, hkv, dim, tdtype = shape
     row = layers * hkv * dim                         # elements per token
     elems = min(BANK_ELEMS, max(2 * row * sum(n for _, n in plan), 4 * row * max(n for _, n in plan)))
-    bank = torch.randn(elems, generator=gen, dtype=torch.float32).to(tdtype)
+    fp8 = tdtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    # fp8: the values a KV cache stores, value / scale; the oracle gets them dequantized
+    bank = (torch.randn(elems, generator=gen, dtype=torch.float32) / (FP8_SCALE if fp8 else 1)).to(tdtype)
     ks, vs = [], []
     for i, (kind, n) in enumerate(plan):
         size = row * n
@@ -180,7 +218,7 @@ def feed(cache, seq, plan, gen, shape, keep=(0, 0), put_opts=lambda i: {}, attac
             key = cache.content_key(kind, f"{kind}-{i}".encode(), tenant="bench")
             cache.put(key, k, v, **put_opts(i))
             cache.attach(seq, key, **(attach_opts or {}))
-        ks.append(k[keep[0], :, keep[1]].clone())
+        ks.append(k[keep[0], :, keep[1]].clone())        # as stored (fp8: oracle_error dequantizes)
         vs.append(v[keep[0], :, keep[1]].clone())
     return ks, vs
 
@@ -225,14 +263,18 @@ def _direct_bandwidth(spill: Path, nbytes: int) -> float | None:
 
 
 def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_heads: int,
-        repeats: int, reserve: int) -> dict:
-    hkv, dim, hq, dtype, model_layers = PRESETS[preset]
+        repeats: int, reserve: int, dtype: str | None = None, host_bytes: int = TIER_BYTES) -> dict:
+    hkv, dim, hq, preset_dtype, model_layers = PRESETS[preset]
+    dtype = dtype or preset_dtype
     tdtype = getattr(torch, dtype)
+    qdtype = torch.bfloat16 if dtype in FP8_DTYPES else tdtype     # an fp8 cache's model computes in bf16
+    load_at_start = os.getloadavg()[0]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     base = Path(os.environ.get("MMTIER_BENCH_DIR", "/var/tmp"))
     with tempfile.TemporaryDirectory(prefix="mmtier-long-", dir=base) as tmp:
         spill = Path(tmp) / "spill"
-        cfg = build_config(tokens, preset, layers, device, spill, reserve)
+        cfg = build_config(tokens, preset, layers, device, spill, reserve, dtype, host_bytes)
+        check_disk(base, tokens, preset, layers, reserve, dtype, (cfg.device_bytes or 0) + cfg.host_bytes)
         plan = plan_segments(tokens, seed, tuple(cfg.modalities))
         rng = random.Random(seed)
         check_layer, check_head = layers - 1, rng.randrange(hkv)
@@ -252,7 +294,7 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
                 per_tier[s.group.tier] += s.group.nbytes
                 tok_tier[s.group.tier] += s.group.num_tokens
             total_bytes = sum(per_tier.values())
-            qs = torch.randn(layers, 1, hq, dim, generator=gen).to(tdtype).to(device)
+            qs = torch.randn(layers, 1, hq, dim, generator=gen).to(qdtype).to(device)
 
             def step() -> torch.Tensor:
                 last = None
@@ -283,8 +325,10 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
     figures: dict[str, object] = {
         "tokens": tokens, "preset": preset, "device": device, "layers": layers,
         "model_layers": model_layers, "dtype": dtype,
-        "per_token_bytes": token_bytes(preset, layers),
-        "per_token_bytes_per_layer": token_bytes(preset, 1),
+        **({"fp8_scale": f"per tensor, K and V {FP8_SCALE}"} if dtype in FP8_DTYPES else {}),
+        "host_tier_bytes": cfg.host_bytes, "device_tier_bytes": cfg.device_bytes,
+        "per_token_bytes": token_bytes(preset, layers, dtype),
+        "per_token_bytes_per_layer": token_bytes(preset, 1, dtype),
         "step_bytes": total_bytes, "segments": len(plan),
         "device_tokens": tok_tier[Tier.DEVICE], "host_tokens": tok_tier[Tier.HOST],
         "disk_tokens": tok_tier[Tier.DISK],
@@ -300,7 +344,8 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
         "decode_s": spread(decodes).median, "decode_s_best": spread(decodes).best,
         "decode_s_worst": spread(decodes).worst,
         "decode_cpu_s": spread(cpu_s).median, "decode_user_s": spread(user_s).median,
-        "decode_sys_s": spread(sys_s).median, "load_avg_1min_at_end": os.getloadavg()[0],
+        "decode_sys_s": spread(sys_s).median, "load_avg_1min_at_start": load_at_start,
+        "load_avg_1min_at_end": os.getloadavg()[0],
         "overlap_floor_s": floors[mid].overlap_s, "summed_floor_s": floors[mid].summed_s,
         "overlap_floor_bound": floors[mid].bound,
         **{f"floor_{k}_s": v for k, v in floors[mid].resources.items()},
@@ -402,20 +447,53 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
     }
 
 
+ORACLE_ROWS = 1 << 18          # keys per float64 chunk of the oracle (memory stays bounded)
+
+
 def oracle_error(q, out, ks, vs, heads: list[int], kv_head: int) -> float:
     """Max relative error over the query ``heads`` (all of one KV head's group), float64 over
-    that KV head's gathered K/V (``ks``/``vs``: ``[n, D]`` per segment)."""
-    k = torch.cat(ks).double()       # [T, D]
-    v = torch.cat(vs).double()
+    that KV head's gathered K/V (``ks``/``vs``: ``[n, D]`` per segment, as stored: fp8 rows
+    are dequantized here, value x ``FP8_SCALE``), a chunk of keys at a time."""
+    k, v = torch.cat(ks), torch.cat(vs)       # [T, D] in the pages' dtype
+    scale = FP8_SCALE if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else 1.0
     dim = k.shape[1]
+    chunks = range(0, k.shape[0], ORACLE_ROWS)
     worst = 0.0
     del kv_head                       # ks / vs hold only that head
     for h in heads:
-        s = (k @ q[0, h].double()) * dim ** -0.5
+        qh = q[0, h].double()
+        s = torch.cat([(k[c:c + ORACLE_ROWS].double() * scale) @ qh for c in chunks]) * dim ** -0.5
         p = torch.softmax(s, dim=0)
-        ref = p @ v
+        ref = sum(p[c:c + ORACLE_ROWS] @ (v[c:c + ORACLE_ROWS].double() * scale) for c in chunks)
         worst = max(worst, float((out[0, h].double() - ref).abs().max() / ref.abs().max()))
     return worst
+
+
+COMPARED = ("per_token_bytes", "step_bytes", "disk_bytes_read", "decode_s", "decode_cpu_s", "overlap_floor_s",
+            "overlap_floor_bound", "decode_over_overlap_floor", "decode_over_overlap_floor_best",
+            "decode_over_overlap_floor_worst", "decode_over_summed_floor", "floor_compute_s", "floor_disk_s",
+            "disk_read_gbps", "max_rel_err", "ingest_s", "load_avg_1min_at_end")
+
+
+def compare(tokens: int, preset: str, layers: int, args, repeats: int, reserve: int) -> dict:
+    """The preset's dtype and fp8 at the same tokens, one after the other (each with its own
+    floor + decode pairs): their figures side by side and fp8's over the other's."""
+    fp8 = args.dtype if args.dtype in FP8_DTYPES else "float8_e4m3fn"
+    host = int(args.host_gib * (1 << 30))
+    rows = {}
+    for dtype in (PRESETS[preset][3], fp8):
+        rows[dtype] = run(tokens, preset, layers, args.device, args.seed, args.oracle_heads, repeats, reserve,
+                          dtype, host)
+    base, low = rows[PRESETS[preset][3]], rows[fp8]
+    out: dict = {"tokens": tokens, "preset": preset, "layers": layers, "repeats": repeats,
+                 "dtypes": f"{PRESETS[preset][3]} then {fp8}, one run after the other",
+                 "fp8_scale": f"per tensor, K and V {FP8_SCALE}"}
+    for name in COMPARED:
+        out[f"{PRESETS[preset][3]}_{name}"] = base[name]
+        out[f"fp8_{name}"] = low[name]
+    for name in ("per_token_bytes", "decode_s", "decode_cpu_s", "overlap_floor_s"):
+        out[f"fp8_over_{PRESETS[preset][3]}_{name}"] = low[name] / base[name]
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -428,6 +506,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", default=None, help="'all' (the preset's; default) or a count; tiny: 1")
     ap.add_argument("--reserve-gib", type=float, default=4.0, help="disk left free (and the cache's floor)")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, choices=("float32", "float16", "bfloat16", *FP8_DTYPES),
+                    help="the pages' dtype (default: the preset's); fp8 rows write long_context_fp8.json")
+    ap.add_argument("--compare", action="store_true",
+                    help="fp8 against the preset's dtype at the same tokens, one run after the other "
+                         "(--dtype: the fp8 format, default float8_e4m3fn): long_context_fp8_vs_bf16.json")
+    ap.add_argument("--host-gib", type=float, default=TIER_BYTES / 2**30,
+                    help="host tier of a real preset's row (default 1; less goes to disk)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--oracle-heads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=None, help="floor + decode pairs (5; quick 2)")
@@ -450,17 +535,23 @@ def main(argv: list[str] | None = None) -> dict:
             tokens = 50_000 if preset == "tiny" else 12_000
             layers = layers if preset == "tiny" or args.layers not in (None, "all") else 2
         elif args.tokens == "max" or (args.tokens is None and preset != "tiny" and args.device != "cpu"):
-            tokens = max_tokens(base, preset, layers, reserve)
+            tokens = max_tokens(base, preset, layers, reserve, args.dtype)
         elif args.tokens is None and preset != "tiny":
             tokens = CPU_PRESET_TOKENS
         else:
             tokens = int(args.tokens or 2_000_000)
-        if args.cluster:
+        if args.compare:
+            figures = compare(tokens, preset, layers, args, repeats, reserve)
+            name = "long_context_fp8_vs_bf16"
+        elif args.cluster:
             figures = run_cluster(tokens, preset, args.seed, args.oracle_heads, args.nodes, repeats)
             name = "long_context_cluster"
         else:
-            figures = run(tokens, preset, layers, args.device, args.seed, args.oracle_heads, repeats, reserve)
+            figures = run(tokens, preset, layers, args.device, args.seed, args.oracle_heads, repeats, reserve,
+                          args.dtype, int(args.host_gib * (1 << 30)))
             name = "long_context_1layer" if preset == "tiny" else "long_context"
+            if args.dtype in FP8_DTYPES:
+                name += "_fp8"
         print_table(f"long context ({preset}): {tokens:,} tokens, one decode step of {layers} layer(s)",
                     list(figures.items()))
         path = write_results(name, figures, args.out)
