@@ -35,6 +35,7 @@ class EngineSpec:
     max_model_len: int = 2048
     images_per_prompt: int = 8
     mmtier: dict | None = None      # the connectors' extra config (sizes only), None: plain vLLM
+    encoder_cache: bool = True      # with mmtier: its encoder-cache connector beside the KV one
     max_num_seqs: int = 8
     shutdown_timeout_s: int = 120   # SIGTERM drains, and the engine's processes exit (caches close)
     python: str = sys.executable    # the engines environment's interpreter
@@ -54,6 +55,7 @@ class EngineSpec:
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "MMTierConnector", "kv_connector_module_path": "mmtier.integrations.vllm",
                 "kv_role": "kv_both", "kv_connector_extra_config": self.mmtier})]
+        if self.mmtier is not None and self.encoder_cache:
             args += ["--ec-transfer-config", json.dumps({
                 "ec_connector": "MMTierECConnector", "ec_connector_module_path": "mmtier.integrations.vllm_ec",
                 "ec_role": "ec_both", "ec_connector_extra_config": self.mmtier})]

@@ -63,6 +63,7 @@ class ServingDemoSpec:
     device_bytes: int = 512 << 20       # mmtier's page pool (the CPU's memory here, like the host tier)
     host_bytes: int = 1 << 30           # mmtier's host tier
     chunk_blocks: int | None = None     # the KV connector's blocks per text group (None: its default)
+    encoder_cache: bool = True          # mmtier's encoder-cache connector beside its KV connector
     seed: int = 0
 
     @classmethod
@@ -187,7 +188,8 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
                       images_per_prompt=spec.turns)
         mm_spec = EngineSpec("mmtier", mmtier=mmtier_sizes(disk, device_bytes=spec.device_bytes,
                                                             host_bytes=spec.host_bytes,
-                                                            chunk_blocks=spec.chunk_blocks), **common)
+                                                            chunk_blocks=spec.chunk_blocks),
+                              encoder_cache=spec.encoder_cache, **common)
         servers = {"plain": EngineServer(EngineSpec("plain", **common), log_path),
                    "mmtier": EngineServer(mm_spec, log_path)}
         try:
