@@ -409,7 +409,7 @@ def tile_dtype(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
     return kv_dtype
 
 
-def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int) -> tuple[int, dict]:
+def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int, fp8: bool = False) -> tuple[int, dict]:
     """``BLOCK_N`` and the launch options on a GPU, chosen so that no variant spills a
     register on sm_80 / sm_90 / sm_100 (``./run kernels-compile`` compiles every one; what the
     choices replaced is in parentheses):
@@ -422,10 +422,14 @@ def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int) -> tuple[int, di
       on sm_90; at head dim 256, 4 warps and 3 stages 8-16 B on sm_80, 8 warps and 3 stages
       16 B on sm_90 / sm_100);
     - 16-bit, 32-64 rows (prefill, chunked prefill): 64-key tiles (32 at head dims over 128)
-      on 8 warps, 2 stages (4 warps spilled 4-8 B at 168-255 registers on sm_80 / sm_90).
+      on 8 warps, 2 stages (4 warps spilled 4-8 B at 168-255 registers on sm_80 / sm_90);
+    - fp8 pages (``fp8``; bfloat16 or float16 tiles widened from the bytes) at head dims over
+      128: 16-key tiles on 8 warps, 2 stages (32-key tiles spilled 8 B on sm_90 in prefill).
     """
     if kv_dtype == torch.float32:
         return 16, {"num_warps": 4, "num_stages": 3}
+    if fp8 and d_pad > 128:     # the bytes' widening: 32-key tiles spilled 8 B on sm_90 at head dim 256
+        return 16, {"num_warps": 8, "num_stages": 2}
     if block_m <= 16:
         return 32, {"num_warps": 4, "num_stages": 3} if d_pad <= 128 else {"num_warps": 8, "num_stages": 2}
     return (64 if d_pad <= 128 else 32), {"num_warps": 8, "num_stages": 2}
@@ -437,7 +441,7 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
     head_dim = kv.shape[5]
     d_pad = max(16, _next_pow2(head_dim))
     if gpu_choices(kv.device):
-        block_n, extra = _gpu_tiles(tile_dtype(kv.dtype, q.dtype), plan.block_m, d_pad)
+        block_n, extra = _gpu_tiles(tile_dtype(kv.dtype, q.dtype), plan.block_m, d_pad, kv.dtype in FP8_CODES)
     else:   # the interpreter pays per tile op, not per element: fewer, wider tiles
         block_n, extra = INTERPRET_BLOCK_N, {}
     grid = (plan.work_b.shape[0], op.num_kv_heads, op_plan.num_splits)
