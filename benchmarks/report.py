@@ -26,9 +26,9 @@ COMMANDS = {
     "cluster": "python -m benchmarks.cluster",
     "long_context": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
                     "(all 28 layers, what the disk held at --tokens max --reserve-gib 20)",
-    "long_context_fp8": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 1048576 --dtype float8_e4m3fn "
-                        "--repeats 3 --host-gib 2 --reserve-gib 10  (all 28 layers in fp8, e4m3 with a per-tensor "
-                        "scale; --tokens 2097152 is the target: see the notes for why this run is half of it)",
+    "long_context_fp8": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 2097152 --dtype float8_e4m3fn "
+                        "--repeats 3 --host-gib 4 --reserve-gib 10  (all 28 layers in fp8, e4m3 with a per-tensor "
+                        "scale; 56 GiB per step)",
     "long_context_fp8_vs_bf16": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 131072 --compare "
                                 "--repeats 3  (bf16 then fp8 e4m3 at the same tokens, one after the other)",
     "long_context_1layer": "python -m benchmarks.long_context --preset tiny --tokens 2000000",
