@@ -93,10 +93,9 @@ def full_blocks(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK * BLOCK          # vLLM computes the last prompt token itself
 
 
-@pytest.mark.parametrize("fmt", ["wav", pytest.param("mp3", marks=pytest.mark.xfail(strict=True, reason=(
-    "known bug (issue 36 report, tests/test_vllm_engine_av.py's partial-block test): every chat "
-    "prompt with a clip starts 'Audio 1: <|audio_bos|>', a partial block of text the wav clip's "
-    "request stored; the repeat of a second clip under it answers other tokens")))])
+# every chat prompt with a clip starts 'Audio 1: <|audio_bos|>', a partial block of text the wav
+# clip's request stored: the mp3 clip's repeat reads it (tests/test_vllm_cpu_layout.py)
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
 def test_a_repeated_clip_is_served_from_mmtier_with_the_same_answer(app, fmt):
     c = client(app)
     encode = wav_bytes if fmt == "wav" else mp3_bytes

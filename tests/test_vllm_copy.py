@@ -14,10 +14,23 @@ B, H, N, D = 12, 4, 16, 32
 def layer(layout: str) -> torch.Tensor:
     if layout == "standard":                     # [blocks, heads, block_size, 2 * head_dim] view
         return torch.randn(B, N, H, 2 * D).transpose(1, 2)
+    if layout == "cpu":                          # vLLM's CPU backend: contiguous, per head K^T then V
+        return torch.randn(B, H, N, 2 * D)
     return torch.randn(2, B, N, H, D)            # the older [2, blocks, block_size, heads, head_dim]
 
 
-@pytest.mark.parametrize("layout", ["standard", "legacy"])
+def test_the_cpu_backends_block_is_k_transposed_then_v():
+    """Per head and block: K as [head_dim, block_size], then V as [block_size, head_dim] (what
+    vLLM's CPU cache write stores; tests/test_vllm_cpu_layout.py writes through it)."""
+    src = layer("cpu")
+    k, v = vc.kv_views(src, D)
+    flat = src.reshape(B, H, 2 * N * D)
+    b, p, h, d = 3, 5, 2, 7
+    assert k[b, p, h, d] == flat[b, h, d * N + p] and v[b, p, h, d] == flat[b, h, N * D + p * D + d]
+    assert k.data_ptr() == src.data_ptr()                  # views, no copy
+
+
+@pytest.mark.parametrize("layout", ["standard", "cpu", "legacy"])
 @pytest.mark.parametrize("which", ["whole_blocks", "partial_last_block", "out_of_order_slots"])
 @pytest.mark.parametrize("nblocks", [5, 12])          # checked in Python / with torch ops
 def test_gather_and_scatter_equal_indexing_by_slot(layout, which, nblocks):
@@ -43,7 +56,7 @@ def test_gather_and_scatter_equal_indexing_by_slot(layout, which, nblocks):
     assert torch.isnan(k2[untouched]).all() and torch.isnan(v2[untouched]).all()
 
 
-@pytest.mark.parametrize("layout", ["standard", "legacy"])
+@pytest.mark.parametrize("layout", ["standard", "cpu", "legacy"])
 def test_stage_mirrors_vllm_layout_and_blocks_copy_as_slices(layout):
     """A stage laid out as vLLM's tensor: blocks copied in by runs of slices land where indexing
     by block puts them, its K/V views are vLLM's K/V of those blocks, and they copy back."""

@@ -138,18 +138,12 @@ def test_the_kv_connector_hits_a_repeated_item_chained_to_its_prefix(runs, mediu
     assert cached(plain) == [0] * 5
 
 
-PARTIAL_BLOCK_BUG = pytest.mark.xfail(strict=True, reason=(
-    "known bug (issue 36 report): the repeat of an item whose prompt shares a partial block of text "
-    "before the item with an earlier prompt (that text group stored by the earlier request, the "
-    "item's by its own) loads KV that answers other tokens than plain vLLM; the video model answers "
-    "B and C alike, which may mask it there"))
-
-
-@pytest.mark.parametrize("medium", [pytest.param("audio", marks=PARTIAL_BLOCK_BUG), "video"])
+@pytest.mark.parametrize("medium", MEDIA)
 def test_a_repeat_of_an_item_that_shares_a_partial_block_of_text_with_another(runs, medium):
     """C again: its prompt shares A's words up to the item, which starts mid-block, so the text
     group before it was stored by A's request and C's by its own. The hit covers every full
-    block, and the answer must be C's."""
+    block, and the answer must be C's (it was not while the connector read vLLM's CPU blocks as
+    K|V along the last axis: tests/test_vllm_cpu_layout.py)."""
     c_again = runs[medium]["first"][4]
     assert c_again["cached"] == blocks(medium)[0]
     assert c_again["tokens"] == runs[medium]["plain"][2]["tokens"]

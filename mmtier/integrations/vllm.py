@@ -326,6 +326,23 @@ class MMTierConnector(KVConnectorBase_V1):
             if k.shape[-2] != cfg.num_kv_heads:
                 raise ConfigError(f"num_kv_heads: vLLM's KV cache of {name} has {k.shape[-2]} KV heads, the "
                                   f"mmtier config {cfg.num_kv_heads}", ("num_kv_heads",))
+        first = next(iter(kv_caches.values()), None)
+        if first is not None and first.device.type == "cpu" and first.dim() == 4 and first.dtype in (
+                torch.float32, torch.float16, torch.bfloat16):
+            # vLLM's CPU backend lays blocks out per attention ISA: check the one it runs
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(first.dtype, first.shape[2], cfg.head_dim)
+            if not vllm_copy.check_cpu_layout(first, cfg.head_dim, isa):
+                # whole blocks still move exactly (as bytes); parts of blocks (a media item's
+                # group) would not: a model with media is refused, a text model keeps whole blocks
+                if self.shape is not None and self.shape.media:
+                    raise ConfigError(f"vLLM's CPU attention ISA {isa!r} packs its KV blocks in a layout mmtier's "
+                                      "connector does not read position by position (it reads 'vec': K "
+                                      "[head_dim, block_size], V [block_size, head_dim] per head), and this "
+                                      "model's media items are groups of parts of blocks", ("attention_isa",))
+                log.warning("mmtier: vLLM's CPU attention ISA %r packs its KV blocks; text groups are whole "
+                            "blocks and move exactly, but the pages hold vLLM's packed bytes", isa)
         self._layers = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 

