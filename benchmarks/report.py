@@ -40,6 +40,8 @@ COMMANDS = {
                     "mmtier, prefix caching on, vLLM's CPU build)",
     "serving_load": ".venv/bin/python -m benchmarks.serving_load  (open-loop Poisson load against vLLM's OpenAI API "
                     "server with and without mmtier, the engines from .venv-engines)",
+    "vllm_parallel": ".venv-engines/bin/python -m benchmarks.vllm_parallel  (tensor_parallel_size 2, real vLLM "
+                     "engines, CPU build; vLLM's prefix cache on, its pool too small to keep the repeat)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
     "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
@@ -116,6 +118,7 @@ HEADLINES = [
     ("hf_generate", "7b_cold_over_dynamic_tpot", "(reported)", None),
     ("hf_generate", "batch_over_single", "(reported; > 1: one call is faster)", None),
     ("vllm_engine", "mmtier_device_over_recompute", "(reported; < 1: mmtier's hit is faster than prefill)", None),
+    ("vllm_parallel", "mmtier_over_recompute", "(reported; TP=2, after vLLM let the prompt go; < 1: faster)", None),
     ("vllm_engine", "mmtier_device_over_vllm_prefix", "(reported; vLLM's own prefix cache, same process)", None),
     ("vllm_engine", "mmtier_disk_restart_over_recompute", "(reported; a new engine, groups from disk)", None),
     ("serve_routing", "hit_ratio_affinity", "(reported; cached / prompt tokens, mmtier's router)", None),
