@@ -138,7 +138,8 @@ def _arrow_with_meta(path, meta: dict, page_bytes: int, layers: int, good_sum: b
 def test_crafted_files_in_disk_dir_are_quarantined_never_executed(tmp_path, figures):
     spill = tmp_path / "spill"
     marker = tmp_path / "PWNED"
-    cfg = make_cfg(spill, device_pages=2, host_pages=0)
+    # the group still on the device at close stays off disk: this test counts the spilled two
+    cfg = make_cfg(spill, device_pages=2, host_pages=0).model_copy(update={"persist_on_close": False})
     data = {}
     with TieredKVCache(cfg) as cache:                      # a real group on disk to tamper with
         for i in range(3):
