@@ -63,18 +63,21 @@ def cache_fields(disk_dir: Path | None, dtype: str, device_bytes: int) -> dict:
                 disk_bytes=8 << 30, disk_free_floor_bytes=0)
 
 
-def engine(model: Path, dtype: str, mmtier: dict | None = None, prefix: bool = False):
+def engine(model: Path, dtype: str, mmtier: dict | None = None, prefix: bool = False, *,
+           extra: dict | None = None, **kw):
+    """``mmtier``: a whole cache config (``mmtier_cache``); ``extra``: the connector's extra
+    config as given (sizes only); ``kw``: more of ``LLM``'s arguments."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = None
-    if mmtier is not None:
+    if mmtier is not None or extra is not None:
         kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
                               kv_connector_module_path="mmtier.integrations.vllm",
-                              kv_connector_extra_config={"mmtier_cache": mmtier})
-    return LLM(str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK,
-               max_model_len=8192, dtype=dtype, enable_prefix_caching=prefix, seed=0,
-               kv_transfer_config=kv, max_num_batched_tokens=8192)
+                              kv_connector_extra_config=extra if extra is not None else {"mmtier_cache": mmtier})
+    args = dict(skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK, max_model_len=8192, dtype=dtype,
+                enable_prefix_caching=prefix, seed=0, kv_transfer_config=kv, max_num_batched_tokens=8192)
+    return LLM(str(model), **{**args, **kw})
 
 
 def close(llm) -> None:

@@ -27,6 +27,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
+from benchmarks import vllm_engine  # noqa: E402
 from benchmarks._common import add_out_arg, write_results  # noqa: E402
 from benchmarks.vllm_engine import BLOCK, SHAPE, build_model, close, ttft  # noqa: E402
 
@@ -34,19 +35,11 @@ TP = 2
 FILLERS = 3
 
 
-def engine(model: Path, dtype: str, blocks: int, max_len: int, mmtier: dict | None = None):
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kv = None
-    if mmtier is not None:
-        kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
-                              kv_connector_module_path="mmtier.integrations.vllm",
-                              kv_connector_extra_config=mmtier)
-    return LLM(str(model), skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK,
-               max_model_len=max_len, dtype=dtype, enable_prefix_caching=True, seed=0,
-               kv_transfer_config=kv, max_num_batched_tokens=8192, tensor_parallel_size=TP,
-               num_gpu_blocks_override=blocks, distributed_executor_backend="mp")
+def engine(model: Path, dtype: str, blocks: int, max_len: int, sizes: dict | None = None):
+    """A TP=2 engine with vLLM's prefix cache on; ``sizes``: mmtier's connector given only them."""
+    return vllm_engine.engine(model, dtype, prefix=True, extra=sizes, max_model_len=max_len,
+                              tensor_parallel_size=TP, num_gpu_blocks_override=blocks,
+                              distributed_executor_backend="mp")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -72,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     sizes = {"mmtier_device_bytes": "512MiB", "mmtier_host_bytes": 0}
     max_len = args.prompt + 2 * BLOCK
     engines = {"recompute": engine(model, args.dtype, blocks, max_len),
-               "mmtier": engine(model, args.dtype, blocks, max_len, mmtier=sizes)}
+               "mmtier": engine(model, args.dtype, blocks, max_len, sizes=sizes)}
     rows: dict[str, list[float]] = {name: [] for name in engines}
     cached: dict[str, list[int]] = {name: [] for name in engines}
     names = list(engines)
