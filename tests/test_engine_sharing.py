@@ -125,7 +125,7 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     again = ray.get(b.load.remote("r4", seed, _blocks(3)), timeout=60)
     assert again["hit"] == 40 and again["failed"] == [] and torch.equal(again["kv"], src)
     assert (again["calls"]["lookup"], again["calls"]["fetch"]) == (2, 3)   # r2 and r3's: none for r4
-    ray.get(b.reopen.remote(), timeout=60)
+    ray.get(b.reopen.remote(str(base / "b-fresh")), timeout=60)
     fresh = ray.get(b.load.remote("r5", seed, _blocks(4)), timeout=60)
     assert fresh["hit"] == 40 and fresh["failed"] == [] and torch.equal(fresh["kv"], src)
     assert fresh["counters"]["pulled"] == 3

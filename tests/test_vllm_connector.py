@@ -43,17 +43,23 @@ def shuffled_blocks(seed: int, n: int = 6) -> list[int]:
     return torch.randperm(h.NUM_BLOCKS, generator=torch.Generator().manual_seed(seed))[:n].tolist()
 
 
-def test_tensor_parallel_engines_are_refused_not_silently_mixed(tmp_path):
+def test_a_tensor_parallel_engine_with_mmtier_cluster_is_refused_before_anything_opens(tmp_path):
+    """Tensor-parallel engines run (tests/test_vllm_parallel.py); with ``mmtier_cluster`` each
+    worker's shard keys would have to reach the registry, which is not built: refused with both
+    fields named, before a cache or a cluster connection is opened."""
     from vllm.config import ParallelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from mmtier.errors import ConfigError
     from mmtier.integrations.vllm import MMTierConnector
 
-    cfg = h.vllm_config(h.cache_fields(tmp_path / "spill"))
+    spill = tmp_path / "spill"
+    cfg = h.vllm_config(h.cache_fields(spill), mmtier_cluster={"namespace": "nowhere"})
     cfg.parallel_config = ParallelConfig(tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        MMTierConnector(cfg, KVConnectorRole.WORKER, None)
+    with pytest.raises(ConfigError, match="mmtier_cluster") as info:
+        MMTierConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    assert info.value.fields == ("mmtier_cluster", "tensor_parallel_size")
+    assert not spill.exists() or not any(spill.iterdir())       # nothing opened, nothing written
     close_shared()
 
 

@@ -50,4 +50,11 @@ def test_the_amx_layout_is_told_apart():
     """vLLM's AMX cache write packs K and V for its tiles: the check says so (the connector then
     refuses a model with media, whose groups are parts of blocks)."""
     assert vc.check_cpu_layout(torch.zeros(1, H, N, 2 * D, dtype=torch.bfloat16), D, "vec")
-    assert not vc.check_cpu_layout(torch.zeros(1, H, N, 2 * D, dtype=torch.bfloat16), D, "amx")
+    assert vc.check_cpu_layout(torch.zeros(1, H, N, 2 * D, dtype=torch.bfloat16), D, "amx") is False
+
+
+def test_a_head_size_vllms_cpu_attention_has_no_kernel_for_is_not_checked():
+    """vLLM's CPU attention runs no head size of 16 (its cache write raises): no engine attends
+    over such a tensor, the check answers ``None`` and the connector keeps its ``vec`` reading
+    (the connector's own tests hand it such tensors)."""
+    assert vc.check_cpu_layout(torch.zeros(1, H, N, 2 * 16, dtype=torch.float32), 16, "vec16") is None

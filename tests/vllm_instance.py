@@ -23,12 +23,14 @@ class VllmInstance:
 
         return os.getpid()
 
-    def reopen(self) -> None:
-        """A fresh, empty cache in this process (what a restarted engine starts with)."""
+    def reopen(self, disk_dir: str) -> None:
+        """A fresh, empty cache in this process over an empty ``disk_dir`` (an engine restarted
+        elsewhere: over the old directory it would find what the old cache persisted at close)."""
         from mmtier.integrations.connector_cache import close_shared
 
         self.worker.shutdown()
         close_shared()
+        self.fields = {**self.fields, "disk_dir": disk_dir}
         self.sched, self.worker = self.h.connectors(self.fields, mmtier_cluster=self.cluster)
         self.kv = self.h.paged()
 

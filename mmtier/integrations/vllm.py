@@ -153,14 +153,15 @@ class MMTierConnector(KVConnectorBase_V1):
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS or self.shard.count > 1
         # the shape is vLLM's, this rank's (any shape the extra config gives is checked against it)
         self.shape = engine_shape(vllm_config, kv_cache_config)
-        # split: the worker's process owns the cache; the scheduler's makes keys and asks it
-        self.cache, self.link = open_shared(extra, lookup=self.split and not worker, engine=self.shape)
-        if self.link is not None and self.shard.count > 1:
-            # the registry would have to be asked for every worker's shard keys; not built yet
+        if extra.get("mmtier_cluster") is not None and self.shard.count > 1:
+            # refused before anything opens: the registry would have to be asked for every
+            # worker's shard keys; not built yet
             raise ConfigError("mmtier_cluster with a tensor- or pipeline-parallel engine is not supported: each "
                               "worker's cache holds its own shard; drop mmtier_cluster (a disk_dir shared by the "
                               "engines still shares the groups) or run tensor_parallel_size 1",
                               ("mmtier_cluster", "tensor_parallel_size"))
+        # split: the worker's process owns the cache; the scheduler's makes keys and asks it
+        self.cache, self.link = open_shared(extra, lookup=self.split and not worker, engine=self.shape)
         self._released = False
         self.report = report_for(self.cache)
         self._channel = (LookupChannel(self._kv_transfer_config.engine_id or "engine", par.data_parallel_rank,
@@ -333,7 +334,7 @@ class MMTierConnector(KVConnectorBase_V1):
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
             isa = _get_attn_isa(first.dtype, first.shape[2], cfg.head_dim)
-            if not vllm_copy.check_cpu_layout(first, cfg.head_dim, isa):
+            if vllm_copy.check_cpu_layout(first, cfg.head_dim, isa) is False:
                 # whole blocks still move exactly (as bytes); parts of blocks (a media item's
                 # group) would not: a model with media is refused, a text model keeps whole blocks
                 if self.shape is not None and self.shape.media:

@@ -71,11 +71,12 @@ def cpu_block_views(kv_layer: torch.Tensor, head_dim: int) -> tuple[torch.Tensor
     return k, v
 
 
-def check_cpu_layout(kv_layer: torch.Tensor, head_dim: int, isa: str) -> bool:
+def check_cpu_layout(kv_layer: torch.Tensor, head_dim: int, isa: str) -> bool | None:
     """Write known rows into a one-block scratch tensor of ``kv_layer``'s shape through vLLM's
     own CPU cache write for ``isa`` and read them back through ``kv_views``: ``False`` when they
     do not come back (a block layout this module does not read position by position: ``amx``
-    packs K and V for its tiles)."""
+    packs K and V for its tiles); ``None`` when vLLM's CPU attention has no kernel for this head
+    size and ISA (no engine attends over such a tensor: nothing to check against)."""
     from vllm import _custom_ops as ops
 
     _, h, n, _ = kv_layer.shape
@@ -87,7 +88,12 @@ def check_cpu_layout(kv_layer: torch.Tensor, head_dim: int, isa: str) -> bool:
     dim = torch.arange(head_dim, dtype=torch.float32)[None, None, :]
     key = ((pos * 7 + head * 3 + dim) % 61 + 1).to(kv_layer.dtype)
     value = -((pos * 5 + head * 11 + dim) % 59 + 1).to(kv_layer.dtype)
-    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa)
+    try:
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, torch.arange(n, dtype=torch.int64), isa)
+    except RuntimeError as exc:
+        if "Unsupported CPU attention configuration" in str(exc):
+            return None
+        raise
     k, v = kv_views(scratch, head_dim)
     return bool(torch.equal(k[0], key) and torch.equal(v[0], value))
 
