@@ -69,3 +69,64 @@ def cache_fields(disk_dir: str | Path | None, *, dtype: str = "float32", device_
                 device="cpu", device_bytes=device_pages * BLOCK * token, host_bytes=host_bytes,
                 disk_dir=None if disk_dir is None else str(disk_dir), disk_bytes=256 << 20,
                 disk_free_floor_bytes=0)
+
+
+def _randomized(model, std: float):
+    """Every parameter drawn from N(0, std), norms included: random Gemma / Qwen3-Next weights
+    at their initializers repeat one token; these give distinct greedy tokens."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, std)
+    return model
+
+
+GEMMA_WINDOW = 64                 # two vLLM blocks: a 300-token prompt's sliding layers let most go
+
+
+def build_gemma3(path: str | Path, *, seed: int = 0) -> Path:
+    """A 4-layer Gemma 3 (sliding-window layers of 64 tokens, then full attention, twice; hidden
+    128, 4 query / 2 KV heads of 32) saved in float32: vLLM's hybrid allocator gives it two KV
+    cache groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           max_position_embeddings=4096, sliding_window=GEMMA_WINDOW,
+                           layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _randomized(Gemma3ForCausalLM(cfg).to(torch.float32), 0.1).save_pretrained(path)
+    return path
+
+
+def build_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
+    """A 4-layer Qwen3-Next (Gated DeltaNet layers, then full attention, twice; head_dim 64, a
+    2-expert MoE) in bfloat16, the dtype vLLM's CPU build runs its GDN kernels in."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=64,
+                          linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
+                          linear_value_head_dim=64, num_experts=2, num_experts_per_tok=1,
+                          moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                          layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=4096,
+                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _randomized(Qwen3NextForCausalLM(cfg).to(torch.bfloat16), 0.1).save_pretrained(path)
+    return path
+
+
+def gemma3_fields(disk_dir: str | Path | None, *, device_pages: int = 256) -> dict:
+    """mmtier's cache for the Gemma 3's KV (all four layers, sliding ones included)."""
+    return {**cache_fields(disk_dir, device_pages=device_pages), "model": "tiny-gemma3-vllm", "num_layers": 4,
+            "device_bytes": device_pages * BLOCK * 2 * 4 * KV_HEADS * HEAD_DIM * 4}

@@ -62,6 +62,7 @@ adapters ever share KV; media groups are keyed by the digest of the item's proce
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -72,11 +73,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ..content import ContentKey
 from ..errors import ConfigError, MMTierError, ShapeError
-from . import vllm_copy
+from . import vllm_copy, vllm_hybrid
 from .connector_cache import open_shared, release_shared, report_for
 from .lookup_channel import LookupChannel
 from .vllm_keys import KeyScheme
@@ -104,6 +107,9 @@ class GroupCopy:
     hi: int
     slots: torch.Tensor          # int64 [hi - lo]
     block_ids: tuple[int, ...]   # the vLLM blocks these slots live in
+    # hybrid engines (vllm_hybrid): [kv cache groups, hi - lo] slots per group, -1 where a
+    # group holds no block (a sliding window let it go); None with one group
+    group_slots: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,7 +124,7 @@ class _ReqState:
     computed: int = 0              # vLLM's locally computed tokens when the hit was asked
     hit: int = 0
     load: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)   # vLLM's block table per KV cache group
     saved: int = 0                 # segments [0, saved) are held or queued for saving
     pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
 
@@ -139,7 +145,7 @@ class _Staged:
     direct: bool = False                     # k and v are vLLM's own blocks (EngineBlocks)
 
 
-class MMTierConnector(KVConnectorBase_V1):
+class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring. One class for both roles, as vLLM's factory expects."""
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
@@ -153,6 +159,9 @@ class MMTierConnector(KVConnectorBase_V1):
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS or self.shard.count > 1
         # the shape is vLLM's, this rank's (any shape the extra config gives is checked against it)
         self.shape = engine_shape(vllm_config, kv_cache_config)
+        # vLLM's hybrid allocator: several KV cache groups (full and sliding-window attention),
+        # each with its own block table; loads then run asynchronously (vllm_hybrid)
+        self.hybrid = vllm_hybrid.kv_groups(kv_cache_config)
         if extra.get("mmtier_cluster") is not None and self.shard.count > 1:
             # refused before anything opens: the registry would have to be asked for every
             # worker's shard keys; not built yet
@@ -176,6 +185,11 @@ class MMTierConnector(KVConnectorBase_V1):
                               ("mmtier_load_failure_policy",))
         self._kv_transfer_config.kv_load_failure_policy = policy
         self.scheme = KeyScheme.from_extra(extra, self.block_size)
+        if self.hybrid is not None:
+            self.scheme = dataclasses.replace(self.scheme, chunk_blocks=vllm_hybrid.chunk_blocks_within(
+                self.hybrid, self.block_size, self.scheme.chunk_blocks))
+            log.info("mmtier: vLLM's hybrid allocator is on (%s): loads run while the request waits, "
+                     "text chunks of %d blocks", self.hybrid.describe(), self.scheme.chunk_blocks)
         if self.cache.cfg.spec(self.scheme.text_modality).kind != "kv":
             raise ConfigError(f"{self.scheme.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
         # scheduler side
@@ -183,6 +197,8 @@ class MMTierConnector(KVConnectorBase_V1):
         # tokens the scheduler told vLLM it would load, and tokens it then asked the worker to
         # load (equal unless a hit went unloaded); loads for requests resumed after preemption
         self.counts = {"hit_tokens": 0, "load_tokens": 0, "resumed_loads": 0}
+        self._async_ops: list[GroupCopy] = []     # hybrid: loads issued at allocation, sent next
+        self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
         self._layer_index: dict[str, int] = {}
@@ -194,6 +210,9 @@ class MMTierConnector(KVConnectorBase_V1):
         self._staged: dict[ContentKey, _Staged] = {}
         self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
         self._failed_blocks: set[int] = set()
+        self._async = (vllm_hybrid.AsyncLoads(self._reader, lambda key: self.cache.read_group(key),
+                                              self.cache.cfg.head_dim)
+                       if worker and self.hybrid is not None else None)
 
     def _key(self, key: ContentKey) -> ContentKey:
         """The key this worker's cache holds ``key``'s group under: its shard's, where the
@@ -229,7 +248,8 @@ class MMTierConnector(KVConnectorBase_V1):
                 held = self._lookup(keys)              # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
-        return max(0, state.hit - num_computed_tokens), False
+        n = max(0, state.hit - num_computed_tokens)
+        return n, self.hybrid is not None and n > 0     # hybrid: loaded while the request waits
 
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""
@@ -247,14 +267,19 @@ class MMTierConnector(KVConnectorBase_V1):
             if state.load:
                 state.hit = state.computed + num_external_tokens
                 self.counts["hit_tokens"] += num_external_tokens
+                if self.hybrid is not None:       # the request waits for it: load now, once
+                    state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+                    self._async_ops += self._loads(request.request_id, state)
+                    self._async_reqs.add(request.request_id)
 
     def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
-        meta = MMTierConnectorMetadata()
+        meta = MMTierConnectorMetadata(loads=self._async_ops)
+        self._async_ops = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            state.block_ids = [list(ids) for ids in new.block_ids]
             if state.load:
                 meta.loads += self._loads(new.req_id, state)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
@@ -267,7 +292,9 @@ class MMTierConnector(KVConnectorBase_V1):
             if req_id in cached.resumed_req_ids:           # preempted: blocks were rebuilt
                 state.block_ids = []
             if cached.new_block_ids[i] is not None:
-                state.block_ids += list(cached.new_block_ids[i][0])
+                tables = cached.new_block_ids[i]
+                state.block_ids = [(state.block_ids[g] if g < len(state.block_ids) else []) + list(ids)
+                                   for g, ids in enumerate(tables)]
             if state.load:                                 # resumed with a hit: load it again
                 meta.loads += self._loads(req_id, state)
                 self.counts["resumed_loads"] += 1
@@ -299,12 +326,25 @@ class MMTierConnector(KVConnectorBase_V1):
         return out
 
     def _copy(self, req_id: str, state: _ReqState, seg: Segment, lo: int, hi: int) -> GroupCopy:
-        slots = slots_for(state.block_ids, lo, hi, self.block_size)
+        if self.hybrid is not None:       # each layer reads its own group's table
+            per_group = vllm_hybrid.group_slots(state.block_ids, lo, hi, self.block_size)
+            return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, per_group[0], (), per_group)
+        slots = slots_for(state.block_ids[0], lo, hi, self.block_size)
         blocks = tuple(sorted({int(s) // self.block_size for s in slots}))
         return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, torch.from_numpy(slots), blocks)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator's ``request_finished``: a request that had a load keeps its
+        blocks until the worker says the load no longer writes them (``finished_sending``)."""
+        self._reqs.pop(request.request_id, None)
+        if request.request_id in self._async_reqs:
+            self._async_reqs.discard(request.request_id)
+            return True, None
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -366,6 +406,11 @@ class MMTierConnector(KVConnectorBase_V1):
             # first on the reader thread: what this cache lacks (a scheduler in another process
             # located it, or it was evicted since) pulled in one lookup; none when all is here
             self._reader.submit(self.link.pull, [self._key(op.key) for op in meta.loads])
+        if self._async is not None:           # hybrid: loaded on the reader thread, the request waits
+            if meta.loads:
+                self._async.submit(meta.loads, [(t, self.hybrid.layer_group[name]) for name, t in self._layers.items()],
+                                   self._key)
+            return
         first = next(iter(self._layers.values()), None)
         self._loading = []
         for op in meta.loads:
@@ -454,13 +499,21 @@ class MMTierConnector(KVConnectorBase_V1):
         cfg = self.cache.cfg
         for op in meta.saves:
             staged = self._staged.get(op.key)
+            if staged is None and self.hybrid is not None:   # each layer through its group's table
+                shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
+                staged = self._staged[op.key] = _Staged(op, kv_layer.new_empty(shape), kv_layer.new_empty(shape))
             if staged is None:
                 staged = self._direct_save(op, kv_layer) or self._stage_for(op, kv_layer, whole_group=False)
                 if staged is None:
                     shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
                     staged = _Staged(op, kv_layer.new_empty(shape), kv_layer.new_empty(shape))
                 self._staged[op.key] = staged
-            if staged.direct:                        # read from vLLM's blocks by the writer
+            if op.group_slots is not None:
+                slots = op.group_slots[self.hybrid.layer_group[layer_name]]
+                if bool((slots < 0).any()):          # a sliding window let some go: the group
+                    continue                         # stays incomplete, wait_for_save drops it
+                vllm_copy.gather(kv_layer, slots.to(kv_layer.device), cfg.head_dim, staged.k[layer], staged.v[layer])
+            elif staged.direct:                      # read from vLLM's blocks by the writer
                 pass
             elif staged.blocks is not None:          # vLLM's blocks as they lie, run by run
                 vllm_copy.copy_blocks(kv_layer, staged.blocks, staged.stage[layer], None)
@@ -541,6 +594,15 @@ class MMTierConnector(KVConnectorBase_V1):
             fut.result(timeout=timeout)
         if self.link is not None:
             self.link.wait(timeout)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Hybrid engines: loads done (failed ones among them, which vLLM recomputes) and the
+        finished requests whose blocks no load writes any more."""
+        if self._async is None:
+            return KVConnectorTransferResults()
+        released, loaded, failed = self._async.finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=released, finished_recving=loaded,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
