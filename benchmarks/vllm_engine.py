@@ -8,6 +8,20 @@ the default multiprocessing executor), four ways side by side:
   spilled to (its warm restart), the groups read from Arrow files (the page cache dropped first:
   ``benchmarks.file_faults.drop_cache``).
 
+The hybrid part (``--hybrid``: that part alone, into ``vllm_engine_hybrid.json``) does it on a
+Gemma 3 of the same size whose layers alternate sliding-window (512 tokens) and full attention,
+vLLM's hybrid allocator on (two KV cache groups; mmtier's connector implements ``SupportsHMA``):
+
+- ``hybrid_recompute``: vLLM alone, prefix caching off;
+- ``hybrid_vllm_prefix``: vLLM's own prefix cache hit;
+- ``hybrid_mmtier``: vLLM + mmtier, its prefix cache on but reset before the repeat (vLLM's own
+  cache lost the prompt, as pressure on its pool would make it): the repeat waits while mmtier's
+  reader thread writes each layer through its own group's block table (a sliding layer gets the
+  last window only), then prefills the rest.
+
+Every repeat's greedy tokens are checked against ``hybrid_recompute``'s (the timed first token,
+then 8 more tokens untimed; ``greedy_mismatches``).
+
 The image part does the same with an image prompt on the engine tests' tiny LLaVA (CLIP tower,
 64 image tokens; text around it), the mmtier engine carrying both connectors (its KV connector
 loads the prompt's KV, the image's included; the encoder-cache connector spares the tower where
@@ -34,12 +48,14 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # The image part's LLaVA needs its shim and registration in every process vLLM spawns, and a
 # spawned process imports this module: so they are installed here, at import.
 import tests.vllm_mm_scenarios  # noqa: E402, F401
-from benchmarks._common import add_out_arg, write_results  # noqa: E402
+from benchmarks._common import add_out_arg, ratio_figures, write_results  # noqa: E402
 from benchmarks.file_faults import drop_cache  # noqa: E402
 
 SHAPE = dict(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=4, head_dim=64)
 BLOCK = 32
+HYBRID_WINDOW = 512               # the Gemma 3's sliding layers: a quarter of a 2,048-token prompt
+CHECK_TOKENS = 8                  # greedy tokens compared after each hybrid round (untimed)
 
 
 def build_model(path: Path, dtype: str) -> Path:
@@ -52,6 +68,25 @@ def build_model(path: Path, dtype: str) -> Path:
     cfg = LlamaConfig(**SHAPE, max_position_embeddings=8192, tie_word_embeddings=False,
                       initializer_range=0.05, bos_token_id=1, eos_token_id=2)
     LlamaForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
+    return path
+
+
+def build_gemma3(path: Path, dtype: str) -> Path:
+    """A Gemma 3 of ``SHAPE``, its layers sliding-window (``HYBRID_WINDOW``) and full attention in
+    turn; every weight drawn from N(0, 0.1) (``tests.vllm_models._randomized``: Gemma's own
+    initializers give weights that repeat one token)."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from tests.vllm_models import _randomized
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    layers = ["sliding_attention", "full_attention"] * (SHAPE["num_hidden_layers"] // 2)
+    cfg = Gemma3TextConfig(**SHAPE, max_position_embeddings=8192, sliding_window=HYBRID_WINDOW, layer_types=layers,
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _randomized(Gemma3ForCausalLM(cfg).to(getattr(torch, dtype)), 0.1).save_pretrained(path)
     return path
 
 
@@ -93,7 +128,107 @@ def ttft(llm, tokens: list[int]) -> float:
     out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)
     dt = time.perf_counter() - t0
     ttft.cached = out[0].num_cached_tokens or 0
+    ttft.tokens = list(out[0].outputs[0].token_ids)
     return dt
+
+
+def greedy(llm, tokens: list[int], n: int) -> list[int]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
+    out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], sp, use_tqdm=False)
+    greedy.cached = out[0].num_cached_tokens or 0
+    return list(out[0].outputs[0].token_ids)
+
+
+def hybrid_on(llm) -> bool:
+    """vLLM kept its hybrid allocator on (a KV cache group per kind of layer)."""
+    return llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
+
+
+def forget(llm) -> None:
+    """vLLM's own prefix cache lets every prompt go (``reset_prefix_cache``; mmtier's connector
+    is left alone). vLLM refuses while a request holds blocks: a request whose load is still
+    being written keeps them a moment after it finished."""
+    for _ in range(100):
+        if llm.reset_prefix_cache():
+            return
+        time.sleep(0.05)
+    raise RuntimeError("vLLM did not reset its prefix cache: blocks still held after 5 s")
+
+
+def loadavg() -> str:
+    """The machine's 1, 5 and 15 minute load (other jobs share its two cores)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def hybrid(work: Path, rounds: int, prompt: int, dtype: str) -> dict:
+    """TTFT of a repeat on the Gemma 3 (three engines, the hybrid allocator on), paired rounds."""
+    import random
+
+    load_before = loadavg()
+    model = build_gemma3(work / "gemma3", dtype)
+    token_bytes = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2
+    roomy = (rounds + 2) * (prompt + BLOCK) * token_bytes * 2
+    fields = {**cache_fields(None, dtype, roomy), "model": "bench-gemma3-vllm"}
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, SHAPE["vocab_size"]) for _ in range(prompt)] for _ in range(rounds)]
+
+    t_start = time.perf_counter()
+    engines = {"hybrid_recompute": engine(model, dtype),
+               "hybrid_vllm_prefix": engine(model, dtype, prefix=True),
+               "hybrid_mmtier": engine(model, dtype, mmtier=fields, prefix=True)}
+    on = {name: hybrid_on(llm) for name, llm in engines.items()}
+    if not on["hybrid_mmtier"]:
+        raise RuntimeError("vLLM turned its hybrid allocator off with mmtier's connector: not the case measured")
+    rows: dict[str, list[float]] = {name: [] for name in engines}
+    cached: dict[str, list[int]] = {name: [] for name in engines}
+    check_cached: list[int] = []
+    mismatches = {name: 0 for name in engines if name != "hybrid_recompute"}
+    distinct: set[int] = set()                     # the check means something: not one token repeated
+    names = list(engines)
+    for r, p in enumerate(prompts):
+        first: dict[str, list[int]] = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            llm = engines[name]
+            ttft(llm, p)                           # stored (or computed) once
+            time.sleep(0.5)                        # mmtier's writer thread stores off the step
+            if name == "hybrid_mmtier":
+                forget(llm)                        # vLLM's own cache lost the prompt: mmtier's hit
+            rows[name].append(ttft(llm, p))
+            cached[name].append(ttft.cached)
+            first[name] = ttft.tokens
+        check: dict[str, list[int]] = {}
+        for name in names:                         # untimed: more greedy tokens of the repeat
+            if name == "hybrid_mmtier":
+                time.sleep(0.2)
+                forget(engines[name])
+            check[name] = first[name] + greedy(engines[name], p, CHECK_TOKENS)
+            if name == "hybrid_mmtier":
+                check_cached.append(greedy.cached)
+        for name in mismatches:
+            mismatches[name] += check[name] != check["hybrid_recompute"]
+        distinct.update(check["hybrid_recompute"])
+    for llm in engines.values():
+        close(llm)
+    rec = rows["hybrid_recompute"]
+    return {
+        "hybrid_rounds": rounds, "hybrid_prompt_tokens": prompt, "hybrid_dtype": dtype,
+        "hybrid_model": f"Gemma 3, {SHAPE['num_hidden_layers']} layers sliding {HYBRID_WINDOW} / full in turn",
+        "model_shape": ",".join(f"{k}={v}" for k, v in SHAPE.items()),
+        **{f"hybrid_allocator_on_{name.removeprefix('hybrid_')}": v for name, v in on.items()},
+        **{f"ttft_{name}_s": statistics.median(v) for name, v in rows.items()},
+        **{f"cached_tokens_{name}": statistics.median(v) for name, v in cached.items()},
+        "cached_tokens_hybrid_mmtier_check": statistics.median(check_cached),
+        **ratio_figures("hybrid_mmtier_over_recompute", rows["hybrid_mmtier"], rec, False),
+        **ratio_figures("hybrid_vllm_prefix_over_recompute", rows["hybrid_vllm_prefix"], rec, False),
+        **ratio_figures("hybrid_mmtier_over_vllm_prefix", rows["hybrid_mmtier"], rows["hybrid_vllm_prefix"], False),
+        **{f"greedy_mismatches_{name.removeprefix('hybrid_')}": n for name, n in mismatches.items()},
+        "greedy_tokens_checked": 1 + CHECK_TOKENS, "greedy_distinct_tokens_recompute": len(distinct),
+        "loadavg_before": load_before, "loadavg_after": loadavg(),
+        "wall_s": time.perf_counter() - t_start,
+    }
 
 
 def image_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
@@ -135,11 +270,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 512 tokens (a check that it runs)")
     ap.add_argument("--no-image", action="store_true", help="skip the image-prompt part")
+    ap.add_argument("--hybrid", action="store_true",
+                    help="the hybrid part alone (Gemma 3, sliding-window + full attention): vllm_engine_hybrid.json")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.prompt = 2, 512
     work = Path(tempfile.mkdtemp(prefix="mmtier-vllm-bench-"))
+    if args.hybrid:
+        figures = hybrid(work, args.rounds, args.prompt, args.dtype)
+        show(figures)
+        write_results("vllm_engine_hybrid", figures, args.out)
+        return figures
     model = build_model(work / "model", args.dtype)
     token_bytes = 2 * SHAPE["num_hidden_layers"] * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2
     roomy = (args.rounds + 2) * (args.prompt + BLOCK) * token_bytes * 2
@@ -208,10 +350,14 @@ def main(argv: list[str] | None = None) -> dict:
             "image_prompt_tokens": image_tokens}),
         "wall_s": time.perf_counter() - t_start,
     }
-    for k, v in figures.items():
-        print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
+    show(figures)
     write_results("vllm_engine", figures, args.out)
     return figures
+
+
+def show(figures: dict) -> None:
+    for k, v in figures.items():
+        print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
 
 
 if __name__ == "__main__":
