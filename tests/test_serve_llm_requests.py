@@ -22,6 +22,8 @@ from mmtier.serve.llm_requests import (
 )
 from mmtier.serve.llm_tenants import SALT_DOMAIN, IngressArgs, TenantSalts
 from mmtier.serve.tiny_models import image
+from tests import media_samples
+from tests.media_samples import video
 
 LIMITS = RequestLimits()
 IMAGE = frozenset({"image"})
@@ -98,6 +100,37 @@ def test_wav_input_audio_where_the_model_takes_audio():
     err = refused(chat_with({"type": "input_audio", "input_audio": {"data": cut, "format": "wav"}}),
                   accepts=frozenset({"audio"}))
     assert err.param == "messages[1].content[0].input_audio.data"
+
+
+def video_url(data: bytes, declared: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:{declared};base64," + base64.b64encode(data).decode()}}
+
+
+def test_mp4_video_urls_where_the_model_takes_video():
+    """``video_url`` as vLLM's server takes it, a ``data:video/mp4`` URL, checked in full."""
+    limits = RequestLimits(max_video_seconds=3.0, max_video_frames=20, max_video_pixels=48 * 48)
+    video_only = frozenset({"video"})
+    mp4 = video(1, frames=8, size=(32, 24), fps=4)
+    check_messages(chat_with(video_url(mp4), {"type": "text", "text": "w"}), "m", video_only, limits)
+    where = "messages[1].content[0].video_url.url"
+    for part, code in [
+        (video_url(mp4[: len(mp4) // 2]), "invalid_video"),                         # cut short
+        (video_url(mp4, "video/webm"), "invalid_video_format"),                     # declared another type
+        (video_url(video(1, frames=4, fmt="webm")), "invalid_video_format"),        # WebM declared MP4
+        (video_url(media_samples.image(1)), "invalid_video"),                    # not a video
+        (video_url(video(2, frames=21, fps=30)), "video_too_large"),                # over 20 frames
+        (video_url(video(3, frames=16, fps=4)), "video_too_large"),                 # 4 s, over 3 s
+        (video_url(video(4, frames=2, size=(64, 48))), "video_too_large"),          # frames over 48 x 48
+        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA!!"}}, "invalid_base64"),
+        ({"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}, "invalid_video_url"),
+        ({"type": "video_url", "video_url": {}}, "invalid_video_url"),
+    ]:
+        with pytest.raises(RequestError) as err:
+            check_messages(chat_with(part), "m", video_only, limits)
+        assert (err.value.status, err.value.code, err.value.param) == (400, code, where), err.value.message
+    err = refused(chat_with(video_url(mp4)))                                      # a model without video
+    assert (err.code, err.param) == ("unsupported_modality", "messages[1].content[0]")
+    assert IngressArgs(api_keys={"k": "a"}, max_video_frames=7).limits().max_video_frames == 7
 
 
 def test_bodies_that_are_not_json_objects_and_client_salts():

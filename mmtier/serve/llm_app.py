@@ -9,7 +9,8 @@ and what a Python caller (the demo, the tests) uses::
 
 ``start_llm_app``: joins Ray at ``address`` (``"local"``: a fresh local Ray on 127.0.0.1, ended
 again by ``stop_llm_app``), builds what the config names first (``model_source:
-mmtier://tiny-llava``: the tiny random-weight LLaVA, ``tiny_models.ensure_tiny_llava``), starts
+mmtier://tiny-llava``: the tiny random-weight LLaVA, ``tiny_models.ensure_tiny_llava``; the
+audio and video ones of ``TINY_MODELS`` alike), starts
 mmtier's cluster when the engines' connector config names one (``mmtier_cluster``: the same
 ``actors.start`` as ``mmtier start``), deploys every application with Serve's HTTP proxy on
 ``host:port``, and returns once ``GET /v1/models`` answers.
@@ -35,6 +36,11 @@ from ..errors import ConfigError
 
 TINY_LLAVA = "mmtier://tiny-llava"
 TINY_QWEN2_AUDIO = "mmtier://tiny-qwen2-audio"
+TINY_QWEN2_VL = "mmtier://tiny-qwen2-vl"
+# model_source -> (module, builder) of the tiny random-weight models a config may name
+TINY_MODELS = {TINY_LLAVA: (".tiny_models", "ensure_tiny_llava"),
+               TINY_QWEN2_AUDIO: (".tiny_audio", "ensure_tiny_qwen2_audio"),
+               TINY_QWEN2_VL: (".tiny_video", "ensure_tiny_qwen2_vl")}
 LLM_IMPORT = "ray.serve.llm"
 
 
@@ -70,19 +76,15 @@ def is_serve_llm(doc: dict[str, Any]) -> bool:
 
 
 def resolve_models(doc: dict[str, Any]) -> dict[str, Any]:
-    """``doc`` with every ``model_source: mmtier://tiny-llava`` (or ``mmtier://tiny-qwen2-audio``)
-    replaced by the built model's path."""
+    """``doc`` with every ``model_source: mmtier://tiny-llava`` (or ``mmtier://tiny-qwen2-audio``,
+    ``mmtier://tiny-qwen2-vl``: ``TINY_MODELS``) replaced by the built model's path."""
     for app in doc["applications"]:
         for llm in (app.get("args") or {}).get("llm_configs") or []:
             loading = llm.get("model_loading_config") if isinstance(llm, dict) else None
-            if isinstance(loading, dict) and loading.get("model_source") == TINY_LLAVA:
-                from .tiny_models import ensure_tiny_llava
-
-                loading["model_source"] = str(ensure_tiny_llava())
-            elif isinstance(loading, dict) and loading.get("model_source") == TINY_QWEN2_AUDIO:
-                from .tiny_audio import ensure_tiny_qwen2_audio
-
-                loading["model_source"] = str(ensure_tiny_qwen2_audio())
+            tiny = TINY_MODELS.get(loading.get("model_source")) if isinstance(loading, dict) else None
+            if tiny is not None:
+                module, builder = tiny
+                loading["model_source"] = str(getattr(importlib.import_module(module, __package__), builder)())
     return doc
 
 

@@ -6,8 +6,10 @@ OpenAI-shaped errors it answers with: ``{"error": {"message", "type", "param", "
 - media in chat messages: ``image_url`` only as a ``data:`` URL of ``image/png`` or
   ``image/jpeg``, base64, whose bytes are the type it declares and decode in full
   (``serve.media.check_image``; a remote URL is refused: the server fetches nothing);
-  ``input_audio`` (base64 WAV or MP3, ``serve.media.check_wav`` / ``check_mp3``), ``audio_url`` and ``video_url`` only
-  for a model that takes that modality, else a 400 that says which inputs it takes.
+  ``input_audio`` (base64 WAV or MP3, ``serve.media.check_wav`` / ``check_mp3``) and ``video_url``
+  (a ``data:video/mp4`` base64 URL whose every frame decodes, within the video limits:
+  ``serve.media.check_video``) only for a model that takes that modality, else a 400 that says
+  which inputs it takes; ``audio_url`` is refused (send ``input_audio``).
 
 Everything here is pure (no Ray, no vLLM): ``RequestError`` carries the status and the four
 fields; the ingress turns it into the response."""
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BadMediaError
-from .media import TooLargeMedia, check_image, check_mp3, check_wav
+from .media import VIDEO_TYPES, TooLargeMedia, check_image, check_mp3, check_video, check_wav
 
 DATA_URL = re.compile(r"data:(?P<type>[\w.+-]+/[\w.+-]+)(?P<params>(?:;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 IMAGE_TYPES = ("image/png", "image/jpeg")
@@ -35,6 +37,9 @@ class RequestLimits:
     max_body_bytes: int = 32 << 20
     max_image_pixels: int = 4096 * 4096
     max_audio_seconds: float = 600.0
+    max_video_seconds: float = 60.0
+    max_video_frames: int = 1800
+    max_video_pixels: int = 1920 * 1080
 
 
 class RequestError(Exception):
@@ -102,8 +107,10 @@ def check_part(part: dict[str, Any], where: str, model: str, accepts: frozenset[
         check_image_url(part.get("image_url"), f"{where}.image_url", limits)
     elif kind == "input_audio":
         check_input_audio(part.get("input_audio"), f"{where}.input_audio", limits)
-    else:                                 # audio_url / video_url: remote or data URLs
-        raise RequestError(400, f"{kind} is not accepted here; send audio as input_audio (base64 WAV)",
+    elif kind == "video_url":
+        check_video_url(part.get("video_url"), f"{where}.video_url", limits)
+    else:                                 # audio_url: remote or data URLs
+        raise RequestError(400, f"{kind} is not accepted here; send audio as input_audio (base64 WAV or MP3)",
                            param=where, code="unsupported_parameter")
 
 
@@ -151,16 +158,42 @@ def check_input_audio(value: Any, where: str, limits: RequestLimits) -> None:
 AUDIO_CHECKS = {"wav": check_wav, "mp3": check_mp3}
 
 
-def decode_data_url(url: str, where: str) -> tuple[str, bytes]:
-    """``(media type, bytes)`` of a base64 ``data:`` URL."""
+def check_video_url(value: Any, where: str, limits: RequestLimits) -> None:
+    """A ``data:video/mp4`` base64 URL whose bytes are an MP4 that decodes in full (every frame,
+    PyAV) within ``max_video_seconds``, ``max_video_frames`` and ``max_video_pixels`` as its
+    header declares them. vLLM's server would take more (remote URLs, ``video/jpeg`` frame lists,
+    whatever OpenCV opens) and answers a file it cannot read with a 500 or a cut-short video."""
+    url = value.get("url") if isinstance(value, dict) else None
+    if not isinstance(url, str):
+        raise RequestError(400, "video_url needs a url (a data: URL of an MP4 video)", param=f"{where}.url",
+                           code="invalid_video_url")
+    media_type, data = decode_data_url(url, f"{where}.url", "video")
+    if media_type not in VIDEO_TYPES:
+        raise RequestError(400, f"video_url is {media_type}; send video/mp4", param=f"{where}.url",
+                           code="invalid_video_format")
+    try:
+        check_video(data, limits.max_video_seconds, limits.max_video_frames, limits.max_video_pixels)
+    except TooLargeMedia as exc:
+        raise RequestError(400, f"video_url: {exc}", param=f"{where}.url", code="video_too_large") from None
+    except BadMediaError as exc:
+        code = "invalid_video_format" if exc.unsupported else "invalid_video"
+        raise RequestError(400, f"video_url: {exc}", param=f"{where}.url", code=code) from None
+
+
+DATA_URL_EXAMPLES = {"image": "data:image/png;base64,... or data:image/jpeg;base64,...",
+                     "video": "data:video/mp4;base64,..."}
+
+
+def decode_data_url(url: str, where: str, kind: str = "image") -> tuple[str, bytes]:
+    """``(media type, bytes)`` of a base64 ``data:`` URL of a ``kind`` item (image or video)."""
     if not url.startswith("data:"):
         raise RequestError(400, "only data: URLs are accepted (the server fetches no remote media); "
-                                "send the image as data:image/png;base64,... or data:image/jpeg;base64,...",
-                           param=where, code="invalid_image_url")
+                                f"send the {kind} as {DATA_URL_EXAMPLES[kind]}",
+                           param=where, code=f"invalid_{kind}_url")
     m = DATA_URL.fullmatch(url)
     if m is None or ";base64" not in m["params"].lower():
         raise RequestError(400, "a malformed data: URL (want data:<type>;base64,<data>)", param=where,
-                           code="invalid_image_url")
+                           code=f"invalid_{kind}_url")
     return m["type"].lower(), b64decode(m["data"], where)
 
 

@@ -52,6 +52,9 @@ class IngressArgs(BaseModel):
     max_body_bytes: int = Field(32 << 20, gt=0)
     max_image_pixels: int = Field(4096 * 4096, gt=0)
     max_audio_seconds: float = Field(600.0, gt=0)
+    max_video_seconds: float = Field(60.0, gt=0, description="Longest video, as its MP4 header declares it.")
+    max_video_frames: int = Field(1800, gt=0, description="Most frames in a video file (all are decoded to check it).")
+    max_video_pixels: int = Field(1920 * 1080, gt=0, description="Largest video frame, width x height.")
 
     @field_validator("media")
     @classmethod
@@ -72,7 +75,8 @@ class IngressArgs(BaseModel):
                               tuple(".".join(map(str, e["loc"])) for e in exc.errors())) from None
 
     def limits(self) -> RequestLimits:
-        return RequestLimits(self.max_body_bytes, self.max_image_pixels, self.max_audio_seconds)
+        return RequestLimits(self.max_body_bytes, self.max_image_pixels, self.max_audio_seconds,
+                             self.max_video_seconds, self.max_video_frames, self.max_video_pixels)
 
     def key_table(self) -> KeyTable:
         digests = {k.lower(): t for k, t in self.api_key_sha256.items()}

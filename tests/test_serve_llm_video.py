@@ -1,0 +1,163 @@
+"""Video through the OpenAI-compatible serving path: Ray Serve LLM (mmtier's ingress) over a real
+vLLM engine (its CPU build) carrying both mmtier connectors on the tiny random-weight Qwen2-VL
+(``configs/serve-llm-cpu-video.yaml``; its video processor is mmtier's torchvision-free one,
+bound in by mmtier's vLLM plugin), driven over loopback by the real ``openai`` client (``httpx``
+for raw and bad requests). Videos are chat ``video_url`` parts as vLLM's server takes them, a
+``data:video/mp4;base64,...`` URL, which vLLM decodes with its OpenCV loader; vLLM's own prefix
+caching is off, so every cached token in ``usage`` comes from mmtier. Greedy answers of a repeat
+are compared with the first, computed with nothing cached.
+
+Runs in the engines environment (``./run engines``); elsewhere it is skipped with the reason."""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+try:
+    import vllm  # noqa: F401, I001  (first: ray.serve.llm's own message would suggest ray[llm])
+    import av
+    import httpx
+    import openai
+    import ray.serve.llm  # noqa: F401
+except ImportError as exc:                 # the base environment has no vLLM / Ray Serve LLM
+    pytest.skip(f"needs the engines environment (vLLM, ray.serve.llm, openai, httpx, av; ./run engines): {exc}",
+                allow_module_level=True)
+
+from mmtier.serve.llm_app import load_serve_config, start_llm_app, stop_llm_app  # noqa: E402
+from mmtier.serve.tiny_models import BLOCK, text  # noqa: E402
+from mmtier.serve.tiny_video import TEMPORAL, TOKENS_PER_FRAME_PAIR, frames  # noqa: E402
+from tests import media_samples  # noqa: E402
+from tests.test_serve_llm import _free_port, cached  # noqa: E402
+
+pytestmark = pytest.mark.ray
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "serve-llm-cpu-video.yaml"
+MODEL = "tiny-qwen2-vl"
+KEY = "sk-local-acme"
+GREEDY = dict(max_tokens=8, temperature=0.0)
+FRAMES = 16                                # 8 temporal patches of 2 frames: 32 placeholder tokens
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("MMTIER_MODELS", str(tmp_path_factory.mktemp("models")))
+    t0 = time.perf_counter()
+    running = start_llm_app(load_serve_config(CONFIG), port=_free_port())
+    print(f"[serve-llm-video] ready in {time.perf_counter() - t0:.1f} s at {running.base_url}")
+    try:
+        yield running
+    finally:
+        stop_llm_app(running)
+        mp.undo()
+
+
+def client(app) -> openai.OpenAI:
+    return openai.OpenAI(base_url=app.base_url, api_key=KEY, max_retries=0, timeout=300)
+
+
+def mp4_bytes(pixels: np.ndarray, fps: int = 4) -> bytes:
+    """``[n, H, W, 3]`` uint8 frames as an H.264 MP4 (PyAV)."""
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = pixels.shape[2], pixels.shape[1], "yuv420p"
+        for f in pixels:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def video(seed: int, n: int = FRAMES, fps: int = 4) -> bytes:
+    return mp4_bytes(frames(seed, n), fps)
+
+
+def video_part(data: bytes, media_type: str = "video/mp4") -> dict:
+    return {"type": "video_url", "video_url": {"url": f"data:{media_type};base64,{base64.b64encode(data).decode()}"}}
+
+
+def messages(part: dict, words: str) -> list[dict]:
+    return [{"role": "user", "content": [part, {"type": "text", "text": words}]}]
+
+
+def full_blocks(prompt_tokens: int) -> int:
+    return (prompt_tokens - 1) // BLOCK * BLOCK          # vLLM computes the last prompt token itself
+
+
+VIDEO_TOKENS = FRAMES // TEMPORAL * TOKENS_PER_FRAME_PAIR
+
+
+def test_a_repeated_video_is_served_from_mmtier_with_the_same_answer(app):
+    c = client(app)
+    msgs = messages(video_part(video(11)), text(11, 60))
+    first = c.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+    again = c.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+    n = first.usage.prompt_tokens
+    assert n > 60 + VIDEO_TOKENS                         # the words and the video's 32 tokens
+    assert cached(first.usage) == 0
+    assert cached(again.usage) == full_blocks(n) >= 64
+    assert again.choices[0].message.content == first.choices[0].message.content
+    assert first.usage.completion_tokens == 8
+
+
+def test_another_video_under_the_same_text_is_not_a_hit(app):
+    """The video's group is keyed by its processed frames: another video at the same position
+    before the same words misses from the video on (nothing before it fills a block)."""
+    c = client(app)
+    words = text(21, 60)
+    a = c.chat.completions.create(model=MODEL, messages=messages(video_part(video(21)), words), **GREEDY)
+    b = c.chat.completions.create(model=MODEL, messages=messages(video_part(video(22)), words), **GREEDY)
+    assert cached(a.usage) == 0 and cached(b.usage) == 0
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens > BLOCK
+
+
+BAD_WORDS = text(32, 40)
+URL = "messages[0].content[0].video_url.url"
+
+
+def _bad_videos() -> list[tuple[str, dict, str]]:
+    """(name, content part, code) of videos the ingress refuses (the limits are the config's:
+    20 s, 160 frames, 640 x 480)."""
+    mp4 = video(31)
+    png = media_samples.image(31)
+    webm = media_samples.video(31, frames=4, size=(56, 56), fmt="webm")
+    return [
+        ("truncated MP4", video_part(mp4[: len(mp4) // 2]), "invalid_video"),
+        ("MP4 declared WebM", video_part(mp4, "video/webm"), "invalid_video_format"),
+        ("WebM declared MP4", video_part(webm), "invalid_video_format"),
+        ("PNG declared MP4", video_part(png), "invalid_video"),
+        ("over 160 frames", video_part(video(33, n=162, fps=30)), "video_too_large"),
+        ("over 20 s", video_part(video(34, n=22, fps=1)), "video_too_large"),
+        ("over 640 x 480", video_part(mp4_bytes(np.zeros((2, 496, 656, 3), np.uint8))), "video_too_large"),
+        ("broken base64", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA!!!"}},
+         "invalid_base64"),
+        ("remote URL", {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}}, "invalid_video_url"),
+    ]
+
+
+def test_bad_videos_get_openai_shaped_400s_never_a_500(app):
+    url = app.base_url + "/chat/completions"
+    for name, part, code in _bad_videos():
+        body = {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}
+        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        assert r.status_code == 400, (name, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+        assert (err["code"], err["param"], err["type"]) == (code, URL, "invalid_request_error"), (name, err)
+    c = client(app)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.chat.completions.create(model=MODEL, messages=messages(_bad_videos()[0][1], "w1"), max_tokens=4)
+    assert bad.value.code == "invalid_video"
+    # refused before the engine, nothing stored: the whole MP4 refused under the wrong type
+    # (which vLLM's loader would have decoded), sent right with the same words, is new to the cache
+    ok = c.chat.completions.create(model=MODEL, messages=messages(video_part(video(31)), BAD_WORDS), max_tokens=2)
+    assert ok.usage.completion_tokens == 2 and full_blocks(ok.usage.prompt_tokens) >= 64
+    assert cached(ok.usage) == 0
