@@ -54,17 +54,23 @@ def video(seed: int, frames: int = 8, size: tuple[int, int] = (32, 24), fps: int
     """Seeded random frames encoded at test time by PyAV (FFmpeg) into an in-memory container:
     ``mp4`` (the accepted kind), or ``mov`` (QuickTime), ``webm`` / ``matroska`` (VP9) for the
     kinds the app refuses. ``still``: every frame the same."""
-    import av
-
     rng = np.random.default_rng(seed)
     first = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    pixels = [first if still or i == 0 else rng.integers(0, 256, first.shape, dtype=np.uint8) for i in range(frames)]
+    return encode_video(pixels, fps, fmt, "libvpx-vp9" if fmt in ("webm", "matroska") else codec)
+
+
+def encode_video(pixels, fps: int, fmt: str = "mp4", codec: str = "mpeg4") -> bytes:
+    """RGB frames (``[H, W, 3]`` uint8 each) encoded by PyAV into an in-memory ``fmt`` container."""
+    import av
+
     out = io.BytesIO()
     with av.open(out, "w", format=fmt) as container:
-        stream = container.add_stream("libvpx-vp9" if fmt in ("webm", "matroska") else codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
-        for i in range(frames):
-            pixels = first if still or i == 0 else rng.integers(0, 256, first.shape, dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+        stream = container.add_stream(codec, rate=fps)
+        stream.height, stream.width = pixels[0].shape[:2]
+        stream.pix_fmt = "yuv420p"
+        for frame in pixels:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)

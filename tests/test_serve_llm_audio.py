@@ -11,29 +11,26 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 import wave
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 try:
     import vllm  # noqa: F401, I001  (first: ray.serve.llm's own message would suggest ray[llm])
-    import httpx
     import openai
     import ray.serve.llm  # noqa: F401
+    from tests import serve_llm_app
 except ImportError as exc:                 # the base environment has no vLLM / Ray Serve LLM
     pytest.skip(f"needs the engines environment (vLLM, ray.serve.llm, openai, httpx; ./run engines): {exc}",
                 allow_module_level=True)
 
-from mmtier.serve.llm_app import load_serve_config, start_llm_app, stop_llm_app  # noqa: E402
 from mmtier.serve.tiny_audio import SAMPLE_RATE, clip  # noqa: E402
 from mmtier.serve.tiny_models import BLOCK, text  # noqa: E402
-from tests.test_serve_llm import _free_port, cached  # noqa: E402
+from tests.serve_llm_app import full_blocks, refused  # noqa: E402
+from tests.test_serve_llm import cached  # noqa: E402
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-qwen2-audio"
 KEY = "sk-local-acme"
 GREEDY = dict(max_tokens=8, temperature=0.0)
@@ -41,20 +38,11 @@ GREEDY = dict(max_tokens=8, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MMTIER_MODELS", str(tmp_path_factory.mktemp("models")))
-    t0 = time.perf_counter()
-    running = start_llm_app(load_serve_config(ROOT / "configs" / "serve-llm-cpu-audio.yaml"), port=_free_port())
-    print(f"[serve-llm-audio] ready in {time.perf_counter() - t0:.1f} s at {running.base_url}")
-    try:
-        yield running
-    finally:
-        stop_llm_app(running)
-        mp.undo()
+    yield from serve_llm_app.served("serve-llm-cpu-audio.yaml", tmp_path_factory, "serve-llm-audio")
 
 
 def client(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.base_url, api_key=KEY, max_retries=0, timeout=300)
+    return serve_llm_app.client(app, KEY)
 
 
 def wav_bytes(samples: np.ndarray) -> bytes:
@@ -87,10 +75,6 @@ def audio_part(data: bytes, fmt: str) -> dict:
 
 def messages(part: dict, words: str) -> list[dict]:
     return [{"role": "user", "content": [part, {"type": "text", "text": words}]}]
-
-
-def full_blocks(prompt_tokens: int) -> int:
-    return (prompt_tokens - 1) // BLOCK * BLOCK          # vLLM computes the last prompt token itself
 
 
 # every chat prompt with a clip starts 'Audio 1: <|audio_bos|>', a partial block of text the wav
@@ -146,13 +130,8 @@ def _bad_audio() -> list[tuple[str, dict, str, str]]:
 
 
 def test_bad_audio_gets_openai_shaped_400s_never_a_500(app):
-    url = app.base_url + "/chat/completions"
     for name, part, code, param in _bad_audio():
-        body = {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}
-        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-        assert r.status_code == 400, (name, r.status_code, r.text[:300])
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+        err = refused(app, KEY, {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}, name)
         assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error"), (name, err)
     c = client(app)
     with pytest.raises(openai.BadRequestError) as bad:

@@ -12,72 +12,45 @@ Runs in the engines environment (``./run engines``); elsewhere it is skipped wit
 from __future__ import annotations
 
 import base64
-import io
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 try:
     import vllm  # noqa: F401, I001  (first: ray.serve.llm's own message would suggest ray[llm])
-    import av
-    import httpx
     import openai
     import ray.serve.llm  # noqa: F401
+    from tests import serve_llm_app
 except ImportError as exc:                 # the base environment has no vLLM / Ray Serve LLM
-    pytest.skip(f"needs the engines environment (vLLM, ray.serve.llm, openai, httpx, av; ./run engines): {exc}",
+    pytest.skip(f"needs the engines environment (vLLM, ray.serve.llm, openai, httpx; ./run engines): {exc}",
                 allow_module_level=True)
 
-from mmtier.serve.llm_app import load_serve_config, start_llm_app, stop_llm_app  # noqa: E402
 from mmtier.serve.tiny_models import BLOCK, text  # noqa: E402
 from mmtier.serve.tiny_video import TEMPORAL, TOKENS_PER_FRAME_PAIR, frames  # noqa: E402
 from tests import media_samples  # noqa: E402
-from tests.test_serve_llm import _free_port, cached  # noqa: E402
+from tests.serve_llm_app import full_blocks, refused  # noqa: E402
+from tests.test_serve_llm import cached  # noqa: E402
 
 pytestmark = pytest.mark.ray
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "configs" / "serve-llm-cpu-video.yaml"
 MODEL = "tiny-qwen2-vl"
 KEY = "sk-local-acme"
 GREEDY = dict(max_tokens=8, temperature=0.0)
 FRAMES = 16                                # 8 temporal patches of 2 frames: 32 placeholder tokens
+VIDEO_TOKENS = FRAMES // TEMPORAL * TOKENS_PER_FRAME_PAIR
 
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MMTIER_MODELS", str(tmp_path_factory.mktemp("models")))
-    t0 = time.perf_counter()
-    running = start_llm_app(load_serve_config(CONFIG), port=_free_port())
-    print(f"[serve-llm-video] ready in {time.perf_counter() - t0:.1f} s at {running.base_url}")
-    try:
-        yield running
-    finally:
-        stop_llm_app(running)
-        mp.undo()
+    yield from serve_llm_app.served("serve-llm-cpu-video.yaml", tmp_path_factory, "serve-llm-video")
 
 
 def client(app) -> openai.OpenAI:
-    return openai.OpenAI(base_url=app.base_url, api_key=KEY, max_retries=0, timeout=300)
-
-
-def mp4_bytes(pixels: np.ndarray, fps: int = 4) -> bytes:
-    """``[n, H, W, 3]`` uint8 frames as an H.264 MP4 (PyAV)."""
-    out = io.BytesIO()
-    with av.open(out, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = pixels.shape[2], pixels.shape[1], "yuv420p"
-        for f in pixels:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return out.getvalue()
+    return serve_llm_app.client(app, KEY)
 
 
 def video(seed: int, n: int = FRAMES, fps: int = 4) -> bytes:
-    return mp4_bytes(frames(seed, n), fps)
+    """The tiny model's frames (``tiny_video.frames``: one colour a patch) as an H.264 MP4."""
+    return media_samples.encode_video(list(frames(seed, n)), fps, codec="libx264")
 
 
 def video_part(data: bytes, media_type: str = "video/mp4") -> dict:
@@ -86,13 +59,6 @@ def video_part(data: bytes, media_type: str = "video/mp4") -> dict:
 
 def messages(part: dict, words: str) -> list[dict]:
     return [{"role": "user", "content": [part, {"type": "text", "text": words}]}]
-
-
-def full_blocks(prompt_tokens: int) -> int:
-    return (prompt_tokens - 1) // BLOCK * BLOCK          # vLLM computes the last prompt token itself
-
-
-VIDEO_TOKENS = FRAMES // TEMPORAL * TOKENS_PER_FRAME_PAIR
 
 
 def test_a_repeated_video_is_served_from_mmtier_with_the_same_answer(app):
@@ -136,7 +102,7 @@ def _bad_videos() -> list[tuple[str, dict, str]]:
         ("PNG declared MP4", video_part(png), "invalid_video"),
         ("over 160 frames", video_part(video(33, n=162, fps=30)), "video_too_large"),
         ("over 20 s", video_part(video(34, n=22, fps=1)), "video_too_large"),
-        ("over 640 x 480", video_part(mp4_bytes(np.zeros((2, 496, 656, 3), np.uint8))), "video_too_large"),
+        ("over 640 x 480", video_part(media_samples.encode_video([np.zeros((496, 656, 3), np.uint8)] * 2, 4)), "video_too_large"),
         ("broken base64", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA!!!"}},
          "invalid_base64"),
         ("remote URL", {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}}, "invalid_video_url"),
@@ -144,13 +110,8 @@ def _bad_videos() -> list[tuple[str, dict, str]]:
 
 
 def test_bad_videos_get_openai_shaped_400s_never_a_500(app):
-    url = app.base_url + "/chat/completions"
     for name, part, code in _bad_videos():
-        body = {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}
-        r = httpx.post(url, json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
-        assert r.status_code == 400, (name, r.status_code, r.text[:300])
-        err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"], (name, err)
+        err = refused(app, KEY, {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}, name)
         assert (err["code"], err["param"], err["type"]) == (code, URL, "invalid_request_error"), (name, err)
     c = client(app)
     with pytest.raises(openai.BadRequestError) as bad:
