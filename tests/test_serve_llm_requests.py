@@ -128,6 +128,11 @@ def test_mp4_video_urls_where_the_model_takes_video():
         with pytest.raises(RequestError) as err:
             check_messages(chat_with(part), "m", video_only, limits)
         assert (err.value.status, err.value.code, err.value.param) == (400, code, where), err.value.message
+    for typeless in ({"video_url": {"url": video_url(mp4[:99])["video_url"]["url"]}}, {"video_url": "data:,"},
+                     {"text": "w"}):                       # vLLM would read the first two as videos
+        with pytest.raises(RequestError) as err:
+            check_messages(chat_with(typeless), "m", video_only, limits)
+        assert (err.value.code, err.value.param) == ("missing_required_parameter", "messages[1].content[0].type")
     err = refused(chat_with(video_url(mp4)))                                      # a model without video
     assert (err.code, err.param) == ("unsupported_modality", "messages[1].content[0]")
     assert IngressArgs(api_keys={"k": "a"}, max_video_frames=7).limits().max_video_frames == 7

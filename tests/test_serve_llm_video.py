@@ -89,36 +89,41 @@ BAD_WORDS = text(32, 40)
 URL = "messages[0].content[0].video_url.url"
 
 
-def _bad_videos() -> list[tuple[str, dict, str]]:
-    """(name, content part, code) of videos the ingress refuses (the limits are the config's:
-    20 s, 160 frames, 640 x 480)."""
+def _bad_videos() -> list[tuple[str, dict, str, str]]:
+    """(name, content part, code, param) of videos the ingress refuses (the limits are the
+    config's: 20 s, 160 frames, 640 x 480)."""
     mp4 = video(31)
     png = media_samples.image(31)
     webm = media_samples.video(31, frames=4, size=(56, 56), fmt="webm")
-    return [
+    large = media_samples.encode_video([np.zeros((496, 656, 3), np.uint8)] * 2, 4)
+    bad = [
         ("truncated MP4", video_part(mp4[: len(mp4) // 2]), "invalid_video"),
         ("MP4 declared WebM", video_part(mp4, "video/webm"), "invalid_video_format"),
         ("WebM declared MP4", video_part(webm), "invalid_video_format"),
         ("PNG declared MP4", video_part(png), "invalid_video"),
         ("over 160 frames", video_part(video(33, n=162, fps=30)), "video_too_large"),
         ("over 20 s", video_part(video(34, n=22, fps=1)), "video_too_large"),
-        ("over 640 x 480", video_part(media_samples.encode_video([np.zeros((496, 656, 3), np.uint8)] * 2, 4)), "video_too_large"),
+        ("over 640 x 480", video_part(large), "video_too_large"),
         ("broken base64", {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA!!!"}},
          "invalid_base64"),
         ("remote URL", {"type": "video_url", "video_url": {"url": "http://127.0.0.1:9/v.mp4"}}, "invalid_video_url"),
     ]
+    typeless = {"video_url": video_part(mp4)["video_url"]}           # vLLM reads it as a video by its key
+    return [(name, part, code, URL) for name, part, code in bad] + \
+        [("MP4 in a part without a type", typeless, "missing_required_parameter", "messages[0].content[0].type")]
 
 
 def test_bad_videos_get_openai_shaped_400s_never_a_500(app):
-    for name, part, code in _bad_videos():
+    for name, part, code, param in _bad_videos():
         err = refused(app, KEY, {"model": MODEL, "messages": messages(part, BAD_WORDS), "max_tokens": 4}, name)
-        assert (err["code"], err["param"], err["type"]) == (code, URL, "invalid_request_error"), (name, err)
+        assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error"), (name, err)
     c = client(app)
     with pytest.raises(openai.BadRequestError) as bad:
         c.chat.completions.create(model=MODEL, messages=messages(_bad_videos()[0][1], "w1"), max_tokens=4)
     assert bad.value.code == "invalid_video"
-    # refused before the engine, nothing stored: the whole MP4 refused under the wrong type
-    # (which vLLM's loader would have decoded), sent right with the same words, is new to the cache
+    # refused before the engine, nothing stored: the whole MP4 refused under the wrong type and
+    # in a part without a type (vLLM's loader would have decoded both), sent right with the same
+    # words, is new to the cache
     ok = c.chat.completions.create(model=MODEL, messages=messages(video_part(video(31)), BAD_WORDS), max_tokens=2)
     assert ok.usage.completion_tokens == 2 and full_blocks(ok.usage.prompt_tokens) >= 64
     assert cached(ok.usage) == 0

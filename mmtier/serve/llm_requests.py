@@ -9,7 +9,8 @@ OpenAI-shaped errors it answers with: ``{"error": {"message", "type", "param", "
   ``input_audio`` (base64 WAV or MP3, ``serve.media.check_wav`` / ``check_mp3``) and ``video_url``
   (a ``data:video/mp4`` base64 URL whose every frame decodes, within the video limits:
   ``serve.media.check_video``) only for a model that takes that modality, else a 400 that says
-  which inputs it takes; ``audio_url`` is refused (send ``input_audio``).
+  which inputs it takes; ``audio_url`` is refused (send ``input_audio``), and so is a part
+  without a ``type`` (vLLM would take ``{"video_url": ...}`` as a video by its key, past these checks).
 
 Everything here is pure (no Ray, no vLLM): ``RequestError`` carries the status and the four
 fields; the ingress turns it into the response."""
@@ -96,7 +97,10 @@ def check_messages(body: dict[str, Any], model: str, accepts: frozenset[str], li
 def check_part(part: dict[str, Any], where: str, model: str, accepts: frozenset[str],
                limits: RequestLimits) -> None:
     kind = part.get("type")
-    modality = PART_MODALITY.get(kind) if isinstance(kind, str) else None
+    if not isinstance(kind, str):          # vLLM would read a media part by its keys, unchecked
+        raise RequestError(400, "a content part needs its type (text, image_url, input_audio, video_url)",
+                           param=f"{where}.type", code="missing_required_parameter")
+    modality = PART_MODALITY.get(kind)
     if modality is None:
         return
     if modality not in accepts:
