@@ -68,6 +68,7 @@ def test_a_repeated_video_is_served_from_mmtier_with_the_same_answer(app):
     again = c.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
     n = first.usage.prompt_tokens
     assert n > 60 + VIDEO_TOKENS                         # the words and the video's 32 tokens
+    assert first.usage.prompt_tokens_details.model_dump().get("multimodal_tokens") == {"video": VIDEO_TOKENS}
     assert cached(first.usage) == 0
     assert cached(again.usage) == full_blocks(n) >= 64
     assert again.choices[0].message.content == first.choices[0].message.content
