@@ -181,6 +181,16 @@ class KeyMaker:
         return self._make(mapped(key.digest), key.modality, key.sharing, key.scope,
                           None if key.parent is None else mapped(key.parent))
 
+    def state(self, key: ContentKey, modality: str) -> ContentKey:
+        """The key of the recurrent state a model's Mamba / linear-attention layers hold after
+        ``key``'s group (its prefix included), in the pool ``modality``: its own digest, never
+        read as ``key``'s KV; sharing and tenant scope as ``key``'s, no parent."""
+        self.verify(key)
+        digest = hashlib.sha256(encode_fields(b"mmtier/state", [
+            ("version", str(KEY_FORMAT_VERSION)), ("model", self.model), ("key", key.digest),
+            ("modality", modality)])).digest()
+        return self._make(digest, modality, key.sharing, key.scope)
+
     def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes,
               parent: bytes | None = None) -> ContentKey:
         return ContentKey(digest, modality, sharing, scope,

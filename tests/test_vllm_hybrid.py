@@ -5,7 +5,9 @@ implements ``SupportsHMA``), on vLLM's CPU build (``tests/vllm_hybrid_scenarios.
   own prefix cache lost is a hit from mmtier (its sliding layers loaded with the last window
   only), under preemption, after a restart from disk, and with a corrupt group (the request is
   recomputed); greedy tokens equal a plain engine's, which has the hybrid allocator on too;
-- a tiny Qwen3-Next (Gated DeltaNet + full attention): refused at start-up with the reason.
+- a tiny Qwen3-Next (Gated DeltaNet + full attention): a hit restores the attention KV and the
+  recurrent state (logprobs equal vLLM's own), through a restart; a corrupt state is a miss;
+  without prefix caching the connector is refused with the reason.
 
 Needs the engines environment (``./run engines``); skipped with the reason otherwise."""
 
@@ -46,12 +48,31 @@ def test_a_gemma3_with_the_hybrid_allocator_on_hits_restarts_and_recomputes_a_co
     assert len(r["quarantined"]) == 1 and r["quarantined"][0].startswith(r["victim"])
 
 
-def test_a_qwen3_next_is_refused_at_startup_with_the_reason(tmp_path):
-    """Its Gated DeltaNet layers keep a recurrent state, which mmtier does not store: a
-    ConfigError that says so (was: vLLM's 'Failed to promote local KV cache specs')."""
+def test_a_qwen3_next_hit_restores_the_attention_kv_and_the_recurrent_state(tmp_path):
+    """Its Gated DeltaNet layers keep a state, not KV per position: mmtier stores the state
+    where a prefill step ends (vLLM's 'align' mode, prefix caching on) as groups of their own,
+    and a hit ends only where one is held. Logprobs equal bit for bit: a state restored at half
+    its values moves them (seen while building this), though not this tiny model's tokens."""
     r = scenario("qwen3_next", tmp_path)
-    assert r["refused"] is True and r["type"] == "ConfigError"
-    assert "recurrent state" in r["message"] and "MambaSpec" in r["message"]
+    assert r["hybrid_on"] is True
+    bs = r["block_size"]                      # vLLM aligns its blocks with the state's page (96 here)
+    hit = (300 - 1) // bs * bs                # the last step boundary before the last token
+    miss, after_reset = r["mmtier"]
+    plain_miss, plain_hit = r["plain"]
+    assert miss["cached"] == 0 and after_reset["cached"] == hit > 0
+    assert plain_hit["cached"] == hit         # vLLM's own prefix cache hits as far
+    for row in (miss, after_reset, plain_hit, *r["restart"], *r["corrupt"]):
+        assert row["tokens"] == plain_miss["tokens"]
+        assert row["logprobs"] == plain_miss["logprobs"]
+    assert r["state_files"] == ["state0", "state1"]     # the conv and the recurrent state, one each
+    assert r["restart"][0]["cached"] == hit               # restarted over the disk directory
+    # every stored recurrent state flipped on disk: the state is not loaded, nothing is hit
+    # without it (vLLM recomputes the prompt), the file is quarantined
+    assert r["corrupt"][0]["cached"] == 0 and r["quarantined"] == ["state1"]
+    # without prefix caching vLLM keeps no state per block: refused with the reason
+    off = r["off"]
+    assert off["refused"] is True and off["type"] == "ConfigError"
+    assert "mamba_cache_mode 'none'" in off["message"] and "prefix caching on" in off["message"]
 
 
 def test_each_group_reads_its_own_table_and_a_let_go_block_is_no_slot():

@@ -9,9 +9,8 @@ batch that makes vLLM preempt; a second engine over the same disk directory (a r
 prompt; a byte of one of its groups is flipped and a third engine runs it again (that request
 is recomputed); a plain engine under the same pool gives the oracle tokens.
 
-``qwen3_next``: a tiny Qwen3-Next (Gated DeltaNet + full attention) with mmtier's connector is
-refused at start-up with the reason (recurrent state is not stored), not vLLM's error about
-unifying KV cache specs."""
+``qwen3_next``: a tiny Qwen3-Next (Gated DeltaNet + full attention): a hit restores the
+attention KV and the recurrent state, through a restart and a corrupt state (see its doc)."""
 
 from __future__ import annotations
 
@@ -80,16 +79,71 @@ def gemma3(tmp: str) -> dict:
 
 
 def qwen3_next(tmp: str) -> dict:
+    """A tiny Qwen3-Next in bf16, vLLM's prefix cache on (its ``align`` mode for the recurrent
+    layers), the connector given only sizes: a prompt, vLLM's own cache reset, the prompt again
+    (KV and the Gated DeltaNet layers' state from mmtier); a restart over the disk directory;
+    the stored states flipped on disk (the load fails, vLLM recomputes); a plain engine; and
+    the connector with vLLM's prefix caching off (refused with the reason)."""
     model = str(build_qwen3_next(Path(tmp) / "qwen3-next"))
-    started = time.monotonic()
-    try:
-        llm = engine(model, mmtier={"mmtier_device_bytes": 32 << 20}, executor="uni", dtype="bfloat16",
-                     enable_prefix_caching=True)
-    except Exception as exc:  # noqa: BLE001 - the test reads the type and the reason
-        return {"refused": True, "type": type(exc).__name__, "message": str(exc),
-                "seconds": time.monotonic() - started}
+    disk = Path(tmp) / "disk"
+    extra = {"mmtier_device_bytes": 32 << 20, "mmtier_disk_dir": str(disk), "mmtier_disk_bytes": 256 << 20,
+             "mmtier_tenant": "acme"}
+    kw = dict(dtype="bfloat16", enable_prefix_caching=True)
+    p = prompt(100, 300)
+    out: dict = {}
+
+    def run(llm) -> dict:
+        """Greedy tokens with their logprobs: a state restored wrong moves the logprobs of this
+        tiny model before its tokens (its Gated DeltaNet gates forget fast)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1)
+        r = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+        time.sleep(0.3)                        # the worker's writer thread stores off the step
+        o = r.outputs[0]
+        return {"tokens": list(o.token_ids), "cached": r.num_cached_tokens or 0,
+                "logprobs": [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]}
+
+    def twice(llm, reset: bool) -> list[dict]:
+        first = run(llm)
+        if reset:
+            llm.reset_prefix_cache()           # vLLM's own cache lets go of the prompt
+        return [first, run(llm)]
+
+    llm = engine(model, mmtier=extra, **kw)
+    out["hybrid_on"] = _hybrid_on(llm)
+    out["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
+    out["mmtier"] = twice(llm, reset=True)
     close(llm)
-    return {"refused": False}
+    out["state_files"] = sorted(f.name.split("-")[0] for f in disk.glob("state*.arrow"))
+
+    again = engine(model, mmtier=extra, **kw)                   # restarted over the same disk
+    out["restart"] = [run(again)]
+    close(again)
+
+    for f in disk.glob("state1-*.arrow"):                       # every stored state, flipped
+        raw = bytearray(f.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        f.write_bytes(bytes(raw))
+    third = engine(model, mmtier=extra, **kw)
+    out["corrupt"] = [run(third)]
+    close(third)
+    quarantine = disk / "quarantine"
+    out["quarantined"] = sorted(x.name.split("-")[0] for x in quarantine.glob("*")) if quarantine.exists() else []
+
+    plain = engine(model, **kw)
+    out["plain"] = twice(plain, reset=False)       # a miss, then vLLM's own prefix-cache hit
+    close(plain)
+
+    try:
+        off = engine(model, mmtier={"mmtier_device_bytes": 32 << 20}, executor="uni", dtype="bfloat16",
+                     enable_prefix_caching=False)
+        close(off)
+        out["off"] = {"refused": False}
+    except Exception as exc:  # noqa: BLE001 - the test reads the type and the reason
+        out["off"] = {"refused": True, "type": type(exc).__name__, "message": str(exc)}
+    return out
 
 
 SCENARIOS = {f.__name__: f for f in (gemma3, qwen3_next)}

@@ -120,6 +120,11 @@ class TieredKVCache:
         stage's layers: ``KeyMaker.shard``); ``key`` must be this cache's."""
         return self.keys.shard(key, shard)
 
+    def state_key(self, key: ContentKey, modality: str) -> ContentKey:
+        """The key of the recurrent state after ``key``'s group in the pool ``modality``
+        (``KeyMaker.state``); ``key`` must be this cache's."""
+        return self.keys.state(key, modality)
+
     # ------------------------------------------------------------------ sequences
     def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
         return self.seqs.create(tenant)

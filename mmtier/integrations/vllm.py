@@ -116,6 +116,9 @@ class GroupCopy:
 class MMTierConnectorMetadata(KVConnectorMetadata):
     loads: list[GroupCopy] = field(default_factory=list)
     saves: list[GroupCopy] = field(default_factory=list)
+    # models with recurrent layers (vllm_hybrid): states to load with a hit, to save this step
+    state_loads: list[vllm_hybrid.StateCopy] = field(default_factory=list)
+    state_saves: list[vllm_hybrid.StateCopy] = field(default_factory=list)
 
 
 @dataclass
@@ -185,6 +188,15 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                               ("mmtier_load_failure_policy",))
         self._kv_transfer_config.kv_load_failure_policy = policy
         self.scheme = KeyScheme.from_extra(extra, self.block_size)
+        # recurrent layers' states: one embedding pool per state tensor (vllm_shape.shape_fields)
+        self.states: tuple[str, ...] = ()
+        if self.hybrid is not None and self.hybrid.state_layers:
+            self.states = self.shape.state_modalities
+            missing = [m for m in self.states if m not in self.cache.cfg.modalities
+                       or self.cache.cfg.spec(m).kind != "embedding"]
+            if missing:
+                raise ConfigError(f"modalities: this model's recurrent layers need the embedding pools {missing} "
+                                  "(drop the shape fields to have them read from vLLM)", ("modalities",))
         if self.hybrid is not None:
             self.scheme = dataclasses.replace(self.scheme, chunk_blocks=vllm_hybrid.chunk_blocks_within(
                 self.hybrid, self.block_size, self.scheme.chunk_blocks))
@@ -198,6 +210,7 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         # load (equal unless a hit went unloaded); loads for requests resumed after preemption
         self.counts = {"hit_tokens": 0, "load_tokens": 0, "resumed_loads": 0}
         self._async_ops: list[GroupCopy] = []     # hybrid: loads issued at allocation, sent next
+        self._async_states: list[vllm_hybrid.StateCopy] = []
         self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
         # worker side
         self._layers: dict[str, torch.Tensor] = {}
@@ -211,8 +224,9 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
         self._failed_blocks: set[int] = set()
         self._async = (vllm_hybrid.AsyncLoads(self._reader, lambda key: self.cache.read_group(key),
-                                              self.cache.cfg.head_dim)
+                                              self.cache.cfg.head_dim, self._read_state)
                        if worker and self.hybrid is not None else None)
+        self._state_views: list[tuple[torch.Tensor, ...]] = []     # the recurrent layers' state tensors
 
     def _key(self, key: ContentKey) -> ContentKey:
         """The key this worker's cache holds ``key``'s group under: its shard's, where the
@@ -247,9 +261,38 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
             else:
                 held = self._lookup(keys)              # what was pulled is local now
         state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
+        if self.states:                                # a hit ends where a state is held
+            state.hit = self._state_hit(state, held, request.num_tokens)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
         n = max(0, state.hit - num_computed_tokens)
         return n, self.hybrid is not None and n > 0     # hybrid: loaded while the request waits
+
+    def _state_hit(self, state: _ReqState, held: list[bool], num_tokens: int) -> int:
+        """The longest hit whose end holds a state: the end of a held group on a block
+        boundary, short of the last token, whose states the cache holds."""
+        segs = state.plan.segments
+        run = next((i for i, ok in enumerate(held) if not ok), len(held))
+        for i in range(run - 1, -1, -1):
+            end = segs[i].end
+            if end % self.block_size or end > num_tokens - 1:
+                continue
+            keys = [self.cache.state_key(segs[i].key, m) for m in self.states]
+            if self._channel is not None and self._channel.asks:
+                if self._channel.leading_held(keys) == len(keys):
+                    return end
+            elif all(self.cache.contains(k) for k in keys):
+                return end
+        return 0
+
+    def _state_at(self, req_id: str, state: _ReqState, end: int) -> vllm_hybrid.StateCopy | None:
+        """The state after ``[0, end)``: the group ending there and vLLM's state block of it."""
+        seg = next((s for s in state.plan.segments if s.end == end), None)
+        if seg is None:
+            return None
+        table = state.block_ids[self.hybrid.state_group] if self.hybrid.state_group < len(state.block_ids) else []
+        index = end // self.block_size - 1
+        block = table[index] if 0 <= index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK else -1
+        return vllm_hybrid.StateCopy(req_id, seg.key, end, block)
 
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""
@@ -271,10 +314,13 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                     state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
                     self._async_ops += self._loads(request.request_id, state)
                     self._async_reqs.add(request.request_id)
+                    if self.states:
+                        at = self._state_at(request.request_id, state, state.hit)
+                        self._async_states.append(at or vllm_hybrid.StateCopy(request.request_id, None, state.hit, -1))
 
     def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
-        meta = MMTierConnectorMetadata(loads=self._async_ops)
-        self._async_ops = []
+        meta = MMTierConnectorMetadata(loads=self._async_ops, state_loads=self._async_states)
+        self._async_ops, self._async_states = [], []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -283,7 +329,9 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
             if state.load:
                 meta.loads += self._loads(new.req_id, state)
             done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
-            meta.saves += self._saves(new.req_id, state, max(done, state.hit))
+            saves = self._saves(new.req_id, state, max(done, state.hit))
+            meta.saves += saves
+            self._state_save(meta, new.req_id, state, saves, done)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -299,8 +347,19 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                 meta.loads += self._loads(req_id, state)
                 self.counts["resumed_loads"] += 1
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            meta.saves += self._saves(req_id, state, max(done, state.hit))
+            saves = self._saves(req_id, state, max(done, state.hit))
+            meta.saves += saves
+            self._state_save(meta, req_id, state, saves, done)
         return meta
+
+    def _state_save(self, meta: MMTierConnectorMetadata, req_id: str, state: _ReqState,
+                    saves: list[GroupCopy], done: int) -> None:
+        """The state to save with this step's groups: where the step ends on a block boundary
+        at the end of a group it saves (vLLM's state of that position is then in its block)."""
+        if self.states and saves and saves[-1].end == done and done % self.block_size == 0:
+            at = self._state_at(req_id, state, done)
+            if at is not None and at.block >= 0:
+                meta.state_saves.append(at)
 
     def _loads(self, req_id: str, state: _ReqState) -> list[GroupCopy]:
         """The copies that load a request's hit into its blocks (once per admission)."""
@@ -352,7 +411,8 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         cfg = self.cache.cfg
         # an fp8 KV cache is uint8 in vLLM: viewed as the pages' fp8 dtype (the same bytes)
         kv_caches = {name: vllm_copy.as_page_dtype(t, cfg.spec(self.scheme.text_modality).torch_dtype)
-                     for name, t in kv_caches.items()}
+                     for name, t in kv_caches.items()
+                     if self.hybrid is None or name in self.hybrid.layer_group}   # not recurrent layers
         if len(kv_caches) != cfg.num_layers:
             raise ConfigError(f"num_layers: vLLM has {len(kv_caches)} attention layers, the mmtier config "
                               f"{cfg.num_layers}", ("num_layers",))
@@ -406,10 +466,13 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
             # first on the reader thread: what this cache lacks (a scheduler in another process
             # located it, or it was evicted since) pulled in one lookup; none when all is here
             self._reader.submit(self.link.pull, [self._key(op.key) for op in meta.loads])
+        if self.states and not self._state_views:      # the recurrent layers' (conv, ssm, ...) tensors
+            self._state_views = [tuple(forward_context.no_compile_layers[name].kv_cache)
+                                 for name in self.hybrid.state_layers]
         if self._async is not None:           # hybrid: loaded on the reader thread, the request waits
-            if meta.loads:
+            if meta.loads or meta.state_loads:
                 self._async.submit(meta.loads, [(t, self.hybrid.layer_group[name]) for name, t in self._layers.items()],
-                                   self._key)
+                                   self._key, meta.state_loads, self._state_views)
             return
         first = next(iter(self._layers.values()), None)
         self._loading = []
@@ -561,6 +624,8 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         done = [st for st in staged.values() if len(st.layers) == layers]
         if not done:
             return
+        saves = self._get_connector_metadata().state_saves if self.states and self.has_connector_metadata() else []
+        states = self._snapshot_states(saves, {st.op.key for st in done})
         event = None
         if any(not st.direct and st.k.is_cuda for st in done):   # gathers queued on vLLM's stream
             event = torch.cuda.Event()
@@ -568,8 +633,33 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         fut = self._writer.submit(self._store, done, event)
         self._saving.add(fut)
         fut.add_done_callback(self._saving.discard)
+        if states:                 # after this step's groups, on the same thread
+            later = self._writer.submit(self._store_states, states)
+            self._saving.add(later)
+            later.add_done_callback(self._saving.discard)
         if any(st.direct for st in done):
             self._reading_blocks.append(fut)
+
+    def _snapshot_states(self, saves: list[vllm_hybrid.StateCopy], saved: set[ContentKey]
+                         ) -> list[tuple[ContentKey, list[torch.Tensor]]]:
+        """The states this step ended on, copied out of vLLM's blocks now (vLLM moves a request's
+        state to another block at its next step and frees this one after)."""
+        if not saves or not self._state_views:
+            return []
+        n = len(self._state_views[0])
+        return [(op.key, [vllm_hybrid.state_rows(self._state_views, op.block, i) for i in range(n)])
+                for op in saves if op.key in saved]
+
+    def _store_states(self, states: list[tuple[ContentKey, list[torch.Tensor]]]) -> None:
+        for key, rows in states:
+            try:
+                for modality, r in zip(self.states, rows):
+                    self.cache.put_embedding(self._key(self.cache.state_key(key, modality)), r)
+            except MMTierError as exc:            # best effort: a dropped save is a later miss
+                log.warning("mmtier: save of the state after %r skipped: %s", key, exc)
+
+    def _read_state(self, key: ContentKey, index: int) -> torch.Tensor:
+        return self.cache.get_embedding(self._key(self.cache.state_key(key, self.states[index])))
 
     def _store(self, done: list[_Staged], event) -> None:
         if event is not None:

@@ -23,8 +23,14 @@ of the prompt, every layer's K and V); what differs is where each layer's positi
   keeps its blocks until the load is over (``finished_sending``).
 
 Recurrent layers (Mamba, Gated DeltaNet in Qwen3-Next / Qwen3.5) keep a state per request, not
-KV per position; mmtier does not store such states yet, and a model with them is refused at
-start-up with that reason (vLLM without the connector serves it).
+KV per position. With vLLM's prefix caching on, vLLM runs them in its ``align`` mode: prefill
+steps end on block boundaries and the state after position ``e`` (a multiple of the block size)
+lies in the layer's block ``e // block_size - 1`` of that group's table. mmtier keeps such a
+state as groups of their own (``StateCopy``; one embedding pool per state tensor, keyed by the
+group that ends at ``e``: ``KeyMaker.state``), saved where a step ends on a group's end, and a
+hit ends only where a state is held: the KV of every attention layer up to ``e`` and the state
+at ``e`` restore the request exactly. Without prefix caching (vLLM's ``none`` mode a request's
+state moves between blocks as it runs) the connector is refused with that reason.
 """
 
 from __future__ import annotations
@@ -47,12 +53,26 @@ NULL_BLOCK = 0          # vLLM's BlockPool hands out block 0 as the null block, 
 
 
 @dataclass(frozen=True)
+class StateCopy:
+    """The recurrent state after positions ``[0, end)`` of a request, the state after ``key``'s
+    group, in vLLM's state block ``block`` (``-1``: vLLM gave none, the load fails)."""
+
+    req_id: str
+    key: Any
+    end: int
+    block: int
+
+
+@dataclass(frozen=True)
 class KVGroups:
-    """The KV cache groups of a hybrid engine: which group each attention layer is in, and
-    each group's sliding window (``None``: full attention)."""
+    """The KV cache groups of a hybrid engine: which group each attention layer is in, each
+    group's sliding window (``None``: full attention), and the layers holding a recurrent state
+    (and their group)."""
 
     layer_group: dict[str, int]
     windows: tuple[int | None, ...]
+    state_layers: tuple[str, ...] = ()
+    state_group: int | None = None
 
     @property
     def count(self) -> int:
@@ -70,20 +90,44 @@ def kv_groups(kv_cache_config: Any) -> KVGroups | None:
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) <= 1:
         return None
-    layer_group, windows = {}, []
+    layer_group, windows, state_layers, state_group = {}, [], [], None
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
+        if hasattr(spec, "shapes") and hasattr(spec, "dtypes"):        # Mamba / linear attention
+            mode = getattr(spec, "mamba_cache_mode", None)
+            if mode != "align" or state_group is not None:
+                raise ConfigError(
+                    f"this model's {len(group.layer_names)} recurrent layers ({type(spec).__name__}, "
+                    f"vLLM's mamba_cache_mode {mode!r}) keep their state where mmtier cannot find it "
+                    "by position: turn vLLM's prefix caching on (its 'align' mode puts the state "
+                    "after each block in a block of its own), or serve the model without the connector",
+                    ("kv_connector", "enable_prefix_caching"))
+            state_layers += list(group.layer_names)
+            state_group = index
+            windows.append(None)
+            continue
         if not (hasattr(spec, "head_size") and hasattr(spec, "num_kv_heads")):
-            raise ConfigError(
-                f"this model has layers that keep a recurrent state, not KV per position "
-                f"({type(spec).__name__} for {len(group.layer_names)} layers, e.g. Qwen3-Next's Gated "
-                "DeltaNet or Mamba): mmtier's connector stores attention KV only and does not store "
-                "such states yet; serve the model without the connector (vLLM's own prefix cache "
-                "keeps them)", ("kv_connector", "model"))
+            raise ConfigError(f"a KV cache group of {type(spec).__name__} ({len(group.layer_names)} layers) "
+                              "is neither attention nor a recurrent state: mmtier's connector does not "
+                              "serve it", ("kv_connector", "model"))
         windows.append(getattr(spec, "sliding_window", None))
         for name in group.layer_names:
             layer_group[name] = index
-    return KVGroups(layer_group, tuple(windows))
+    return KVGroups(layer_group, tuple(windows), tuple(state_layers), state_group)
+
+
+def state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int) -> torch.Tensor:
+    """State tensor ``index`` of every recurrent layer at vLLM's block ``block``, as
+    ``[layers * rows, width]`` (a copy: vLLM's block is written again later)."""
+    return torch.cat([layer[index][block].reshape(-1, layer[index].shape[-1]) for layer in views])
+
+
+def put_state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int, rows: torch.Tensor) -> None:
+    """The inverse of ``state_rows``: ``rows`` into every recurrent layer's block ``block``."""
+    per_layer = rows.shape[0] // len(views)
+    for i, layer in enumerate(views):
+        dst = layer[index][block]
+        dst.copy_(rows[i * per_layer:(i + 1) * per_layer].reshape(dst.shape).to(dst.device))
 
 
 def chunk_blocks_within(groups: KVGroups, block_size: int, chunk_blocks: int) -> int:
@@ -115,8 +159,9 @@ class AsyncLoads:
     ``get_finished`` / ``failed_recving``)."""
 
     def __init__(self, reader: Executor, read: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
-                 head_dim: int):
+                 head_dim: int, read_state: Callable[[Any, int], torch.Tensor] | None = None):
         self._reader, self._read, self._head_dim = reader, read, head_dim
+        self._read_state = read_state             # (state op's key, state index) -> rows
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}        # request -> groups still loading
         self._failed: set[str] = set()            # requests with a group that did not load
@@ -125,15 +170,33 @@ class AsyncLoads:
         self._finishing: set[str] = set()         # finished by vLLM, their load not over yet
         self._released: set[str] = set()          # finished and load over: blocks may go
 
-    def submit(self, ops: list, layers: list[tuple[torch.Tensor, int]], key_of: Callable[[Any], Any]) -> None:
+    def submit(self, ops: list, layers: list[tuple[torch.Tensor, int]], key_of: Callable[[Any], Any],
+               states: list[StateCopy] = (), views: list[tuple[torch.Tensor, ...]] = ()) -> None:
         """Load every op (``vllm.GroupCopy`` with ``group_slots``) into ``layers``
-        (``(tensor, group)`` in the cache's layer order)."""
+        (``(tensor, group)`` in the cache's layer order), and every state into ``views`` (the
+        recurrent layers' state tensors)."""
         with self._lock:
-            for op in ops:
+            for op in [*ops, *states]:
                 self._pending[op.req_id] = self._pending.get(op.req_id, 0) + 1
                 self._ever.add(op.req_id)
         for op in ops:
             self._reader.submit(self._load, op, layers, key_of(op.key))
+        for op in states:
+            self._reader.submit(self._load_state, op, views)
+
+    def _load_state(self, op: StateCopy, views: list[tuple[torch.Tensor, ...]]) -> None:
+        ok = True
+        try:
+            if op.block < 0 or not views or self._read_state is None:
+                raise MMTierError(f"no state block for the hit ending at {op.end}")
+            rows = [self._read_state(op.key, i) for i in range(len(views[0]))]   # all read, then written
+            with torch.inference_mode():
+                for i, r in enumerate(rows):
+                    put_state_rows(views, op.block, i, r)
+        except (MMTierError, OSError, RuntimeError) as exc:
+            log.warning("mmtier: load of the state after %r failed (%s); vLLM recomputes the request", op.key, exc)
+            ok = False
+        self._settle(op.req_id, ok)
 
     def _load(self, op, layers: list[tuple[torch.Tensor, int]], key) -> None:
         ok = True
@@ -151,16 +214,19 @@ class AsyncLoads:
         except (MMTierError, OSError, RuntimeError) as exc:
             log.warning("mmtier: load of %r failed (%s); vLLM recomputes the request", op.key, exc)
             ok = False
+        self._settle(op.req_id, ok)
+
+    def _settle(self, req_id: str, ok: bool) -> None:
         with self._lock:
             if not ok:
-                self._failed.add(op.req_id)
-            self._pending[op.req_id] -= 1
-            if self._pending[op.req_id] == 0:
-                del self._pending[op.req_id]
-                self._done.add(op.req_id)
-                if op.req_id in self._finishing:
-                    self._finishing.discard(op.req_id)
-                    self._released.add(op.req_id)
+                self._failed.add(req_id)
+            self._pending[req_id] -= 1
+            if self._pending[req_id] == 0:
+                del self._pending[req_id]
+                self._done.add(req_id)
+                if req_id in self._finishing:
+                    self._finishing.discard(req_id)
+                    self._released.add(req_id)
 
     def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """``(released, loaded, failed)`` since the last call: requests vLLM finished whose

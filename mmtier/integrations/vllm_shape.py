@@ -63,6 +63,15 @@ class EngineShape:
     media: tuple[str, ...] = ()      # mmtier KV modalities of the model's media ("vision", "audio")
     embed_width: int | None = None   # width of encoder outputs (the language model's input width)
     device: str = "cpu"
+    # the recurrent state of Mamba / linear-attention layers, one pool per state tensor:
+    # (width, dtype, rows of one layer's state) over ``state_layers`` layers; empty for
+    # attention-only models
+    states: tuple[tuple[int, str, int], ...] = ()
+    state_layers: int = 0
+
+    @property
+    def state_modalities(self) -> tuple[str, ...]:
+        return tuple(f"state{i}" for i in range(len(self.states)))
 
 
 # vLLM's fp8 KV caches (``--kv-cache-dtype``): its tensors are uint8, the name says the format
@@ -103,6 +112,24 @@ def _attention_specs(kv_cache_config: Any) -> list[tuple[Any, list[str]]]:
     return out
 
 
+def _state_specs(kv_cache_config: Any) -> tuple[tuple[tuple[int, str, int], ...], int]:
+    """``(width, dtype, rows of one layer)`` of each state tensor of the KV cache groups that
+    hold a recurrent state (vLLM's ``MambaSpec``: ``shapes`` / ``dtypes`` per layer), and how
+    many layers hold one; ``((), 0)`` where there are none."""
+    specs = [(g.kv_cache_spec, len(g.layer_names)) for g in getattr(kv_cache_config, "kv_cache_groups", None) or []
+             if hasattr(g.kv_cache_spec, "shapes") and hasattr(g.kv_cache_spec, "dtypes")]
+    if not specs:
+        return (), 0
+    spec = specs[0][0]
+    out = []
+    for shape, dtype in zip(spec.shapes, spec.dtypes):
+        rows = 1
+        for d in shape[:-1]:
+            rows *= int(d)
+        out.append((int(shape[-1]), _dtype_name(dtype, "dtype"), rows))
+    return tuple(out), sum(n for _, n in specs)
+
+
 def _media(model_config: Any) -> tuple[str, ...]:
     if getattr(model_config, "multimodal_config", None) is None:
         return ()
@@ -133,12 +160,13 @@ def engine_shape(vllm_config: Any, kv_cache_config: Any = None) -> EngineShape |
         cache_dtype = getattr(cc, "cache_dtype", "auto")
         dtype = _fp8_name(cc) or _dtype_name(mc.dtype if cache_dtype in ("auto", None) else cache_dtype, "dtype")
     media = _media(mc)
+    states, state_layers = _state_specs(kv_cache_config)
     width = None
     if media:
         width = int(mc.get_inputs_embeds_size() if hasattr(mc, "get_inputs_embeds_size") else mc.get_hidden_size())
     return EngineShape(model=str(mc.model), num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
                        dtype=dtype, block_size=block, media=media, embed_width=width,
-                       device=_device(vllm_config))
+                       device=_device(vllm_config), states=states, state_layers=state_layers)
 
 
 @dataclass(frozen=True)
@@ -239,6 +267,10 @@ def shape_fields(shape: EngineShape) -> dict[str, Any]:
         mods[name] = {"page_size": shape.block_size, "share": 0.5 / (2 * len(shape.media))}
         mods[f"{name}_embed"] = {"kind": "embedding", "width": shape.embed_width, "page_size": EMBED_PAGE,
                                  "share": 0.5 / (2 * len(shape.media))}
+    for name, (width, dtype, rows) in zip(shape.state_modalities, shape.states):
+        # a page per layer's state (a state is saved where a prefill step ends, not per block)
+        mods[name] = {"kind": "embedding", "width": width, "dtype": dtype, "page_size": min(rows, 4096),
+                      "share": 0.25 / len(shape.states)}
     return {"model": shape.model, "num_layers": shape.num_layers, "num_kv_heads": shape.num_kv_heads,
             "head_dim": shape.head_dim, "dtype": shape.dtype, "modalities": mods}
 
