@@ -44,6 +44,10 @@ COMMANDS = {
                      "engines, CPU build; vLLM's prefix cache on, its pool too small to keep the repeat)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
+    "vllm_engine_hybrid": ".venv-engines/bin/python -m benchmarks.vllm_engine --hybrid  (real vLLM engines, CPU "
+                          "build, vLLM's hybrid allocator on; an 8-layer Gemma 3, sliding-window (512) and full-attention "
+                          "layers in turn, float32; 5 paired rounds of a 2,048-token prompt; mmtier's repeat after "
+                          "vLLM's prefix cache was reset)",
     "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
                      "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 rounds per router, the routers in turn)",
     "kernel_compile": "./run kernels-compile  (python -m benchmarks.kernel_compile in .venv-triton: triton 3.6, "
@@ -121,6 +125,12 @@ HEADLINES = [
     ("vllm_parallel", "mmtier_over_recompute", "(reported; TP=2, after vLLM let the prompt go; < 1: faster)", None),
     ("vllm_engine", "mmtier_device_over_vllm_prefix", "(reported; vLLM's own prefix cache, same process)", None),
     ("vllm_engine", "mmtier_disk_restart_over_recompute", "(reported; a new engine, groups from disk)", None),
+    ("vllm_engine_hybrid", "hybrid_mmtier_over_recompute",
+     "(reported; sliding-window + full attention, hybrid allocator on, after vLLM's own cache lost the prompt)", None),
+    ("vllm_engine_hybrid", "hybrid_vllm_prefix_over_recompute", "(reported; vLLM's own prefix cache hit)", None),
+    ("vllm_engine_hybrid", "hybrid_mmtier_over_vllm_prefix", "(reported)", None),
+    ("vllm_engine_hybrid", "greedy_mismatches_mmtier", "0 (the repeat's greedy tokens equal recompute's)",
+     lambda v: v == 0),
     ("serve_routing", "hit_ratio_affinity", "(reported; cached / prompt tokens, mmtier's router)", None),
     ("serve_routing", "hit_ratio_default", "(reported; Serve's power of two choices)", None),
     ("serve_routing", "ttft_affinity_over_default", "(reported; < 1: affinity answers sooner)", None),
