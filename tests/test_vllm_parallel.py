@@ -14,6 +14,7 @@ pytest.importorskip("vllm.entrypoints.llm", reason="no vLLM engine here: run ./r
                     "(vLLM's CPU build in .venv-engines); ./run test then runs this file there")
 
 from tests import engine_runs  # noqa: E402
+from tests.vllm_mm_models import build_llava  # noqa: E402
 from tests.vllm_models import BLOCK, build_llama  # noqa: E402
 
 
@@ -56,3 +57,15 @@ def test_a_group_one_worker_cannot_load_is_recomputed_and_the_hit_is_what_every_
     assert [q for q in tp2["quarantined"] if q.startswith(tp2["victim"] + ".")] != []
     # after it: worker 1 holds the shared prefix's first 4 groups, worker 0 all 7
     assert cached(restart)[1] == 4 * BLOCK
+
+
+def test_the_encoder_cache_connector_at_tp2_skips_the_tower_on_every_rank(tmp_path_factory):
+    """Encoder outputs are whole on every rank (vLLM computes them on each): each rank's cache
+    keeps the item under its own key, and a repeat skips the vision tower on both."""
+    model = str(build_llava(tmp_path_factory.mktemp("models") / "llava"))
+    r = engine_runs.scenario("tests.vllm_parallel_scenarios", "tp2_ec", tmp_path_factory.mktemp("tp2-ec"),
+                             model=model)
+    # images A, B, C, D, A: the tower runs once per rank for each new image, on neither for A again
+    assert [row["encoded"] for row in r["ec"]] == [2, 2, 2, 2, 0]
+    assert [row["encoded"] for row in r["plain"]] == [2, 2, 2, 2, 2]
+    assert tokens(r["ec"]) == tokens(r["plain"])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # a rank per core, not pinned
 
+# the LLaVA's shim and registration, in this process and every one vLLM spawns (they import it)
+import tests.vllm_mm_scenarios as vms  # noqa: E402
 from tests import vllm_scenarios as vs  # noqa: E402
 from tests.vllm_models import KV_HEADS, VOCAB, cache_fields  # noqa: E402
 
@@ -79,7 +81,34 @@ def tp2(model: str, tmp: str) -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (tp2,)}
+def tp2_ec(model: str, tmp: str) -> dict:
+    """The encoder-cache connector in a tensor-parallel engine (2 workers, the tiny LLaVA):
+    vLLM computes the whole encoder output on every rank, so each rank keeps it under the
+    item's own key. Images A, B, C, D, then A again (vLLM's own encoder cache lets A go): the
+    vision tower runs on both ranks for each new image and on neither for A again; tokens equal
+    a plain engine of the same settings. The connector is given only sizes."""
+    from vllm.config import ECTransferConfig
+
+    p = vms.prompts()["same"]
+    reqs = [vms.request(p, vms.image(i)) for i in (1, 2, 3, 4, 1)]
+    kw = dict(vms.MM_ARGS, tensor_parallel_size=TP, executor="mp")
+    ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_connector_module_path=vms.EC_CONNECTOR,
+                          ec_role="ec_both",
+                          ec_connector_extra_config={"mmtier_device_bytes": 16 << 20, "mmtier_tenant": "acme",
+                                                     "mmtier_disk_dir": str(Path(tmp) / "ec"),
+                                                     "mmtier_embed_modality": "vision_embed"})
+    out: dict = {}
+    llm = vs.engine(model, ec_transfer_config=ec, **kw)
+    out["ec"] = vms.run(llm, reqs, vms.EncoderCalls(llm))
+    vs.close(llm)
+    out["ec_files"] = len(list((Path(tmp) / "ec").glob("vision_embed-*.arrow")))
+    plain = vs.engine(model, **kw)
+    out["plain"] = vms.run(plain, reqs, vms.EncoderCalls(plain))
+    vs.close(plain)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (tp2, tp2_ec)}
 
 
 def main(argv: list[str]) -> int:
