@@ -7,6 +7,7 @@ Needs the engines environment (``./run engines``); skipped with the reason other
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -41,9 +42,17 @@ def test_vllm_is_the_oracle_miss_equals_no_connector_hit_equals_its_own_prefix_c
     full = r["full_blocks"] * BLOCK
     plain, own, mine = r["plain"][0], r["prefix_cache"], r["mmtier"]
     assert cached(own) == [0, full] and cached(mine) == [0, full]
-    # the connector's presence changes nothing vLLM computes: a miss is the plain engine's
-    # run to the last bit of every logprob, and vLLM's CPU backend chose the same kernels
-    assert mine[0]["logprobs"] == plain["logprobs"] and mine[0]["tokens"] == plain["tokens"]
+    # mmtier adds nothing to what vLLM computes with a connector in its loop: a miss is the run
+    # of an engine whose connector does nothing, to the last bit of every logprob ...
+    noop = r["noop"][0]
+    assert mine[0]["logprobs"] == noop["logprobs"] and mine[0]["tokens"] == noop["tokens"]
+    # ... and, where vLLM's connector path leaves its numerics alone (every CPU and dtype seen
+    # here), the plain engine's; vLLM's CPU backend chose the same kernels
+    if noop["logprobs"] != plain["logprobs"]:
+        warnings.warn(f"vLLM with a do-nothing KV connector computes otherwise than without one ({dtype}): "
+                      "mmtier's miss is held to the do-nothing connector's bits", stacklevel=1)
+    else:
+        assert mine[0]["logprobs"] == plain["logprobs"] and mine[0]["tokens"] == plain["tokens"]
     assert r["mmtier_isa"] == r["plain_isa"] == r["prefix_cache_isa"]
     # a hit is vLLM's own prefix-cache hit, to the last bit (the same KV, the same suffix computation)
     assert mine[1]["logprobs"] == own[1]["logprobs"] and mine[1]["tokens"] == own[1]["tokens"]

@@ -131,6 +131,14 @@ def oracle(model: str, tmp: str, dtype: str = "float32") -> dict:
         close(own)
         spy.isa.clear()
 
+        from tests.noop_connector import transfer_config
+
+        noop = engine(model, executor="uni", dtype=dtype, kv_transfer_config=transfer_config())
+        spy.watch(noop)
+        out["noop"] = run(noop, spy, [p])
+        close(noop)
+        spy.isa.clear()
+
         fields = cache_fields(None, dtype=dtype)
         llm = engine(model, executor="uni", dtype=dtype, mmtier=mm(fields))
         spy.watch(llm)
