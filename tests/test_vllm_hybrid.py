@@ -64,11 +64,26 @@ def test_a_qwen3_next_hit_restores_the_attention_kv_and_the_recurrent_state(tmp_
     for row in (miss, after_reset, plain_hit, *r["restart"], *r["corrupt"]):
         assert row["tokens"] == plain_miss["tokens"]
         assert row["logprobs"] == plain_miss["logprobs"]
-    assert r["state_files"] == ["state0", "state1"]     # the conv and the recurrent state, one each
+    # the conv and the recurrent state, a file each per saved state (the prompt's, the batch's)
+    assert r["state_files"].count("state0") == r["state_files"].count("state1") >= 1
+    # a batch vLLM preempts in (resumed requests hit mmtier's KV and state): the same tokens as
+    # a plain engine's until, at most, a position where the plain engine's two best logprobs
+    # nearly tie (bf16: vLLM recomputes a preempted request in other splits; seen: an exact tie)
+    assert r["preemptions"] > 0 and r["plain_preemptions"] > 0
+    equal = 0
+    for mine, plain in zip(r["batch"], r["plain_batch"]):
+        d = next((i for i, (a, b) in enumerate(zip(mine["tokens"], plain["tokens"])) if a != b), None)
+        if d is None:
+            equal += 1
+            continue
+        first, second = plain["top2"][d]
+        assert first - second < 0.05, (d, plain["top2"][d], mine["top2"][d])
+        assert all(abs(a[0] - b[0]) < 0.1 for a, b in zip(mine["top2"][:d], plain["top2"][:d]))
+    assert equal >= len(r["batch"]) - 1
     assert r["restart"][0]["cached"] == hit               # restarted over the disk directory
     # every stored recurrent state flipped on disk: the state is not loaded, nothing is hit
     # without it (vLLM recomputes the prompt), the file is quarantined
-    assert r["corrupt"][0]["cached"] == 0 and r["quarantined"] == ["state1"]
+    assert r["corrupt"][0]["cached"] == 0 and r["quarantined"] == ["state1"]   # the prompt's, read
     # without prefix caching vLLM keeps no state per block: refused with the reason
     off = r["off"]
     assert off["refused"] is True and off["type"] == "ConfigError"

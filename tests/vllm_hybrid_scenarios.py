@@ -88,8 +88,9 @@ def qwen3_next(tmp: str) -> dict:
     disk = Path(tmp) / "disk"
     extra = {"mmtier_device_bytes": 32 << 20, "mmtier_disk_dir": str(disk), "mmtier_disk_bytes": 256 << 20,
              "mmtier_tenant": "acme"}
-    kw = dict(dtype="bfloat16", enable_prefix_caching=True)
+    kw = dict(dtype="bfloat16", enable_prefix_caching=True, num_gpu_blocks_override=24, max_model_len=512)
     p = prompt(100, 300)
+    batch = [prompt(110 + i, 200) for i in range(5)]
     out: dict = {}
 
     def run(llm) -> dict:
@@ -105,6 +106,21 @@ def qwen3_next(tmp: str) -> dict:
         return {"tokens": list(o.token_ids), "cached": r.num_cached_tokens or 0,
                 "logprobs": [d[t].logprob for d, t in zip(o.logprobs, o.token_ids)]}
 
+    def batch_run(llm) -> list[dict]:
+        """The batch at once (more than the pool holds: vLLM preempts): tokens and, per
+        position, the two best logprobs (where they nearly tie, bf16 recomputes that split
+        otherwise may choose the other)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = SamplingParams(max_tokens=150, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=2)
+        rows = []
+        for r in llm.generate([TokensPrompt(prompt_token_ids=b) for b in batch], sp, use_tqdm=False):
+            o = r.outputs[0]
+            rows.append({"tokens": list(o.token_ids),
+                         "top2": [sorted((v.logprob for v in d.values()), reverse=True)[:2] for d in o.logprobs]})
+        return rows
+
     def twice(llm, reset: bool) -> list[dict]:
         first = run(llm)
         if reset:
@@ -115,6 +131,8 @@ def qwen3_next(tmp: str) -> dict:
     out["hybrid_on"] = _hybrid_on(llm)
     out["block_size"] = llm.llm_engine.vllm_config.cache_config.block_size
     out["mmtier"] = twice(llm, reset=True)
+    out["batch"] = batch_run(llm)                              # more than 24 blocks: vLLM preempts
+    out["preemptions"] = metric(llm, "vllm:num_preemptions")
     close(llm)
     out["state_files"] = sorted(f.name.split("-")[0] for f in disk.glob("state*.arrow"))
 
@@ -134,6 +152,8 @@ def qwen3_next(tmp: str) -> dict:
 
     plain = engine(model, **kw)
     out["plain"] = twice(plain, reset=False)       # a miss, then vLLM's own prefix-cache hit
+    out["plain_batch"] = batch_run(plain)
+    out["plain_preemptions"] = metric(plain, "vllm:num_preemptions")
     close(plain)
 
     try:
