@@ -409,3 +409,20 @@ def test_tenant_scope():
     s1, s2 = tenant_salt(SECRET, "a"), tenant_salt(SECRET, "b")
     assert len(tenant_scope(s1)) == 16 and tenant_scope(s1) != tenant_scope(s2)
     assert tenant_scope(s1) not in s1   # the scope does not reveal the salt
+
+
+def test_a_state_key_is_its_groups_own_never_the_group_and_never_another_pools():
+    """``KeyMaker.state``: the key of the recurrent state after a group (Qwen3-Next's Gated
+    DeltaNet layers), one per state pool; authentic, in its pool's modality, the group's scope."""
+    km = KeyMaker(MODEL, SECRET)
+    group = key(b"img", tenant="acme", km=km)
+    conv, ssm = km.state(group, "state0"), km.state(group, "state1")
+    assert conv.modality == "state0" and ssm.modality == "state1"
+    assert len({group.digest, conv.digest, ssm.digest}) == 3
+    assert conv.scope == group.scope and conv.sharing == group.sharing and conv.parent is None
+    km.verify(conv)
+    assert km.state(group, "state0") == conv                       # the same group, the same key
+    other = key(b"img2", tenant="acme", km=km)
+    assert km.state(other, "state0").digest != conv.digest
+    with pytest.raises(ForeignKeyError):                           # another secret's group
+        km.state(key(b"img", tenant="acme", km=KeyMaker(MODEL, "other")), "state0")
