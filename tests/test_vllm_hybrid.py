@@ -68,7 +68,8 @@ def test_a_qwen3_next_hit_restores_the_attention_kv_and_the_recurrent_state(tmp_
     assert r["state_files"].count("state0") == r["state_files"].count("state1") >= 1
     # a batch vLLM preempts in (resumed requests hit mmtier's KV and state): the same tokens as
     # a plain engine's until, at most, a position where the plain engine's two best logprobs
-    # nearly tie (bf16: vLLM recomputes a preempted request in other splits; seen: an exact tie)
+    # nearly tie (bf16: vLLM recomputes a preempted request in other splits; seen: an exact
+    # tie), logprobs within 0.1 up to and at it (a state restored wrong moves them further)
     assert r["preemptions"] > 0 and r["plain_preemptions"] > 0
     equal = 0
     for mine, plain in zip(r["batch"], r["plain_batch"]):
@@ -78,8 +79,11 @@ def test_a_qwen3_next_hit_restores_the_attention_kv_and_the_recurrent_state(tmp_
             continue
         first, second = plain["top2"][d]
         assert first - second < 0.05, (d, plain["top2"][d], mine["top2"][d])
+        assert abs(mine["top2"][d][0] - first) < 0.1, (d, plain["top2"][d], mine["top2"][d])
         assert all(abs(a[0] - b[0]) < 0.1 for a, b in zip(mine["top2"][:d], plain["top2"][:d]))
-    assert equal >= len(r["batch"]) - 1
+    # how many stay equal to the end is chance (CI saw 3 of 5, here 4 and 5): a divergence after
+    # a near tie carries on, and this random-weight model's top two are often within 0.05
+    assert equal >= 1
     assert r["restart"][0]["cached"] == hit               # restarted over the disk directory
     # every stored recurrent state flipped on disk: the state is not loaded, nothing is hit
     # without it (vLLM recomputes the prompt), the file is quarantined
