@@ -78,6 +78,32 @@ def test_hits_by_full_blocks_per_prefix_image_and_salt(pair):
     assert sched.get_num_new_matched_tokens(h.request("r5", seed=9), 0) == (0, False)
 
 
+def test_a_conversations_next_turns_hit_up_to_the_last_prompts_full_blocks_in_large_chunks(tmp_path):
+    """Chunks of 16 blocks: the last prompt's full blocks ended inside one, which the next turn's
+    whole chunk misses; the connector follows the part the last turn stored (``vllm_plan``'s
+    forks) and loads every full block of it. Turn 1 [0, 40) of 41 tokens; turn 2 (61 tokens)
+    hits 40, not 24; turn 3 (76) hits 56 through both turns' parts; the bytes are the saved ones."""
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=16)
+    try:
+        kv = h.paged(seed=3)
+        blocks = torch.randperm(h.NUM_BLOCKS, generator=torch.Generator().manual_seed(7)).tolist()
+        b1, b2, b3 = blocks[:6], blocks[6:14], blocks[14:24]
+        assert h.step(sched, worker, h.request("t1"), b1, kv) == 0
+        turn1 = h.tokens_kv(kv, b1, 40)
+        assert h.step(sched, worker, h.request("t2", extend=20), b2, kv) == 40
+        assert torch.equal(h.tokens_kv(kv, b2, 40), turn1)          # loaded: turn 1's bytes
+        turn2 = h.tokens_kv(kv, b2, 56)
+        for t in kv.values():                                       # the third turn's blocks poisoned
+            t[b3] = float("nan")
+        assert h.step(sched, worker, h.request("t3", extend=35), b3, kv) == 56
+        assert torch.equal(h.tokens_kv(kv, b3, 56), turn2)
+        # a turn whose earlier text differs inside the part finds no fork: its prefix's blocks only
+        assert sched.get_num_new_matched_tokens(h.request("t4", extend=35, change_at=35), 0) == (24, False)
+    finally:
+        worker.shutdown()
+        close_shared()
+
+
 @pytest.mark.parametrize("chunk_blocks", [1, 16])
 def test_a_hit_loads_the_saved_bytes_into_other_blocks(tmp_path, chunk_blocks):
     """A prompt saved from one set of shuffled blocks, then asked again on other blocks, poisoned:

@@ -51,9 +51,13 @@ def connectors(fields: dict, **extra):
             KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None))
 
 
-def request(rid: str, *, image="img-A", salt=None, seed=0, change_at=None) -> Request:
+def request(rid: str, *, image="img-A", salt=None, seed=0, change_at=None, extend=0) -> Request:
+    """The prompt of ``seed`` (``PROMPT`` tokens, the image at ``IMAGE_AT``), one token changed
+    at ``change_at``, ``extend`` more tokens after it (the same ones for every ``extend``: a
+    conversation's next turns)."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(100, 30000, (PROMPT,), generator=g).tolist()
+    tokens += torch.randint(100, 30000, (200,), generator=torch.Generator().manual_seed(seed + 1)).tolist()[:extend]
     if change_at is not None:
         tokens[change_at] += 1
     tokens[IMAGE_AT:IMAGE_AT + IMAGE_LEN] = [32000] * IMAGE_LEN     # placeholder tokens
@@ -93,7 +97,8 @@ def step(sched, worker, req: Request, block_ids: list[int], kv: dict[str, torch.
                          None, (list(block_ids),), hit, None)
     out = SchedulerOutput(
         scheduled_new_reqs=[new], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={req.request_id: PROMPT - hit}, total_num_scheduled_tokens=PROMPT - hit,
+        num_scheduled_tokens={req.request_id: req.num_prompt_tokens - hit},
+        total_num_scheduled_tokens=req.num_prompt_tokens - hit,
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={}, finished_req_ids=set(),
         free_encoder_mm_hashes=[])
     worker.bind_connector_metadata(sched.build_connector_meta(out))

@@ -11,7 +11,9 @@ or a preset / inline shape that is then checked against the engine's (a ``Config
 startup naming the field and both values) and against the KV tensors vLLM registers.
 
 Scheduler side: a request's prompt becomes chained groups (``vllm_plan``); the hit is the
-leading run of held groups in whole blocks, looked up in one pass; ``build_connector_meta``
+leading run of held groups in whole blocks, looked up in one pass; where the run stops inside
+a text chunk, the part of it an earlier prompt stored (a conversation's last turn ended there)
+is looked up too and the prompt planned again with a cut there (``_fork``); ``build_connector_meta``
 lists, per step, the groups to load (the hit) and to save (groups whose positions this step
 completes). Worker side: ``start_load_kv`` reads the groups in a background thread;
 ``wait_for_layer_load`` copies that layer's part into vLLM's tensor; ``save_kv_layer`` copies
@@ -92,6 +94,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 60.0
+# forks a lookup follows (``_fork``): one per earlier turn of a conversation that ended inside a
+# chunk, so a conversation's n-th turn takes up to n - 1; past this many the hit stops there
+MAX_FORKS = 64
 SPLIT_BACKENDS = ("ray", "mp")       # vLLM executors whose workers run in processes of their own
 
 
@@ -129,6 +134,7 @@ class _ReqState:
     load: bool = False
     block_ids: list[list[int]] = field(default_factory=list)   # vLLM's block table per KV cache group
     saved: int = 0                 # segments [0, saved) are held or queued for saving
+    cuts: tuple[int, ...] = ()     # where the plan forks off to an earlier prompt's part (_fork)
     pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
 
 
@@ -244,11 +250,10 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                                    ) -> tuple[int | None, bool]:
         state = self._plan(request)
         keys = [s.key for s in state.plan.segments]
-        if self._channel is not None and self._channel.asks:   # the worker's cache, in its process
-            n = self._channel.leading_held(keys)
-            held = [i < n for i in range(len(keys))]
-        else:
-            held = self._lookup(keys)
+        held = self._held(keys)
+        if not all(held):          # an earlier prompt ended inside the chunk that missed
+            held = self._fork(request, state, held)
+            keys = [s.key for s in state.plan.segments]
         if self.link is not None and not all(held):
             if state.pull is None:                     # one lookup (and its pulls) per request
                 ask = self.link.locate_async if self.split else self.link.pull_async
@@ -293,6 +298,32 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         index = end // self.block_size - 1
         block = table[index] if 0 <= index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK else -1
         return vllm_hybrid.StateCopy(req_id, seg.key, end, block)
+
+    def _held(self, keys: list[ContentKey]) -> list[bool]:
+        """Which of ``keys`` are held, as a leading run: the worker's cache through the lookup
+        channel where it runs in another process, else this process's."""
+        if self._channel is not None and self._channel.asks:
+            n = self._channel.leading_held(keys)
+            return [i < n for i in range(len(keys))]
+        return self._lookup(keys)
+
+    def _fork(self, request: Request, state: _ReqState, held: list[bool]) -> list[bool]:
+        """Where the leading run stops inside a text chunk, the longest part of it an earlier
+        prompt stored (its full blocks ended there: a conversation's last turn): the request
+        is planned again with a cut there and looked up again (``vllm_plan``). At most one
+        lookup per block of the chunk, and a few forks per request."""
+        for _ in range(MAX_FORKS):
+            n = held.index(False) if False in held else len(held)
+            found = next((end for end, key in self.scheme.forks(self.cache, request, state.plan, n)
+                          if self._held([key])[0]), None)
+            if found is None:
+                break
+            state.cuts = tuple(sorted({*state.cuts, found}))
+            state.plan = self.scheme.plan(self.cache, request, state.cuts)
+            held = self._held([seg.key for seg in state.plan.segments])
+            if all(held):
+                break
+        return held
 
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""

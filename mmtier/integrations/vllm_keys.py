@@ -11,6 +11,7 @@ Nothing here imports vLLM; media are keyed by the digest of their processed inpu
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,7 @@ from ..config import CacheConfig
 from ..content import ContentKey
 from ..errors import ConfigError
 from .connector_cache import tenant_from_extra
-from .vllm_plan import DEFAULT_MODALITIES, MediaItem, RequestPlan, plan_request
+from .vllm_plan import DEFAULT_MODALITIES, MediaItem, RequestPlan, fork_keys, plan_request
 
 
 def media_of(request: Any) -> list[MediaItem]:
@@ -100,13 +101,20 @@ class KeyScheme:
             parts.append(lora)
         return "/".join(parts) if len(parts) > 1 else self.tenant
 
-    def plan(self, cache: TieredKVCache, request: Any) -> RequestPlan:
+    def plan(self, cache: TieredKVCache, request: Any, cuts: Sequence[int] = ()) -> RequestPlan:
         """The chained segments of a vLLM request (``prompt_token_ids``, ``mm_features``,
-        ``cache_salt``, ``lora_request``: a scheduler's ``Request`` or an ``EngineCoreRequest``)."""
+        ``cache_salt``, ``lora_request``: a scheduler's ``Request`` or an ``EngineCoreRequest``),
+        its text also cut at ``cuts`` (``vllm_plan``: where an earlier prompt's part ended)."""
         return plan_request(cache, list(request.prompt_token_ids or []), media_of(request),
                             block_size=self.block_size, tenant=self.scope(request),
                             chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
-                            modality_map=self.modality_map)
+                            modality_map=self.modality_map, cuts=cuts)
+
+    def forks(self, cache: TieredKVCache, request: Any, plan: RequestPlan, index: int
+              ) -> list[tuple[int, ContentKey]]:
+        """``vllm_plan.fork_keys`` of the plan's segment ``index`` for this request."""
+        return fork_keys(cache, plan, index, list(request.prompt_token_ids or []), block_size=self.block_size,
+                         tenant=self.scope(request), text_modality=self.text_modality)
 
 
 def embedding_key(cache: TieredKVCache, feature: Any, *, modality: str, tenant: str | None

@@ -15,6 +15,14 @@ prefix, and every key carries the tenant (vLLM's ``cache_salt``), so tenants nev
 Only segments that end within the prompt's full blocks are stored or looked up; a hit is the
 longest run of stored segments from the start, rounded down to a block and kept below the
 prompt's length (vLLM computes at least the last prompt token itself).
+
+A conversation's next turn repeats the last prompt and goes on: where the last prompt's full
+blocks ended inside a chunk, it stored that chunk's part up to there, which the new prompt's
+whole chunk does not match. ``fork_keys`` gives the keys of that chunk's parts up to each block
+boundary inside it (longest first, chained to the same parent); where one is held, the prompt
+is planned again with a cut there (``cuts``), so the hit reaches the last prompt's full blocks
+(vLLM's own prefix cache hits block by block) while chunks stay large; the new prompt's groups
+after the cut chain from that part, and the turn after finds them the same way.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ class Segment:
     start: int
     end: int
     key: ContentKey
+    text: bool = True                  # text (cut in chunks), else a media item's positions
 
 
 @dataclass(frozen=True)
@@ -71,48 +80,74 @@ class RequestPlan:
 
 def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence[MediaItem], *,
                  block_size: int, tenant: str | None, chunk_blocks: int = 1,
-                 text_modality: str = "text", modality_map: dict[str, str] | None = None) -> RequestPlan:
-    """The chained segments of a prompt (see the module's docstring)."""
+                 text_modality: str = "text", modality_map: dict[str, str] | None = None,
+                 cuts: Sequence[int] = ()) -> RequestPlan:
+    """The chained segments of a prompt (see the module's docstring); text is also cut at each
+    position of ``cuts`` (block boundaries where an earlier prompt's part of a chunk ended)."""
     if chunk_blocks < 1:
         raise ShapeError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
+    if any(c % block_size for c in cuts):
+        raise ShapeError(f"cuts must be block boundaries (blocks of {block_size}), got {sorted(cuts)}")
     n = len(token_ids)
     full = n // block_size * block_size
     chunk = chunk_blocks * block_size
+    forced = sorted(set(cuts))
     modality_of = _modality_resolver(cache, text_modality, modality_map)
     tokens = np.asarray(token_ids, dtype=np.int64)
-    cuts: list[tuple[int, int, str, bytes]] = []        # (start, end, modality, bytes to hash)
+    pieces: list[tuple[int, int, str, bytes]] = []      # (start, end, modality, bytes to hash)
     pos = 0
     for item in sorted(media, key=lambda m: m.offset):
         if item.offset < pos or item.length <= 0 or item.offset + item.length > n:
             raise ShapeError(f"media item at {item.offset}+{item.length} overlaps another item "
                              f"or leaves the prompt of {n} tokens")
-        cuts += _text_cuts(tokens, pos, item.offset, chunk, full, text_modality)
+        pieces += _text_cuts(tokens, pos, item.offset, chunk, full, text_modality, forced)
         if item.digest is None:                  # content unknown here: nothing from it on
             break
-        cuts.append((item.offset, item.offset + item.length, modality_of(item.modality),
-                     b"vllm-mm\x00" + item.digest))
+        pieces.append((item.offset, item.offset + item.length, modality_of(item.modality),
+                       b"vllm-mm\x00" + item.digest))
         pos = item.offset + item.length
     else:
-        cuts += _text_cuts(tokens, pos, n, chunk, full, text_modality)
+        pieces += _text_cuts(tokens, pos, n, chunk, full, text_modality, forced)
     segments, parent = [], None
-    for start, end, modality, data in cuts:
+    for start, end, modality, data in pieces:
         if end > full:
             break
         parent = cache.content_key(modality, data, tenant=tenant, parent=parent,
                                    params={"positions": end - start})
-        segments.append(Segment(start, end, parent))
+        segments.append(Segment(start, end, parent, data.startswith(TEXT)))
     return RequestPlan(n, tuple(segments))
 
 
-def _text_cuts(tokens: np.ndarray, lo: int, hi: int, chunk: int, full: int, modality: str):
+TEXT = b"vllm-text\x00"
+
+
+def _text_cuts(tokens: np.ndarray, lo: int, hi: int, chunk: int, full: int, modality: str,
+               forced: Sequence[int] = ()):
     out = []
     while lo < hi:
         end = min(hi, (lo // chunk + 1) * chunk)
         if lo < full < end:                      # the full blocks end inside this chunk
             end = full
-        out.append((lo, end, modality, b"vllm-text\x00" + tokens[lo:end].tobytes()))
+        end = next((c for c in forced if lo < c < end), end)
+        out.append((lo, end, modality, TEXT + tokens[lo:end].tobytes()))
         lo = end
     return out
+
+
+def fork_keys(cache: TieredKVCache, plan: RequestPlan, index: int, token_ids: Sequence[int], *,
+              block_size: int, tenant: str | None, text_modality: str = "text") -> list[tuple[int, ContentKey]]:
+    """``(end, key)`` of the parts of text segment ``index`` that end on a block boundary inside
+    it, longest first: the keys an earlier prompt whose full blocks ended there stored that part
+    under (the same parent, the same tokens). None for a media item or a one-block segment."""
+    if index >= len(plan.segments) or not plan.segments[index].text:
+        return []
+    seg = plan.segments[index]
+    parent = plan.segments[index - 1].key if index else None
+    tokens = np.asarray(token_ids[seg.start:seg.end], dtype=np.int64)
+    first, last = seg.start // block_size * block_size + block_size, (seg.end - 1) // block_size * block_size
+    return [(end, cache.content_key(text_modality, TEXT + tokens[:end - seg.start].tobytes(), tenant=tenant,
+                                    parent=parent, params={"positions": end - seg.start}))
+            for end in range(last, first - 1, -block_size)]
 
 
 def _modality_resolver(cache: TieredKVCache, text: str, mapping: dict[str, str] | None
