@@ -73,6 +73,19 @@ def mmtier_sizes(disk_dir: str | Path, *, device_bytes: int, host_bytes: int, di
     return extra
 
 
+def same_cores_env() -> dict:
+    """The OpenMP set-up every engine here starts with (the caller's environment wins): its
+    threads on all the CPUs this process may use, and idle threads asleep at once.
+
+    vLLM's CPU build binds its threads itself ('auto'): it keeps cores back for the scheduler
+    and one more per worker where a KV connector is configured, so on a 2-core machine a plain
+    engine ran one thread on core 0 and an engine with mmtier two threads on cores 0-1, both
+    on core 0. The engines of a comparison must run alike, and not spin on each other's cores
+    once a step is over (libgomp's default waits actively)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -95,7 +108,7 @@ class EngineServer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineServer:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO",
+        env = {**same_cores_env(), **os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO",
                "TOKENIZERS_PARALLELISM": "false",
                "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.spec.shutdown_timeout_s), **self.spec.extra_env}
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)          # the pool is --kv-cache-memory-bytes

@@ -64,6 +64,11 @@ class ServingDemoSpec:
     host_bytes: int = 1 << 30           # mmtier's host tier
     chunk_blocks: int | None = None     # the KV connector's blocks per text group (None: its default)
     encoder_cache: bool = True          # mmtier's encoder-cache connector beside its KV connector
+    # the pause before each request: vLLM's worker busy-waits 1 s on its shared-memory queue
+    # after each step (shm_broadcast.SpinCondition, not configurable), on a core the other
+    # engine then lacks; without the pause whichever engine answered second in a pair took up
+    # to 1 s longer to its first token, mmtier's as often as plain's (2 cores, nothing else)
+    quiet_s: float = 1.2
     seed: int = 0
 
     @classmethod
@@ -237,6 +242,7 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
                 got: dict[str, dict] = {}
                 names = ("plain", "mmtier") if n % 2 == 0 else ("mmtier", "plain")   # paired, alternating
                 for name in names:
+                    time.sleep(spec.quiet_s)
                     got[name] = stream_chat(clients[name], name, conv.messages, spec.max_tokens)
                 conv.records.append({"conversation": conv.index, "turn": i, "phase": phase, "image": turn.image,
                                      "mmtier": got["mmtier"], "plain": got["plain"], "first": names[0]})
