@@ -1,7 +1,8 @@
 """A KV connector that does nothing (no hits, no loads, no saves), for the real-engine oracle:
-vLLM with a connector in its loop but nothing moved. Where vLLM's own connector path computes
-otherwise than a plain engine (seen in bf16: vLLM's multiprocessing executor on a sliding-window
-model), mmtier's miss is held to this engine's bits."""
+vLLM with a connector in its loop but nothing moved. vLLM's CPU build binds such an engine's
+OpenMP threads one core fewer than a plain engine's under its multiprocessing executor (which
+moved bf16 logprobs); mmtier's plugin undoes that for mmtier's connector only
+(``mmtier.integrations.vllm_threads``), so this engine shows what vLLM alone does."""
 
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ Needs the engines environment (``./run engines``); skipped with the reason other
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -62,6 +63,25 @@ def test_vllm_is_the_oracle_miss_equals_no_connector_hit_equals_its_own_prefix_c
     assert r["kv_nonzero"]
     assert r["stored_bit_equal"]
     assert r["loaded_blocks_differ_from_first"] and r["loaded_bit_equal"]
+
+
+def test_an_engine_with_mmtier_computes_on_the_threads_of_the_same_engine_without_it(tmp_path):
+    """vLLM's CPU build keeps a core back for any KV connector (its mp executor, 'auto' binding):
+    an engine with a connector computed on another number of OpenMP threads than without, and
+    bf16 sums in another order (the first issue-34 report: another answer with nothing loaded,
+    on an Intel Xeon). With mmtier's connector the worker binds as the plain engine's does
+    (``mmtier.integrations.vllm_threads``); a connector that does nothing shows what vLLM alone
+    does. A tiny Gemma 3 in bf16, vLLM's default executor and its prefix cache on."""
+    r = scenario("threads", tmp_path)
+    assert r["mmtier_threads"] == r["plain_threads"]
+    if len(os.sched_getaffinity(0)) >= 2:              # with one CPU vLLM has no core to keep back
+        assert r["noop_threads"]["threads"] != r["plain_threads"]["threads"]     # vLLM's own binding
+    mine, plain = r["mmtier"], r["plain"]
+    assert mine["cached"] == 0 and mine["tokens"] == plain["tokens"] and mine["logprobs"] == plain["logprobs"]
+    # the repeat from mmtier (vLLM's own cache reset) is vLLM's own prefix-cache hit, bit for bit
+    hit, own = r["mmtier_hit"], r["plain_hit"]
+    assert hit["cached"] == own["cached"] > 0
+    assert hit["tokens"] == own["tokens"] and hit["logprobs"] == own["logprobs"]
 
 
 def test_a_connector_given_only_sizes_starts_and_hits_and_a_wrong_shape_is_refused(model, tmp_path):

@@ -13,6 +13,8 @@ itself as the oracle: ``python -m tests.vllm_dropin_scenarios NAME ARGS_JSON`` p
 - ``evicted``: vLLM's prefix cache on and a block pool smaller than the working set: a prompt
   pushed out of vLLM's cache by fillers comes back from mmtier (vLLM's own counters: local and
   external prefix-cache hits per request), tokens equal plain vLLM with its prefix cache.
+- ``threads``: vLLM's multiprocessing executor in bfloat16: the OpenMP threads vLLM's CPU build
+  binds with mmtier's connector, without a connector and with one that does nothing.
 """
 
 from __future__ import annotations
@@ -222,7 +224,55 @@ def evicted(model: str, tmp: str, dtype: str = "float32") -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (oracle, sizes_only, evicted)}
+def threads(tmp: str) -> dict:
+    """vLLM's multiprocessing executor (its default) and bfloat16, where the number of OpenMP
+    threads moves the numerics: a tiny Gemma 3 (sliding-window and full-attention layers,
+    vLLM's hybrid allocator and prefix cache on), one 301-token prompt, greedy with the top
+    logprobs, in a plain engine, an engine whose KV connector does nothing (vLLM binds it one
+    core fewer where it can, ``mmtier.integrations.vllm_threads``) and an engine with mmtier's
+    connector given only sizes; the prompt twice in the plain engine (the second from vLLM's own
+    prefix cache) and in mmtier's, vLLM's own cache reset between (the second from mmtier); the
+    threads and CPUs of each engine's worker (``DemoWorker.mmtier_threads``)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.noop_connector import transfer_config
+    from tests.vllm_models import build_gemma3
+
+    def rows_of(llm, prompts):
+        sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=LOGPROBS)
+        rows = []
+        for q in prompts:
+            o = llm.generate([TokensPrompt(prompt_token_ids=q)], sp, use_tqdm=False)[0]
+            rows.append({"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0,
+                         "logprobs": [sorted((int(t), float(lp.logprob)) for t, lp in d.items())
+                                      for d in o.outputs[0].logprobs]})
+            time.sleep(0.3)             # the worker's writer thread stores off the step
+        return rows
+
+    model = str(build_gemma3(Path(tmp) / "gemma3"))
+    p = prompt(80, 301)
+    kw = dict(dtype="bfloat16", enable_prefix_caching=True, num_gpu_blocks_override=56, max_model_len=640,
+              worker_extension_cls="mmtier.demo.worker_ext.DemoWorker")
+    out: dict = {}
+    plain = engine(model, **kw)
+    out["plain"], out["plain_hit"] = rows_of(plain, [p, p])       # a miss, then vLLM's own hit
+    out["plain_threads"] = plain.collective_rpc("mmtier_threads")[0]
+    close(plain)
+    noop = engine(model, kv_transfer_config=transfer_config(), **kw)
+    out["noop"] = rows_of(noop, [p])[0]
+    out["noop_threads"] = noop.collective_rpc("mmtier_threads")[0]
+    close(noop)
+    llm = engine(model, mmtier={"mmtier_device_bytes": 64 << 20}, **kw)
+    out["mmtier"] = rows_of(llm, [p])[0]
+    out["mmtier_threads"] = llm.collective_rpc("mmtier_threads")[0]
+    llm.reset_prefix_cache()
+    out["mmtier_hit"] = rows_of(llm, [p])[0]
+    close(llm)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (oracle, sizes_only, evicted, threads)}
 
 
 def main(argv: list[str]) -> int:

@@ -7,7 +7,9 @@ server's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``; the servers bind 
 - ``mmtier_close``: closes the worker's mmtier caches now (``connector_cache.close_shared``), so
   what its device and host tiers hold is written to the disk tier while the process is whole,
   before the server is stopped (at ``atexit`` the interpreter refuses new thread-pool work, and
-  the disk tier's writer runs on one)."""
+  the disk tier's writer runs on one);
+- ``mmtier_threads``: the worker's OpenMP threads and the CPUs it may run on (what vLLM's CPU
+  build bound it to: ``mmtier.integrations.vllm_threads``)."""
 
 from __future__ import annotations
 
@@ -30,3 +32,11 @@ class DemoWorker:
         n = len(connector_cache._CACHES)
         connector_cache.close_shared()
         return n
+
+    def mmtier_threads(self) -> dict:
+        import os
+
+        import torch
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return {"threads": torch.get_num_threads(), "cpus": cpus}

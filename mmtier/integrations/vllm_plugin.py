@@ -18,8 +18,11 @@ The same call gives Qwen2-VL / Qwen2.5-VL what they need without torchvision
 torchvision image processor's module (bound to its PIL twin), and the model's processor loads a
 video processor, which transformers has only over torchvision (mmtier's
 ``qwen2_vl_video.Qwen2VLVideoProcessorPil`` is bound in and registered in its place).
-Where torchvision imports, it does nothing. Nothing else is changed, and nothing of vLLM is
-imported here.
+Where torchvision imports, it does nothing. Nothing of vLLM is imported for it.
+
+It also calls ``vllm_threads.same_threads_as_without_a_connector()``: an engine with mmtier's KV
+connector binds as many OpenMP threads on vLLM's CPU build as the same engine without it (vLLM
+keeps a core back for any KV connector, which moves bf16 answers).
 
 ``shim_state()`` tells whether the binding is in place and whether vLLM's LLaVA module was
 imported before it (then the shim came too late, which the tests check never happens)."""
@@ -92,6 +95,9 @@ def register() -> None:
     """The entry point vLLM calls in each of its processes."""
     _LLAVA_BEFORE.append(LLAVA in sys.modules)
     torchvision_free_vllm()
+    from .vllm_threads import same_threads_as_without_a_connector
+
+    same_threads_as_without_a_connector()
 
 
 def shim_state() -> ShimState:
