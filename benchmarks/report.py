@@ -35,6 +35,10 @@ COMMANDS = {
     "long_context_cluster": "python -m benchmarks.long_context --preset tiny --tokens 500000 --cluster",
     "multiturn": "python -m benchmarks.multiturn  (40 turns, 3 rounds; the chat model)",
     "hf_generate": "python -m benchmarks.hf_generate",
+    "vllm_av": ".venv-engines/bin/python -m benchmarks.vllm_av  (tiny Qwen2-Audio and Qwen2-VL, language model "
+               "2 layers x 128; 5 paired rounds)",
+    "vllm_av_8x512": ".venv-engines/bin/python -m benchmarks.vllm_av --lm 8x512  (the same models with an 8-layer, "
+                     "512-wide language model; 5 paired rounds)",
     "demo": "mmtier demo --engine transformers (./run demo --engine transformers)",
     "demo_serving": "mmtier demo (./run demo: the openai client against vLLM's OpenAI API server with and without "
                     "mmtier, prefix caching on, vLLM's CPU build)",
@@ -96,6 +100,11 @@ HEADLINES = [
     ("serving_load", "sustainable_mmtier_over_plain", ">= 2 (sustainable rate at the p99 TTFT bound)",
      lambda v: v >= 2),
     ("serving_load", "peak_completed_mmtier_over_plain", "(reported: the most requests/s each completed)", None),
+    ("vllm_av_8x512", "audio_mmtier_over_recompute", "(reported; < 1: a repeated clip's hit is faster than prefill)",
+     None),
+    ("vllm_av_8x512", "video_mmtier_over_recompute", "(reported; < 1: a repeated video's hit is faster)", None),
+    ("vllm_av_8x512", "audio_mmtier_over_vllm_prefix", "(reported; vLLM's own prefix cache, still holding it)", None),
+    ("vllm_av_8x512", "video_mmtier_over_vllm_prefix", "(reported)", None),
     ("serving_load", "ttft_p50_mmtier_over_plain_median", "(reported; median over rates)", None),
     ("long_context", "decode_over_overlap_floor", "<= 1.3", lambda v: v <= 1.3),
     ("long_context", "decode_over_summed_floor", "(reported)", None),

@@ -75,16 +75,24 @@ def ratio(num: list[float], den: list[float]) -> float:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--lm", default=None, metavar="LAYERSxHIDDEN",
+                    help="a larger language model for both (e.g. 8x512, the shape of benchmarks/vllm_engine.py); "
+                         "results then go to vllm_av_LAYERSxHIDDEN.json")
     add_out_arg(ap)
     args = ap.parse_args(argv)
+    size = {}
+    if args.lm:
+        layers, hidden = (int(x) for x in args.lm.lower().split("x"))
+        size = {"layers": layers, "hidden": hidden}
     from mmtier.serve.tiny_audio import ensure_tiny_qwen2_audio
     from mmtier.serve.tiny_video import ensure_tiny_qwen2_vl
 
     work = Path(tempfile.mkdtemp(prefix="mmtier-vllm-av-"))
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    figures: dict = {"rounds": args.rounds, "load_before_1min": float(load_before[0])}
+    figures: dict = {"rounds": args.rounds, "load_before_1min": float(load_before[0]),
+                     "language_model": args.lm or "2x128"}
     sides = ("recompute", "vllm_prefix", "mmtier")
-    for medium, model in (("audio", ensure_tiny_qwen2_audio(work)), ("video", ensure_tiny_qwen2_vl(work))):
+    for medium, model in (("audio", ensure_tiny_qwen2_audio(work, **size)), ("video", ensure_tiny_qwen2_vl(work, **size))):
         rows = media_rounds(medium, str(model), args.rounds)
         figures[f"{medium}_prompt_tokens"] = rows["prompt_tokens"][0]
         for n in sides:
@@ -95,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         figures[f"{medium}_vllm_prefix_over_recompute"] = ratio(rows["vllm_prefix"], rows["recompute"])
     figures["load_after_1min"] = float(Path("/proc/loadavg").read_text().split()[0])
     print(figures)
-    write_results("vllm_av", figures, args.out)
+    write_results(f"vllm_av_{args.lm.lower()}" if args.lm else "vllm_av", figures, args.out)
     return figures
 
 

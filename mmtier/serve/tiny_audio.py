@@ -21,6 +21,7 @@ Imports transformers only (inside the builders)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .tiny_models import (
@@ -44,7 +45,7 @@ AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
 TINY_AUDIO_VERSION = 1                         # bump when build_qwen2_audio's output changes
 
 
-def build_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
+def build_qwen2_audio(path: str | Path, *, seed: int = 0, layers: int = LAYERS, hidden: int = HIDDEN) -> Path:
     """The tiny Qwen2-Audio under ``path`` with its processor; returns at once where ``path``
     holds a model already. Weights drawn wide (0.2) so that greedy tokens are far from ties."""
     import torch
@@ -61,8 +62,8 @@ def build_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    text = Qwen2Config(vocab_size=AUDIO_VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
-                       num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=KV_HEADS,
+    text = Qwen2Config(vocab_size=AUDIO_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=hidden // HEAD_DIM, num_key_value_heads=KV_HEADS,
                        max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
                        bos_token_id=1, eos_token_id=2, pad_token_id=3)
     audio = Qwen2AudioEncoderConfig(d_model=64, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=128,
@@ -75,10 +76,14 @@ def build_qwen2_audio(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
-def ensure_tiny_qwen2_audio(root: str | Path | None = None, *, seed: int = 0) -> Path:
+def ensure_tiny_qwen2_audio(root: str | Path | None = None, *, seed: int = 0, layers: int = LAYERS,
+                            hidden: int = HIDDEN) -> Path:
     """The tiny Qwen2-Audio under ``root`` (``tiny_models.ensure_built``): what
-    ``model_source: mmtier://tiny-qwen2-audio`` names in a Serve config."""
-    return ensure_built(f"tiny-qwen2-audio-v{TINY_AUDIO_VERSION}-seed{seed}", build_qwen2_audio, root, seed=seed)
+    ``model_source: mmtier://tiny-qwen2-audio`` names in a Serve config. ``layers`` / ``hidden``:
+    a larger language model of the same kind (benchmarks: where prefill costs what it costs)."""
+    size = "" if (layers, hidden) == (LAYERS, HIDDEN) else f"-{layers}x{hidden}"
+    return ensure_built(f"tiny-qwen2-audio-v{TINY_AUDIO_VERSION}-seed{seed}{size}",
+                        functools.partial(build_qwen2_audio, layers=layers, hidden=hidden), root, seed=seed)
 
 
 def _vllm_layout(file: Path) -> None:

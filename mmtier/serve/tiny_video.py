@@ -16,6 +16,7 @@ Imports transformers only (inside the builders)."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from .tiny_models import (
@@ -41,7 +42,7 @@ VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"
 TINY_VIDEO_VERSION = 1                         # bump when build_qwen2_vl's output changes
 
 
-def build_qwen2_vl(path: str | Path, *, seed: int = 0) -> Path:
+def build_qwen2_vl(path: str | Path, *, seed: int = 0, layers: int = LAYERS, hidden: int = HIDDEN) -> Path:
     """The tiny Qwen2-VL under ``path`` with its processor; returns at once where ``path`` holds
     a model already. Weights drawn wide (0.2) so that greedy tokens are far from ties."""
     import torch
@@ -59,13 +60,13 @@ def build_qwen2_vl(path: str | Path, *, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    heads = HIDDEN // HEAD_DIM
-    text = dict(vocab_size=VIDEO_VOCAB, hidden_size=HIDDEN, intermediate_size=256, num_hidden_layers=LAYERS,
+    heads = hidden // HEAD_DIM
+    text = dict(vocab_size=VIDEO_VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                 num_attention_heads=heads, num_key_value_heads=KV_HEADS, max_position_embeddings=4096,
                 rope_scaling={"type": "mrope", "rope_type": "default", "mrope_section": MROPE_SECTION},
                 initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                 pad_token_id=3)
-    vision = dict(depth=2, embed_dim=64, hidden_size=HIDDEN, num_heads=4, mlp_ratio=2, in_channels=3,
+    vision = dict(depth=2, embed_dim=64, hidden_size=hidden, num_heads=4, mlp_ratio=2, in_channels=3,
                   patch_size=PATCH, spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, initializer_range=0.2)
     cfg = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=VIDEO_SPECIALS.index("<|image_pad|>"),
                         video_token_id=VIDEO_ID, vision_start_token_id=VIDEO_SPECIALS.index("<|vision_start|>"),
@@ -84,9 +85,13 @@ def build_qwen2_vl(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
-def ensure_tiny_qwen2_vl(root: str | Path | None = None, *, seed: int = 0) -> Path:
-    """The tiny Qwen2-VL under ``root`` (``tiny_models.ensure_built``)."""
-    return ensure_built(f"tiny-qwen2-vl-v{TINY_VIDEO_VERSION}-seed{seed}", build_qwen2_vl, root, seed=seed)
+def ensure_tiny_qwen2_vl(root: str | Path | None = None, *, seed: int = 0, layers: int = LAYERS,
+                         hidden: int = HIDDEN) -> Path:
+    """The tiny Qwen2-VL under ``root`` (``tiny_models.ensure_built``); ``layers`` / ``hidden``:
+    a larger language model of the same kind (benchmarks)."""
+    size = "" if (layers, hidden) == (LAYERS, HIDDEN) else f"-{layers}x{hidden}"
+    return ensure_built(f"tiny-qwen2-vl-v{TINY_VIDEO_VERSION}-seed{seed}{size}",
+                        functools.partial(build_qwen2_vl, layers=layers, hidden=hidden), root, seed=seed)
 
 
 def frames(seed: int, n: int = 8):
