@@ -3,7 +3,7 @@ chains) and the policies (``policies``: LRU, modality-priority LRU, cost-aware, 
 ``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``, ``chainbip``, ``slru``: one policy each; ``lanes``: what two-queue policies share)."""
 
 from .arc import ARCPolicy
-from .base import MAX_BUNDLE, Clock, EvictionPolicy, _Entry
+from .base import MAX_BUNDLE, Clock, EvictionPolicy, PolicyEntry
 from .bimodal import BimodalLRUPolicy
 from .chainbip import ChainBIPPolicy
 from .dip import DIPPolicy
@@ -19,4 +19,6 @@ from .s3fifo import S3FIFOPolicy
 from .slru import AdaptiveSLRUPolicy
 
 __all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "AdaptiveSLRUPolicy", "BimodalLRUPolicy", "ChainBIPPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
-           "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "S3FIFOPolicy", "_Entry", "make_policy"]
+           "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "PolicyEntry", "S3FIFOPolicy", "make_policy"]
+
+_Entry = PolicyEntry   # the old private name, until benchmarks/belady.py imports PolicyEntry

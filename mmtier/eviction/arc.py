@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
-from .base import Clock, EvictionPolicy, _Entry
+from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts, density, reused
 
 RECENT, FREQUENT = 0, 1
@@ -61,7 +61,7 @@ class ARCPolicy(EvictionPolicy):
             entry.lane = FREQUENT
         super().on_access(group)
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         return float(self.tick)
 
     # -- victims

@@ -6,18 +6,19 @@ modality's pool), in eviction order, until their bytes cover ``bytes_needed`` (f
 enough can go; the caller decides what that means). A new policy is one class plus one line in
 ``POLICIES``.
 
-Mechanism shared by every policy: each group has a static *key* computed whenever it is
-touched (insert, access, release); groups sit in one min-heap per ``(tier, modality, lane)``
-ordered by key, with stale entries skipped lazily and heaps rebuilt when stale entries pile up.
-A *lane* is a policy's queue (one for most; S3-FIFO's small and main queues, ARC's recent and
-frequent lists: ``_new_lane`` places a new group, ``_refile`` moves one). Within one lane the
-eviction order is the key order; across modalities and lanes ``victims`` merges the heaps' heads
-by ``_rank(key, modality, lane)``, which a policy may make depend on the current time or state
-as long as it is increasing in the key for a fixed modality and lane. A group that reaches the
-head of its lane evictable is offered to ``_second_chance`` first: a CLOCK-style policy may
-re-file it (to another lane, or back with a new key) instead of handing it out, and does so at
-most a bounded number of times per touch. So ``victims`` costs O((k + s + r) log n) for k
-victims, s skipped (pinned, leased, busy) groups and r second chances, not O(n).
+Mechanism shared by every policy: each group has an entry (``PolicyEntry``) with a static *key*
+computed whenever it is touched (insert, access, release); groups sit in one min-heap per
+``(tier, modality, lane)`` ordered by key, with stale entries skipped lazily and heaps rebuilt
+when stale entries pile up. A *lane* is a policy's queue (one for most; S3-FIFO's small and main
+queues, ARC's recent and frequent lists: ``_new_lane`` places a new group, ``_refile`` moves
+one). Within one lane the eviction order is the key order; across modalities and lanes
+``victims`` merges the heaps' heads by ``_rank(key, modality, lane)``, which a policy may make
+depend on the current time or state as long as it is increasing in the key for a fixed modality
+and lane. A group that reaches the head of its lane evictable is offered to ``_second_chance``
+first: a CLOCK-style policy may re-file it (to another lane, or back with a new key) instead of
+handing it out, and does so at most a bounded number of times per touch. So ``victims`` costs
+O((k + s + r) log n) for k victims, s skipped (pinned, leased, busy) groups and r second
+chances, not O(n).
 
 Evictable means: no sequence reference (``refs``), no pin, no copy in flight (``busy``), no
 live lease, judged with the policy's clock (inject the same clock as the ``LeaseTable``), and
@@ -56,7 +57,13 @@ _HeapKey = tuple[Tier, str, int]            # (tier, modality, lane)
 
 
 @dataclass
-class _Entry:
+class PolicyEntry:
+    """What the mechanism keeps per group; a policy's hooks (``_key``, ``_second_chance``,
+    ``_left``) get it. The group, its key at the latest touch, its touches (``freq``) and its
+    lane (a policy may set ``lane``, or re-file with ``_refile``); the live heap item (``seq``,
+    ``tier``, ``parked``) and the prefix-chain links (``parent``, ``kids``, ``children``) are
+    the mechanism's."""
+
     group: ModalityGroup
     key: float = 0.0
     seq: int = -1                            # seq of this group's live heap item
@@ -83,7 +90,7 @@ class EvictionPolicy:
         self.cfg = cfg
         self.clock: Clock = clock or time.monotonic
         self.tick = 0                         # logical clock: one per insert / access / release
-        self._entries: dict[int, _Entry] = {}
+        self._entries: dict[int, PolicyEntry] = {}
         self._heaps: dict[_HeapKey, list[_HeapItem]] = {}
         self._seq = itertools.count()
         self._items = 0                       # heap items, live and stale
@@ -95,7 +102,7 @@ class EvictionPolicy:
     def on_insert(self, group: ModalityGroup) -> None:
         """A new group exists (in ``group.tier``)."""
         self.tick += 1
-        entry = _Entry(group, freq=1, tier=group.tier, lane=self._new_lane(group))
+        entry = PolicyEntry(group, freq=1, tier=group.tier, lane=self._new_lane(group))
         parent = group.parent
         if parent is not None and parent.gid in self._entries and parent.gid != group.gid:
             entry.parent = parent.gid
@@ -158,7 +165,7 @@ class EvictionPolicy:
                     for lane in range(1, self.lanes):
                         self._heaps.setdefault((tier, m, lane), [])
             hkeys = [h for h in self._heaps if h[0] == tier and modality in (None, h[1])]
-            blocked: dict[int, _Entry] = {}     # evictable but for children, by gid
+            blocked: dict[int, PolicyEntry] = {}     # evictable but for children, by gid
             taken: dict[int, int] = {}          # parent gid -> children chosen in this call
             scans = [self._scan(h, now, held, blocked, taken) for h in hkeys]
             merge: list[tuple[float, int, int, list[ModalityGroup]]] = []
@@ -194,7 +201,7 @@ class EvictionPolicy:
         return len(self._entries)
 
     # ------------------------------------------------------------------ policy hooks
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         """Static key of a group at its latest touch: smaller goes first."""
         raise NotImplementedError
 
@@ -210,25 +217,25 @@ class EvictionPolicy:
         """The lane a new group starts in (policies with one queue: 0)."""
         return 0
 
-    def _second_chance(self, entry: _Entry) -> bool:
+    def _second_chance(self, entry: PolicyEntry) -> bool:
         """An evictable group reached the head of its lane: ``True`` when the policy re-files
         it instead (moved to another lane or back to the tail, by ``_refile``), as CLOCK-style
         policies do at eviction time. Must not return ``True`` forever for the same group."""
         return False
 
-    def _refile(self, entry: _Entry, key: float, lane: int) -> None:
+    def _refile(self, entry: PolicyEntry, key: float, lane: int) -> None:
         """Put ``entry`` in ``lane`` with ``key`` (its old heap item becomes stale)."""
         entry.lane = lane
         self._file(entry, key)
 
-    def _left(self, tier: Tier, entry: _Entry) -> None:
+    def _left(self, tier: Tier, entry: PolicyEntry) -> None:
         """The group left ``tier`` (demoted or dropped)."""
 
     # ------------------------------------------------------------------ mechanism
     def _evictable(self, group: ModalityGroup, now: float) -> bool:
         return group.refs == 0 and group.pins == 0 and group.busy == 0 and group.live_leases(now) == 0
 
-    def _count_kid(self, entry: _Entry, old: Tier | None, new: Tier | None) -> None:
+    def _count_kid(self, entry: PolicyEntry, old: Tier | None, new: Tier | None) -> None:
         """Keep the parent's per-tier child counts in step with ``entry``'s tier."""
         parent = self._entries.get(entry.parent) if entry.parent is not None else None
         if parent is None or old == new:
@@ -241,7 +248,7 @@ class EvictionPolicy:
             self._file(parent, parent.key)      # a child left: scan the parent again
 
     def _unblock(self, gid: int | None, tier: Tier, modality: str | None, now: float,
-                 taken: dict[int, int], blocked: dict[int, _Entry], merge: list) -> None:
+                 taken: dict[int, int], blocked: dict[int, PolicyEntry], merge: list) -> None:
         """A child of ``gid`` was chosen: if that frees its held-back parent (scanned in this
         call, or parked by an earlier one), the parent becomes a candidate at its own rank."""
         if gid is None:
@@ -262,7 +269,7 @@ class EvictionPolicy:
             heapq.heappush(merge, (self._rank(entry.key, entry.group.modality, entry.lane),
                                    entry.seq, -1, [entry.group]))
 
-    def _file(self, entry: _Entry, key: float) -> None:
+    def _file(self, entry: PolicyEntry, key: float) -> None:
         entry.parked = False
         entry.key = key
         entry.seq = next(self._seq)
@@ -277,7 +284,7 @@ class EvictionPolicy:
         if self._items > 4 * len(self._entries) + 1024 and not self._scanning:
             self._rebuild()
 
-    def _resync(self, entry: _Entry) -> None:
+    def _resync(self, entry: PolicyEntry) -> None:
         if entry.group.tier != entry.tier:
             old = entry.tier
             self._file(entry, entry.key)
@@ -307,7 +314,7 @@ class EvictionPolicy:
         self._items = len(self._entries)
 
     def _scan(self, hkey: _HeapKey, now: float, held: list[tuple[_HeapKey, _HeapItem]],
-              blocked: dict[int, _Entry], taken: dict[int, int]) -> Iterator[list[ModalityGroup]]:
+              blocked: dict[int, PolicyEntry], taken: dict[int, int]) -> Iterator[list[ModalityGroup]]:
         """Evictable groups of one heap in key order, each as a bundle: the group alone, or,
         when only cached children of other modalities (other pools, which this scan never
         reaches) hold it back and they can all go, its subtree leaves first, then the group.
@@ -348,20 +355,20 @@ class EvictionPolicy:
                 del blocked[entry.group.gid]
                 yield sub
 
-    def _same_pool_child(self, entry: _Entry, tier: Tier) -> bool:
+    def _same_pool_child(self, entry: PolicyEntry, tier: Tier) -> bool:
         for gid in entry.children:
             c = self._entries.get(gid)
             if c is not None and c.tier <= tier and c.group.modality == entry.group.modality:
                 return True
         return False
 
-    def _subtree(self, entry: _Entry, tier: Tier, now: float) -> list[ModalityGroup] | None:
+    def _subtree(self, entry: PolicyEntry, tier: Tier, now: float) -> list[ModalityGroup] | None:
         """``entry``'s group after every cached descendant that holds it in ``tier`` (post-order:
         leaves first), when the children holding it are all of other modalities and the whole
         subtree can go; else ``None`` (children of its own modality come up in this scan)."""
         out: list[ModalityGroup] = []
 
-        def visit(e: _Entry) -> bool:
+        def visit(e: PolicyEntry) -> bool:
             for gid in e.children:
                 c = self._entries.get(gid)
                 if c is None or c.tier > tier:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
-from .base import Clock, EvictionPolicy, _Entry
+from .base import Clock, EvictionPolicy, PolicyEntry
 
 
 class BimodalLRUPolicy(EvictionPolicy):
@@ -43,7 +43,7 @@ class BimodalLRUPolicy(EvictionPolicy):
         super().on_remove(group)
         self._admitted.pop(group.gid, None)
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         g = entry.group
         if g.hits > 0 or self._admitted.get(g.gid, True):
             return float(self.tick)

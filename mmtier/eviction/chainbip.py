@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
-from .base import Clock, EvictionPolicy, _Entry
+from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts
 
 
@@ -85,7 +85,7 @@ class ChainBIPPolicy(EvictionPolicy):
         self._admitted.pop(group.gid, None)
         super().on_remove(group)
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         g = entry.group
         if g.hits > 0 or self._admitted.get(g.gid, True):
             return float(self.tick)

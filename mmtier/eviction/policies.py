@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..cache.groups import Tier
 from ..config import CacheConfig
 from .arc import ARCPolicy
-from .base import Clock, EvictionPolicy, _Entry
+from .base import Clock, EvictionPolicy, PolicyEntry
 from .bimodal import BimodalLRUPolicy
 from .chainbip import ChainBIPPolicy
 from .dip import DIPPolicy
@@ -23,7 +23,7 @@ class LRUPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         return float(self.tick)
 
 
@@ -38,7 +38,7 @@ class ModalityLRUPolicy(EvictionPolicy):
 
     name = "modality_lru"
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         return float(self.tick)
 
     def _rank(self, key: float, modality: str, lane: int = 0) -> float:
@@ -60,11 +60,11 @@ class CostAwarePolicy(EvictionPolicy):
         super().__init__(cfg, clock)
         self.inflation: dict[Tier, float] = {t: 0.0 for t in Tier}
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         g = entry.group
         return self.inflation[g.tier] + entry.freq * g.recompute_cost * (1 << 20) / max(g.nbytes, 1)
 
-    def _left(self, tier: Tier, entry: _Entry) -> None:
+    def _left(self, tier: Tier, entry: PolicyEntry) -> None:
         if entry.key > self.inflation[tier]:
             self.inflation[tier] = entry.key
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
-from .base import Clock, EvictionPolicy, _Entry
+from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts, density
 
 SMALL, MAIN = 0, 1
@@ -53,7 +53,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self._state[group.gid] = _State(seen=group.hits)
         return MAIN if group.key is not None and self._ghost.take(group.key.digest) else SMALL
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         return entry.key if entry.seq >= 0 else float(self.tick)    # FIFO: insertion order
 
     def _plan(self, tier: Tier) -> None:
@@ -64,7 +64,7 @@ class S3FIFOPolicy(EvictionPolicy):
             return key
         return key - _FIRST if self._over.get(modality, True) else key + _FIRST
 
-    def _second_chance(self, entry: _Entry) -> bool:
+    def _second_chance(self, entry: PolicyEntry) -> bool:
         st = self._state[entry.group.gid]
         new = entry.group.hits - st.seen
         st.seen = entry.group.hits
