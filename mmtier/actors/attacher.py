@@ -17,7 +17,7 @@ from .holders import Holders
 from .metrics import ClientMetrics
 from .registry import Location
 from .sequence_book import SequenceBook
-from .sequence_state import Transfer, _chain, _Remote, _Seq, _Sub
+from .sequence_state import HomeRun, RemoteAttachment, SequenceState, Transfer, next_chain
 
 
 class Attacher:
@@ -64,7 +64,7 @@ class Attacher:
                 st.attached.append(key)
                 st.length += loc.num_tokens
                 names = naming(key, st.chain)
-                st.chain = _chain(st.chain, b"group:" + key.digest)
+                st.chain = next_chain(st.chain, b"group:" + key.digest)
                 if names is not None:
                     st.named[st.chain] = names
                 st.tail_modality = key.modality
@@ -72,7 +72,7 @@ class Attacher:
                 return
             raise HolderLostError(f"{key!r}: its holders kept failing")
 
-    def _check_place(self, seq: SequenceHandle, st: _Seq, key: ContentKey) -> None:
+    def _check_place(self, seq: SequenceHandle, st: SequenceState, key: ContentKey) -> None:
         """The rule of ``CacheKeys.check_place`` (``mmtier/cache/keys.py``) over the cluster
         sequence's chain: a prefix-dependent key only where the sequence holds the prefix it was
         derived under."""
@@ -85,8 +85,8 @@ class Attacher:
                 f"{st.length}: its K/V were computed after other tokens (derive it with "
                 "parent=prefix_key(seq), or the key placed last)")
 
-    async def _attach_once(self, st: _Seq, key: ContentKey, loc: Location, holders: list[str],
-                           transfer: Transfer | None) -> None:
+    async def _attach_once(self, st: SequenceState, key: ContentKey, loc: Location,
+                           holders: list[str], transfer: Transfer | None) -> None:
         h = self.holders
         home = st.home
         if home not in holders:
@@ -107,7 +107,7 @@ class Attacher:
             h.forget_evicted(home, [key.hex])          # the registry was stale: a miss
             raise HolderLostError(f"{key!r} left {home} meanwhile") from None
         if sub is None:
-            sub = _Sub(handle, st.length)
+            sub = HomeRun(handle, st.length)
             st.subs.append(sub)
             st.sealed = False
         sub.keys.append(key)
@@ -117,7 +117,7 @@ class Attacher:
         """A holder on the home's node first (a store there is cheapest), then any pool."""
         return placement.nearest(holders, home, self.holders.info)
 
-    async def proxy_start(self, st: _Seq, key: ContentKey, holder: str) -> int:
+    async def proxy_start(self, st: SequenceState, key: ContentKey, holder: str) -> int:
         """Where ``key`` starts in the sequence's proxy on the pool ``holder`` (attached there
         the first time)."""
         h = self.holders
@@ -130,7 +130,7 @@ class Attacher:
             h.forget_evicted(holder, evicted)
         return local_start
 
-    async def attend_remotely(self, st: _Seq, key: ContentKey, holder: str) -> None:
+    async def attend_remotely(self, st: SequenceState, key: ContentKey, holder: str) -> None:
         h = self.holders
         local_start = None
         if h.kind(holder) == "pool":
@@ -140,5 +140,5 @@ class Attacher:
             if not held[0]:
                 h.forget_evicted(holder, [key.hex])
                 raise HolderLostError(f"{key!r} left {holder} meanwhile")
-        st.remotes.append(_Remote(holder, key, st.length, local_start))
+        st.remotes.append(RemoteAttachment(holder, key, st.length, local_start))
         st.sealed = True

@@ -20,7 +20,7 @@ from .cluster_keys import ClusterKeys
 from .holders import Holders
 from .metrics import ClientMetrics
 from .sequence_book import SequenceBook
-from .sequence_state import _Seq
+from .sequence_state import SequenceState
 
 
 class ClusterAttention:
@@ -82,7 +82,7 @@ class ClusterAttention:
             return out.to(q.dtype), lse
         raise HolderLostError(f"sequence {seq.id}: its holders kept failing")
 
-    async def _fail_over(self, st: _Seq) -> None:
+    async def _fail_over(self, st: SequenceState) -> None:
         """Re-home remote parts whose holder died onto another holder; the home itself has no
         replacement (its private KV lived only there)."""
         h = self.holders

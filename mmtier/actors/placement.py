@@ -12,7 +12,7 @@ from ..errors import HolderLostError
 from .launch import STORE_PREFIX
 from .pool_actor import Part
 from .registry import HolderInfo, Location
-from .sequence_state import Transfer, _Seq
+from .sequence_state import SequenceState, Transfer
 
 
 def least_used(names: list[str], homed: Counter[str]) -> str:
@@ -78,7 +78,7 @@ def should_copy(transfer: Transfer | None, uses: int, copy_after: int) -> bool:
     return transfer == "copy" or (transfer is None and copy_after > 0 and uses >= copy_after)
 
 
-def plan(st: _Seq, wanted: set[ContentKey] | None) -> dict[str, list]:
+def plan(st: SequenceState, wanted: set[ContentKey] | None) -> dict[str, list]:
     """The parts each holder attends for this sequence: its home's runs, then its remote groups
     (a pool's proxy with its offset, or a store's key with its absolute start)."""
     out: dict[str, list] = {}

@@ -1,7 +1,7 @@
-"""``SequenceBook``: the sequences of a ``ClusterCache``. It owns each sequence's state (``_Seq``:
-its home pool, the runs held there, the groups attended where they live, its prefix chain) and
-how many sequences each pool homes; it creates sequences and places their home, appends to the
-home pool and releases every part, wherever it lives."""
+"""``SequenceBook``: the sequences of a ``ClusterCache``. It owns each sequence's state
+(``SequenceState``: its home pool, the runs held there, the groups attended where they live,
+its prefix chain) and how many sequences each pool homes; it creates sequences and places their
+home, appends to the home pool and releases every part, wherever it lives."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from . import placement
 from .cluster_keys import ClusterKeys
 from .holders import Holders
 from .registry import Location
-from .sequence_state import ClusterSequence, _chain, _Seq, _Sub
+from .sequence_state import ClusterSequence, HomeRun, SequenceState, next_chain
 
 
 class SequenceBook:
@@ -33,7 +33,7 @@ class SequenceBook:
         self.keys = keys
         self.holders = holders
         self.node = node                     # the client's own node: where new homes go first
-        self.seqs: dict[int, _Seq] = {}
+        self.seqs: dict[int, SequenceState] = {}
         self.homed: Counter[str] = Counter()
         self._ids = itertools.count((secrets.randbits(30) << 32) + 1)
         self._lock = threading.Lock()
@@ -41,7 +41,7 @@ class SequenceBook:
     def __len__(self) -> int:
         return len(self.seqs)
 
-    def get(self, seq: SequenceHandle) -> _Seq:
+    def get(self, seq: SequenceHandle) -> SequenceState:
         """The state of a live sequence (``UnknownKeyError`` for any other handle)."""
         if not isinstance(seq, SequenceHandle):
             raise UnknownKeyError(f"expected a SequenceHandle, got {type(seq).__name__}")
@@ -52,11 +52,11 @@ class SequenceBook:
             st.lock = asyncio.Lock()
         return st
 
-    def forget(self, st: _Seq) -> None:
+    def forget(self, st: SequenceState) -> None:
         with self._lock:
             self.seqs.pop(st.handle.id, None)
 
-    def live(self) -> list[_Seq]:
+    def live(self) -> list[SequenceState]:
         return list(self.seqs.values())
 
     # ------------------------------------------------------------------ keys and views
@@ -69,7 +69,7 @@ class SequenceBook:
         return ClusterSequence(st.handle, st.length, st.home, tuple(st.attached))
 
     # ------------------------------------------------------------------ homes
-    def set_home(self, st: _Seq, home: str) -> None:
+    def set_home(self, st: SequenceState, home: str) -> None:
         st.home = home
         self.homed[home] += 1
 
@@ -89,7 +89,7 @@ class SequenceBook:
         """A new sequence: on ``node``'s pool, else near ``hint_keys``, else placed lazily."""
         self.keys.salt(tenant)
         handle = SequenceHandle(next(self._ids), DEFAULT_TENANT if tenant is None else tenant)
-        st = _Seq(handle)
+        st = SequenceState(handle)
         home = None
         if node is not None:
             if not self.holders.pools(node):
@@ -125,11 +125,11 @@ class SequenceBook:
                 sub.handle if sub else None, seq.tenant, modality, k, v,
                 list(tokens) if tokens is not None else None), st.home)
             if sub is None:
-                st.subs.append(_Sub(handle, st.length))
+                st.subs.append(HomeRun(handle, st.length))
                 st.sealed = False
             self.holders.forget_evicted(st.home, evicted)
             st.length += k.shape[1]
-            st.chain = _chain(st.chain, token_identity(modality, k, v, tokens))
+            st.chain = next_chain(st.chain, token_identity(modality, k, v, tokens))
             st.tail_modality = modality
 
     async def release(self, seq: SequenceHandle) -> None:
@@ -151,7 +151,7 @@ class SequenceBook:
                 if isinstance(r, BaseException) and not isinstance(r, HolderLostError):
                     raise r          # a lost holder released everything anyway
 
-    def unref_attached(self, st: _Seq) -> None:
+    def unref_attached(self, st: SequenceState) -> None:
         """Give back the registry references the sequence's attached groups hold."""
         if st.attached:
             self.holders.registry.ref.remote([k.hex for k in st.attached], -1)

@@ -1,5 +1,6 @@
-"""What the ``ClusterCache`` client keeps per sequence: its home, the runs held there (``_Sub``),
-the groups attended where they live (``_Remote``), and the view it returns (``ClusterSequence``)."""
+"""What the ``ClusterCache`` client keeps per sequence (``SequenceState``): its home, the runs
+held there (``HomeRun``), the groups attended where they live (``RemoteAttachment``), its prefix
+chain (``next_chain``), and the view it returns (``ClusterSequence``)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class ClusterSequence:
 
 
 @dataclass
-class _Sub:
+class HomeRun:
     """A run of the sequence held in the home pool: local handle and its position offset."""
 
     handle: SequenceHandle
@@ -34,7 +35,7 @@ class _Sub:
 
 
 @dataclass
-class _Remote:
+class RemoteAttachment:
     """A group attended where it lives: holder, key, absolute start, start in the proxy."""
 
     holder: str
@@ -44,22 +45,27 @@ class _Remote:
 
 
 @dataclass
-class _Seq:
+class SequenceState:
+    """One cluster sequence as the client tracks it: its home pool and the runs held there, the
+    groups attended elsewhere and the proxy sequences holding them there, what it attached, its
+    length and prefix chain (``named``: chain -> the prefix-dependent key attached there, as
+    ``table.SequenceTable.named``), and the lock its operations take."""
+
     handle: SequenceHandle
     home: str | None = None
-    subs: list[_Sub] = field(default_factory=list)
-    sealed: bool = True           # the next local op opens a new sub
-    remotes: list[_Remote] = field(default_factory=list)
+    subs: list[HomeRun] = field(default_factory=list)
+    sealed: bool = True           # the next local op opens a new home run
+    remotes: list[RemoteAttachment] = field(default_factory=list)
     proxies: dict[str, SequenceHandle] = field(default_factory=dict)
     proxy_starts: dict[tuple[str, bytes], int] = field(default_factory=dict)
     attached: list[ContentKey] = field(default_factory=list)
     length: int = 0
     chain: bytes = b"\0" * 32
-    named: dict[bytes, bytes] = field(default_factory=dict)   # chain -> the prefix-dependent
-                                  # key attached there (table.SequenceTable.named)
+    named: dict[bytes, bytes] = field(default_factory=dict)
     tail_modality: str | None = None
     lock: asyncio.Lock | None = None
 
 
-def _chain(chain: bytes, identity: bytes) -> bytes:
+def next_chain(chain: bytes, identity: bytes) -> bytes:
+    """The prefix chain past one more piece of content (``SequenceTable.extend_chain``'s step)."""
     return hashlib.sha256(chain + identity).digest()
