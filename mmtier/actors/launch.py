@@ -21,7 +21,8 @@ own, ``disk_dir / "pool-<pool name, sanitized>"`` (no host tier: ``host_bytes=0`
 pressure moves unreferenced groups to disk whole instead of dropping them; each node store puts
 ``disk_dir / "store-<node id>"`` behind its host tier. A pool or store recreated on the same
 node (``start()`` after a kill) adopts the groups in its directory and announces them to the
-registry with its inventory.
+registry with its inventory; a holder that finds a corrupt copy tells the registry with
+``report_lost`` (the pool and store actors here, and ``PoolHost``).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ class PagePoolActor(PoolService):
         self.settings = settings
         super().__init__(pool_config(CacheConfig(**cfg_json), name, device, settings), name=name, node=node)
         self.metrics = ActorMetrics(name)
-        self.on_lost = lambda digests: _report_lost(settings, name, digests)
+        self.on_lost = lambda digests: report_lost(settings, name, digests)
         _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
 
     def ping(self) -> dict[str, str]:
@@ -113,7 +114,7 @@ class NodeStoreActor(NodeStoreService):
                          capacity_bytes=cfg.host_bytes or settings.store_bytes)
         self.settings = settings
         self.metrics = ActorMetrics(name)
-        self.on_lost = lambda digests: _report_lost(settings, name, digests)
+        self.on_lost = lambda digests: report_lost(settings, name, digests)
         _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
 
     def ping(self) -> dict[str, str]:
@@ -290,7 +291,7 @@ def _announce(settings: ClusterSettings, info: dict, inventory: list[dict]) -> N
         reg.sync_holder.remote(info, inventory)
 
 
-def _report_lost(settings: ClusterSettings, holder: str, digests: list[str]) -> None:
+def report_lost(settings: ClusterSettings, holder: str, digests: list[str]) -> None:
     """Tell the registry ``holder`` lost these groups (a corrupt disk copy); fire and forget."""
     reg = _registry(settings)
     if reg is not None:

@@ -33,7 +33,7 @@ import ray
 
 from ..config import CacheConfig
 from ..errors import ConfigError, HolderLostError, MMTierError
-from .launch import POOL_PREFIX, _report_lost, pool_config, pool_name
+from .launch import POOL_PREFIX, pool_config, pool_name, report_lost
 from .metrics import ActorMetrics
 from .pool_actor import PoolService
 from .registry import Location
@@ -215,7 +215,7 @@ class PoolHost(PoolService):
             cfg = CacheConfig(**{**cfg.model_dump(), "device_bytes": device_bytes})
         super().__init__(cfg, name=name, node=ctx.get_node_id())
         self.metrics = ActorMetrics(name)
-        self.on_lost = lambda digests: _report_lost(settings, name, digests)
+        self.on_lost = lambda digests: report_lost(settings, name, digests)
         self.transport.announce(PoolService.ping(self), self.inventory())
 
         from .hosted import HostedCache
