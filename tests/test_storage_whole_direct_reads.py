@@ -203,7 +203,6 @@ def test_a_file_system_that_refuses_o_direct_reads_buffered(tmp_path, monkeypatc
 
     monkeypatch.setattr(direct_reads.os, "open", refusing)
     monkeypatch.setattr(layer_extent, "_DIRECT_REFUSED", set())
-    monkeypatch.setattr(direct_reads, "_DIRECT_REFUSED", layer_extent._DIRECT_REFUSED)
     out = torch.zeros_like(pages)
     assert disk.get(k, spec, MODEL, out=out) is out and same_bytes(out, pages)
     assert disk.stats()["direct_read_files"] == 0 and disk.stats()["corrupt_reads"] == 0

@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from ..errors import CorruptDataError
-from .layer_extent import _DIRECT_REFUSED, LayerExtent, direct_align, open_direct
+from .layer_extent import LayerExtent, direct_align, open_direct, refuse_direct
 from .staging import ALIGN, StagingPool
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ def read_whole_direct(path: str, extent: LayerExtent, dest: DestPages, windows: 
             except OSError as exc:         # refused at the first read: nothing written to dest
                 if i or exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                     raise
-                _DIRECT_REFUSED.add(folder)
+                refuse_direct(folder)
                 return None
             scatter.take(starts[i], arrays[i % nbuf][:got])
             if ahead is not None and i + nbuf < len(starts):

@@ -169,8 +169,14 @@ def open_direct(path: str) -> int | None:
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
-        _DIRECT_REFUSED.add(folder)
+        refuse_direct(folder)
         return None
+
+
+def refuse_direct(folder: str) -> None:
+    """Remember that the file system of ``folder`` refused an ``O_DIRECT`` open or read:
+    ``open_direct`` answers ``None`` there from now on (the reads go buffered)."""
+    _DIRECT_REFUSED.add(folder)
 
 
 def read_direct(path: str, extent: LayerExtent, buf: np.ndarray, offset: int) -> bool:
