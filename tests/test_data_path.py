@@ -271,7 +271,7 @@ def test_put_many_raises_the_first_failure_after_writing_the_rest(tmp_path):
 # ---------------------------------------------------------------------------- verified host reads
 def _flip_slab_byte(entry, page=1):
     """Flip one byte of a page of a host entry, in the slab itself."""
-    row = entry._slab.view[entry.slots[page]].view(-1).view(torch.uint8)
+    row = entry.slab_view[entry.slots[page]].view(-1).view(torch.uint8)
     row[row.numel() // 2] ^= 0xFF
 
 

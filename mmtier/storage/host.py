@@ -80,6 +80,8 @@ class HostTier(StorageTier):
         self._slabs: dict[str, Slab] = {}
         self._index: dict[bytes, HostEntry] = {}
         self._pending: dict[bytes, HostEntry] = {}
+        self._holds: dict[HostEntry, int] = {}     # entries held by readers: their holds
+        self._dropped: set[HostEntry] = set()      # held entries removed: freed at the last release
         self._used = 0
         self._closed = False
         self._streams: dict[int, object] = {}
@@ -147,9 +149,10 @@ class HostTier(StorageTier):
             if e is None or e.key != key:
                 return False
             del self._index[key.digest]
-            e._removed = True
             self._counts["removes"] += 1
-            if e._holds == 0:
+            if e in self._holds:
+                self._dropped.add(e)
+            else:
                 self._free(e)
             return True
 
@@ -178,16 +181,22 @@ class HostTier(StorageTier):
             e = self._index.get(key.digest)
             if e is None or e.key != key:
                 return None
-            e._holds += 1
+            self._holds[e] = self._holds.get(e, 0) + 1
             return e
 
     def release(self, entry: HostEntry) -> None:
         with self._lock:
-            if entry._holds <= 0:
+            holds = self._holds.get(entry, 0)
+            if holds <= 0:
                 raise MMTierError(f"release of an unheld host entry {entry.key!r}")
-            entry._holds -= 1
-            if entry._holds == 0 and entry._removed and not self._closed:
-                self._free(entry)
+            if holds > 1:
+                self._holds[entry] = holds - 1
+                return
+            del self._holds[entry]
+            if entry in self._dropped:
+                self._dropped.discard(entry)
+                if not self._closed:
+                    self._free(entry)
 
     # ---- two-phase put (restore from disk straight into slots) ----
     def reserve(self, key: ContentKey, spec: ModalitySpec, num_tokens: int) -> HostEntry:
@@ -253,11 +262,11 @@ class HostTier(StorageTier):
         return slab
 
     def _free(self, e: HostEntry) -> None:  # lock held
-        e._slab.give(e.slots)
+        self._slabs[e.spec.name or ""].give(e.slots)
         self._used -= e.nbytes
 
     def _copy_in(self, entry: HostEntry, pages: torch.Tensor, page_ids: Sequence[int] | None) -> None:
-        view = entry._slab.view
+        view = entry.slab_view
         src_ids = list(page_ids) if page_ids is not None else list(range(entry.num_pages))
         runs = paired_runs(list(entry.slots), src_ids)
         if not pages.is_cuda:
@@ -279,7 +288,7 @@ class HostTier(StorageTier):
         stream.wait_stream(torch.cuda.current_stream(pages.device))
         with torch.cuda.stream(stream):
             for d, s, n in runs:
-                view[d:d + n].copy_(pages[s:s + n], non_blocking=entry._slab.pin)
+                view[d:d + n].copy_(pages[s:s + n], non_blocking=entry.pinned)
             pages.record_stream(stream)
             event = torch.cuda.Event()
             event.record(stream)

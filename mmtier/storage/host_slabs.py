@@ -5,7 +5,8 @@ slots are first written), a free stack of slot ids (lowest first, so a slab stay
 page-locked in steps where CUDA exists. ``HostEntry``: one group's slots in a slab, with the xxh3
 of each page taken as the copy into them landed; every read that copies a group out checks its
 pages against them (``verify``, ``checked_pages``), so a changed byte is ``CorruptDataError``,
-never wrong KV. ``HostTier`` (``host.py``) owns the slabs, the index and the byte budget.
+never wrong KV. ``HostTier`` (``host.py``) owns the slabs, the index, the readers' holds and the
+byte budget.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class Slab:
 
 @dataclass(eq=False)
 class HostEntry:
-    """One group's pages in a host slab. ``slots[i]`` holds page ``i`` of the group."""
+    """One group's pages in a host slab. ``slots[i]`` holds page ``i`` of the group. Its tier
+    (``HostTier``) owns the slab's free stack and counts the holds on it; readers reach the
+    slab through ``view``, ``runs``, ``slab_view`` and ``pinned``."""
 
     key: ContentKey
     spec: ModalitySpec
@@ -105,8 +108,6 @@ class HostEntry:
     _slab: Slab = field(repr=False)
     ready: object | None = field(default=None, repr=False)  # torch.cuda.Event of an async copy
     sums: tuple[int, ...] | None = field(default=None, repr=False)  # xxh3 of each page, once landed
-    _holds: int = field(default=0, repr=False)
-    _removed: bool = field(default=False, repr=False)
 
     @property
     def num_pages(self) -> int:
@@ -115,6 +116,23 @@ class HostEntry:
     @property
     def nbytes(self) -> int:
         return len(self.slots) * self.spec.page_bytes
+
+    @property
+    def slab_view(self) -> torch.Tensor:
+        """The whole slab the slots index, ``[num_slots, *page_shape]``, as it is now (no wait
+        for a copy in: ``view()`` waits)."""
+        return self._slab.view
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the slab is page-locked (copies to and from CUDA may be asynchronous)."""
+        return self._slab.pin
+
+    def corrupt(self, detail: str) -> CorruptDataError:
+        """Count a read that found this entry's pages changed (the tier's ``corrupt_reads``)
+        and return the error to raise: ``host copy of <key>: <detail>``."""
+        self._slab.corrupt_reads += 1
+        return CorruptDataError(f"host copy of {self.key!r}: {detail}")
 
     def slot_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         return torch.tensor(self.slots, dtype=torch.int32, device=device)
@@ -143,8 +161,7 @@ class HostEntry:
         (counted by the tier) when any differs."""
         self.wait()
         if self.sums is not None and self.page_sums() != list(self.sums):
-            self._slab.corrupt_reads += 1
-            raise CorruptDataError(f"host copy of {self.key!r}: page checksum mismatch")
+            raise self.corrupt("page checksum mismatch")
 
     def checked_pages(self) -> Iterator[torch.Tensor]:
         """The group's pages in runs of consecutive slots of at most ``CHECK_BYTES`` (``[r,
@@ -164,8 +181,7 @@ class HostEntry:
                 if self.sums is not None:
                     for q in range(j, j + r):
                         if xxhash.xxh3_64_intdigest(rows[q]) != self.sums[i + q - j]:
-                            self._slab.corrupt_reads += 1
-                            raise CorruptDataError(f"host copy of {self.key!r}: page checksum mismatch")
+                            raise self.corrupt("page checksum mismatch")
                 yield run[j:j + r]
                 i += r
 

@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import xxhash
 
-from ..errors import CorruptDataError
 from ..native import digests as native_digests
 from ..native import rows as native_rows
 from ..native.rows import merge_dims
@@ -140,7 +139,7 @@ def copy_to_verified(entry: HostEntry, dst_view: torch.Tensor, dst_ids: Sequence
     its digest as it is copied (``CorruptDataError``, counted, at the first that differs: its
     destination page poisoned, nothing after it copied). ``False`` where the native helper
     does not apply (nothing copied)."""
-    slab = entry._slab.view
+    slab = entry.slab_view
     if entry.sums is None or dst_view.device.type != "cpu" or dst_view.dtype != slab.dtype:
         return False
     if not dst_view[0].is_contiguous() or not native_digests.available():
@@ -158,7 +157,7 @@ def copy_out_verified(entry: HostEntry, k: torch.Tensor, v: torch.Tensor) -> boo
     then copied. At the first page that differs: ``CorruptDataError`` (counted), that page's
     destination poisoned (NaN bytes), nothing after it copied. ``False`` where the native
     helper does not apply (nothing copied; the caller checks and copies by itself)."""
-    slab = entry._slab.view                       # [slots, L, 2, P, H, D]
+    slab = entry.slab_view                        # [slots, L, 2, P, H, D]
     if (entry.sums is None or not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor)
             or k.device.type != "cpu" or v.device.type != "cpu" or k.dtype != slab.dtype
             or v.dtype != slab.dtype or k.stride() != v.stride() or k.stride(-1) != 1
@@ -183,8 +182,7 @@ def copy_out_verified(entry: HostEntry, k: torch.Tensor, v: torch.Tensor) -> boo
     if full < entry.num_pages:                    # the partial last page: checked, then copied
         page, rest = slab[entry.slots[full]], k.shape[1] - full * P
         if xxhash.xxh3_64_intdigest(page_rows_of(page[None])[0]) != entry.sums[full]:
-            entry._slab.corrupt_reads += 1
-            raise CorruptDataError(f"host copy of {entry.key!r}: page checksum mismatch")
+            raise entry.corrupt("page checksum mismatch")
         k[:, full * P:].copy_(page[:, 0, :rest])
         v[:, full * P:].copy_(page[:, 1, :rest])
     return True
@@ -194,6 +192,5 @@ def _settled(entry: HostEntry, res: native_digests.Result | None) -> bool:
     if res is None:
         return False
     if res.bad >= 0:
-        entry._slab.corrupt_reads += 1
-        raise CorruptDataError(f"host copy of {entry.key!r}: page {res.bad} checksum mismatch")
+        raise entry.corrupt(f"page {res.bad} checksum mismatch")
     return True
