@@ -179,7 +179,7 @@ def test_a_fallback_group_is_planned_only_when_its_key_is_found_nowhere():
         kv = {primary: _kv(vis, 20, 7), alt: _kv(vis, 30, 8)}
         for key, (k, v) in kv.items():
             holder.put(key.to_wire(), k, v)
-            host.transport.registry.add(holder.name, [holder._item(key)])
+            host.transport.registry.add(holder.name, [holder.held_item(key)])
         # the key is elsewhere: it is fetched, its fallback is not (one lookup for both)
         hosted.begin_turn([primary], fallbacks={primary: [alt]})
         hosted.end_turn()

@@ -212,7 +212,7 @@ def test_a_holder_lost_mid_request_is_503_holder_lost_and_changes_nothing(engine
         warm = engine.answer(there.cache, "acme", [], [("text", "hear "), ("audio", clip)], NEW)
         assert warm.counts["encoder_runs"] == {"audio": 1}             # the clip on the other node
         assert there.cache.contains(key)
-        registry.add(there.name, [there._item(key)], HolderInfo(there.name, "there", "pool"))
+        registry.add(there.name, [there.held_item(key)], HolderInfo(there.name, "there", "pool"))
         audio = here.cache.pools["audio"]
         assert registry.lookup([key.hex])[0].nbytes > audio.num_pages * audio.spec.page_bytes
 

@@ -130,7 +130,7 @@ class HostedCache:
         with the turn's changes."""
         sealed = self.cache.seal(seq, key, run)
         if sealed:
-            self._publish.append(self.host._item(key))
+            self._publish.append(self.host.held_item(key))
         return sealed
 
     def release(self, seq: SequenceHandle) -> None:
@@ -198,7 +198,7 @@ class HostedCache:
         for key, pending in list(self._incoming.items()):
             self._incoming.pop(key, None)
             self._land(key, pending)
-        self._removed += self.host._evicted()
+        self._removed += self.host.take_evicted()
         if self._publish or self._removed:
             self.transport.publish_later(self.host.name, self._publish, self._removed, self._identity())
             self._publish, self._removed = [], []

@@ -13,15 +13,16 @@ What the cluster asks of a pool, all in wire terms (``ContentKey.to_wire()`` dic
   ``import_group`` takes one, so a group moves between nodes as plain bytes through the object
   store and lands in pages of the same layout.
 
-Every mutating call returns the digests this cache evicted meanwhile, so the caller can tell
-the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must give up move to
-disk whole and stay held here (tier ``"disk"``; attention and export read them from there); only
-groups dropped at the bottom, or whose disk copy failed verification (a miss), leave. A read
-that finds a corrupt copy raises ``CorruptDataError`` and reports the group through ``on_lost``
-(the actor tells the registry). A pool recreated over the same directory adopts its groups.
-Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its groups and ``insert``,
-``cache.residency``: ``allocate``, ``read_pages``) in the two helpers at the bottom: the seam to
-replace by public ``export_pages`` / ``import_pages`` methods of the cache.
+Every mutating call returns the digests this cache evicted meanwhile (``take_evicted``), so the
+caller can tell the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must
+give up move to disk whole and stay held here (tier ``"disk"``; attention and export read them
+from there); only groups dropped at the bottom, or whose disk copy failed verification (a miss),
+leave. A read that finds a corrupt copy raises ``CorruptDataError`` and reports the group
+through ``on_lost`` (the actor tells the registry). A pool recreated over the same directory
+adopts its groups. Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its
+groups and ``insert``, ``cache.residency``: ``allocate``, ``read_pages``) in the two helpers at
+the bottom: the seam to replace by public ``export_pages`` / ``import_pages`` methods of the
+cache.
 """
 
 from __future__ import annotations
@@ -99,13 +100,13 @@ class PoolService:
         key = ContentKey.from_wire(wire)
         with self._lock:
             stored = self.cache.put(key, k, v)
-            return (self._item(key) if stored else None), self._evicted()
+            return (self.held_item(key) if stored else None), self.take_evicted()
 
     def put_embedding(self, wire: dict[str, str], x: torch.Tensor) -> tuple[dict | None, list[str]]:
         key = ContentKey.from_wire(wire)
         with self._lock:
             stored = self.cache.put_embedding(key, x)
-            return (self._item(key) if stored else None), self._evicted()
+            return (self.held_item(key) if stored else None), self.take_evicted()
 
     def get_embedding(self, wire: dict[str, str]) -> torch.Tensor:
         try:
@@ -128,7 +129,7 @@ class PoolService:
         key = ContentKey.from_wire(wire)
         with self._lock:
             stored = import_pages(self.cache, key, meta, buf)
-            return (self._item(key) if stored else None), self._evicted()
+            return (self.held_item(key) if stored else None), self.take_evicted()
 
     def drop(self, wires: Sequence[dict[str, str]]) -> list[str]:
         """Drop unreferenced groups (an explicit move elsewhere); returns the dropped digests."""
@@ -162,7 +163,7 @@ class PoolService:
                 if created:
                     self.release([seq])
                 raise
-            return seq, self._evicted()
+            return seq, self.take_evicted()
 
     def attach(self, seq: SequenceHandle | None, tenant: str, wire: dict[str, str]
                ) -> tuple[SequenceHandle, int, int, list[str]]:
@@ -182,7 +183,7 @@ class PoolService:
                     self.release([seq])
                 raise
             n = self.cache.sequence(seq).segments[-1].num_tokens
-            return seq, start, n, self._evicted()
+            return seq, start, n, self.take_evicted()
 
     def release(self, seqs: Sequence[SequenceHandle]) -> int:
         """Release local handles (unknown ones are skipped: release is idempotent)."""
@@ -225,14 +226,16 @@ class PoolService:
     def close(self) -> None:
         self.cache.close()
 
-    # ------------------------------------------------------------------ helpers
-    def _item(self, key: ContentKey) -> dict:
+    # ------------------------------------------------------------------ what the registry is told
+    def held_item(self, key: ContentKey) -> dict:
+        """The registry's item for a group held here (``group_item``); from now on its leaving
+        is reported by ``take_evicted``."""
         with self.cache.lock:
             g = self.cache.index.groups[key]
             self._known.add(key)
             return group_item(key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
 
-    def _evicted(self) -> list[str]:
+    def take_evicted(self) -> list[str]:
         """Digests of groups this cache dropped (evicted at the bottom, or a corrupt disk copy
         forgotten) since the last call; cheap when none were. Groups moved to disk stay."""
         total = self.cache.counters.total
@@ -248,7 +251,7 @@ class PoolService:
     def _report_lost(self) -> None:
         """A read found a corrupt copy (the cache forgot the group): tell ``on_lost``."""
         with self._lock:
-            gone = self._evicted()
+            gone = self.take_evicted()
         if gone and self.on_lost is not None:
             self.on_lost(gone)
 
