@@ -56,18 +56,20 @@ def main() -> None:
               help="Conversations (vllm: in all, default 10, --quick 4; transformers: per tenant, default 3, --quick 2).")
 @click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 4 / 3 for transformers; --quick 3 / 2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and model seed.")
+@click.option("--no-media", is_flag=True, help="vllm: without the audio and video part.")
 @click.option("--no-progress", is_flag=True, help="No progress lines.")
 def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations: int | None, turns: int | None,
-         seed: int, no_progress: bool) -> None:
+         seed: int, no_media: bool, no_progress: bool) -> None:
     """Run multi-turn multimodal chats through mmtier on an embedded local Ray.
 
     vllm (default): interleaved multi-turn conversations (a shared system prompt, images reused
     across turns and conversations, PNG / JPEG data URLs) sent with the openai client to two
     vLLM OpenAI API servers on 127.0.0.1, both with vLLM's prefix cache on and a KV pool smaller
     than the working set: vLLM alone, and vLLM with mmtier's KV and encoder-cache connectors
-    (a page pool, host and disk tiers), restarted midway; every answer must be equal. Prints per
-    phase cached prompt tokens, paired time to first token and encoder runs; engine logs go to
-    a file.
+    (a page pool, host and disk tiers), restarted midway; then audio clips and videos on tiny
+    Qwen2-Audio / Qwen2-VL servers the same way; every answer must be equal. Prints per phase
+    cached prompt tokens, paired time to first token and encoder runs, and per modality (text,
+    image, audio, video) items sent, tower runs and cached tokens; engine logs go to a file.
 
     transformers: mmtier's own chat engine (a small random-weight Qwen2-VL and Whisper through
     mmtier's adapter, in an engine actor that holds its pool), with audio and video, spills to
@@ -81,6 +83,8 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
         if tenants is not None:
             raise click.UsageError("--tenants applies to --engine transformers (the vLLM demo's conversations "
                                    "share one system prompt and image catalogue)")
+        if no_media:
+            kw["media"] = None
         spec = ServingDemoSpec.quick(seed=seed, **kw) if quick else ServingDemoSpec(seed=seed, **kw)
         report = run_serving_demo(spec, out, progress=not no_progress)
         json_path = out / "demo_serving.json"

@@ -44,6 +44,17 @@ def test_demo_quick_answers_equal_through_a_restart(tmp_path):
     assert report["working_set_tokens"] > 2 * report["vllm_kv_tokens"]
     assert report["caches_closed_at_restart"] >= 1 and report["disk_files_at_restart"] > 0
     assert report["cached_tokens_mmtier__later_after_restart"] > report["cached_tokens_plain__later_after_restart"]
+    # the four modalities: audio and video on their own tiny models, items reused, answers equal
+    assert report["text__requests"] > 0 and report["image__requests"] > 0
+    for medium in ("audio", "video"):
+        sent, distinct = report[f"{medium}__items_sent"], report[f"{medium}__items_distinct"]
+        assert report[f"{medium}__answers_equal"] == report[f"{medium}__requests"] > 0
+        assert sent > distinct                                    # an item recurs across turns and users
+        assert 0 < report[f"{medium}__encoder_runs_mmtier"] <= distinct   # the tower ran on each item at most once
+        assert report[f"{medium}__cached_tokens_mmtier"] > report[f"{medium}__cached_tokens_plain"]
+    assert report["media_turns"] == report["audio__requests"] + report["video__requests"]
+    for m in ("text", "image", "audio", "video"):
+        assert any(line.startswith(m) for line in out.splitlines()), out
     assert all(not isinstance(v, (dict, list)) for v in report.values())
     assert (tmp_path / "demo_serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

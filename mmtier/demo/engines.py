@@ -5,7 +5,7 @@ from vLLM, ``mmtier.integrations.vllm_shape``). The demo and ``benchmarks/servin
 start their engines here. Everything the server prints goes to a log file, never the console.
 
 ``EngineSpec`` is what to start; ``EngineServer`` starts it, waits for ``/health``, counts the
-vision tower's images from outside the engine (``encoded()``, through ``/collective_rpc`` and
+encoder towers' items from outside the engine (``encoded()``, through ``/collective_rpc`` and
 ``mmtier.demo.worker_ext``), closes the workers' mmtier caches (``close_caches()``: what they hold
 goes to the disk tier) and stops it: SIGTERM (vLLM drains and shuts its engine core down) or,
 after a grace period, SIGKILL of its process group."""
@@ -34,6 +34,8 @@ class EngineSpec:
     kv_blocks: int                  # vLLM's KV block pool, in blocks of BLOCK tokens
     max_model_len: int = 2048
     images_per_prompt: int = 8
+    mm_limits: dict | None = None   # items per prompt by medium (None: images_per_prompt images)
+    token_kv_bytes: int = TOKEN_KV_BYTES   # the model's KV bytes a token (sizes the block pool)
     mmtier: dict | None = None      # the connectors' extra config (sizes only), None: plain vLLM
     encoder_cache: bool = True      # with mmtier: its encoder-cache connector beside the KV one
     max_num_seqs: int = 8
@@ -46,8 +48,8 @@ class EngineSpec:
                 "--served-model-name", self.name, "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", DTYPE, "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-                "--kv-cache-memory-bytes", str(self.kv_blocks * BLOCK * TOKEN_KV_BYTES),
-                "--limit-mm-per-prompt", json.dumps({"image": self.images_per_prompt}),
+                "--kv-cache-memory-bytes", str(self.kv_blocks * BLOCK * self.token_kv_bytes),
+                "--limit-mm-per-prompt", json.dumps(self.mm_limits or {"image": self.images_per_prompt}),
                 "--max-num-seqs", str(self.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log",
                 "--shutdown-timeout", str(self.shutdown_timeout_s),
                 "--worker-extension-cls", "mmtier.demo.worker_ext.DemoWorker"]
@@ -100,6 +102,7 @@ class EngineServer:
         self.spec, self.log_path = spec, Path(log_path)
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
+        self._terminated = False
         self.started_at = 0.0
         self.ready_s = float("nan")
 
@@ -118,6 +121,7 @@ class EngineServer:
             log.flush()
             self.proc = subprocess.Popen(self.spec.argv(self.port), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._terminated = False
         self.started_at = time.perf_counter()
         return self
 
@@ -140,7 +144,8 @@ class EngineServer:
         raise RuntimeError(f"engine {self.spec.name} not ready in {timeout_s:.0f} s; log {self.log_path}")
 
     def encoded(self) -> int:
-        """Images the vision tower encoded since the last call (summed over the workers)."""
+        """Items the model's encoder towers encoded since the last call (images, videos or
+        audio clips; summed over the workers)."""
         return sum(int(x) for x in self._rpc("mmtier_encoded"))
 
     def _rpc(self, method: str, timeout_s: float = 120.0) -> list:
@@ -155,10 +160,16 @@ class EngineServer:
         """Close the workers' mmtier caches (written to the disk tier); the caches opened."""
         return sum(int(x) for x in self._rpc("mmtier_close", 300.0))
 
+    def terminate(self) -> None:
+        """SIGTERM, once: vLLM drains and shuts its engine core down (``stop`` waits for it)."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, grace_s: float = 180.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -182,6 +193,15 @@ class EngineServer:
             return self.log_path.read_text(errors="replace")[-n:]
         except OSError:
             return ""
+
+    @staticmethod
+    def stop_all(servers) -> None:
+        """Stop ``servers`` side by side: each is sent SIGTERM, then each is waited for."""
+        servers = list(servers)
+        for s in servers:
+            s.terminate()
+        for s in servers:
+            s.stop()
 
     def __enter__(self) -> EngineServer:
         return self

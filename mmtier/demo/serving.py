@@ -21,10 +21,14 @@ What it does, in order:
 4. midway, restarts the mmtier server (SIGTERM: its caches write what they hold to the disk
    tier; a new server over the same disk folder) and carries on: the conversations continue
    from mmtier's disk tier;
-5. per phase (first turns, later turns before the restart, later turns after it): cached prompt
+5. then audio and video turns (``mmtier.demo.media``: the tiny Qwen2-Audio and Qwen2-VL, a pair
+   of servers each, ``input_audio`` WAV clips and ``video_url`` MP4 data URLs reused across
+   turns and users; answers equal, no times);
+6. per phase (first turns, later turns before the restart, later turns after it): cached prompt
    tokens (``usage.prompt_tokens_details.cached_tokens``), paired time to first token, vision
    encoder runs (counted in the engines' workers, read through ``/collective_rpc``), answers
-   equal; a table, a flat JSON report, a PNG chart and every request's figures
+   equal; per modality (text, image, audio, video): requests, items sent, tower runs, cached
+   tokens, answers equal; a table, a flat JSON report, a PNG chart and every request's figures
    (``demo_requests.jsonl``).
 
 Runs in the engines environment (``./run demo`` creates it: vLLM's CPU build here)."""
@@ -43,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..stats.machine import machine
+from .media import MEDIA, MediaDemoSpec, media_figures, run_media, token_counts
 
 PHASES = ("first_turns", "later_before_restart", "later_after_restart")
 PHASE_TITLES = {"first_turns": "first turns", "later_before_restart": "later, before restart",
@@ -69,12 +74,14 @@ class ServingDemoSpec:
     # engine then lacks; without the pause whichever engine answered second in a pair took up
     # to 1 s longer to its first token, mmtier's as often as plain's (2 cores, nothing else)
     quiet_s: float = 1.2
+    # audio and video turns on the tiny Qwen2-Audio / Qwen2-VL after the image part (None: none)
+    media: MediaDemoSpec | None = field(default_factory=MediaDemoSpec)
     seed: int = 0
 
     @classmethod
     def quick(cls, seed: int = 0, **kw) -> ServingDemoSpec:
         return cls(**{"conversations": 4, "turns": 3, "restart_after": 2, "system_words": 100, "user_words": 60,
-                      "images": 3, "kv_blocks": 40, **kw, "seed": seed})
+                      "images": 3, "kv_blocks": 40, "media": MediaDemoSpec.quick(seed), **kw, "seed": seed})
 
     @property
     def max_model_len(self) -> int:
@@ -182,7 +189,9 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
     system, convs = workload(spec)
     t_all = time.perf_counter()
     order = [(c, i) for i in range(spec.turns) for c in convs]          # conversations interleave
-    bar = tqdm(total=len(order) + 3, desc="demo: model", unit="step", disable=not progress,
+    media_turns = spec.media.conversations * spec.media.turns * len(MEDIA) if spec.media else 0
+    bar = tqdm(total=len(order) + 3 + media_turns + bool(spec.media), desc="demo: model", unit="step",
+               disable=not progress,
                bar_format="{desc:<34}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
     model = str(ensure_demo_llava(seed=spec.seed))
     bar.update(1)
@@ -252,17 +261,31 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
                 encoded[name][phase_of(spec, spec.turns - 1)] += s.encoded()
         finally:
             bar.set_description_str("demo: stopping the engines")
-            for s in servers.values():
-                s.stop()
+            EngineServer.stop_all(servers.values())
+        media_records: list[dict] = []
+        try:
+            if spec.media is not None:
+                bar.set_description_str("demo: audio and video engines")
+                t0 = time.perf_counter()
+                media_records = run_media(spec.media, disk, log_path, on_turn=lambda: (
+                    bar.set_description_str("demo: audio and video turns"), bar.update(1)))
+                timings["media_s"] = time.perf_counter() - t0
+                bar.update(1)
+        finally:
             bar.close()
     records = [r for c in convs for r in c.records]
     mismatches = [f"conversation {r['conversation']} turn {r['turn']}: {r['mmtier']['text']!r} != "
                   f"{r['plain']['text']!r}" for r in records if r["mmtier"]["text"] != r["plain"]["text"]]
     timings["elapsed_s"] = time.perf_counter() - t_all
     with open(out / "demo_requests.jsonl", "w") as fh:                  # every request, both engines
-        for r in records:
+        for r in records + media_records:
             fh.write(json.dumps(r) + "\n")
+    mismatches += [f"{r['medium']} conversation {r['conversation']} turn {r['turn']}: {r['mmtier']['text']!r} != "
+                   f"{r['plain']['text']!r}" for r in media_records
+                   if "encoded" not in r and r["mmtier"]["text"] != r["plain"]["text"]]
     figures = _figures(spec, convs, records, encoded, timings, mismatches)
+    figures.update(media_figures(media_records))
+    figures["media_turns"] = sum("encoded" not in r for r in media_records)
     return ServingDemoReport(spec, figures, mismatches, records, log_path)
 
 
@@ -310,11 +333,10 @@ def _figures(spec, convs, records, encoded, timings, mismatches) -> dict:
     for phase in (*PHASES, "later_turns"):
         sel = [r for r in records if (r["phase"] == phase or (phase == "later_turns" and r["turn"] > 0))]
         f[f"requests__{phase}"] = len(sel)
-        for name in ("mmtier", "plain"):
-            prompt = sum(r[name]["prompt_tokens"] for r in sel)
+        for name, (prompt, cached, fraction) in token_counts(sel).items():
             f[f"prompt_tokens_{name}__{phase}"] = prompt
-            f[f"cached_tokens_{name}__{phase}"] = sum(r[name]["cached_tokens"] for r in sel)
-            f[f"cached_fraction_{name}__{phase}"] = f[f"cached_tokens_{name}__{phase}"] / prompt if prompt else 0.0
+            f[f"cached_tokens_{name}__{phase}"] = cached
+            f[f"cached_fraction_{name}__{phase}"] = fraction
             f[f"ttft_s_{name}__{phase}"] = _median([r[name]["ttft_s"] for r in sel])
             if phase != "later_turns":
                 f[f"encoder_runs_{name}__{phase}"] = encoded[name][phase]
@@ -325,9 +347,43 @@ def _figures(spec, convs, records, encoded, timings, mismatches) -> dict:
     f["encoder_runs_plain__later_turns"] = sum(encoded["plain"][p] for p in PHASES[1:])
     f["images_sent"] = sum(sum(t.image is not None for t in c.turns[: r["turn"] + 1]) for c in convs
                            for r in c.records)
+    _modality_figures(f, records, encoded)
     f["target_later_turns_ttft_ratio"] = 0.5
     f["target_met"] = bool(f["ttft_mmtier_over_plain__later_turns"] <= 0.5 and not mismatches)
     return f
+
+
+def _modality_figures(f: dict, records: list[dict], encoded: dict) -> None:
+    """The image part per modality: ``text`` its turns without an image, ``image`` those with
+    one (items sent: every image of the prompts, history included; tower runs: every phase)."""
+    for modality, sel in (("text", [r for r in records if r["image"] is None]),
+                          ("image", [r for r in records if r["image"] is not None])):
+        f[f"{modality}__requests"] = len(sel)
+        for name, (prompt, cached, fraction) in token_counts(sel).items():
+            f[f"{modality}__prompt_tokens_{name}"] = prompt
+            f[f"{modality}__cached_tokens_{name}"] = cached
+            f[f"{modality}__cached_fraction_{name}"] = fraction
+        f[f"{modality}__answers_equal"] = sum(r["mmtier"]["text"] == r["plain"]["text"] for r in sel)
+    f["image__items_sent"] = f["images_sent"]
+    for name in ("mmtier", "plain"):
+        f[f"image__encoder_runs_{name}"] = sum(encoded[name].values())
+        f[f"image__encoder_runs_avoided_{name}"] = f["images_sent"] - f[f"image__encoder_runs_{name}"]
+
+
+def modality_table(f: dict) -> list[str]:
+    """The per-modality lines of the console report (the modalities the figures have)."""
+    lines = [f"{'modality':<10}{'req':>5}{'items sent':>12}{'tower runs mmtier/plain':>25}{'cached mmtier':>15}"
+             f"{'cached plain':>14}{'equal':>8}"]
+    for m in ("text", "image", *MEDIA):
+        if f"{m}__requests" not in f:
+            continue
+        items = f.get(f"{m}__items_sent", "-")
+        runs = (f"{f[f'{m}__encoder_runs_mmtier']}/{f[f'{m}__encoder_runs_plain']}"
+                if f"{m}__encoder_runs_mmtier" in f else "-")
+        lines.append(f"{m:<10}{f[f'{m}__requests']:>5}{items:>12}{runs:>25}"
+                     f"{100 * f[f'{m}__cached_fraction_mmtier']:>14.0f}%{100 * f[f'{m}__cached_fraction_plain']:>13.0f}%"
+                     f"{f[f'{m}__answers_equal']:>5}/{f[f'{m}__requests']}")
+    return lines
 
 
 def format_serving_report(r: ServingDemoReport, json_path: Path | None = None, png_path: Path | None = None) -> str:
@@ -356,9 +412,15 @@ def format_serving_report(r: ServingDemoReport, json_path: Path | None = None, p
         "(cached: prompt tokens served from cache; paired: median over turns of mmtier's TTFT / plain's; "
         "encoder: images the vision tower encoded, mmtier/plain)",
         "",
+        *modality_table(f),
+        "(text: turns without an image; image: turns with one; audio / video: the tiny Qwen2-Audio and "
+        "Qwen2-VL, items reused across turns and users, no times: see benchmarks/vllm_av.py; items sent: "
+        "in every prompt, history included; tower runs: items the encoder towers ran on)",
+        "",
         f"later turns start in {ratio:.2f}x the time with mmtier (target <= 0.5): "
         f"{'MET' if f['target_met'] else 'NOT MET'}",
-        f"correctness: {f['check_turns'] - f['check_mismatches']}/{f['check_turns']} answers equal the engine "
+        f"correctness: {f['check_turns'] + f['media_turns'] - f['check_mismatches']}/"
+        f"{f['check_turns'] + f['media_turns']} answers equal the engine "
         f"without mmtier: {'PASSED' if r.passed else 'FAILED'}",
     ]
     lines += [f"  {m}" for m in r.mismatches[:5]]
