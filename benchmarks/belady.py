@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from mmtier.cache.groups import ModalityGroup
 from mmtier.config import CacheConfig
-from mmtier.eviction import EvictionPolicy, _Entry
+from mmtier.eviction import EvictionPolicy, PolicyEntry
 
 Oracle = Callable[[ModalityGroup], float]
 
@@ -34,7 +34,7 @@ class BeladyPolicy(EvictionPolicy):
         self.oracle: Oracle = oracle or (lambda g: float("inf"))
         self.now = 0.0
 
-    def _key(self, entry: _Entry) -> float:
+    def _key(self, entry: PolicyEntry) -> float:
         return -self.oracle(entry.group)
 
 

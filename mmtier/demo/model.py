@@ -13,7 +13,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..serve.tiny_models import CHAT_TEMPLATE, IMAGE_ID, PATCH, VOCAB, _hub_layout, build_tokenizer
+from ..serve.tiny_models import (
+    CHAT_TEMPLATE,
+    IMAGE_ID,
+    PATCH,
+    VOCAB,
+    build_tokenizer,
+    llava_hub_layout,
+)
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 8, 512, 8, 4, 64, 1408
 IMAGE_SIDE = 224
@@ -54,7 +61,7 @@ def build_demo_llava(path: str | Path, *, seed: int = 0) -> Path:
             if "vision_tower" in name and p.dim() > 1:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(path)
-    _hub_layout(path / "model.safetensors")
+    llava_hub_layout(path / "model.safetensors")
     images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIDE},
                                    crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
     LlavaProcessor(image_processor=images, tokenizer=build_tokenizer(), patch_size=PATCH,

@@ -47,7 +47,7 @@ class DemoWorker:
     def mmtier_close(self) -> int:
         from mmtier.integrations import connector_cache
 
-        n = len(connector_cache._CACHES)
+        n = connector_cache.open_count()
         connector_cache.close_shared()
         return n
 

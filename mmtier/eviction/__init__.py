@@ -21,4 +21,3 @@ from .slru import AdaptiveSLRUPolicy
 __all__ = ["MAX_BUNDLE", "POLICIES", "ARCPolicy", "AdaptiveSLRUPolicy", "BimodalLRUPolicy", "ChainBIPPolicy", "Clock", "CostAwarePolicy", "DIPPolicy", "DuelPolicy",
            "EvictionPolicy", "LRUPolicy", "ModalityLRUPolicy", "PolicyEntry", "S3FIFOPolicy", "make_policy"]
 
-_Entry = PolicyEntry   # the old private name, until benchmarks/belady.py imports PolicyEntry

@@ -115,14 +115,14 @@ class ChatModel:
             WhisperForConditionalGeneration,
         )
 
-        vcfg = _read(Path(config_dir) / VLM_CONFIG)
+        vcfg = read_model_config(Path(config_dir) / VLM_CONFIG)
         video = vcfg.pop("video", {})
-        wcfg = _read(Path(config_dir) / WHISPER_CONFIG)
+        wcfg = read_model_config(Path(config_dir) / WHISPER_CONFIG)
         chunk = wcfg.pop("chunk_length_s")
         torch.manual_seed(seed)
         vlm = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**vcfg)).to(device)
         whisper = WhisperForConditionalGeneration(WhisperConfig(**wcfg)).to(device)
-        images = _image_processor(vlm.config)
+        images = image_processor(vlm.config)
         return cls(vlm, whisper, images, _feature_extractor(whisper.config, chunk),
                    video_processor=video_processor_from(None, images, video),
                    video_segment=video.get("segment", VIDEO_SEGMENT))
@@ -203,12 +203,13 @@ class ChatModel:
         """A new conversation of ``tenant`` over ``cache`` (a ``TieredKVCache`` built from
         ``cache_config``, or an engine's ``HostedCache``); ``history``: earlier turns as
         ``(items, answer token ids)`` (a stateless request's), found in the cache by key."""
-        mt._check_fits(mt.layout_of(self.vlm), cache.cfg, "text")
-        mt._check_fits(mt.layout_of(self.whisper), cache.cfg, TRANSCRIPT)
+        mt.check_fits(mt.layout_of(self.vlm), cache.cfg, "text")
+        mt.check_fits(mt.layout_of(self.whisper), cache.cfg, TRANSCRIPT)
         return Conversation(self, cache, tenant, history)
 
 
-def _read(path: Path) -> dict:
+def read_model_config(path: Path) -> dict:
+    """A model's JSON config as a mapping; ``ConfigError`` naming the file where it cannot be read."""
     try:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -263,7 +264,7 @@ def video_processor_from(path: Path | None, images, cfg: dict | None = None):
 
     cfg = dict(cfg or {})
     if path is not None and (path / "video_preprocessor_config.json").is_file():
-        cfg = _read(path / "video_preprocessor_config.json")
+        cfg = read_model_config(path / "video_preprocessor_config.json")
     size = cfg.get("size") or {}
     return VideoProcessor(images, fps=cfg.get("fps") or VIDEO_FPS, min_frames=cfg.get("min_frames", VIDEO_FRAMES[0]),
                           max_frames=cfg.get("max_frames", VIDEO_FRAMES[1]),
@@ -271,7 +272,9 @@ def video_processor_from(path: Path | None, images, cfg: dict | None = None):
                           max_pixels=size.get("longest_edge", cfg.get("max_pixels", VIDEO_PIXELS[1])))
 
 
-def _image_processor(cfg):
+def image_processor(cfg):
+    """Qwen2-VL's PIL image processor for a model config ``cfg``, sized as the chat model's
+    (``IMAGE_PIXELS``) and patched as its vision config says."""
     from transformers import Qwen2VLImageProcessorPil
 
     v = cfg.vision_config

@@ -216,6 +216,12 @@ def report_for(cache: TieredKVCache) -> StatsReport:
         return report
 
 
+def open_count() -> int:
+    """The caches this process has open through ``shared_cache``."""
+    with _LOCK:
+        return len(_CACHES)
+
+
 def close_shared() -> None:
     """Close every cache this process opened through ``shared_cache`` (tests, shutdown)."""
     with _LOCK:

@@ -83,7 +83,7 @@ def cache_for(model, cache: TieredKVCache, *, tenant: str | None = None, text_mo
     (self-attention, cross-attention). ``release()`` (or ``with``) drops its sequences.
     ``text_modality``: the pool of the decoder's self-attention K/V (as given to ``config_for``)."""
     layout = layout_of(model)
-    _check_fits(layout, cache.cfg, text_modality)
+    check_fits(layout, cache.cfg, text_modality)
     if model.config.get_text_config(decoder=True)._attn_implementation != NAME:
         raise UnsupportedError("call enable(model) first: its decoder attention is not 'mmtier'")
     rows = Rows(cache, layout, tenant, text_modality)
@@ -109,7 +109,9 @@ class _PairedCache(EncoderDecoderCache):
         self.release()
 
 
-def _check_fits(layout: ModelLayout, cfg: CacheConfig, text_modality: str) -> None:
+def check_fits(layout: ModelLayout, cfg: CacheConfig, text_modality: str) -> None:
+    """``ConfigError`` unless the cache's ``text_modality`` pool has the model's layers, KV
+    heads, head dim and dtype."""
     text = cfg.modalities.get(text_modality)
     want = (len(layout.self_layers), layout.num_kv_heads, layout.head_dim, layout.dtype)
     if text is None or (text.num_layers, text.num_kv_heads, text.head_dim, text.dtype) != want:

@@ -92,9 +92,9 @@ class HFFrontend:
             return cls(images, transcript, chat.video_processor_from(Path(model.path), images), segment)
         from transformers import Qwen2VLConfig
 
-        raw = chat._read(chat.CONFIG_DIR / chat.VLM_CONFIG)
+        raw = chat.read_model_config(chat.CONFIG_DIR / chat.VLM_CONFIG)
         video = raw.pop("video", {})
-        images = chat._image_processor(Qwen2VLConfig(**raw))
+        images = chat.image_processor(Qwen2VLConfig(**raw))
         return cls(images, transcript, chat.video_processor_from(None, images, video), video.get("segment", segment))
 
     def media_tokens(self, kind: str, data: bytes) -> int:

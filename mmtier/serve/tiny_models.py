@@ -101,7 +101,7 @@ def build_llava(path: str | Path, *, seed: int = 0) -> Path:
             if "vision_tower" in name and p.dim() > 1:
                 p.normal_(0.0, 0.2)
     model.save_pretrained(path)
-    _hub_layout(path / "model.safetensors")
+    llava_hub_layout(path / "model.safetensors")
     images = CLIPImageProcessorPil(size={"shortest_edge": IMAGE_SIDE},
                                    crop_size={"height": IMAGE_SIDE, "width": IMAGE_SIDE})
     LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
@@ -138,7 +138,7 @@ def ensure_built(name: str, build, root: str | Path | None = None, *, seed: int 
     return path
 
 
-def _hub_layout(file: Path) -> None:
+def llava_hub_layout(file: Path) -> None:
     """Rename the tower's weights to LLaVA-1.5's checkpoint layout, which vLLM reads: this
     transformers saves the CLIP tower flat (``vision_tower.embeddings...``), vLLM wants
     ``vision_tower.vision_model.embeddings...``."""
