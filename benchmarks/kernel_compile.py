@@ -25,7 +25,7 @@ kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's,
 
 Writes ``OUT/kernel_compile.json`` (default ``benchmarks/results/``): the summary figures and
 one row per variant, ``regs / spill bytes / shared KiB`` per arch; then regenerates that
-folder's results page (``benchmarks/RESULTS.md`` for the default).
+folder's results pages (``benchmarks/RESULTS.md`` and ``benchmarks/results/pages/`` for the default).
 """
 
 from __future__ import annotations
