@@ -17,7 +17,7 @@ import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.cache.groups import Tier
-from mmtier.storage.arrow_format import DestPages
+from mmtier.storage.dest_pages import DestPages
 from mmtier.storage.layer_extent import (
     DIRECT_MIN_EXTENT,
     direct_align,

@@ -22,7 +22,7 @@ import torch
 from mmtier.config import CacheConfig
 from mmtier.errors import CorruptDataError
 from mmtier.storage import DiskTier
-from mmtier.storage.arrow_format import DestPages
+from mmtier.storage.dest_pages import DestPages
 from mmtier.storage.direct_reads import DIRECT_MIN_FILE, read_whole_direct
 from mmtier.storage.layer_extent import DIRECT_MIN_EXTENT
 from mmtier.storage.staging import StagingPool

@@ -36,7 +36,7 @@ from .layer_extent import LayerExtent, direct_align, open_direct, refuse_direct
 from .staging import ALIGN, StagingPool
 
 if TYPE_CHECKING:
-    from .arrow_format import DestPages
+    from .dest_pages import DestPages
 
 WINDOW_BYTES = 8 << 20
 DIRECT_MIN_FILE = 64 << 10

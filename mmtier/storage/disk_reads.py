@@ -38,7 +38,8 @@ import torch
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
-from .arrow_format import DestPages, layout_matches, layout_of, read_file
+from .arrow_format import layout_matches, layout_of, read_file
+from .dest_pages import DestPages
 from .direct_reads import AHEAD_WINDOWS, read_whole_direct
 from .layer_extent import LayerExtent, read_layer_extent, read_whole
 

@@ -38,7 +38,7 @@ import xxhash
 from ..errors import CorruptDataError
 
 if TYPE_CHECKING:
-    from .arrow_format import DestPages
+    from .dest_pages import DestPages
 
 _IOV_MAX = 512
 _MIN_ALIGN = 512                      # no device has a smaller logical block
