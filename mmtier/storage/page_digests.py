@@ -8,24 +8,45 @@ into the slab (``copy_in_digested``; a put's token-major K/V straight into slots
 page checked against its digest as it is copied, the first bad page's destination poisoned)
 and into a device pool's pages (``copy_to_verified``). Elsewhere each chunk is hashed with
 ``xxhash`` right after it landed, while it sits in the CPU's cache (``copy_and_digest``), and
-reads check pages before copying them (``HostEntry.checked_pages``).
+reads check pages before copying them (``HostEntry.checked_pages``). The copies out read
+their source as a ``DigestedPages`` (what a ``HostEntry`` offers), so this module sits below
+``host_slabs``, which calls it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 import xxhash
 
+from ..errors import CorruptDataError
 from ..native import digests as native_digests
 from ..native import rows as native_rows
 from ..native.rows import merge_dims
 
-if TYPE_CHECKING:
-    from .host_slabs import HostEntry
+
+class DigestedPages(Protocol):
+    """What the verified copies read of the pages they copy out: a host entry
+    (``host_slabs.HostEntry``): the slab, the group's slots in it, each page's xxh3 (``None``:
+    not taken) and the error a mismatch raises (counted by the entry)."""
+
+    @property
+    def slab_view(self) -> torch.Tensor: ...
+
+    @property
+    def num_pages(self) -> int: ...
+
+    @property
+    def slots(self) -> tuple[int, ...]: ...
+
+    @property
+    def sums(self) -> tuple[int, ...] | None: ...
+
+    def corrupt(self, detail: str) -> CorruptDataError: ...
+
 
 _CHUNK = 256 << 10      # copied, then hashed while it sits in the CPU's cache
 
@@ -134,7 +155,7 @@ def _in_order(dims: list[tuple[int, int, int]], row: int) -> tuple[list[int], li
     return [m[0] for m in merged], [m[1] for m in merged], [m[2] for m in merged], row
 
 
-def copy_to_verified(entry: HostEntry, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> bool:
+def copy_to_verified(entry: DigestedPages, dst_view: torch.Tensor, dst_ids: Sequence[int]) -> bool:
     """The entry's pages into rows ``dst_ids`` of a CPU page-major view, each checked against
     its digest as it is copied (``CorruptDataError``, counted, at the first that differs: its
     destination page poisoned, nothing after it copied). ``False`` where the native helper
@@ -150,7 +171,7 @@ def copy_to_verified(entry: HostEntry, dst_view: torch.Tensor, dst_ids: Sequence
     return _settled(entry, res)
 
 
-def copy_out_verified(entry: HostEntry, k: torch.Tensor, v: torch.Tensor) -> bool:
+def copy_out_verified(entry: DigestedPages, k: torch.Tensor, v: torch.Tensor) -> bool:
     """The entry's tokens into ``k, v`` (``[L, n, H, D]``, or block-split ``[L, blocks, P, H,
     D]``; CPU tensors of one shape, strides and the entry's dtype), every page checked against
     its digest by the copy that moves it; a partial last page is checked with ``xxhash`` first,
@@ -188,7 +209,7 @@ def copy_out_verified(entry: HostEntry, k: torch.Tensor, v: torch.Tensor) -> boo
     return True
 
 
-def _settled(entry: HostEntry, res: native_digests.Result | None) -> bool:
+def _settled(entry: DigestedPages, res: native_digests.Result | None) -> bool:
     if res is None:
         return False
     if res.bad >= 0:
