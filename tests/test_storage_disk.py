@@ -19,7 +19,7 @@ from mmtier.config import ModalitySpec
 from mmtier.content import KeyMaker
 from mmtier.errors import CapacityError, DTypeError, ShapeError, StorageFullError
 from mmtier.storage import DiskTier, HostTier, StorageIOError
-from mmtier.storage.arrow_files import QUARANTINE_DIR
+from mmtier.storage.disk_index import QUARANTINE_DIR
 
 from .test_storage_helpers import CFG, MODEL, key, rand_pages, same_bytes
 

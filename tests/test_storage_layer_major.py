@@ -338,7 +338,7 @@ def test_reused_write_buffers_never_leak_the_previous_chunk_into_a_file(tmp_path
     ka, kb = key_of(text, 31), key_of(text, 32)
     disk.put(ka, text, 4 * text.page_size, a)
     disk.put(kb, text, 3 * text.page_size, b)
-    assert disk._write_buffers.reused >= 1
+    assert disk._writes.buffers.reused >= 1
     for k, pages in ((ka, a), (kb, b)):
         name = disk.info(k).files[0]
         _, batches, _ = file_layers(disk.dir / name)

@@ -14,7 +14,7 @@ import torch
 from mmtier.config import CacheConfig
 from mmtier.errors import ShapeError
 from mmtier.storage import DiskTier, Mover
-from mmtier.storage.arrow_files import QUARANTINE_DIR
+from mmtier.storage.disk_index import QUARANTINE_DIR
 
 from .test_storage_helpers import KEYS, MODEL, rand_pages, same_bytes
 

@@ -97,7 +97,7 @@ def test_a_group_read_direct_equals_what_was_written(tmp_path, modality, chunk, 
     assert disk.stats()["hits"] == 1 and disk.stats()["corrupt_reads"] == 0
     if direct:
         assert cached_share(disk, entry) == 0.0          # around the page cache
-    assert not disk._read_windows._out                   # every window given back
+    assert not disk._reads.windows._out                  # every window given back
     assert same_bytes(disk.get(k, spec, MODEL), pages)   # a new tensor too
 
 
@@ -148,7 +148,7 @@ def test_a_flipped_byte_in_a_directly_read_file_is_a_miss_and_quarantined(tmp_pa
     st = disk.stats()
     assert st["corrupt_reads"] == 1 and st["hits"] == 0 and st["direct_read_files"] == 1   # file 0 only
     assert quarantined(disk.dir) and not disk.contains(k)
-    assert not disk._read_windows._out
+    assert not disk._reads.windows._out
 
 
 def test_a_flipped_byte_is_found_with_small_windows_read_ahead(tmp_path):

@@ -3,11 +3,14 @@
 - ``HostTier`` (``host.py``): page-major host slabs per spec under one byte budget; an entry
   (``HostEntry``, ``host_slabs.py`` with the slabs) gives ``(slab_view, slot_ids)`` for CPU
   attention in place, ``gather()``, ``runs()`` and verified reads;
-- ``DiskTier`` (``arrow_files.py``, format in ``arrow_format.py``): one Arrow IPC file per
-  group (or 64 MiB chunk), verified reads (corruption is a miss, counted and quarantined),
-  warm restart from the directory, typed errors for a full disk or the free-space floor;
-  files written with ``O_DIRECT`` from reused aligned images (``file_writes.py``), layers read
-  with ``O_DIRECT`` into aligned buffers (``layer_extent.py``);
+- ``DiskTier`` (``arrow_files.py``): one Arrow IPC file per group (or 64 MiB chunk); a
+  facade over its index (``disk_index.py``: entries, budget, counters, quarantine), warm
+  restart (``disk_restart.py``), writes (``disk_writes.py``: typed errors for a full disk or
+  the free-space floor; files written with ``O_DIRECT`` from reused aligned images,
+  ``file_writes.py``) and verified reads (``disk_reads.py``: corruption is a miss, counted and
+  quarantined; files and layers read with ``O_DIRECT`` into aligned buffers,
+  ``direct_reads.py``, ``layer_extent.py``); the format in ``arrow_format.py``, the pages a
+  read lands in ``dest_pages.py``;
 - ``Mover`` (``mover.py``): asynchronous spill / restore / prefetch with priorities and a
   bound on bytes in flight; source pages held until their copy is done.
 
@@ -33,7 +36,9 @@ and retry; ``StorageFullError`` / ``CapacityError`` from a spill means the group
 it was; ``StorageIOError`` likewise (and is counted).
 """
 
-from .arrow_files import DiskEntry, DiskTier, StorageIOError
+from .arrow_files import DiskTier
+from .disk_index import DiskEntry
+from .disk_writes import StorageIOError
 from .host import HostEntry, HostTier
 from .mover import Mover, Priority
 

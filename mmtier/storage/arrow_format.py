@@ -234,6 +234,13 @@ def group_fields(meta: dict) -> dict:
     return {k: v for k, v in meta.items() if k not in _CHUNK_FIELDS}
 
 
+def group_meta(key_wire: dict, model: str, layout: dict[str, str], num_tokens: int, num_pages: int,
+               num_chunks: int) -> dict:
+    """The metadata every file of a group records (``group_fields`` of each file's): what a
+    writer starts each file's metadata from and what a full read expects to find."""
+    return {"format": FORMAT_VERSION, "key": key_wire, "model": model, "layout": layout,
+            "num_tokens": num_tokens, "num_pages": num_pages, "num_chunks": num_chunks}
+
 
 _MAGIC = b"ARROW1\x00\x00"
 

@@ -1,5 +1,8 @@
-"""The disk tier's verified reads (``DiskTier`` inherits them; ``arrow_files.py`` holds the
-index, the writes, quarantine and warm restart).
+"""The disk tier's verified reads: ``DiskReads``, given the tier's ``DiskIndex`` (``DiskTier``
+delegates its reads to it; the index, the writes and the warm restart live in ``disk_index.py``,
+``disk_writes.py`` and ``disk_restart.py``). It owns what reading takes: the reader threads, the
+threads that read a direct read's next windows, the pool of aligned windows, and the read options
+(``direct``, ``threads``, ``ahead_layers``).
 
 - ``get``: a group into a new tensor or the caller's destination (a tensor or contiguous runs,
   e.g. ``HostEntry.runs()``). A group this process wrote is read lean, every byte checked
@@ -16,7 +19,7 @@ index, the writes, quarantine and warm restart).
 - ``get_layer``: one layer of every page (``read_layer_extent``: one contiguous extent per
   file in the layer-major format, read with ``O_DIRECT`` straight into the destination where
   it and the extent are aligned (``direct_reads``), else buffered with the next
-  ``read_ahead_layers`` layers' extents handed to the kernel to read meanwhile), for per-layer
+  ``ahead_layers`` layers' extents handed to the kernel to read meanwhile), for per-layer
   attention calls.
 
 Any failure is a miss: counted, the group's files quarantined, ``None``; never wrong data.
@@ -29,8 +32,8 @@ import concurrent.futures
 import dataclasses
 import itertools
 import os
+import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import torch
@@ -38,17 +41,41 @@ import torch
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
-from .arrow_format import layout_matches, layout_of, read_file
+from .arrow_format import group_meta, layout_matches, layout_of, read_file
 from .dest_pages import DestPages
-from .direct_reads import AHEAD_WINDOWS, read_whole_direct
+from .direct_reads import AHEAD_WINDOWS, WINDOW_BYTES, read_whole_direct
+from .disk_index import DiskEntry, DiskIndex
 from .layer_extent import LayerExtent, read_layer_extent, read_whole
-
-if TYPE_CHECKING:
-    from .arrow_files import DiskEntry
+from .staging import StagingPool
 
 
 class DiskReads:
-    """The read paths of ``DiskTier`` (uses its index, lock, counters and quarantine)."""
+    """The verified reads of the groups in ``index``. Thread-safe.
+
+    ``direct``: whole files and aligned layer extents read with ``O_DIRECT`` (where the file
+    system takes it); ``threads``: the files of a batch read side by side; ``ahead_layers``: a
+    buffered layer read asks the kernel for the next ones meanwhile."""
+
+    def __init__(self, index: DiskIndex, *, direct: bool, threads: int, ahead_layers: int):
+        self._index = index
+        self._dir = str(index.dir)
+        self.direct = direct
+        self.threads = threads
+        self.ahead_layers = ahead_layers
+        self._lock = threading.Lock()       # the thread pools, made on first use
+        self._readers: concurrent.futures.ThreadPoolExecutor | None = None
+        # whole-file reads with O_DIRECT through reused aligned windows, the next window read
+        # (and the one after) while this one is checked and copied (``direct_reads``)
+        self.windows = StagingPool((1 + AHEAD_WINDOWS) * threads * WINDOW_BYTES)
+        self._window_readers: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def close(self) -> None:
+        """Stop the thread pools (reads in flight finish first)."""
+        with self._lock:
+            pools, self._readers, self._window_readers = (self._readers, self._window_readers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def get(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
             out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -73,11 +100,10 @@ class DiskReads:
         the index for the whole batch, so a group costs little more than its syscalls. A group
         that cannot be read lean (layout not known yet, or any failure) takes ``get``, which
         reads it in full or counts and quarantines it. ``ok[i]`` as ``get``'s result."""
-        if self._closed:
+        if self._index.closed:
             raise ClosedError("disk tier is closed")
         dest = DestPages(spec, out, int(sum(sizes)))
-        with self._lock:
-            found = [self._index.get(k.digest) for k in keys]
+        found = self._index.by_digest(list(keys))
         firsts = [int(f) for f in itertools.accumulate([0, *sizes[:-1]])] if len(sizes) else []
 
         def one(i: int) -> tuple[bool, int]:
@@ -95,26 +121,24 @@ class DiskReads:
                 except (OSError, CorruptDataError, ValueError):
                     pass
             if n == 0:                        # not on disk when the batch was formed: a miss
-                self._count("misses")
+                self._index.count(misses=1)
                 return False, 0
             return self.get(key, spec, expected_model, out=out[first:first + n]) is not None, -1
 
-        # Reads run side by side (``read_threads``): preadv and the checksums release the GIL
+        # Reads run side by side (``threads``): preadv and the checksums release the GIL
         # for most of their time, and the disk serves several requests at once.
-        if len(keys) > 1 and self.read_threads > 1:
+        if len(keys) > 1 and self.threads > 1:
             results = list(self._reader_pool().map(one, range(len(keys))))
         else:
             results = [one(i) for i in range(len(keys))]
-        hits = sum(1 for done, nbytes in results if done and nbytes >= 0)
-        with self._lock:
-            self._counts["hits"] += hits
-            self._counts["read_bytes"] += sum(nbytes for done, nbytes in results if done and nbytes > 0)
+        self._index.count(hits=sum(1 for done, nbytes in results if done and nbytes >= 0),
+                          read_bytes=sum(nbytes for done, nbytes in results if done and nbytes > 0))
         return [done for done, _ in results]
 
     def _reader_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
             if self._readers is None:
-                self._readers = concurrent.futures.ThreadPoolExecutor(self.read_threads,
+                self._readers = concurrent.futures.ThreadPoolExecutor(self.threads,
                                                                       thread_name_prefix="mmtier-disk-read")
             return self._readers
 
@@ -149,14 +173,14 @@ class DiskReads:
 
     def _entry(self, key: ContentKey, spec: ModalitySpec, expected_model: str) -> DiskEntry | None:
         """The index entry to read, or ``None`` (counted: a miss, or corrupt and quarantined)."""
-        if self._closed:
+        if self._index.closed:
             raise ClosedError("disk tier is closed")
-        e = self.info(key)
+        e = self._index.info(key)
         if e is None:
-            self._count("misses")
+            self._index.count(misses=1)
             return None
         if e.model != expected_model or not layout_matches(e.layout, spec):
-            self._corrupt(e, f"model/layout {e.model} {e.layout} != {expected_model} {layout_of(spec)}")
+            self._index.corrupt(e, f"model/layout {e.model} {e.layout} != {expected_model} {layout_of(spec)}")
             return None
         return e
 
@@ -166,21 +190,19 @@ class DiskReads:
         try:
             nbytes = read()
         except FileNotFoundError:
-            if self.info(key) is None:  # removed while we read: an ordinary miss
-                self._count("misses")
+            if self._index.info(key) is None:  # removed while we read: an ordinary miss
+                self._index.count(misses=1)
                 return False
             if e.borrowed:              # its writer (another process) evicted it: a miss
-                self.remove(key)
-                self._count("misses")
+                self._index.remove(key)
+                self._index.count(misses=1)
                 return False
-            self._corrupt(e, "file vanished")
+            self._index.corrupt(e, "file vanished")
             return False
         except (OSError, pa.ArrowException, CorruptDataError, ValueError, KeyError, TypeError) as exc:
-            self._corrupt(e, repr(exc))
+            self._index.corrupt(e, repr(exc))
             return False
-        with self._lock:
-            self._counts["hits"] += 1
-            self._counts["read_bytes"] += nbytes
+        self._index.count(hits=1, read_bytes=nbytes)
         return True
 
     def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
@@ -195,12 +217,11 @@ class DiskReads:
         """One file of a group whose layout is known into whole pages: with ``O_DIRECT``
         (``read_whole_direct``) where ``direct_reads`` and the file system allow it, else
         buffered (``read_whole``)."""
-        path = os.path.join(self._dir_str, extent.name)
-        if self.direct_reads:
-            got = read_whole_direct(path, extent, dest, self._read_windows, self._window_pool())
+        path = os.path.join(self._dir, extent.name)
+        if self.direct:
+            got = read_whole_direct(path, extent, dest, self.windows, self._window_pool())
             if got is not None:
-                with self._lock:
-                    self._counts["direct_read_files"] += 1
+                self._index.count(direct_read_files=1)
                 return got
         return read_whole(path, extent, dest)
 
@@ -210,14 +231,14 @@ class DiskReads:
         with self._lock:
             if self._window_readers is None:
                 self._window_readers = concurrent.futures.ThreadPoolExecutor(
-                    max(1, self.read_threads) * (1 + AHEAD_WINDOWS), thread_name_prefix="mmtier-disk-window")
+                    max(1, self.threads) * (1 + AHEAD_WINDOWS), thread_name_prefix="mmtier-disk-window")
             return self._window_readers
 
     def _read_layer(self, e: DiskEntry, dest: DestPages, layer: int) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
-            at += read_layer_extent(os.path.join(self._dir_str, extent.name), extent, layer, dest,
-                                    self.read_ahead_layers, self.direct_reads)
+            at += read_layer_extent(os.path.join(self._dir, extent.name), extent, layer, dest,
+                                    self.ahead_layers, self.direct)
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return at * dest.page_bytes
@@ -226,16 +247,14 @@ class DiskReads:
         """Parse and verify every file (footer, metadata against the index, checksum column),
         then remember where the pages lie so the next read can be lean."""
         at, extents = 0, []
+        expected = group_meta(e.key.to_wire(), e.model, e.layout, e.num_tokens, e.num_pages, len(e.files))
         for name in e.files:
-            extent = read_file(self.dir / name, self._expected_group(e), at, dest)
+            extent = read_file(self._index.dir / name, expected, at, dest)
             extents.append(extent)
             at += extent.num_pages
         if at != e.num_pages:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
-        learned = dataclasses.replace(e, extents=tuple(extents))
-        with self._lock:
-            if self._index.get(e.key.digest) is e:
-                self._index[e.key.digest] = learned
+        self._index.learn(e, dataclasses.replace(e, extents=tuple(extents)))
         return sum(extent.size for extent in extents)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,

@@ -1,6 +1,6 @@
 """Scenario 1: a crash at every I/O step of a spill.
 
-Injected: the writing process is SIGKILLed by the test hook in ``mmtier/storage/arrow_files.py``
+Injected: the writing process is SIGKILLed by the test hook in ``mmtier/storage/disk_writes.py``
 (``_CRASH_STEP`` / ``_CRASH_AT``, the same as ``MMTIER_CRASH_STEP=<step>:<n>``: the n-th time
 a write reaches ``step``) at each of ``before_write``, ``after_write``, ``after_fsync``,
 ``after_rename``, ``after_dir_fsync``. One helper process imports mmtier once and forks one
@@ -33,7 +33,8 @@ import torch
 from mmtier import TieredKVCache
 from mmtier.cache.groups import Tier
 from mmtier.content import KeyMaker, tenant_salt
-from mmtier.storage.arrow_files import CRASH_STEPS, DiskTier
+from mmtier.storage import DiskTier
+from mmtier.storage.disk_writes import CRASH_STEPS
 
 from .conftest import (
     MODEL,
@@ -82,14 +83,14 @@ def disk_writer(directory: str) -> None:
 
 ZYGOTE = """
 import json, os, sys, traceback
-import mmtier.storage.arrow_files as af
+import mmtier.storage.disk_writes as dw
 from tests.chaos import test_spill_crash as t
 out = {}
 for kind, step, nth, directory in json.load(sys.stdin):
     pid = os.fork()
     if pid == 0:
         try:
-            af._CRASH_STEP, af._CRASH_AT, af._crash_hits = step, nth, 0
+            dw._CRASH_STEP, dw._CRASH_AT, dw._crash_hits = step, nth, 0
             (t.cache_writer if kind == "cache" else t.disk_writer)(directory)
             os._exit(0)
         except BaseException:
