@@ -146,7 +146,7 @@ def run_media(spec: MediaDemoSpec, disk: str, log_path: Path, *, media: tuple[st
     import openai
 
     from .engines import EngineServer
-    from .serving import stream_chat
+    from .streaming import stream_chat
 
     specs = {m: dict(zip(("plain", "mmtier"), media_engines(m, spec, disk, device_bytes=device_bytes,
                                                             host_bytes=host_bytes), strict=True)) for m in media}

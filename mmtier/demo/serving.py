@@ -48,6 +48,7 @@ from pathlib import Path
 
 from ..stats.machine import machine
 from .media import MEDIA, MediaDemoSpec, media_figures, run_media, token_counts
+from .streaming import stream_chat
 
 PHASES = ("first_turns", "later_before_restart", "later_after_restart")
 PHASE_TITLES = {"first_turns": "first turns", "later_before_restart": "later, before restart",
@@ -130,29 +131,6 @@ def data_url(seed: int, fmt: str) -> str:
     buf = io.BytesIO()
     image(seed, IMAGE_SIDE).save(buf, fmt, **({"quality": 95} if fmt == "JPEG" else {}))
     return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def stream_chat(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    """One streamed, greedy chat completion: its text, usage and time to the first content."""
-    t0 = time.perf_counter()
-    first = None
-    parts, usage = [], None
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                            temperature=0.0, stream=True,
-                                            stream_options={"include_usage": True})
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            if first is None:
-                first = time.perf_counter() - t0
-            parts.append(chunk.choices[0].delta.content)
-        if chunk.usage is not None:
-            usage = chunk.usage
-    total = time.perf_counter() - t0
-    cached = 0
-    if usage is not None and usage.prompt_tokens_details is not None:
-        cached = usage.prompt_tokens_details.cached_tokens or 0
-    return {"text": "".join(parts), "ttft_s": first if first is not None else total, "total_s": total,
-            "prompt_tokens": usage.prompt_tokens if usage else 0, "cached_tokens": cached}
 
 
 def phase_of(spec: ServingDemoSpec, turn: int) -> str:
