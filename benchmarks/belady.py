@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from mmtier.cache.groups import ModalityGroup
 from mmtier.config import CacheConfig
+from mmtier.core.groups import ModalityGroup
 from mmtier.eviction import EvictionPolicy, PolicyEntry
 
 Oracle = Callable[[ModalityGroup], float]

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.content import ContentKey
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.eviction import make_policy
 
 KeyOf = Callable[[int], ContentKey]

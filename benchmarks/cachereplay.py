@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from mmtier.cache import TieredKVCache
-from mmtier.cache.groups import ModalityGroup
 from mmtier.config import CacheConfig, ModalitySpec
+from mmtier.core.groups import ModalityGroup
 from mmtier.errors import CapacityError
 
 from .belady import BeladyPolicy

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 
 __all__ = ["Floors", "cpu_attention_rate", "disk_read_bandwidth", "disk_write_bandwidth",
            "drop_file_cache", "read_bandwidth"]
@@ -122,7 +122,7 @@ def cpu_attention_rate(cache, table, q: torch.Tensor) -> float:
     with other jobs a wall-clock probe of a few seconds swings tens of times over, while the
     CPU work the arithmetic needs does not; the floor it gives is what an idle machine would
     take, so a decode timed in wall seconds beside it is never flattered by the load."""
-    from mmtier.cache.table import compile_segments
+    from mmtier.attention.compile import compile_segments
     from mmtier.kernels import paged_attention
 
     segs = [s for s in table.segments if s.group.tier == Tier.DEVICE]

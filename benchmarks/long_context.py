@@ -90,8 +90,8 @@ from benchmarks.floors import (
     read_bandwidth,
 )
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.cache.groups import Tier
 from mmtier.config import FP8_DTYPES
+from mmtier.core.groups import Tier
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)

@@ -27,9 +27,9 @@ from __future__ import annotations
 import time
 
 from mmtier.cache import TieredKVCache
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig
 from mmtier.content import ContentKey
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.eviction import POLICIES, EvictionPolicy, make_policy
 
 from .belady import BeladyPolicy
@@ -44,7 +44,7 @@ from .cachereplay import (
 )
 from .chains import ChainTrace
 
-MAX_HOPS = 4                          # as mmtier.cache.lineage
+MAX_HOPS = 4                          # as mmtier.core.lineage
 
 
 def trace_keys(trace: ChainTrace, cfg: CacheConfig) -> dict[int, ContentKey]:

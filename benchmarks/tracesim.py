@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.eviction import EvictionPolicy
 from mmtier.pages.pool import PagePool
 

@@ -4,9 +4,9 @@ The core (this package minus ``actors/`` and ``serve/``) imports without Ray.
 """
 
 from .cache import TieredKVCache
-from .cache.table import SequenceHandle
 from .config import CacheConfig, ModalitySpec
 from .content import ContentKey
+from .core.segments import SequenceHandle
 from .errors import (
     CapacityError,
     ConfigError,

@@ -14,15 +14,15 @@ import torch
 from mmtier.cache.attention import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.cache.keys import CacheKeys
-from mmtier.cache.locking import OwnerLock
 from mmtier.cache.residency import Residency
 from mmtier.cache.sequences import Sequences
 from mmtier.cache.shared_groups import SharedGroups
-from mmtier.cache.table import SequenceHandle, SequenceTable
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.content import KeyMaker
+from mmtier.core.groups import ModalityGroup, Tier
+from mmtier.core.locking import OwnerLock
+from mmtier.core.segments import SequenceHandle, SequenceTable
 from mmtier.errors import (
     CapacityError,
     ClosedError,

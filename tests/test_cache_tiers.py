@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache, UnknownKeyError
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.errors import CorruptDataError
 from tests.oracle import oracle_attention, rel_err
 

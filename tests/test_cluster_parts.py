@@ -14,8 +14,8 @@ from mmtier.actors.holders import Holders
 from mmtier.actors.sequence_book import SequenceBook
 from mmtier.actors.settings import ClusterSettings
 from mmtier.cache import TieredKVCache
-from mmtier.cache.table import SequenceHandle
 from mmtier.config import CacheConfig, ModalitySpec
+from mmtier.core.segments import SequenceHandle
 from mmtier.errors import ForeignKeyError, HolderLostError, UnknownKeyError, UnknownModalityError
 
 CFG = CacheConfig(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.errors import ShapeError
 from mmtier.kernels import build_paged_kv
 from tests.oracle import Logical, oracle_attention, rel_err

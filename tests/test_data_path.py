@@ -13,8 +13,8 @@ import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
 from mmtier.actors.pool_actor import export_pages, import_pages
-from mmtier.cache.groups import Tier
 from mmtier.content import KeyMaker
+from mmtier.core.groups import Tier
 from mmtier.errors import CapacityError, CorruptDataError, DTypeError, ShapeError
 from mmtier.pages.copies import kv_into_pages, pages_into_kv
 from mmtier.storage import DiskTier, HostTier, Mover

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from benchmarks.tracesim import GroupTiers, PageTiers
 from mmtier import config as config_mod
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.errors import LeaseExpiredError
 from mmtier.eviction import (
     POLICIES,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.content import ContentKey, KeyMaker
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.eviction import (
     AdaptiveSLRUPolicy,
     ARCPolicy,

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
-from mmtier.cache.groups import ModalityGroup, Tier
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.content import KeyMaker
+from mmtier.core.groups import ModalityGroup, Tier
 from mmtier.eviction import POLICIES, BimodalLRUPolicy, LRUPolicy
 
 from .test_eviction import CFG, PAGE, Groups
@@ -179,7 +179,7 @@ def test_cache_links_a_parent_named_by_prefix_key():
 
 
 def test_lineage_notes_are_bounded_and_hop_through_chain_keys():
-    from mmtier.cache.lineage import Lineage
+    from mmtier.core.lineage import Lineage
 
     km = KeyMaker("tiny", "secret")
     k = [km.derive(modality="text", layout=(), media=bytes([i]), tenant_salt=b"t" * 16) for i in range(5)]

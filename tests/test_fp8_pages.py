@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.errors import ConfigError, CorruptDataError, DTypeError, UnknownKeyError
 from mmtier.kernels import paged_attention, spec_scales
 from mmtier.kernels.layout import INDEX_DTYPE, build_paged_kv

@@ -12,7 +12,7 @@ import torch
 import xxhash
 
 from mmtier import CacheConfig, CorruptDataError, ModalitySpec, TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.native import digests as native_digests
 from mmtier.native.rows import row_space
 from mmtier.storage.page_digests import copy_out_verified, page_rows_of

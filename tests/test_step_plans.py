@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mmtier import TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from tests.oracle import Logical, oracle_attention, rel_err
 from tests.test_cache import build_multimodal, kv, make_cfg
 from tests.test_cache_tiers import D as TIERS_D

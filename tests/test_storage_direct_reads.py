@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.storage.dest_pages import DestPages
 from mmtier.storage.layer_extent import (
     DIRECT_MIN_EXTENT,

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.cache.groups import Tier
+from mmtier.core.groups import Tier
 from mmtier.errors import CorruptDataError
 from mmtier.storage import writers
 from mmtier.storage.arrow_format import (

@@ -25,7 +25,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from mmtier.cache.groups import Tier  # noqa: E402
+from mmtier.core.groups import Tier  # noqa: E402
 from mmtier.integrations.connector_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ..cache.table import SequenceHandle, naming
 from ..content import ContentKey, tenant_scope
+from ..core.segments import SequenceHandle, naming
 from ..errors import ForeignKeyError, HolderLostError, PrefixMismatchError, UnknownKeyError
 from . import placement
 from .cluster_keys import ClusterKeys

@@ -43,9 +43,9 @@ from collections.abc import Iterable, Sequence
 import ray
 import torch
 
-from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 from ..errors import HolderLostError
 from ..stats import CacheStats, TierUsage
 from .attacher import Attacher

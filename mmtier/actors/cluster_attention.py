@@ -10,8 +10,8 @@ from collections.abc import Iterable
 
 import torch
 
-from ..cache.table import SequenceHandle
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 from ..errors import HolderLostError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
 from . import placement

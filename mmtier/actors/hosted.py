@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 
 from ..cache import TieredKVCache
-from ..cache.table import SequenceHandle
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 from ..errors import HolderLostError, MMTierError
 from . import placement
 from .hosted_remote import RemoteParts

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import TieredKVCache
-from ..cache.table import SequenceHandle, naming
 from ..content import ContentKey, tenant_scope
+from ..core.segments import SequenceHandle, naming
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
 from .pool_actor import Part

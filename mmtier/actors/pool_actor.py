@@ -37,10 +37,10 @@ import numpy as np
 import torch
 
 from ..cache import TieredKVCache
-from ..cache.groups import Tier
-from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
+from ..core.groups import Tier
+from ..core.segments import SequenceHandle
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..storage.arrow_format import page_sums
 from .transfer_sums import check_pages, expected_sums, with_sums

@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..cache.keys import DEFAULT_TENANT
-from ..cache.table import SequenceHandle
 from ..config import CacheConfig
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 from ..errors import HolderLostError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..pages.payload import token_identity
 from . import placement

@@ -9,8 +9,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ..cache.table import SequenceHandle
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 
 Transfer = Literal["remote", "copy"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.groups import ModalityGroup
-from ..cache.table import Segment
+from ..core.groups import ModalityGroup
+from ..core.segments import Segment
 from ..errors import ShapeError
 from ..kernels import merge_attention_states, paged_attention, upload_ints
 from ..kernels.layout import PagedKV

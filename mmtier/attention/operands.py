@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..cache.table import Segment
+from ..core.segments import Segment
 from ..kernels.layout import PagedKV
 
 KEPT = 256

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.groups import ModalityGroup
-from ..cache.table import Segment
+from ..core.groups import ModalityGroup
+from ..core.segments import Segment
 from ..kernels import merge_attention_states, paged_attention, upload_ints
 from ..kernels.layout import PagedKV
 from ..storage.host_slabs import HostEntry

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.groups import ModalityGroup, Tier
-from ..cache.table import Segment, SequenceTable
+from ..core.groups import ModalityGroup, Tier
+from ..core.segments import Segment, SequenceTable
 from ..kernels.layout import PagedKV
 from .operands import same, stamp
 

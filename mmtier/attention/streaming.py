@@ -38,13 +38,14 @@ from concurrent.futures import Future
 
 import torch
 
-from ..cache.groups import ModalityGroup
-from ..cache.table import Segment, compile_segments
 from ..content import ContentKey
+from ..core.groups import ModalityGroup
+from ..core.segments import Segment
 from ..errors import CorruptDataError, MMTierError
 from ..kernels import paged_attention
 from ..storage.mover import Mover
 from ..storage.staging import StagingPool
+from .compile import compile_segments
 
 BATCH_BYTES = 8 << 20
 # Batches read at once. With buffered reads more than 2 only fought over the GIL and the cores

@@ -11,18 +11,19 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..attention.batch import check_segments
+from ..attention.compile import compile_segments
 from ..attention.operands import CompiledOperands
 from ..attention.plan import AttentionPlan
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
+from ..core.groups import ModalityGroup, Tier
+from ..core.locking import OwnerLock
+from ..core.segments import Segment, SequenceHandle, SequenceTable
 from ..errors import DTypeError, ShapeError, UnknownKeyError
 from ..eviction import EvictionPolicy
 from ..stats import Counters
-from .groups import ModalityGroup, Tier
-from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
-from .table import Segment, SequenceHandle, SequenceTable, compile_segments
 
 
 class AttentionPlanner:

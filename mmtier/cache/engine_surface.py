@@ -13,21 +13,22 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..attention.batch import BatchPlan, check_segments, query_bounds
+from ..attention.compile import compile_batch
 from ..attention.step_plans import StepPlans
 from ..config import CacheConfig
 from ..content import ContentKey, tenant_scope
+from ..core.groups import Tier
+from ..core.locking import OwnerLock
+from ..core.segments import Segment, SequenceHandle, naming
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
 from ..pages.layer_writes import Reservation, write_one_layer
 from ..pages.payload import token_identity
 from .attention import AttentionPlanner
 from .group_index import GroupIndex
-from .groups import Tier
 from .keys import CacheKeys
-from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
-from .table import Segment, SequenceHandle, compile_batch, naming
 
 
 class EngineSurface:

@@ -11,11 +11,11 @@ from collections.abc import Iterable, Iterator
 
 from ..config import ModalitySpec
 from ..content import ContentKey
+from ..core.groups import ModalityGroup, Tier
+from ..core.lineage import Lineage
 from ..errors import UnknownKeyError
 from ..eviction import EvictionPolicy
 from ..stats import Counters
-from .groups import ModalityGroup, Tier
-from .lineage import Lineage
 
 
 class GroupIndex:

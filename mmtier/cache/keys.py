@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, media_digest, tenant_salt
+from ..core.lineage import Lineage
+from ..core.locking import OwnerLock
+from ..core.segments import SequenceHandle, SequenceTable
 from ..errors import DTypeError, ForeignKeyError, PrefixMismatchError, UnknownModalityError
-from .lineage import Lineage
-from .locking import OwnerLock
-from .table import SequenceHandle, SequenceTable
 
 DEFAULT_TENANT = "default"
 

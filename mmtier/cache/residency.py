@@ -16,6 +16,8 @@ import torch
 
 from ..config import CacheConfig
 from ..content import ContentKey
+from ..core.groups import ModalityGroup, Tier
+from ..core.locking import OwnerLock
 from ..errors import CapacityError, ClosedError, CorruptDataError, ShapeError
 from ..eviction import EvictionPolicy
 from ..pages.copies import check_out_kv, pages_into_kv, view_runs
@@ -27,9 +29,7 @@ from ..tiers.lower import WAIT_S, LowerTiers
 from ..tiers.placement import PutPlacement
 from ..tiers.room import Room
 from .group_index import GroupIndex
-from .groups import ModalityGroup, Tier
 from .keys import CacheKeys
-from .locking import OwnerLock
 
 
 class Residency:

@@ -17,6 +17,9 @@ import torch
 
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, tenant_scope
+from ..core.groups import ModalityGroup, Tier
+from ..core.locking import OwnerLock
+from ..core.segments import SequenceHandle, SequenceTable, naming
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
 from ..pages.payload import check_kv, slot_mapping, token_identity, write_slots
@@ -24,11 +27,8 @@ from ..pages.pool import PagePool
 from ..stats import Counters
 from ..tiers.room import ROOM_WAIT_S
 from .group_index import GroupIndex
-from .groups import ModalityGroup, Tier
 from .keys import DEFAULT_TENANT, CacheKeys
-from .locking import OwnerLock
 from .residency import Residency
-from .table import SequenceHandle, SequenceTable, naming
 
 
 @dataclass(eq=False)

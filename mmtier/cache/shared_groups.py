@@ -9,15 +9,15 @@ import torch
 
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
+from ..core.groups import Tier
+from ..core.locking import OwnerLock
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
 from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
 from ..stats import Counters
 from ..storage.host import write_host_slots
 from .group_index import GroupIndex
-from .groups import Tier
 from .keys import CacheKeys
-from .locking import OwnerLock
 from .residency import Residency
 
 

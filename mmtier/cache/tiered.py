@@ -24,6 +24,10 @@ import torch
 
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
+from ..core.groups import ModalityGroup
+from ..core.lineage import Lineage
+from ..core.locking import OwnerLock
+from ..core.segments import SequenceHandle, SequenceTable
 from ..eviction import EvictionPolicy, make_policy
 from ..pages.layer_writes import Reservation
 from ..pages.pool import DeviceArena, PagePool
@@ -34,14 +38,10 @@ from ..tiers.room import Room
 from .attention import AttentionPlanner
 from .engine_surface import EngineSurface
 from .group_index import GroupIndex
-from .groups import ModalityGroup
 from .keys import CacheKeys
-from .lineage import Lineage
-from .locking import OwnerLock
 from .residency import Residency
 from .sequences import Sequences
 from .shared_groups import SharedGroups
-from .table import SequenceHandle, SequenceTable
 
 
 class TieredKVCache:

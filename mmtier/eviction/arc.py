@@ -3,8 +3,8 @@ and recompute cost."""
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts, density, reused
 

@@ -46,8 +46,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 from .lanes import LaneBytes
 
 Clock = Callable[[], float]

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup
 from .base import Clock, EvictionPolicy, PolicyEntry
 
 

@@ -3,8 +3,8 @@ groups that left: LRU for what a chain reuses, a stable sample of new branches k
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup
 from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts
 

@@ -3,8 +3,8 @@ insertion, over prefix chains, weighed by recompute cost."""
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup
 from .base import Clock
 from .bimodal import BimodalLRUPolicy
 

@@ -3,8 +3,8 @@ cache of the device tier's size that runs that policy's own code, leaf-first and
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy
 
 

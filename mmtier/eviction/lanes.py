@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 
 Place = tuple[Tier, str, int]
 

@@ -5,8 +5,8 @@ in ``config.POLICIES``)."""
 
 from __future__ import annotations
 
-from ..cache.groups import Tier
 from ..config import CacheConfig
+from ..core.groups import Tier
 from .arc import ARCPolicy
 from .base import Clock, EvictionPolicy, PolicyEntry
 from .bimodal import BimodalLRUPolicy

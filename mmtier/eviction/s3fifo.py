@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy, PolicyEntry
 from .lanes import Ghosts, density
 

@@ -3,8 +3,8 @@ S3-FIFO-style probation queue), per pool, in bytes, over prefix chains."""
 
 from __future__ import annotations
 
-from ..cache.groups import ModalityGroup, Tier
 from ..config import CacheConfig
+from ..core.groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy
 from .lanes import Ghosts, density, reused
 

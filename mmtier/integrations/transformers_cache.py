@@ -21,8 +21,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..cache import TieredKVCache
-from ..cache.table import SequenceHandle
 from ..content import ContentKey
+from ..core.segments import SequenceHandle
 from ..errors import ShapeError, UnsupportedError
 from ..pages.layer_writes import Reservation
 from .hf_layout import ModelLayout

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.groups import ModalityGroup
+from ..core.groups import ModalityGroup
 from ..errors import ShapeError
 from ..kernels import uses_triton, write_kv
 from ..kernels.reference import LayerRows, layer_rows, write_layer_rows

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ..cache.groups import ModalityGroup
+from ..core.groups import ModalityGroup
 from ..errors import LeaseExpiredError
 
 Clock = Callable[[], float]

@@ -46,11 +46,12 @@ from typing import Protocol
 
 import torch
 
+from ..attention.compile import compile_segments
 from ..attention.streaming import DiskStream
-from ..cache.groups import ModalityGroup, Tier
-from ..cache.table import Segment, compile_segments
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, tenant_scope
+from ..core.groups import ModalityGroup, Tier
+from ..core.segments import Segment
 from ..errors import CapacityError, CorruptDataError, MMTierError
 from ..eviction import EvictionPolicy
 from ..kernels.layout import PagedKV

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..cache.groups import ModalityGroup, Tier
+from ..core.groups import ModalityGroup, Tier
 from ..pages.pool import PagePool
 
 PLACEMENTS = ("auto", "demote", "write_around")

@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
-from ..cache.groups import ModalityGroup, Tier
-from ..cache.locking import OwnerLock
+from ..core.groups import ModalityGroup, Tier
+from ..core.locking import OwnerLock
 from ..errors import CapacityError
 from ..eviction import EvictionPolicy
 from ..pages.pool import PagePool

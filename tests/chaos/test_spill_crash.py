@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
-from mmtier.cache.groups import Tier
 from mmtier.content import KeyMaker, tenant_salt
+from mmtier.core.groups import Tier
 from mmtier.storage import DiskTier
 from mmtier.storage.disk_writes import CRASH_STEPS
 
