@@ -174,13 +174,14 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
     lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
     whole call a miss (every bad group dropped), and the next call serves the rest exactly."""
     from mmtier.attention import streaming
+    from mmtier.attention.lower_operands import disk_stream
 
     monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)    # bytes read: one of 2 layers
     cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
     with TieredKVCache(cfg) as cache:
         seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 9, every=3)
         assert len(on_disk) >= 6
-        batches = cache.lower.stream(cache.sequence(seq).segments, 0).batches
+        batches = disk_stream(cache.lower, cache.sequence(seq).segments, 0).batches
         assert len(batches) >= 4
         for _, fut in batches:
             fut.result(timeout=60)

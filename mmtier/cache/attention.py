@@ -6,12 +6,14 @@ it again. Its own state: the compiled device operands per sequence (reused while
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
 
 from ..attention.batch import check_segments
 from ..attention.compile import compile_segments
+from ..attention.lower_operands import disk_stream, host_operands, release_held
 from ..attention.operands import CompiledOperands
 from ..attention.plan import AttentionPlan
 from ..config import CacheConfig
@@ -133,7 +135,7 @@ class AttentionPlanner:
         disk_segs = [s for s in segments if s.group.tier == Tier.DISK]
         plan = AttentionPlan(segments, None, self.device, disk_segments=disk_segs)
         try:
-            plan.stream = self.residency.lower.stream(disk_segs, layer)   # disk reads first:
+            plan.stream = disk_stream(self.residency.lower, disk_segs, layer)   # disk reads first:
             if device_segs or not segments:                                       # they overlap the rest
                 if seq_id is None:
                     plan.device_ops = compile_segments(device_segs, layer, self.device_view)
@@ -141,7 +143,7 @@ class AttentionPlanner:
                     plan.device_ops = self.compiled.operands(
                         seq_id, device_segs, layer, lambda segs, lay: compile_segments(segs, lay, self.device_view))
             if host_segs:
-                plan.host_ops, plan.held = self.residency.lower.plan_host(host_segs, layer)
+                plan.host_ops, plan.held = host_operands(self.residency.lower, host_segs, layer)
         except BaseException:
             self.unpin(plan)
             raise
@@ -158,7 +160,7 @@ class AttentionPlanner:
     def unpin(self, plan: AttentionPlan) -> None:
         """Release what a plan holds (lock held): pins, host entries, stream buffers; groups a
         stream found corrupt become misses; groups freed while pinned release their storage."""
-        plan.close(self.residency.lower.release_held)
+        plan.close(functools.partial(release_held, self.residency.lower))
         for g in plan.failed:
             self.counters.add("corrupt_reads", g.modality)
             self.residency.forget_corrupt(g)

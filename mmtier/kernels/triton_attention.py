@@ -204,7 +204,7 @@ class OperandPlan:
 
 
 @dataclass(frozen=True)
-class AttentionPlan:
+class LaunchPlan:
     """What a launch needs beyond the tensors: reusable while the CSR tables do not change
     (for instance across the layers of one step)."""
 
@@ -240,7 +240,7 @@ def plan_paged_attention(
     q: torch.Tensor, q_indptr: torch.Tensor, operands: Sequence[PagedKV],
     *, num_splits: int | None = None, min_split_tokens: int = 256,
     host_q_indptr: torch.Tensor | None = None,
-) -> AttentionPlan:
+) -> LaunchPlan:
     """Validate the index tables and plan the launches.
 
     Where the tables have host copies (every operand's ``host`` and ``host_q_indptr``, the
@@ -345,7 +345,7 @@ def plan_paged_attention(
             continue
         page_pos, page_len, bp = next(derived), next(derived), next(derived)
         plans.append(OperandPlan(page_pos, page_len, bp, *shape))
-    return AttentionPlan(work_b_dev, work_qb_dev, block_m, group, max_q, tuple(plans), parts)
+    return LaunchPlan(work_b_dev, work_qb_dev, block_m, group, max_q, tuple(plans), parts)
 
 
 def _table_summary(tab, batch: int, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,7 +435,7 @@ def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int, fp8: bool = Fals
     return (64 if d_pad <= 128 else 32), {"num_warps": 8, "num_stages": 2}
 
 
-def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: AttentionPlan,
+def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: LaunchPlan,
             out, lse, *, causal: bool, scale: float) -> None:
     kv = op.kv
     head_dim = kv.shape[5]
@@ -465,7 +465,7 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: Attenti
 def paged_attention_triton(
     q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor, operands: Sequence[PagedKV],
     *, causal: bool = True, scale: float | None = None, out_dtype: torch.dtype | None = None,
-    num_splits: int | None = None, plan: AttentionPlan | None = None,
+    num_splits: int | None = None, plan: LaunchPlan | None = None,
     host_q_indptr: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` over the segments of every operand (pool), merged exactly.

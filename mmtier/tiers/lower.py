@@ -1,4 +1,4 @@
-"""Where a group lives: demotion (device -> host -> disk -> drop), promotion, lower-tier attention.
+"""Where a group lives: demotion (device -> host -> disk -> drop), promotion, prefetch, spills.
 
 ``LowerTiers`` composes the host tier, the disk tier and the mover for the cache that owns the
 groups and is called with that owner's lock held. It knows the owner only through
@@ -25,11 +25,10 @@ there, under the lock: the mover never removes a copy the cache may still count 
   high-water mark, or on demand when the host needs room now; the host slots stay held until
   the file is durable, and the group flips to the disk tier in the completion.
 - A full or failing disk keeps the group where it was, counted (``spill_failures``).
-- Attention over host pages runs in place on the slabs (CPU path); over disk pages it streams
-  the group's verified pages (only the attended layer's slice of each) into a host buffer
-  first. A disk copy that fails verification is a miss: the group is dropped and
-  ``corrupt_reads`` counted; attention over it raises ``CorruptDataError`` (the caller
-  recomputes), never returns wrong values.
+- Attention's operands over host and disk pages are ``mmtier.attention.lower_operands``' (from
+  ``host``, ``mover``, ``staging`` and ``storage_key`` here). A disk copy that fails
+  verification is a miss: the group is dropped and ``corrupt_reads`` counted; attention over
+  it raises ``CorruptDataError`` (the caller recomputes), never returns wrong values.
 """
 
 from __future__ import annotations
@@ -46,15 +45,11 @@ from typing import Protocol
 
 import torch
 
-from ..attention.compile import compile_segments
-from ..attention.streaming import DiskStream
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, tenant_scope
 from ..core.groups import ModalityGroup, Tier
-from ..core.segments import Segment
 from ..errors import CapacityError, CorruptDataError, MMTierError
 from ..eviction import EvictionPolicy
-from ..kernels.layout import PagedKV
 from ..pages.copies import view_runs
 from ..pages.pool import PagePool
 from ..stats import Counters, TierUsage
@@ -376,15 +371,6 @@ class LowerTiers:
         self._move(group, Tier.DEVICE, None)
         self.counters.add("restores", group.modality)
 
-    def stream(self, segments: list[Segment], layer: int) -> DiskStream | None:
-        """Queue the reads of the disk-resident groups among ``segments`` (in batches; only
-        ``layer``'s bytes of each page) so they overlap the device and host parts of an
-        attention call over that layer."""
-        groups = [s.group for s in segments if s.group.tier == Tier.DISK]
-        if not groups or self.mover is None:
-            return None
-        return DiskStream(self.mover, self.staging, groups, [self.storage_key(g) for g in groups], layer)
-
     def prefetch(self, group: ModalityGroup) -> Future | None:
         """Disk -> host in the background (at prefetch priority); never waits for room."""
         if group.tier != Tier.DISK or group.busy or self.mover is None or self.host is None:
@@ -399,32 +385,6 @@ class LowerTiers:
     def pending(self) -> list[Future]:
         """The copies this cache started that have not been applied yet."""
         return list(self._spilling.values())
-
-    # ------------------------------------------------------------------ attention
-    def plan_host(self, segments: list[Segment], layer: int) -> tuple[list[PagedKV], list[HostEntry]]:
-        """Operands over the host slabs for in-place CPU attention, with every entry held (the
-        caller releases them with ``release_held`` once computed)."""
-        assert self.host is not None
-        held: list[HostEntry] = []
-        try:
-            for s in segments:
-                entry = self.host.hold(self.storage_key(s.group))
-                if entry is None:
-                    raise CorruptDataError(f"{s.group!r}: host copy vanished")
-                held.append(entry)
-            host = self.host
-
-            def view_of(group: ModalityGroup):
-                return group.modality, host.slab_view(group.spec), list(group.location.slots)
-
-            return compile_segments(segments, layer, view_of), held
-        except BaseException:
-            self.release_held(held)
-            raise
-
-    def release_held(self, held: Iterable[HostEntry]) -> None:
-        for entry in held:
-            self.host.release(entry)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ stats and close
     def stats(self, groups: Iterable[ModalityGroup]) -> dict[str, dict[str, TierUsage]]:
