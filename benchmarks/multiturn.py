@@ -6,7 +6,7 @@
 A seeded trace from ``benchmarks/workloads.py`` (conversations of several turns, interleaved,
 over several tenants; Zipf-popular images shared across conversations and tenants; audio clips;
 video) is saved as Arrow IPC, loaded back and replayed through ``TieredKVCache`` by the chat
-model the demo and Serve run (``mmtier.integrations.chat.ChatModel.tiny``: a random-weight
+model the demo and Serve run (``mmtier.chat.model.ChatModel.tiny``: a random-weight
 Qwen2-VL of SmolLM-135M's width and a Whisper of whisper-tiny's shape, through the transformers
 adapter; real PNG / JPEG, MP4 and WAV bytes through the models' own processors).
 
@@ -80,9 +80,9 @@ import numpy as np
 import torch
 
 from mmtier import TieredKVCache
+from mmtier.chat.dense import dense_chat, dense_turn
+from mmtier.chat.model import ChatModel
 from mmtier.demo.chat import IMAGE_SIZES, audio_bytes, image_bytes, video_bytes
-from mmtier.integrations.chat import ChatModel
-from mmtier.integrations.chat_dense import dense_chat, dense_turn
 
 from ._common import add_out_arg, print_table, write_results
 from .multiturn_figures import ARMS, figures, plot

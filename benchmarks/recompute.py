@@ -27,10 +27,10 @@ TABLE = Path(__file__).resolve().parent / "traces" / "recompute_costs.json"
 def measure(repeat: int = 7, text_tokens: int = 256) -> dict:
     import torch
 
+    from mmtier.chat.dense import dense_turn
+    from mmtier.chat.media import ImageItem, VideoItem
+    from mmtier.chat.model import ChatModel
     from mmtier.demo.chat import audio_bytes, image_bytes, video_bytes
-    from mmtier.integrations.chat import ChatModel
-    from mmtier.integrations.chat_dense import dense_turn
-    from mmtier.integrations.chat_media import ImageItem, VideoItem
 
     torch.set_num_threads(1)
     chat = ChatModel.tiny(seed=0)

@@ -42,8 +42,8 @@ def test_multiturn_quick_writes_figures_and_plot(tmp_path):
 
 
 def test_dense_check_reports_a_wrong_answer():
-    from mmtier.integrations.chat import ChatModel
-    from mmtier.integrations.chat_dense import dense_chat
+    from mmtier.chat.dense import dense_chat
+    from mmtier.chat.model import ChatModel
 
     chat = ChatModel.tiny(seed=0)
     media = multiturn.Media(seed=0)

@@ -1,4 +1,4 @@
-"""The chat layer (``mmtier.integrations.chat``): a Qwen2-VL + Whisper conversation over one
+"""The chat layer (``mmtier.chat.model``): a Qwen2-VL + Whisper conversation over one
 mmtier cache answers every turn with the tokens of the dense path (``DynamicCache`` + sdpa, the
 conversation recomputed), prefills only each turn's new tokens, runs no vision tower or audio
 encoder for cached media, never hits across tenants, and stays equal when a small budget moves
@@ -20,7 +20,7 @@ pytest.importorskip("PIL", reason="the hf extra (Pillow) is not installed")
 from PIL import Image  # noqa: E402
 
 from mmtier import ShapeError, TieredKVCache  # noqa: E402
-from mmtier.integrations.chat import ChatModel, dense_chat  # noqa: E402
+from mmtier.chat.model import ChatModel, dense_chat  # noqa: E402
 
 NEW = 5
 
@@ -124,7 +124,7 @@ def test_an_invalid_transcript_group_is_a_miss_and_whisper_runs(chat):
     """A transcript_ids group whose values are not token ids (not whole numbers, or past
     Whisper's vocabulary) is never read as a transcript: Whisper runs and the turn equals the
     dense path. Another tenant's transcript of the same clip is never used."""
-    from mmtier.integrations.chat_conversation import transcript_key
+    from mmtier.chat.conversation import transcript_key
 
     sound = clip(7)
     items = ["Listen: ", sound]

@@ -1,4 +1,4 @@
-"""Video in the chat model (``mmtier.integrations.chat``): real MP4 bytes made at test time by
+"""Video in the chat model (``mmtier.chat.model``): real MP4 bytes made at test time by
 PyAV, a video a span per segment (a group of the ``video`` pool). Every turn answers with the
 tokens of the dense path (``DynamicCache`` + sdpa, the conversation recomputed, each video whole
 through the vision tower); a repeated video runs no vision tower (its segments attached, or at
@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 pytest.importorskip("av", reason="the hf extra (PyAV) is not installed")
 
 from mmtier import ShapeError, TieredKVCache  # noqa: E402
-from mmtier.integrations.chat import ChatModel, dense_chat  # noqa: E402
+from mmtier.chat.model import ChatModel, dense_chat  # noqa: E402
 
 from .media_samples import image, video  # noqa: E402
 

@@ -33,7 +33,7 @@ pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) 
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import mmtier.actors as mma  # noqa: E402
-from mmtier.integrations.chat import dense_chat  # noqa: E402
+from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.serve.app import build_app  # noqa: E402
 from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ServeAppConfig  # noqa: E402
@@ -390,7 +390,7 @@ def test_streaming_answers_as_server_sent_events_with_usage(url, chat):
             finish = chunk.choices[0].finish_reason or finish
         if chunk.usage is not None:
             usage = chunk.usage
-    from mmtier.integrations.chat_media import ids_text, text_ids
+    from mmtier.chat.media import ids_text, text_ids
 
     want = dense_chat(chat, [t1, t2], 8)
     assert first.tokens == dense_chat(chat, [t1], NEW)[0]

@@ -10,8 +10,8 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 
 from mmtier import TieredKVCache  # noqa: E402
+from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
-from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs  # noqa: E402
 from mmtier.serve.model_api import load_engine, load_frontend  # noqa: E402
@@ -42,7 +42,7 @@ def test_an_answer_sent_back_as_text_is_the_same_tokens():
     bytes that are not UTF-8 with U+FFFD, so a client's history lost them)."""
     import random
 
-    from mmtier.integrations.chat_media import ESCAPE0, ids_text, text_ids
+    from mmtier.chat.media import ESCAPE0, ids_text, text_ids
 
     rng = random.Random()
     for _ in range(500):

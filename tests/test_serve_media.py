@@ -310,7 +310,7 @@ def test_streamed_pieces_join_to_the_answer_and_cut_at_whole_characters():
     several UTF-8 bytes goes out with its last byte), joined: the whole text."""
     import random
 
-    from mmtier.integrations.chat_media import ids_text, text_ids
+    from mmtier.chat.media import ids_text, text_ids
     from mmtier.serve.completions import chunks, pieces
 
     for seed in range(200):

@@ -26,8 +26,8 @@ pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) 
 from mmtier.actors.hosted import HostedCache  # noqa: E402
 from mmtier.actors.pool_actor import PoolService  # noqa: E402
 from mmtier.actors.registry import ContentRegistry, HolderInfo  # noqa: E402
+from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.errors import HolderLostError  # noqa: E402
-from mmtier.integrations.chat import dense_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs, Workers  # noqa: E402
 from mmtier.serve.model_api import load_engine  # noqa: E402
 from mmtier.serve.turns import TurnRunner  # noqa: E402

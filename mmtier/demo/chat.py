@@ -5,9 +5,9 @@ What it does, in order:
 
 1. starts a local Ray bound to 127.0.0.1 and mmtier on it (``mmtier.actors.start``: the
    ContentRegistry and a node store), and a ``ChatEngine`` actor
-   (``mmtier.integrations.chat_actor``) that runs the chat model and holds its own pool
+   (``mmtier.chat.actor``) that runs the chat model and holds its own pool
    (``PoolHost``): attention reads local pages, the cluster is asked only at turn boundaries;
-2. the chat model (``mmtier.integrations.chat.ChatModel.tiny``): a small random-weight Qwen2-VL
+2. the chat model (``mmtier.chat.model.ChatModel.tiny``): a small random-weight Qwen2-VL
    (``configs/demo-qwen2-vl.json``) whose images are real PNG / JPEG bytes decoded by its own
    image processor and whose videos are real MP4 bytes (encoded here by PyAV, decoded and
    sampled at 2 fps by ``video_frames``), and a small random-weight Whisper (``configs/demo-whisper.json``) that
@@ -220,8 +220,8 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
 
     from .. import actors
     from ..actors.pool_host import host_name
-    from ..integrations.chat import ChatModel
-    from ..integrations.chat_actor import ChatEngine
+    from ..chat.actor import ChatEngine
+    from ..chat.model import ChatModel
 
     torch.set_num_threads(1)
     convs = workload(spec)

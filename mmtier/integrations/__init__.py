@@ -5,7 +5,7 @@ package.
 
 - ``transformers``: the transformers adapter (``pip install mmtier[hf]``): attention function,
   ``Cache``, ``Session``; ``video_frames``: MP4 bytes as Qwen2-VL video inputs (PyAV, no
-  torchvision); ``chat``: the multi-turn chat model (Qwen2-VL + Whisper) over one cache;
+  torchvision) (mmtier's own chat app built on it is ``mmtier.chat``);
 - ``vllm``: the vLLM KV connector (``KVConnectorBase_V1``), ``vllm_ec``: the encoder-cache
   connector (``ECConnectorBase``), ``sglang``: the SGLang HiCache storage backend.
 """

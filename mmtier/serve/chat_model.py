@@ -1,4 +1,4 @@
-"""The transformers chat model (``mmtier.integrations.chat``) as the Serve app's engine.
+"""The transformers chat model (``mmtier.chat.model``) as the Serve app's engine.
 
 ``model: {kind: hf}`` (the default): a Qwen2-VL-architecture VLM and a Whisper for audio, small
 random-weight models built from ``configs/demo-qwen2-vl.json`` / ``configs/demo-whisper.json``
@@ -50,7 +50,7 @@ def load_chat(model: ModelArgs, device: str = "cpu"):
 
 @lru_cache(maxsize=2)
 def _load_chat(model: ModelArgs, device: str):
-    from ..integrations.chat import ChatModel
+    from ..chat.model import ChatModel
 
     if model.path is None:
         return ChatModel.tiny(model.seed, device=device)
@@ -81,7 +81,7 @@ class HFFrontend:
         import inspect
         from pathlib import Path
 
-        from ..integrations import chat
+        from ..chat import model as chat
 
         params = inspect.signature(chat.ChatModel).parameters
         transcript, segment = params["transcript_tokens"].default, params["video_segment"].default
@@ -103,7 +103,7 @@ class HFFrontend:
         return self._read(kind, data).tokens + MARKERS
 
     def routing_keys(self, cache, tenant: str, kind: str, data: bytes) -> list[ContentKey]:
-        from ..integrations.chat_spans import (
+        from ..chat.spans import (
             image_features_key,
             transcript_key,
             video_features_keys,
@@ -118,14 +118,14 @@ class HFFrontend:
         return [image_features_key(cache, tenant, item)]
 
     def prefix_keys(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item]) -> list[ContentKey]:
-        from ..integrations.chat_history import (
+        from ..chat.history import (
             NeedsTranscript,
             chain,
             prompt_without_audio,
             replay,
             root_key,
         )
-        from ..integrations.chat_media import text_ids
+        from ..chat.media import text_ids
 
         def tokens(turn):
             return prompt_without_audio([(k, d if k in ("text", "audio") else self._read(k, d)) for k, d in turn])
@@ -145,7 +145,7 @@ class HFFrontend:
 
     def _read(self, kind: str, data: bytes):
         """The chat layer's ``ImageItem`` / ``VideoItem`` of the bytes (headers only)."""
-        from ..integrations.chat_media import ImageItem, VideoItem
+        from ..chat.media import ImageItem, VideoItem
 
         if kind == "video":
             return _media(lambda: VideoItem.read(data, self.video_processor, self.video_segment))
@@ -170,7 +170,7 @@ class HFEngine(HFFrontend):
         return engine
 
     def check(self, history: Sequence[Turn], items: Sequence[Item], max_new_tokens: int) -> None:
-        from ..integrations.chat_media import read_wav
+        from ..chat.media import read_wav
 
         if max_new_tokens < 1:
             raise ShapeError("the chat model answers at least one token: max_tokens >= 1")
@@ -194,7 +194,7 @@ class HFEngine(HFFrontend):
         """The conversation rebuilt from ``history`` (its spans found by key), its last turn
         ``items`` answered. A request that raises (no room, a lost holder) changes nothing but
         what the cache may evict anyway: no conversation is kept."""
-        from ..integrations.chat_media import text_ids
+        from ..chat.media import text_ids
 
         conv = self.chat.conversation(cache, tenant, [([d for _k, d in turn], text_ids(answer))
                                                       for turn, answer in history])

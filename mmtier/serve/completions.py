@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Iterator
 
-from ..integrations.chat_media import BYTE0, ESCAPE0
+from ..chat.media import BYTE0, ESCAPE0
 
 
 def completion_id() -> str:

@@ -29,7 +29,7 @@ class _Strict(BaseModel):
 
 class ModelArgs(_Strict):
     """Which model the workers run. ``hf`` (the default): the transformers chat model of
-    ``mmtier.integrations.chat`` (a Qwen2-VL-architecture VLM, and Whisper for audio): small
+    ``mmtier.chat.model`` (a Qwen2-VL-architecture VLM, and Whisper for audio): small
     random-weight models built from ``configs/demo-qwen2-vl.json`` and
     ``configs/demo-whisper.json`` unless ``path`` / ``audio_path`` name local directories of
     real weights. (``reference``, mmtier's own seeded model, is retired: it is a test fixture

@@ -9,7 +9,7 @@ a media item costs (the request's token limit), the content-only keys of a media
 prefix keys of the history (its spans, chained as the engine sealed them), computed exactly as
 the engine computes them, for its one batched registry lookup per request.
 
-- ``hf`` (``chat_model.py``): the transformers chat model of ``mmtier.integrations.chat``, the
+- ``hf`` (``chat_model.py``): the transformers chat model of ``mmtier.chat.model``, the
   one model stack of the demo, the benchmarks and Serve.
 
 Items reach an engine as ``("text", str)`` or ``(request media type, bytes)`` pairs, the media

@@ -1,7 +1,7 @@
 """A test fixture: a small seeded reference model that drives the cache with real attention
 (text, image and audio encoders, cross attention), for the end-to-end, pool-host and
 hosted-remote tests. It is not part of mmtier: the demo, the benchmarks and Serve run the
-transformers models (``mmtier.integrations.chat``). No weights are downloaded: it is seeded and
+transformers models (``mmtier.chat.model``). No weights are downloaded: it is seeded and
 deterministic.
 
     from mmtier import TieredKVCache

@@ -3,13 +3,13 @@ audio, both through the transformers adapter over ONE cache (one process holds o
 
 Interface (names kept stable; the Serve app builds on them)::
 
-    from .. import TieredKVCache
-    from .chat import ChatModel, dense_chat
+    from mmtier import TieredKVCache
+    from mmtier.chat.model import ChatModel, dense_chat
 
     chat = ChatModel.tiny(seed=0)                # random weights from configs/demo-*.json
     chat = ChatModel.from_pretrained("qwen2-vl-dir", "whisper-dir")   # local_files_only=True
     cache = TieredKVCache(chat.cache_config(device_bytes=64 << 20))   # or a PoolHost's
-                                                 # HostedCache (chat_engine.ChatEngine)
+                                                 # HostedCache (mmtier.chat.actor.ChatEngine)
     conv = chat.conversation(cache, tenant="acme")        # the tenant comes from the server
     r = conv.send(["Describe this. ", png_bytes, "and this: ", wav_bytes], max_new_tokens=8)
     r.tokens          # the answer's token ids (greedy); r.text: their text
@@ -26,7 +26,7 @@ Interface (names kept stable; the Serve app builds on them)::
                       # turn recomputed from scratch with DynamicCache + sdpa -> [tokens, ...]
 
 A turn's items are text (``str``), images (PNG / JPEG ``bytes``), videos (MP4 ``bytes``) and
-audio clips (WAV PCM16 ``bytes``); ``chat_media`` says how each is read. A video is sampled at
+audio clips (WAV PCM16 ``bytes``); ``media`` says how each is read. A video is sampled at
 ``video_processor.fps`` and cut into segments of ``video_segment`` temporal patches: each
 segment is a prefix-chained group of the ``video`` pool (its own page size) and its vision
 tower output a content-only ``video_embed`` group, so a repeated video runs no vision tower and
@@ -57,10 +57,10 @@ import torch
 
 from ..config import CacheConfig, ModalitySpec
 from ..errors import ConfigError
-from . import transformers as mt
-from .chat_conversation import Conversation, TurnCounters, TurnResult
-from .chat_dense import dense_chat, dense_turn
-from .hf_layout import model_identity
+from ..integrations import transformers as mt
+from ..integrations.hf_layout import model_identity
+from .conversation import Conversation, TurnCounters, TurnResult
+from .dense import dense_chat, dense_turn
 
 __all__ = ["ChatModel", "Conversation", "TurnCounters", "TurnResult", "dense_chat", "dense_turn",
            "CONFIG_DIR"]
@@ -260,7 +260,7 @@ def _still_video() -> bytes:
 def video_processor_from(path: Path | None, images, cfg: dict | None = None):
     """The video settings of a model directory (``video_preprocessor_config.json``: fps, frames,
     frame pixels), else ``cfg`` (the demo config's ``video`` section), else the defaults here."""
-    from .video_frames import VideoProcessor
+    from ..integrations.video_frames import VideoProcessor
 
     cfg = dict(cfg or {})
     if path is not None and (path / "video_preprocessor_config.json").is_file():

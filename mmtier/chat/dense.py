@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationMixin
 
-from .chat_media import (
+from .media import (
     AUDIO_END,
     AUDIO_START,
     IMAGE_PAD,

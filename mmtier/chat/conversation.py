@@ -9,7 +9,7 @@ the answer generated from it (all but the answer's last token, whose K/V the nex
 So a turn attaches every span of the history the cache still holds (wherever its tier), runs the
 model over the spans it lacks (the vision tower only for those that are images or video segments
 whose vision tower output is not cached) and over the turn's new tokens, and decodes through
-mmtier attention. A video is a span per segment (``chat_spans``): a video the conversation holds
+mmtier attention. A video is a span per segment (``spans``): a video the conversation holds
 is attached segment by segment; one whose later segments were evicted re-encodes only those. Under pressure the history's groups are
 evictable like any other; a turn that finds one gone recomputes from there on.
 
@@ -33,8 +33,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
 from ..errors import CapacityError, MMTierError, ShapeError
-from .chat_history import History, chain, prompt_without_audio, replay, root_key, tail
-from .chat_media import (
+from ..integrations.session import Media, Session
+from ..integrations.transformers import cache_for
+from ..integrations.transformers_cache import RunPlan
+from .history import History, chain, prompt_without_audio, replay, root_key, tail
+from .media import (
     AUDIO_END,
     AUDIO_START,
     SPECIAL,
@@ -45,18 +48,15 @@ from .chat_media import (
     kind_of,
     text_ids,
 )
-from .chat_spans import Span as _Span
-from .chat_spans import image_features_key as _image_features_key
-from .chat_spans import positions as _positions
-from .chat_spans import (
+from .spans import Span as _Span
+from .spans import image_features_key as _image_features_key
+from .spans import positions as _positions
+from .spans import (
     transcript_key,
     video_features_key,
     video_features_keys,
     visual_tokens,
 )
-from .session import Media, Session
-from .transformers import cache_for
-from .transformers_cache import RunPlan
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Conversation:
     """Turns of one tenant's conversation (``ChatModel.conversation`` builds it).
 
     ``history``: earlier turns as ``(items, answer token ids)``, as a stateless request carries
-    them; the first ``send`` rebuilds their spans and keys (``chat_history``: no model run but
+    them; the first ``send`` rebuilds their spans and keys (``history``: no model run but
     Whisper for a clip whose transcript the tenant does not hold) and attaches every one the
     cache holds, so a conversation needs no state between requests."""
 

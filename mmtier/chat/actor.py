@@ -24,9 +24,9 @@ from ..actors.pool_host import PoolHost
 from ..actors.settings import ClusterSettings
 from ..content import ContentKey
 from ..errors import ConfigError, UnknownKeyError
-from .chat import ChatModel
-from .chat_conversation import Conversation
-from .chat_dense import dense_turn
+from .conversation import Conversation
+from .dense import dense_turn
+from .model import ChatModel
 
 
 class ChatEngine(PoolHost):

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import BadMediaError, ShapeError
-from .video_frames import VideoHeader, VideoProcessor, probe, segment_inputs, segments
+from ..integrations.video_frames import VideoHeader, VideoProcessor, probe, segment_inputs, segments
 
 # -------------------------------------------------------------------------- text
 PAD, BOS, EOS, UNK = 0, 1, 2, 3

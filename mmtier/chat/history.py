@@ -1,7 +1,7 @@
 """A chat conversation's history as spans and keys, built the same way whether the turns ran in
 this process or arrive in a stateless request (an OpenAI ``messages`` list).
 
-A turn adds its prompt's tokens, then its answer's. Its prompt is cut into spans (``chat_spans.cut``,
+A turn adds its prompt's tokens, then its answer's. Its prompt is cut into spans (``spans.cut``,
 from where the history's last span ends: the previous answer's last token opens the turn's first
 span); every span but the last is keyed chained to the one before (``span_key``), and the last is
 sealed together with the answer, all but the answer's last token (whose K/V the next turn writes).
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, replace
 
 from ..content import ContentKey
 from ..errors import ShapeError
-from .chat_media import ImageItem, VideoItem, text_ids
-from .chat_spans import Span, cut, span_key, visual_tokens
+from .media import ImageItem, VideoItem, text_ids
+from .spans import Span, cut, span_key, visual_tokens
 
 
 def root_key(cache, tenant: str | None) -> ContentKey:

@@ -18,7 +18,7 @@ import torch
 
 from ..content import ContentKey
 from ..errors import ShapeError
-from .chat_media import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, ImageItem, VideoItem
+from .media import IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, ImageItem, VideoItem
 
 
 @dataclass(frozen=True)
