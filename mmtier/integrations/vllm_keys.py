@@ -11,6 +11,7 @@ Nothing here imports vLLM; media are keyed by the digest of their processed inpu
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +34,38 @@ def media_of(request: Any) -> list[MediaItem]:
             for f in (request.mm_features or [])]
 
 
+# digests of the items this process saw, by the item object (weakly: an entry goes with its item):
+# vLLM's scheduler asks for a request's items several times (the KV connector's plans, the
+# encoder-cache connector), and hashing a picture's inputs costs ~0.5 ms a time
+# (single dict operations, atomic under the GIL: a weakref callback may run inside any of them)
+_DIGESTS: dict[int, tuple[weakref.ref, bytes | None]] = {}
+
+
 def inputs_digest(item: Any) -> bytes | None:
     """SHA-256 over an item's processed inputs (``MultiModalKwargsItem``: field name, dtype,
-    shape and bytes of every tensor, in name order); ``None`` when any of them is missing."""
+    shape and bytes of every tensor, in name order); ``None`` when any of them is missing.
+    Computed once per item object (vLLM never changes a request's processed inputs)."""
     if item is None:
         return None
+    held = _DIGESTS.get(id(item))
+    if held is not None and held[0]() is item:
+        return held[1]
+    digest = _digest(item)
+    try:
+        ref = weakref.ref(item, lambda _, key=id(item): _forget(key))
+    except TypeError:                    # an object without weak references: not remembered
+        return digest
+    _DIGESTS[id(item)] = (ref, digest)
+    return digest
+
+
+def _forget(key: int) -> None:
+    held = _DIGESTS.get(key)
+    if held is not None and held[0]() is None:
+        _DIGESTS.pop(key, None)
+
+
+def _digest(item: Any) -> bytes | None:
     h = hashlib.sha256(b"mmtier/vllm-mm-inputs\x00")
 
     def feed(x: Any) -> bool:
