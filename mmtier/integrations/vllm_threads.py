@@ -26,18 +26,9 @@ import logging
 import os
 from typing import Any
 
+from .vllm_names import names_kv_connector
+
 log = logging.getLogger(__name__)
-
-CONNECTOR = "MMTierConnector"
-MODULE = "mmtier.integrations.vllm"
-
-
-def is_mmtier(kv_transfer_config: Any) -> bool:
-    """Whether a vLLM ``KVTransferConfig`` names mmtier's KV connector."""
-    if kv_transfer_config is None:
-        return False
-    return (getattr(kv_transfer_config, "kv_connector", None) == CONNECTOR
-            or getattr(kv_transfer_config, "kv_connector_module_path", None) == MODULE)
 
 
 class _WithoutKVConnector:
@@ -68,7 +59,7 @@ def same_threads_as_without_a_connector() -> bool:
 
     @functools.wraps(original)
     def __init__(self, config, *args, **kwargs):
-        if is_mmtier(getattr(config, "kv_transfer_config", None)) and \
+        if names_kv_connector(getattr(config, "kv_transfer_config", None)) and \
                 os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU") is None:
             log.info("mmtier: vLLM's CPU threads bound as for the engine without a KV connector "
                      "(set VLLM_CPU_NUM_OF_RESERVED_CPU to choose otherwise)")

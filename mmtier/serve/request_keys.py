@@ -33,6 +33,7 @@ from ..integrations.connector_cache import (
     shared_cache,
     tenant_from_extra,
 )
+from ..integrations.vllm_names import names_ec_connector, names_kv_connector
 
 
 class KeyingError(MMTierError):
@@ -58,15 +59,14 @@ def connector_extras(engine_kwargs: dict[str, Any]) -> tuple[dict, dict | None]:
     encoder-cache connector's (``None`` where the deployment has none)."""
     kv = engine_kwargs.get("kv_transfer_config") or {}
     ec = engine_kwargs.get("ec_transfer_config") or {}
-    if kv.get("kv_connector") != "MMTierConnector":
+    if not names_kv_connector(kv):
         raise ConfigError("affinity routing needs mmtier's KV connector (kv_connector: MMTierConnector)",
                           ("engine_kwargs.kv_transfer_config",))
     kv_extra = dict(kv.get("kv_connector_extra_config") or {})
     if cluster_from_extra(kv_extra) is None:
         raise ConfigError("affinity routing needs the engines joined to the mmtier cluster "
                           "(mmtier_cluster in the connector's extra config)", ("mmtier_cluster",))
-    ec_extra = (dict(ec.get("ec_connector_extra_config") or {})
-                if ec.get("ec_connector") == "MMTierECConnector" else None)
+    ec_extra = dict(ec.get("ec_connector_extra_config") or {}) if names_ec_connector(ec) else None
     return kv_extra, ec_extra
 
 
