@@ -6,6 +6,10 @@ scheduler in the engine-core process and the model runner, which owns the pages,
 process of its own (Ray's executor does the same). Only the worker's cache knows what was saved,
 so its connector serves this channel and the scheduler's asks it: one round trip per lookup, a
 few keys of a few hundred bytes each, answered from the worker's index without touching a page.
+Two questions: how many *leading* keys are held (a prompt's run of groups), and which is the
+first key held (of candidates in order of preference, such as the parts of a chunk an earlier
+prompt may have stored: one round trip for all of them, each looked up as if asked alone, in
+order, until one is held).
 LMCache meets the same split the same way (a lookup client in the scheduler, a lookup server in
 the worker, ZMQ IPC); this one is a Unix socket, length-prefixed JSON (never pickle), one
 persistent connection per scheduler, and a per-call timeout after which the answer is "nothing
@@ -79,7 +83,9 @@ def _recv(sock: socket.socket) -> dict:
 
 class LookupServer:
     """Answers ``{"keys": [wire, ...]}`` with ``{"held": n}``, the number of leading keys
-    ``leading_held`` says are held. One thread accepts, one thread per connection answers."""
+    ``leading_held`` says are held, and ``{"first": [wire, ...]}`` with ``{"held": i}``, the
+    index of the first key held (``null``: none), asking ``leading_held`` one key at a time in
+    order. One thread accepts, one thread per connection answers."""
 
     def __init__(self, path: Path, leading_held: Callable[[list[ContentKey]], int]):
         self.path = Path(path)
@@ -120,15 +126,19 @@ class LookupServer:
                     log.warning("mmtier lookup: refused a malformed request (%s)", exc)
                     return
                 try:
-                    keys = [ContentKey.from_wire(w) for w in req["keys"]]
-                    held = self._leading_held(keys)
+                    if "first" in req:
+                        keys = [ContentKey.from_wire(w) for w in req["first"]]
+                        held: int | None = next((i for i, k in enumerate(keys) if self._leading_held([k])), None)
+                    else:
+                        keys = [ContentKey.from_wire(w) for w in req["keys"]]
+                        held = int(self._leading_held(keys))
                 except (KeyError, TypeError, ValueError, MMTierError) as exc:
                     self.refused += 1
                     _send(conn, {"error": type(exc).__name__})
                     continue
                 self.answered += 1
                 try:
-                    _send(conn, {"held": int(held)})
+                    _send(conn, {"held": held})
                 except OSError:
                     return
 
@@ -141,8 +151,9 @@ class LookupServer:
 
 
 class LookupClient:
-    """The scheduler's end: ``leading_held(keys)``, 0 when the worker cannot be reached or
-    does not answer within ``timeout_s`` (logged once per outage)."""
+    """The scheduler's end: ``leading_held(keys)`` and ``first_held(keys)``; nothing held (0,
+    ``None``) when the worker cannot be reached or does not answer within ``timeout_s`` (logged
+    once per outage)."""
 
     def __init__(self, path: Path, timeout_s: float = 2.0):
         self.path = Path(path)
@@ -156,15 +167,34 @@ class LookupClient:
     def leading_held(self, keys: Sequence[ContentKey]) -> int:
         if not keys:
             return 0
+
+        def valid(held: Any) -> bool:
+            return isinstance(held, int) and not isinstance(held, bool) and 0 <= held <= len(keys)
+        held = self._ask({"keys": [k.to_wire() for k in keys]}, valid)
+        return 0 if held is None else held
+
+    def first_held(self, keys: Sequence[ContentKey]) -> int | None:
+        """The index of the first of ``keys`` the worker holds (one round trip for all of
+        them); ``None`` when it holds none."""
+        if not keys:
+            return None
+
+        def valid(held: Any) -> bool:
+            return held is None or (isinstance(held, int) and not isinstance(held, bool) and 0 <= held < len(keys))
+        return self._ask({"first": [k.to_wire() for k in keys]}, valid)
+
+    def _ask(self, request: dict, valid: Callable[[Any], bool]) -> Any:
+        """The worker's ``held`` answer to ``request``; ``None`` where it gave none in time (or
+        answered ``null``)."""
         with self._lock:
             self.calls += 1
             for attempt in range(2):             # a worker restarted since: reconnect once
                 try:
                     sock = self._connect()
-                    _send(sock, {"keys": [k.to_wire() for k in keys]})
+                    _send(sock, request)
                     answer = _recv(sock)
                     held = answer.get("held")
-                    if not isinstance(held, int) or not 0 <= held <= len(keys):
+                    if not valid(held):
                         raise ValueError(f"lookup answer {answer!r}")
                     self._warned = False
                     return held
@@ -176,7 +206,7 @@ class LookupClient:
                             log.warning("mmtier: the worker's lookup channel %s did not answer "
                                         "(%s): counted as a miss", self.path, exc)
                             self._warned = True
-        return 0
+        return None
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -238,6 +268,22 @@ class LookupChannel:
             if held == 0:
                 break
         return held
+
+    def first_held(self, keys: Sequence[ContentKey]) -> int | None:
+        """The index of the first of ``keys`` every worker holds (``None``: none): one round
+        trip per worker where they agree, as they do when each saved its shard of every group
+        (the scheduler's end only)."""
+        assert self._clients, "the worker's end answers, it does not ask"
+        start = 0
+        while start < len(keys):
+            firsts = [client.first_held(keys[start:]) for client in self._clients]
+            if any(f is None for f in firsts):
+                return None
+            last = max(firsts)
+            if all(f == last for f in firsts):
+                return start + last
+            start += last              # a key some worker lacks: on from the next one some hold
+        return None
 
     def close(self) -> None:
         for end in (self._server, *self._clients):

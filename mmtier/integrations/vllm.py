@@ -307,18 +307,25 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
             return [i < n for i in range(len(keys))]
         return self._lookup(keys)
 
+    def _first_held(self, keys: list[ContentKey]) -> int | None:
+        """The index of the first of ``keys`` held, each looked up in order until one is (one
+        round trip where the worker runs in another process); ``None`` when none is."""
+        if self._channel is not None and self._channel.asks:
+            return self._channel.first_held(keys)
+        return next((i for i, key in enumerate(keys) if self.cache.contains(key)), None)
+
     def _fork(self, request: Request, state: _ReqState, held: list[bool]) -> list[bool]:
         """Where the leading run stops inside a text chunk, the longest part of it an earlier
         prompt stored (its full blocks ended there: a conversation's last turn): the request
-        is planned again with a cut there and looked up again (``vllm_plan``). At most one
-        lookup per block of the chunk, and a few forks per request."""
+        is planned again with a cut there and looked up again (``vllm_plan``). Two lookups per
+        fork (the chunk's parts at once, then the new plan), and a few forks per request."""
         for _ in range(MAX_FORKS):
             n = held.index(False) if False in held else len(held)
-            found = next((end for end, key in self.scheme.forks(self.cache, request, state.plan, n)
-                          if self._held([key])[0]), None)
-            if found is None:
+            forks = self.scheme.forks(self.cache, request, state.plan, n)
+            i = self._first_held([key for _, key in forks]) if forks else None
+            if i is None:
                 break
-            state.cuts = tuple(sorted({*state.cuts, found}))
+            state.cuts = tuple(sorted({*state.cuts, forks[i][0]}))
             state.plan = self.scheme.plan(self.cache, request, state.cuts)
             held = self._held([seg.key for seg in state.plan.segments])
             if all(held):
