@@ -9,12 +9,15 @@ reason otherwise."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
                     reason="vLLM is not importable: run ./run engines (.venv-engines: vLLM's CPU build here); ./run test then runs this file there")
 
+from mmtier.integrations import vllm_copy as h_copy  # noqa: E402
 from mmtier.integrations.connector_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
@@ -142,6 +145,39 @@ def test_a_cpu_save_reads_vllms_blocks_once_and_the_next_step_waits_for_it(tmp_p
         worker.start_load_kv(None)
         worker.clear_connector_metadata()
         assert all(f.done() for f in pending) and not worker._reading_blocks
+        want = h.tokens_kv(kv, first, 40)
+        for t in kv.values():                              # vLLM reuses every block now
+            t.fill_(float("nan"))
+        second = [9, 4, 20, 15, 6, 0]
+        assert h.step(sched, worker, h.request("r2"), second, kv) == 40
+        assert torch.equal(h.tokens_kv(kv, second, 40), want)
+    finally:
+        worker.shutdown()
+        close_shared()
+
+
+def test_a_cpu_save_of_parts_of_blocks_copies_nothing_in_the_forward(tmp_path):
+    """Groups that are not whole blocks of vLLM's (the image's, a chunk's part) are copied out of
+    vLLM's blocks by the writer thread after the forward, not in ``save_kv_layer``; the next
+    step's ``handle_preemptions`` returns only once that is done: poisoned after it, the saved
+    bytes still load intact."""
+    sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=16)
+    try:
+        kv = h.paged(seed=7)
+        first = [3, 17, 8, 1, 22, 12]
+        copies = []
+        gather, copy_blocks = h_copy.gather, h_copy.copy_blocks
+        h_copy.gather = lambda *a, **k: copies.append(threading.current_thread().name) or gather(*a, **k)
+        h_copy.copy_blocks = lambda *a, **k: copies.append(threading.current_thread().name) or copy_blocks(*a, **k)
+        try:
+            assert h.step(sched, worker, h.request("r1"), first, kv, wait_saves=False) == 0
+            pending = list(worker._reading_blocks)
+            assert pending, "the saves did not read vLLM's blocks after the forward"
+            worker.handle_preemptions(None)               # the next step begins
+            assert all(f.done() for f in pending) and not worker._reading_blocks
+        finally:
+            h_copy.gather, h_copy.copy_blocks = gather, copy_blocks
+        assert copies and all(name.startswith("mmtier-save") for name in copies)
         want = h.tokens_kv(kv, first, 40)
         for t in kv.values():                              # vLLM reuses every block now
             t.fill_(float("nan"))

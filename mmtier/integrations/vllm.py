@@ -26,10 +26,13 @@ pages (and out of them) once; any other group moves slot by slot.
 On the CPU such a group is saved with **one** copy instead (``direct`` saves): no stage; the
 writer thread ``put``s straight from vLLM's blocks (``vllm_copy.engine_blocks``; the copy into
 pages tests for NaN / Inf as it goes, ``native.rows``). vLLM writes its KV blocks only in a
-forward pass (attention, and this connector's loads at its start), so the next step's
-``bind_connector_metadata``, called before every forward, first waits for those puts (vLLM
-0.32 calls ``start_load_kv`` after the forward on steps without synchronous loads): a block freed by a finished or preempted request
-and handed to another is never written while a save still reads it. A group that
+forward pass (attention, and this connector's loads at its start; zeroing or copying blocks
+as a step begins), so the next step's ``handle_preemptions`` and ``bind_connector_metadata``,
+called before it does, first wait for those puts (vLLM 0.32 calls ``start_load_kv`` after the
+forward on steps without synchronous loads): a block freed by a finished or preempted request
+and handed to another is never written while a save still reads it. Any other group saved on
+the CPU is copied out of vLLM's blocks the same way, by the writer thread after the forward
+(``deferred``): no save copies anything between the forward and the step's first token. A group that
 fails to load (corrupt file, evicted meanwhile) is reported through
 ``get_block_ids_with_load_errors`` and vLLM recomputes those blocks (the connector sets vLLM's
 ``kv_load_failure_policy`` to ``"recompute"``; ``"mmtier_load_failure_policy": "fail"`` keeps
@@ -152,6 +155,7 @@ class _Staged:
     stage: torch.Tensor | None = None
     layers: set[int] = field(default_factory=set)
     direct: bool = False                     # k and v are vLLM's own blocks (EngineBlocks)
+    deferred: bool = False                   # copied out of vLLM's blocks by the writer thread
 
 
 class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -485,6 +489,11 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._layers = dict(kv_caches)
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Called at the start of every step, before vLLM updates its batch (where it may zero
+        # new blocks or copy blocks): the saves still reading vLLM's blocks end first.
+        self._wait_direct_saves()
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Called before every forward. vLLM 0.32 calls start_load_kv *after* the forward on
         # steps without synchronous loads, so this is the place to wait for the saves that
@@ -608,13 +617,16 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                 if staged is None:
                     shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
                     staged = _Staged(op, kv_layer.new_empty(shape), kv_layer.new_empty(shape))
+                # on the CPU the writer thread copies it out of vLLM's blocks after the forward
+                # (as a direct save reads them): not in the forward, before the first token
+                staged.deferred = not staged.direct and kv_layer.device.type == "cpu"
                 self._staged[op.key] = staged
             if op.group_slots is not None:
                 slots = op.group_slots[self.hybrid.layer_group[layer_name]]
                 if bool((slots < 0).any()):          # a sliding window let some go: the group
                     continue                         # stays incomplete, wait_for_save drops it
                 vllm_copy.gather(kv_layer, slots.to(kv_layer.device), cfg.head_dim, staged.k[layer], staged.v[layer])
-            elif staged.direct:                      # read from vLLM's blocks by the writer
+            elif staged.direct or staged.deferred:   # read from vLLM's blocks by the writer
                 pass
             elif staged.blocks is not None:          # vLLM's blocks as they lie, run by run
                 vllm_copy.copy_blocks(kv_layer, staged.blocks, staged.stage[layer], None)
@@ -655,8 +667,9 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         """Hand this step's complete groups to the writer thread. Staged copies are the
-        connector's own, so vLLM may reuse those blocks at once; direct saves read vLLM's blocks
-        until the next step's ``start_load_kv``, which waits for them."""
+        connector's own, so vLLM may reuse those blocks at once; direct and deferred saves (on
+        the CPU) read vLLM's blocks until the next step's ``handle_preemptions`` or
+        ``bind_connector_metadata``, which wait for them."""
         staged, self._staged = self._staged, {}
         layers = self.cache.cfg.num_layers
         done = [st for st in staged.values() if len(st.layers) == layers]
@@ -675,7 +688,7 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
             later = self._writer.submit(self._store_states, states)
             self._saving.add(later)
             later.add_done_callback(self._saving.discard)
-        if any(st.direct for st in done):
+        if any(st.direct or st.deferred for st in done):
             self._reading_blocks.append(fut)
 
     def _snapshot_states(self, saves: list[vllm_hybrid.StateCopy], saved: set[ContentKey]
@@ -706,6 +719,8 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
         for st in done:
             try:
                 key = self._key(st.op.key)
+                if st.deferred:
+                    self._copy_out(st)
                 if self.cache.put(key, st.k, st.v):
                     stored.append(key)
             except MMTierError as exc:           # best effort: a dropped save is a later miss
@@ -715,6 +730,18 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
                     self._stages.give(st.stage)
         if self.link is not None and stored:
             self.link.share(stored)              # to the node store and the registry, off this thread
+
+    def _copy_out(self, st: _Staged) -> None:
+        """A deferred save's copy out of vLLM's blocks, every layer (the writer thread, after
+        the forward that wrote them; the next step waits for it before any block is written)."""
+        head_dim = self.cache.cfg.head_dim
+        with torch.inference_mode():                 # the slot path's k, v were made in the forward
+            for name, layer in self._layer_index.items():
+                kv_layer = self._layers[name]
+                if st.blocks is not None:            # vLLM's blocks as they lie, run by run
+                    vllm_copy.copy_blocks(kv_layer, st.blocks, st.stage[layer], None)
+                else:
+                    vllm_copy.gather(kv_layer, st.op.slots, head_dim, st.k[layer], st.v[layer])
 
     def wait_for_saves(self, timeout: float = LOAD_TIMEOUT_S) -> None:
         """Block until every save handed to the writer so far is stored (tests, shutdown)."""
