@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.actors.pool_actor import export_pages, import_pages
+from mmtier.cache import GroupPages
 from mmtier.content import KeyMaker
 from mmtier.core.groups import Tier
 from mmtier.errors import CapacityError, CorruptDataError, DTypeError, ShapeError
@@ -379,18 +379,18 @@ def test_transfer_checksum_mismatch_is_refused_and_counted(tmp_path):
         key = src.content_key("text", b"shipped")
         k, v = kv()
         src.put(key, k, v)
-        meta, buf = export_pages(src, key)
+        meta, buf = src.export_pages(key).to_wire()
         assert len(meta["xxh3"]) == 5
         bad = np.array(buf, copy=True)
         bad[bad.size // 3] ^= 0xFF
         used = dst.pools["text"].num_used
         with pytest.raises(CorruptDataError):
-            import_pages(dst, key, meta, bad)
+            dst.import_pages(key, GroupPages.from_wire(meta, bad))
         assert dst.stats().counters["transfer_corrupt_reads"] == 1
         assert not dst.holds([key])[0] and dst.pools["text"].num_used == used
         with pytest.raises(ShapeError):                    # no checksums: refused up front
-            import_pages(dst, key, {"num_tokens": 40}, buf)
-        assert import_pages(dst, key, meta, buf)           # the intact buffer is stored
+            dst.import_pages(key, GroupPages.from_wire({"num_tokens": 40}, buf))
+        assert dst.import_pages(key, GroupPages.from_wire(meta, buf))   # the intact buffer is stored
         k2, v2 = dst.read_group(key)
         assert torch.equal(k2, k) and torch.equal(v2, v)
 
@@ -406,11 +406,11 @@ def test_export_from_a_lower_tier_zeroes_the_last_page_past_the_group(tmp_path):
         for i in range(3):                               # push it down to the host tier
             cache.put(cache.content_key("text", b"more%d" % i), *kv(40))
         assert cache.index.groups[key].tier == Tier.HOST
-        meta, buf = export_pages(cache, key)
+        meta, buf = cache.export_pages(key).to_wire()
         pages = torch.from_numpy(buf).view(torch.float32).view(5, L, 2, P, H, D)
         assert (pages[-1, :, :, 37 - 4 * P:] == 0).all()
         dst = TieredKVCache(cfg(tmp_path / "b", disk=False, key_secret=cache.cfg.key_secret))
-        assert import_pages(dst, key, meta, buf)        # the checksums are of what was shipped
+        assert dst.import_pages(key, GroupPages.from_wire(meta, buf))   # the checksums are of what was shipped
         dst.close()
 
 
@@ -424,8 +424,8 @@ def test_transfer_from_host_and_disk_tiers_carries_checksums(tmp_path):
         in_three_tiers(src, keys)
         where = {tier: next(k for k in keys if src.index.groups[k].tier == tier) for tier in (Tier.HOST, Tier.DISK)}
         for key in where.values():
-            meta, buf = export_pages(src, key)
-            assert import_pages(dst, key, meta, buf)
+            meta, buf = src.export_pages(key).to_wire()
+            assert dst.import_pages(key, GroupPages.from_wire(meta, buf))
             k, v = dst.read_group(key)
             assert torch.equal(k, data[key][0]) and torch.equal(v, data[key][1])
 

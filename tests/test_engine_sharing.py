@@ -218,7 +218,6 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
     from vllm.v1.request import Request
 
     from mmtier import TieredKVCache
-    from mmtier.actors.pool_actor import export_pages
     from mmtier.integrations.connector_cache import close_shared
 
     base, nodes, _address = cluster
@@ -242,7 +241,7 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
         cluster_cfg = sched.cache.cfg.model_copy(update={"disk_dir": None, "host_bytes": 1 << 20})
         with TieredKVCache(cluster_cfg) as elsewhere:           # the item, computed elsewhere
             elsewhere.put_embedding(key, x)
-            meta, buf = export_pages(elsewhere, key)
+            meta, buf = elsewhere.export_pages(key).to_wire()
         name = f"mmtier-slow-store:{os.urandom(3).hex()}"
         slow = ray.remote(SlowStore).options(
             name=name, namespace=SETTINGS.namespace, max_concurrency=4, num_cpus=0,

@@ -141,8 +141,9 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
     """No Ray: an export's buffer is a view of the arena leased exactly as long as it lives (the
     group cannot leave meanwhile); an import into scattered pages, run by run, stores the same
     K/V; a key not held raises and leaves no lease."""
-    from mmtier.actors.pool_actor import PoolService, page_runs
+    from mmtier.actors.pool_actor import PoolService
     from mmtier.actors.transfer import export_to_object_store
+    from mmtier.cache.page_io import page_runs
     from mmtier.errors import UnknownKeyError
 
     cfg = MODEL.cache_config(device_bytes=6 << 20)
@@ -319,7 +320,8 @@ def test_a_failed_fetch_is_a_miss_and_leaks_nothing(cluster):
 def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_keep_them():
     """No Ray: an import fills its pages outside the cache's lock; a bad buffer takes nothing,
     and a key imported by another thread meanwhile gives the pages back (no leak either way)."""
-    from mmtier.actors.pool_actor import PoolService, import_pages
+    from mmtier.actors.pool_actor import PoolService
+    from mmtier.cache import GroupPages
     from mmtier.errors import ShapeError
 
     cfg = MODEL.cache_config(device_bytes=6 << 20)
@@ -332,7 +334,7 @@ def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_ke
     pool = dst.cache.pools["vision"]
     free = pool.num_free
     with pytest.raises(ShapeError):
-        import_pages(dst.cache, key, meta, buf[:-1])
+        dst.cache.import_pages(key, GroupPages.from_wire(meta, buf[:-1]))
     assert pool.num_free == free
     # another thread imports the same key while this one copies (a host pool copies with
     # np.copyto): its pages go back
@@ -343,12 +345,12 @@ def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_ke
         out = real_copy(dst_arr, src_arr, *a, **kw)
         if not raced:
             raced.append(True)
-            assert import_pages(dst.cache, key, meta, buf)                # the other import wins
+            assert dst.cache.import_pages(key, GroupPages.from_wire(meta, buf))   # the other import wins
         return out
 
     np.copyto = copy_then_race
     try:
-        assert not import_pages(dst.cache, key, meta, buf)
+        assert not dst.cache.import_pages(key, GroupPages.from_wire(meta, buf))
     finally:
         np.copyto = real_copy
     assert raced

@@ -472,11 +472,10 @@ def test_no_pages_leak_once_every_sequence_is_released(cc):
 def _exported(key, k, v):
     """A group as a pool exports it: ``(meta, page-major uint8 buffer)``."""
     from mmtier import TieredKVCache
-    from mmtier.actors.pool_actor import export_pages
 
     with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as c:
         c.put(key, k, v)
-        return export_pages(c, key)
+        return c.export_pages(key).to_wire()
 
 
 def _store_check(store, parts, layer=1, n_q=2, tol=2e-5):

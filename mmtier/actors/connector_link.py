@@ -37,13 +37,12 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import ray
 
-from ..cache import TieredKVCache
+from ..cache import GroupPages, TieredKVCache
 from ..config import DEFAULT_KEY_SECRET, CacheConfig
 from ..content import ContentKey
 from ..errors import ConfigError, HolderLostError, MMTierError, UnknownModalityError
 from . import placement
 from .launch import store_name
-from .pool_actor import export_pages, import_pages
 from .pool_host import RayTransport
 from .registry import Location
 from .settings import ClusterSettings
@@ -226,7 +225,7 @@ class EngineLink:
     def _land(self, key: ContentKey, refs) -> bool:
         try:
             meta, buf = self.transport.land(refs)
-            import_pages(self.cache, key, meta, buf)
+            self.cache.import_pages(key, GroupPages.from_wire(meta, buf))
         except (MMTierError, ray.exceptions.RayError) as exc:
             log.warning("mmtier: pull of %r failed (%s: %s); a miss", key, type(exc).__name__, exc)
             self.counters["pull_failed"] += 1
@@ -249,7 +248,7 @@ class EngineLink:
                 self.counters["share_failed"] += 1
                 continue
             try:
-                meta, buf = export_pages(self.cache, key, copy=False)
+                meta, buf = self.cache.export_pages(key, copy=False).to_wire()
                 sent.append((key, self.transport.offload_async(self.store, key.to_wire(), meta, buf)))
                 del buf                                # copied by the submission
             except (MMTierError, ray.exceptions.RayError) as exc:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..cache.transfer_sums import check_pages, expected_sums, with_sums
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker
 from ..errors import CapacityError, CorruptDataError, MMTierError, ShapeError, UnknownKeyError
@@ -39,7 +40,6 @@ from ..kernels.layout import build_paged_kv
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
 from .pool_actor import group_item
-from .transfer_sums import check_pages, expected_sums, with_sums
 
 log = logging.getLogger(__name__)
 

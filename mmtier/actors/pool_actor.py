@@ -19,31 +19,27 @@ give up move to disk whole and stay held here (tier ``"disk"``; attention and ex
 from there); only groups dropped at the bottom, or whose disk copy failed verification (a miss),
 leave. A read that finds a corrupt copy raises ``CorruptDataError`` and reports the group
 through ``on_lost`` (the actor tells the registry). A pool recreated over the same directory
-adopts its groups. Page export / import uses ``TieredKVCache``'s parts (``cache.index``: its
-groups and ``insert``, ``cache.residency``: ``allocate``, ``read_pages``) in the two helpers at
-the bottom: the seam to replace by public ``export_pages`` / ``import_pages`` methods of the
-cache.
+adopts its groups. Only ``TieredKVCache``'s public calls are used, never its parts or its lock:
+``export_pages`` / ``import_pages`` (``GroupPages`` in wire form), ``attach_placed``, and the
+checks of a serving process (``group_info`` / ``group_infos``, ``indexed``,
+``drop_unreferenced``, ``page_usage``, ``groups_lost``), each taking the cache's lock itself.
 """
 
 from __future__ import annotations
 
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..cache import TieredKVCache
+from ..cache import GroupInfo, GroupPages, TieredKVCache
 from ..config import CacheConfig
 from ..content import ContentKey
 from ..core.groups import Tier
 from ..core.segments import SequenceHandle
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
-from ..storage.arrow_format import page_sums
-from .transfer_sums import check_pages, expected_sums, with_sums
 
 _TIER_NAMES = {Tier.DEVICE: "device", Tier.HOST: "host", Tier.DISK: "disk"}
 
@@ -63,6 +59,11 @@ def group_item(key: ContentKey, num_tokens: int, nbytes: int, tier: str, refs: i
     return {"key": key.to_wire(), "tier": tier, "num_tokens": num_tokens, "nbytes": nbytes, "refs": refs}
 
 
+def info_item(g: GroupInfo) -> dict:
+    """``group_item`` of a group of this pool's cache."""
+    return group_item(g.key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
+
+
 class PoolService:
     """The logic of a PagePoolActor (also used, with a CPU config, for CPU-only nodes)."""
 
@@ -76,7 +77,7 @@ class PoolService:
         self._lock = threading.RLock()
         self._handles: dict[int, SequenceHandle] = {}
         self._evictions_seen = 0
-        self._known: set[ContentKey] = set(self.cache.index.groups)   # adopted from disk, if any
+        self._known: set[ContentKey] = {g.key for g in self.cache.group_infos()}   # adopted from disk
         self.on_lost: Callable[[list[str]], None] | None = None  # groups gone outside a mutating call
 
     # ------------------------------------------------------------------ identity and inventory
@@ -85,14 +86,10 @@ class PoolService:
 
     def inventory(self) -> list[dict]:
         """Every content-keyed group this cache holds (the registry rebuilds itself from these)."""
-        with self.cache.lock:
-            return [group_item(k, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
-                    for k, g in self.cache.index.groups.items()]
+        return [info_item(g) for g in self.cache.group_infos()]
 
     def holds(self, wires: Sequence[dict[str, str]]) -> list[bool]:
-        with self.cache.lock:
-            groups = self.cache.index.groups
-            return [ContentKey.from_wire(w) in groups for w in wires]
+        return self.cache.indexed([ContentKey.from_wire(w) for w in wires])
 
     # ------------------------------------------------------------------ groups
     def put(self, wire: dict[str, str], k: torch.Tensor, v: torch.Tensor) -> tuple[dict | None, list[str]]:
@@ -117,9 +114,10 @@ class PoolService:
 
     def export(self, wire: dict[str, str], *, copy: bool = True) -> tuple[dict, np.ndarray]:
         """A group's pages as one page-major raw buffer, with the token count to rebuild it
-        (``copy=False``: a view of the arena where it can be one; see ``export_pages``)."""
+        (``copy=False``: a view of the arena where it can be one; see
+        ``TieredKVCache.export_pages``)."""
         try:
-            return export_pages(self.cache, ContentKey.from_wire(wire), copy=copy)
+            return self.cache.export_pages(ContentKey.from_wire(wire), copy=copy).to_wire()
         except CorruptDataError:
             self._report_lost()
             raise
@@ -128,20 +126,15 @@ class PoolService:
         """Store a group shipped by ``export`` (``None`` when it was already here)."""
         key = ContentKey.from_wire(wire)
         with self._lock:
-            stored = import_pages(self.cache, key, meta, buf)
+            stored = self.cache.import_pages(key, GroupPages.from_wire(meta, buf))
             return (self.held_item(key) if stored else None), self.take_evicted()
 
     def drop(self, wires: Sequence[dict[str, str]]) -> list[str]:
         """Drop unreferenced groups (an explicit move elsewhere); returns the dropped digests."""
-        with self._lock, self.cache.lock:
-            out = []
-            for w in wires:
-                g = self.cache.index.groups.get(ContentKey.from_wire(w))
-                if g is not None and g.evictable:
-                    self.cache.residency.free_group(g)
-                    out.append(w["digest"])
-            self._known.difference_update(ContentKey.from_wire(w) for w in wires if w["digest"] in out)
-            return out
+        with self._lock:
+            dropped = self.cache.drop_unreferenced([ContentKey.from_wire(w) for w in wires])
+            self._known.difference_update(dropped)
+            return [k.hex for k in dropped]
 
     # ------------------------------------------------------------------ sequences
     def create(self, tenant: str) -> SequenceHandle:
@@ -176,8 +169,8 @@ class PoolService:
                 seq = self.create(tenant)
             try:
                 start = self.cache.sequence(seq).length
-                self.cache.seqs.attach(seq, key, placed=True)   # a part of a sequence whose client
-                                                            # checked the key's place in it
+                self.cache.attach_placed(seq, key)   # a part of a sequence whose client checked
+                                                     # the key's place in it
             except Exception:
                 if created:
                     self.release([seq])
@@ -217,11 +210,9 @@ class PoolService:
 
     def leak_report(self) -> dict[str, int]:
         """Pages in use against pages of cached groups: equal when no sequence leaked pages."""
-        with self.cache.lock:
-            used = sum(p.num_used for p in self.cache.pools.values())
-            cached = sum(len(g.pages) for g in self.cache.index.groups.values() if g.tier == Tier.DEVICE)
-            return {"sequences": len(self.cache.seqs.tables), "handles": len(self._handles),
-                    "used_pages": used, "cached_pages": cached, "leases": len(self.cache.leases)}
+        usage = self.cache.page_usage()
+        return {"sequences": usage.sequences, "handles": len(self._handles), "used_pages": usage.used_pages,
+                "cached_pages": usage.cached_pages, "leases": usage.leases}
 
     def close(self) -> None:
         self.cache.close()
@@ -230,21 +221,21 @@ class PoolService:
     def held_item(self, key: ContentKey) -> dict:
         """The registry's item for a group held here (``group_item``); from now on its leaving
         is reported by ``take_evicted``."""
-        with self.cache.lock:
-            g = self.cache.index.groups[key]
-            self._known.add(key)
-            return group_item(key, g.num_tokens, g.nbytes, _TIER_NAMES[g.tier], g.refs)
+        g = self.cache.group_info(key)
+        if g is None:
+            raise UnknownKeyError(f"{key!r} is not held here")
+        self._known.add(key)
+        return info_item(g)
 
     def take_evicted(self) -> list[str]:
         """Digests of groups this cache dropped (evicted at the bottom, or a corrupt disk copy
         forgotten) since the last call; cheap when none were. Groups moved to disk stay."""
-        total = self.cache.counters.total
-        n = total["evictions"] + total["corrupt_reads"]
+        n = self.cache.groups_lost()
         if n == self._evictions_seen:
             return []
         self._evictions_seen = n
-        with self.cache.lock:
-            gone = [k for k in self._known if k not in self.cache.index.groups]
+        known = list(self._known)
+        gone = [k for k, held in zip(known, self.cache.indexed(known)) if not held]
         self._known.difference_update(gone)
         return [k.hex for k in gone]
 
@@ -254,123 +245,3 @@ class PoolService:
             gone = self.take_evicted()
         if gone and self.on_lost is not None:
             self.on_lost(gone)
-
-
-# ---------------------------------------------------------------------- page I/O (cache internals)
-def export_pages(cache: TieredKVCache, key: ContentKey, *, copy: bool = True) -> tuple[dict, np.ndarray]:
-    """``({"num_tokens", "xxh3"}, pages as uint8 [n_pages * page_bytes])``, page-major, with the
-    xxh3 of each page (``import_pages`` checks them: a transfer is a verified read like a disk
-    or host one). One copy when the group is on the device; from the host tier its verified
-    pages (their digests are the entry's own); from disk one verified read. ``copy=False``
-    returns a CPU device group whose pages are one run as a *view* of the arena (no copy): the
-    caller holds a lease on the group until it is done reading. Scattered pages, or pages on a
-    GPU, are copied run by run straight into one host buffer."""
-    spec = cache.keyer.check_key(key)
-    if spec.kind == "embedding":             # encoder outputs: padded to pages
-        with cache.lock:
-            group = cache.index.groups.get(key)
-            on_device = group is not None and group.tier == Tier.DEVICE
-        if not on_device:
-            x = cache.get_embedding(key)
-            n = x.shape[0]
-            pages = torch.zeros(spec.pages_for(n) * spec.page_size, spec.width, dtype=x.dtype)
-            pages[:n] = x
-            return with_sums({"num_tokens": n}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes)
-    with cache.lock:
-        group = cache.index.groups.get(key)
-        if group is None:
-            raise UnknownKeyError(f"{key!r} is not held here")
-        if group.tier == Tier.DEVICE:
-            view = cache.pools[key.modality].view
-            runs = page_runs(group.pages)
-            if len(runs) == 1 and not copy and view.device.type == "cpu":
-                data = view[runs[0].page:runs[0].page + runs[0].count]   # a view, no copy
-            else:                                  # one copy per run, straight to host memory
-                data = torch.empty((len(group.pages), *view.shape[1:]), dtype=view.dtype)
-                for page, at, n in runs:
-                    data[at:at + n].copy_(view[page:page + n])
-            return with_sums({"num_tokens": group.num_tokens}, data.view(torch.uint8).reshape(-1).numpy(),
-                              spec.page_bytes)
-        sums = list(group.location.sums) if group.tier == Tier.HOST and group.location.sums else None
-        pages = cache.residency.read_pages(group)      # verified (a disk read lets go of the lock)
-        num_tokens = group.num_tokens
-        group.hits += 1
-        cache.policy.on_access(group)
-        cache.counters.add("exports", key.modality)
-    rest = num_tokens % spec.page_size
-    if rest:                 # the last page's unused slots may hold an earlier owner's bytes: zeros
-        pages[-1, :, :, rest:] = 0
-        if sums is not None:
-            sums[-1] = int(page_sums([pages[-1:].reshape(1, -1).view(torch.uint8).numpy()])[0])
-    return with_sums({"num_tokens": num_tokens}, pages.view(torch.uint8).reshape(-1).numpy(), spec.page_bytes, sums)
-
-
-def import_pages(cache: TieredKVCache, key: ContentKey, meta: dict, buf: np.ndarray) -> bool:
-    """Store a group from an ``export`` buffer (a read-only object-store buffer, read in
-    place): one copy, run by run, into freshly allocated pages. The pages are taken under the
-    cache's lock and filled outside it (they belong to no group yet, so nothing else reads or
-    reuses them), so attention in other threads goes on during the copy; the group is indexed
-    under the lock again, or the pages given back when the copy failed or another thread
-    imported the same key meanwhile."""
-    spec = cache.keyer.check_key(key)
-    n = int(meta["num_tokens"])
-    n_pages = spec.pages_for(n)
-    if buf.dtype != np.uint8 or buf.size != n_pages * spec.page_bytes or n <= 0:
-        raise ShapeError(f"{key.modality}: buffer of {buf.size} bytes for {n} tokens "
-                         f"({n_pages} pages of {spec.page_bytes} bytes)")
-    sums = expected_sums(meta, n_pages, key.modality)
-    with warnings.catch_warnings():        # a read-only object-store buffer: only read from
-        warnings.simplefilter("ignore", UserWarning)
-        src = torch.from_numpy(buf)        # bytes, copied as bytes (a plain memcpy per run)
-    pb = spec.page_bytes
-    pool = cache.pools[key.modality]
-    with cache.lock:
-        if key in cache.index.groups:
-            return False
-        pages = cache.residency.allocate(pool, n_pages, [])
-    stored = False
-    on_host = pool.view.device.type == "cpu"
-    try:
-        for page, at, count in page_runs(pages):   # from the buffer into the pages: the one copy
-            dst = pool.view[page:page + count].view(-1).view(torch.uint8)
-            part = buf[at * pb:(at + count) * pb]
-            if on_host:     # libc's memcpy (non-temporal stores past the cache): ~1.3x torch's copy
-                np.copyto(dst.numpy(), part)
-                landed = dst.numpy()                 # what the pages hold now is what is checked
-            else:
-                dst.copy_(src[at * pb:(at + count) * pb])
-                landed = part                        # checked in host memory, not on the device
-            try:
-                check_pages(landed.reshape(count, pb), sums[at:at + count], repr(key))
-            except CorruptDataError:
-                cache.counters.add("corrupt_reads", key.modality)
-                cache.counters.add("transfer_corrupt_reads", key.modality)
-                raise
-        with cache.lock:
-            if key not in cache.index.groups:
-                cache.index.insert(key, spec, n, pages)
-                stored = True
-    finally:
-        if not stored:
-            with cache.lock:
-                pool.free(pages)
-    return stored
-
-
-class Run(NamedTuple):
-    """Consecutive page ids: the first, its index in the group's page list, how many."""
-
-    page: int
-    at: int
-    count: int
-
-
-def page_runs(pages: Sequence[int]) -> list[Run]:
-    """A group's page list as runs of consecutive page ids (one copy each)."""
-    runs: list[Run] = []
-    for i, p in enumerate(pages):
-        if runs and runs[-1].page + runs[-1].count == p:
-            runs[-1] = runs[-1]._replace(count=runs[-1].count + 1)
-        else:
-            runs.append(Run(p, i, 1))
-    return runs

@@ -11,9 +11,11 @@ The parts, one file each, are given the lock and the parts they use in their con
 (``group_index.py``: key -> group, ids, lineage), ``Residency`` (``residency.py``: lower tiers,
 room, promotion, leases, export, stats and the life cycle; the lower tiers' ``GroupOwner``),
 ``Sequences`` (``sequences.py``: tables, appends, attach and release), ``SharedGroups``
-(``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner`` (``attention.py``)
-and ``EngineSurface`` (``engine_surface.py``: per-layer writes, seal, batched attention). This
-file builds them and delegates; it holds no bookkeeping of its own.
+(``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner`` (``attention.py``),
+``EngineSurface`` (``engine_surface.py``: per-layer writes, seal, batched attention), ``PageIO``
+(``page_io.py``: a group as page bytes and back) and ``Holdings`` (``holdings.py``: group
+snapshots, explicit drops, page usage: what a pool serving the cache asks). This file builds
+them and delegates; it holds no bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from ..tiers.room import Room
 from .attention import AttentionPlanner
 from .engine_surface import EngineSurface
 from .group_index import GroupIndex
+from .holdings import GroupInfo, Holdings, PageUsage
 from .keys import CacheKeys
+from .page_io import GroupPages, PageIO
 from .residency import Residency
 from .sequences import Sequences
 from .shared_groups import SharedGroups
@@ -69,6 +73,9 @@ class TieredKVCache:
                                         self.residency, self.policy, self.counters)
         self.engine = EngineSurface(cfg, self.lock, self.keyer, self.index, self.seqs, self.residency,
                                     self.planner, self.policy)
+        self.page_io = PageIO(self.lock, self.pools, self.keyer, self.index, self.residency, self.shared,
+                              self.policy, self.counters)
+        self.holdings = Holdings(self.lock, self.pools, self.index, self.seqs, self.residency, self.counters)
 
     def _live_groups(self) -> list[ModalityGroup]:
         """Every indexed group and every group a sequence holds (a group may appear twice)."""
@@ -148,6 +155,12 @@ class TieredKVCache:
         group only where the sequence holds the prefix it was derived under (``PrefixMismatchError``
         otherwise, nothing changed); a content-only group anywhere."""
         self.seqs.attach(seq, key)
+
+    def attach_placed(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """``attach`` without the prefix check: ``seq`` holds only some parts of a bigger
+        sequence (a cluster sequence's run or proxy on a pool) whose client checked the key's
+        place in it. The tenant check stays."""
+        self.seqs.attach(seq, key, placed=True)
 
     def release(self, seq: SequenceHandle) -> None:
         """Drop the sequence's references; its private runs are freed, shared groups stay cached.
@@ -294,6 +307,52 @@ class TieredKVCache:
     def prefetch(self, key: ContentKey) -> bool:
         """Start bringing a disk-resident group up to host memory; ``True`` if a copy started."""
         return self.residency.prefetch(key)
+
+    def export_pages(self, key: ContentKey, *, copy: bool = True) -> GroupPages:
+        """A held group's pages as one page-major ``uint8`` buffer, with its token count and the
+        xxh3 of each page (``import_pages`` checks them: a transfer is a verified read). One copy
+        from the device; from the host tier its verified pages (their digests are the entry's
+        own); from disk one verified read (``CorruptDataError``: the group is dropped); bytes
+        past the last token are zeros. ``copy=False``: a device group on the CPU whose pages are
+        one run comes back as a *view* of the arena (hold a lease while reading it).
+        ``UnknownKeyError`` when the key is not held."""
+        return self.page_io.export(key, copy=copy)
+
+    def import_pages(self, key: ContentKey, pages: GroupPages) -> bool:
+        """Store a group from ``export_pages``' bytes (read in place, one copy run by run into
+        fresh pages, filled outside the lock); ``False`` and nothing changed when ``key`` is held
+        already (or another thread imported it meanwhile). ``ShapeError`` for a buffer or
+        checksums of the wrong size; ``CorruptDataError`` (counted) when a page does not match its
+        checksum. Pages taken and not kept are given back."""
+        return self.page_io.import_(key, pages)
+
+    # ------------------------------------------------------------------ what a serving process asks
+    def group_info(self, key: ContentKey) -> GroupInfo | None:
+        """A snapshot of the shared group ``key`` (``None`` when not held); no hit counted."""
+        return self.holdings.group_info(key)
+
+    def group_infos(self) -> list[GroupInfo]:
+        """Snapshots of every shared group held, in one look under the lock."""
+        return self.holdings.group_infos()
+
+    def indexed(self, keys: Iterable[ContentKey]) -> list[bool]:
+        """Whether each key is held right now, as the index stands (unlike ``holds``, finished
+        copies in flight are not applied first); no hit or miss counted."""
+        return self.holdings.indexed(keys)
+
+    def drop_unreferenced(self, keys: Iterable[ContentKey]) -> list[ContentKey]:
+        """Let go of the groups among ``keys`` that nothing references, pins or leases (an
+        explicit move elsewhere, not an eviction: not counted as one); returns those dropped."""
+        return self.holdings.drop_unreferenced(keys)
+
+    def page_usage(self) -> PageUsage:
+        """Device pages in use against the pages of cached device groups (a leak check)."""
+        return self.holdings.page_usage()
+
+    def groups_lost(self) -> int:
+        """How many groups left so far other than by a drop (evicted at the bottom, or a corrupt
+        copy forgotten): cheap, for telling when to look which ones."""
+        return self.holdings.groups_lost()
 
     # ------------------------------------------------------------------ stats and life cycle
     def stats(self) -> CacheStats:
