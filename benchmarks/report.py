@@ -108,6 +108,10 @@ HEADLINES = [
     ("demo_serving", "cached_fraction_mmtier__later_turns", "(reported: vLLM's and mmtier's cached prompt tokens)", None),
     ("demo_serving", "cached_fraction_plain__later_turns", "(reported: vLLM's own prefix cache)", None),
     ("demo_serving", "working_set_over_vllm_kv", ">= 3 (the conversations over vLLM's KV pool)", lambda v: v >= 3),
+    ("demo_serving", "audio__cached_fraction_mmtier", "(reported: audio turns on the tiny Qwen2-Audio; plain's is "
+     "audio__cached_fraction_plain)", None),
+    ("demo_serving", "video__cached_fraction_mmtier", "(reported: video turns on the tiny Qwen2-VL; plain's is "
+     "video__cached_fraction_plain)", None),
     ("serving_load", "sustainable_mmtier_over_plain", ">= 2 (sustainable rate at the p99 TTFT bound)",
      lambda v: v >= 2),
     ("serving_load", "peak_completed_mmtier_over_plain", "(reported: the most requests/s each completed)", None),

@@ -54,7 +54,7 @@ def main() -> None:
 @click.option("--tenants", type=click.IntRange(1, 16), help="transformers: tenants (default 3; --quick 2).")
 @click.option("--conversations", type=click.IntRange(1, 64),
               help="Conversations (vllm: in all, default 10, --quick 4; transformers: per tenant, default 3, --quick 2).")
-@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 4 / 3 for transformers; --quick 3 / 2).")
+@click.option("--turns", type=click.IntRange(1, 16), help="Turns per conversation (default 5 / 3 for transformers; --quick 3 / 2).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Workload and model seed.")
 @click.option("--no-media", is_flag=True, help="vllm: without the audio and video part.")
 @click.option("--no-progress", is_flag=True, help="No progress lines.")

@@ -58,14 +58,16 @@ PHASE_TITLES = {"first_turns": "first turns", "later_before_restart": "later, be
 @dataclass(frozen=True)
 class ServingDemoSpec:
     conversations: int = 10
-    turns: int = 4
+    turns: int = 5
     restart_after: int = 2              # the mmtier server restarts after this many turns of every conversation
     max_tokens: int = 8
     system_words: int = 200             # the shared system prompt (one token a word)
     user_words: int = 120
     p_image: float = 0.6                # a later turn carries an image (the first always does)
     images: int = 6                     # the catalogue every conversation draws from
-    kv_blocks: int = 112                # vLLM's KV block pool, blocks of 32 tokens (both engines)
+    # vLLM's KV block pool, blocks of 32 tokens (both engines): 2,560 tokens, about a sixth of the
+    # conversations' working set (10 x 5: ~15,500 tokens)
+    kv_blocks: int = 80
     device_bytes: int = 512 << 20       # mmtier's page pool (the CPU's memory here, like the host tier)
     host_bytes: int = 1 << 30           # mmtier's host tier
     chunk_blocks: int | None = None     # the KV connector's blocks per text group (None: its default)
@@ -240,6 +242,7 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
         finally:
             bar.set_description_str("demo: stopping the engines")
             EngineServer.stop_all(servers.values())
+        timings["load_1min_image_part"] = os.getloadavg()[0]       # before the media servers start
         media_records: list[dict] = []
         try:
             if spec.media is not None:
@@ -403,7 +406,8 @@ def format_serving_report(r: ServingDemoReport, json_path: Path | None = None, p
     ]
     lines += [f"  {m}" for m in r.mismatches[:5]]
     lines.append(f"engines start {f['engines_start_s']:.0f} s, restart {f.get('restart_s', float('nan')):.0f} s; "
-                 f"whole run {f['elapsed_s']:.0f} s; load {f['load_1min']:.1f} ({f['machine']})")
+                 f"whole run {f['elapsed_s']:.0f} s; load {f['load_1min_image_part']:.1f} after the image part, "
+                 f"{f['load_1min']:.1f} at the end ({f['machine']})")
     lines.append(f"engine and HTTP logs: {r.log_path}")
     if json_path is not None:
         lines.append(f"report: {json_path}")
