@@ -145,15 +145,21 @@ def test_a_cpu_save_reads_vllms_blocks_once_and_the_next_step_waits_for_it(tmp_p
         worker.start_load_kv(None)
         worker.clear_connector_metadata()
         assert all(f.done() for f in pending) and not worker._reading_blocks
-        want = h.tokens_kv(kv, first, 40)
-        for t in kv.values():                              # vLLM reuses every block now
-            t.fill_(float("nan"))
-        second = [9, 4, 20, 15, 6, 0]
-        assert h.step(sched, worker, h.request("r2"), second, kv) == 40
-        assert torch.equal(h.tokens_kv(kv, second, 40), want)
+        _reloads_intact(sched, worker, kv, first)
     finally:
         worker.shutdown()
         close_shared()
+
+
+def _reloads_intact(sched, worker, kv, first) -> None:
+    """vLLM reuses (poisons) every block; a second request sharing ``first``'s 40 cached tokens
+    then loads exactly the bytes the first one computed."""
+    want = h.tokens_kv(kv, first, 40)
+    for t in kv.values():
+        t.fill_(float("nan"))
+    second = [9, 4, 20, 15, 6, 0]
+    assert h.step(sched, worker, h.request("r2"), second, kv) == 40
+    assert torch.equal(h.tokens_kv(kv, second, 40), want)
 
 
 def test_a_cpu_save_of_parts_of_blocks_copies_nothing_in_the_forward(tmp_path):
@@ -178,12 +184,7 @@ def test_a_cpu_save_of_parts_of_blocks_copies_nothing_in_the_forward(tmp_path):
         finally:
             h_copy.gather, h_copy.copy_blocks = gather, copy_blocks
         assert copies and all(name.startswith("mmtier-save") for name in copies)
-        want = h.tokens_kv(kv, first, 40)
-        for t in kv.values():                              # vLLM reuses every block now
-            t.fill_(float("nan"))
-        second = [9, 4, 20, 15, 6, 0]
-        assert h.step(sched, worker, h.request("r2"), second, kv) == 40
-        assert torch.equal(h.tokens_kv(kv, second, 40), want)
+        _reloads_intact(sched, worker, kv, first)
     finally:
         worker.shutdown()
         close_shared()
