@@ -14,7 +14,7 @@ from concurrent.futures import Future
 
 import torch
 
-from ..config import CacheConfig
+from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
 from ..core.groups import ModalityGroup, Tier
 from ..core.locking import OwnerLock
@@ -23,6 +23,7 @@ from ..eviction import EvictionPolicy
 from ..pages.copies import check_out_kv, pages_into_kv, view_runs
 from ..pages.pool import PagePool
 from ..stats import CacheStats, Counters, TierUsage
+from ..storage.dest_pages import DestTokens, usable_tokens
 from ..storage.page_digests import copy_out_verified
 from ..tiers.leases import Lease, LeaseTable
 from ..tiers.lower import WAIT_S, LowerTiers
@@ -172,7 +173,7 @@ class Residency:
             reads: dict[int, tuple] = {}
             try:
                 for i in on_disk:
-                    reads[i] = self.start_disk_read(groups[i])
+                    reads[i] = self.start_disk_read(groups[i], dests[i])
                 for i, g in enumerate(groups):           # the lock is held throughout: in place
                     if i in reads:
                         continue
@@ -187,9 +188,12 @@ class Residency:
                         self.forget_corrupt(groups[i])
                         raise CorruptDataError(f"{groups[i]!r}: stored copy missing or failed verification "
                                                "(a miss)")
-                    pages_into_kv([pages], *dests[i])
+                    if pages is not None:                # staged: the layout change
+                        pages_into_kv([pages], *dests[i])
             finally:
                 for buf, _, fut in reads.values():
+                    if buf is None:
+                        continue
                     if fut.done():
                         self.lower.staging.give(buf)
                     else:                                # a failed wait: the read may still land
@@ -242,10 +246,15 @@ class Residency:
             self.lower.host.remove(self.lower.storage_key(group))
         self.forget_corrupt(group)
 
-    def start_disk_read(self, group: ModalityGroup) -> tuple:
-        """Start reading a (pinned) disk group's verified pages into a staging buffer:
-        ``(buffer, pages view, future)``; the future resolves to the pages or ``None``."""
+    def start_disk_read(self, group: ModalityGroup, dest: tuple) -> tuple:
+        """Start reading a (pinned) disk group's verified pages: straight into ``dest`` where it
+        is token-major K and V on the CPU (``DestTokens``: one copy, from the file's bytes),
+        ``(None, None, future)``; else into a staging buffer, ``(buffer, pages view, future)``,
+        whose pages the caller copies into ``dest``. The future resolves to ``None`` on a miss."""
         spec, n = group.spec, group.num_pages
+        tokens = token_dest(spec, n, *dest)
+        if tokens is not None:
+            return None, None, self.lower.read_disk_async(group, out=tokens)
         buf = self.lower.staging.take(n * spec.page_bytes)
         pages = self.lower.staging.pages(buf, n, tuple(spec.page_shape), spec.torch_dtype)
         try:
@@ -361,3 +370,19 @@ class Residency:
 
 class _Moved(Exception):
     """A group changed tier while the lock was let go (internal to ``promote``)."""
+
+
+def token_dest(spec: ModalitySpec, n: int, k: object, v: object) -> DestTokens | None:
+    """``k, v`` as the direct destination of a disk read of ``n`` pages, where they can be one:
+    CPU tensors ``[L, T, H, D]`` (or block-split ``[L, T / P, P, H, D]`` over the same memory)
+    with each layer's tokens contiguous; else ``None`` (staged)."""
+    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k is v:
+        return None
+    if k.dim() == 5:
+        try:
+            k, v = k.view(k.shape[0], -1, *k.shape[3:]), v.view(v.shape[0], -1, *v.shape[3:])
+        except RuntimeError:              # strides a flat token view cannot take
+            return None
+    if not (usable_tokens(k, spec) and usable_tokens(v, spec)):
+        return None
+    return DestTokens(spec, k, v, n)

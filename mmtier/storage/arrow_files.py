@@ -36,6 +36,7 @@ import torch
 from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError
+from .dest_pages import DestTokens
 from .disk_index import DiskEntry, DiskIndex
 from .disk_reads import DiskReads
 from .disk_restart import adopt_directory
@@ -137,12 +138,15 @@ class DiskTier(StorageTier):
                                              expected_sums=expected_sums)
 
     def get(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
-            out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
-        """The group's pages ``[n, *page_shape]``, verified, or ``None`` (``DiskReads.get``)."""
+            out: torch.Tensor | Sequence[torch.Tensor] | DestTokens | None = None
+            ) -> torch.Tensor | Sequence[torch.Tensor] | DestTokens | None:
+        """The group's pages ``[n, *page_shape]`` (or ``out``), verified, or ``None``
+        (``DiskReads.get``)."""
         return self._reads.get(key, spec, expected_model, out)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
-                        out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+                        out: torch.Tensor | Sequence[torch.Tensor] | DestTokens | None = None
+                        ) -> torch.Tensor | Sequence[torch.Tensor] | DestTokens | None:
         return await self._reads.get_async(key, spec, expected_model, out)
 
     def get_many(self, keys: Sequence[ContentKey], spec: ModalitySpec, expected_model: str,

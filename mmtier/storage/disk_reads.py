@@ -42,7 +42,7 @@ from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, CorruptDataError, ShapeError
 from .arrow_format import group_meta, layout_matches, layout_of, read_file
-from .dest_pages import DestPages
+from .dest_pages import DestPages, DestTokens
 from .direct_reads import AHEAD_WINDOWS, WINDOW_BYTES, read_whole_direct
 from .disk_index import DiskEntry, DiskIndex
 from .layer_extent import LayerExtent, read_layer_extent, read_whole
@@ -78,14 +78,26 @@ class DiskReads:
                 pool.shutdown(wait=True)
 
     def get(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
-            out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+            out: torch.Tensor | Sequence[torch.Tensor] | DestTokens | None = None
+            ) -> torch.Tensor | Sequence[torch.Tensor] | DestTokens | None:
         """The group's pages ``[n, *page_shape]``, verified, or ``None`` (miss or corrupt).
 
         With ``out`` (a tensor or contiguous runs, e.g. ``HostEntry.runs()``) the pages land
-        there and ``out`` is returned; after a ``None`` its contents are undefined."""
+        there and ``out`` is returned; with a ``DestTokens`` the group's tokens land in its K
+        and V, one copy from the file's bytes. After a ``None`` its contents are undefined."""
         e = self._entry(key, spec, expected_model)
         if e is None:
             return None
+        if isinstance(out, DestTokens):
+            if out.total != e.num_pages:
+                raise ShapeError(f"destination holds {out.total} pages, the group has {e.num_pages}")
+            if e.extents is None:     # layout not known yet: read in full once, which learns it
+                pages = self.get(key, spec, expected_model)
+                if pages is None:
+                    return None
+                out.put_pages(pages)  # type: ignore[arg-type]
+                return out
+            return out if self._verified_read(key, e, lambda: self._read_known(e, out)) else None
         result = out if out is not None else torch.empty(e.num_pages, *spec.page_shape,
                                                          dtype=spec.torch_dtype)
         dest = DestPages(spec, result, e.num_pages)  # a bad ``out`` raises: it is not corruption
@@ -205,7 +217,7 @@ class DiskReads:
         self._index.count(hits=1, read_bytes=nbytes)
         return True
 
-    def _read_known(self, e: DiskEntry, dest: DestPages) -> int:
+    def _read_known(self, e: DiskEntry, dest: DestPages | DestTokens) -> int:
         at = 0
         for extent in e.extents:  # type: ignore[union-attr]
             at += self._read_whole(extent, dest)
@@ -213,8 +225,8 @@ class DiskReads:
             raise CorruptDataError(f"{at} pages on disk, the group has {e.num_pages}")
         return sum(extent.size for extent in e.extents)  # type: ignore[union-attr]
 
-    def _read_whole(self, extent: LayerExtent, dest: DestPages) -> int:
-        """One file of a group whose layout is known into whole pages: with ``O_DIRECT``
+    def _read_whole(self, extent: LayerExtent, dest: DestPages | DestTokens) -> int:
+        """One file of a group whose layout is known into whole pages (or the group's tokens): with ``O_DIRECT``
         (``read_whole_direct``) where ``direct_reads`` and the file system allow it, else
         buffered (``read_whole``)."""
         path = os.path.join(self._dir, extent.name)
@@ -258,6 +270,7 @@ class DiskReads:
         return sum(extent.size for extent in extents)
 
     async def get_async(self, key: ContentKey, spec: ModalitySpec, expected_model: str,
-                        out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> torch.Tensor | None:
+                        out: torch.Tensor | Sequence[torch.Tensor] | DestTokens | None = None
+                        ) -> torch.Tensor | Sequence[torch.Tensor] | DestTokens | None:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(None, self.get, key, spec, expected_model, out)

@@ -38,7 +38,7 @@ import xxhash
 from ..errors import CorruptDataError
 
 if TYPE_CHECKING:
-    from .dest_pages import DestPages
+    from .dest_pages import DestPages, DestTokens
 
 _IOV_MAX = 512
 _MIN_ALIGN = 512                      # no device has a smaller logical block
@@ -219,19 +219,20 @@ def direct_align(dev: int) -> int:
     return 4096
 
 
-def read_whole(path: str, extent: LayerExtent, dest: DestPages) -> int:
-    """The whole file into ``dest`` (whole pages, group-indexed) in one sequential pass; every
+def read_whole(path: str, extent: LayerExtent, dest: DestPages | DestTokens) -> int:
+    """The whole file into ``dest`` (whole pages, group-indexed, or a group's tokens) in one
+    sequential pass; every
     byte checked against the digests held in memory. Returns the pages read."""
     if dest.page_bytes != extent.page_bytes:
         raise CorruptDataError(f"{extent.name}: pages of {extent.page_bytes} bytes, not {dest.page_bytes}")
-    views = dest.views(extent.first, extent.pages)
     pieces: list[tuple[int, int, object]] = []          # (offset, layer or -1, buffers)
     frame: list[bytearray] = []
     for offset, length in extent.gaps():
         buf = bytearray(length)
         frame.append(buf)
         pieces.append((offset, -1, [buf]))
-    per_layer = [layer_slices(views, layer, extent.layer_bytes) for layer in range(extent.num_layers)]
+    per_layer = [dest.layer_slices(extent.first, extent.pages, layer, extent.layer_bytes)
+                 for layer in range(extent.num_layers)]
     for layer, offset in enumerate(extent.offsets):
         pieces.append((offset, layer, per_layer[layer]))
     pieces.sort(key=lambda p: p[0])

@@ -55,6 +55,7 @@ from ..config import ModalitySpec
 from ..content import ContentKey
 from ..errors import ClosedError, MMTierError, ShapeError, UnknownKeyError
 from .arrow_files import DiskTier
+from .dest_pages import DestTokens
 from .host import HostEntry, HostTier
 from .staging import StagingPool
 
@@ -172,9 +173,9 @@ class Mover:
         return self.restore(key, spec, priority=Priority.PREFETCH)
 
     def fetch(self, key: ContentKey, spec: ModalitySpec,
-              out: torch.Tensor | Sequence[torch.Tensor] | None = None) -> concurrent.futures.Future:
-        """Disk -> a tensor (or ``out``), leaving the host tier alone: streaming disk pages for
-        CPU attention. Resolves to the tensor or ``None``."""
+              out: torch.Tensor | Sequence[torch.Tensor] | DestTokens | None = None) -> concurrent.futures.Future:
+        """Disk -> a tensor (or ``out``: pages, or a group's tokens), leaving the host tier alone:
+        streaming disk pages for CPU attention, a group read. Resolves to it or ``None``."""
         disk = self._need_disk()
         info = disk.info(key)
         if info is None:

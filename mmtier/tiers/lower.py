@@ -54,6 +54,7 @@ from ..pages.copies import view_runs
 from ..pages.pool import PagePool
 from ..stats import Counters, TierUsage
 from ..storage import DiskTier, HostTier, Mover
+from ..storage.dest_pages import DestTokens
 from ..storage.host_slabs import HostEntry
 from ..storage.staging import StagingPool
 
@@ -345,9 +346,9 @@ class LowerTiers:
         group.location = None
 
     # ------------------------------------------------------------------ promotion
-    def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | None = None) -> Future:
+    def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | DestTokens | None = None) -> Future:
         """Start reading the group's verified pages from disk, into ``out`` (``[n,
-        *page_shape]``) when given; resolves to them or ``None``."""
+        *page_shape]``, or the group's tokens) when given; resolves to them or ``None``."""
         assert self.mover is not None
         return self.mover.fetch(self.storage_key(group), group.spec, out=out)
 
