@@ -129,16 +129,15 @@ def _pools_case(dtype, backend: str, n_q: int, *, scaled: bool) -> None:
 
 @pytest.mark.parametrize("dtype", FP8)
 def test_native_widen_is_torch_conversion(dtype):
-    """The native table widening gives torch's own values for all 256 bytes (NaN where torch
-    gives NaN), over strided blocks, and refuses what it does not take."""
+    """The native widening gives torch's own float32 bits for all 256 bytes (NaN payloads and
+    infinities included), over strided blocks, and refuses what it does not take."""
     every = torch.arange(256, dtype=torch.uint8).view(dtype)
     blocks = every.repeat(6).view(6, 256)[::2]               # 3 blocks, 512 bytes apart
     out = torch.full((3, 256), 7.0)
     if not native_fp8.widen(blocks, out):
         pytest.skip("no C compiler here: the torch conversion runs instead")
     want = blocks.float()
-    assert torch.equal(out.isnan(), want.isnan())
-    assert torch.equal(out[~out.isnan()], want[~want.isnan()])
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
     assert not native_fp8.widen(blocks.float(), out)          # not fp8
     assert not native_fp8.widen(blocks[:, ::2], out[:, :128])  # strided inner axis
 
