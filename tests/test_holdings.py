@@ -1,5 +1,7 @@
 """What a serving process asks of ``TieredKVCache`` (``cache/holdings.py``): group snapshots,
-which keys are indexed, explicit drops, page usage, groups lost; and ``attach_placed``."""
+which keys are indexed, explicit drops, page usage, groups lost; ``attach_placed``; and the calls
+of a group attended on another node (``check_attach``, ``chain_elsewhere``, ``chain_key``,
+``device_bytes``)."""
 
 from __future__ import annotations
 
@@ -74,3 +76,38 @@ def test_attach_placed_skips_the_prefix_check_but_not_the_tenant_check():
     assert cache.group_info(key).refs == 1 and cache.sequence(other).length == 12
     with pytest.raises(ForeignKeyError):
         cache.attach_placed(cache.create_sequence("someone-else"), key)
+
+
+def test_check_attach_makes_attach_checks_and_changes_nothing():
+    """A group attended where it lives elsewhere: the attach checks, nothing attached."""
+    cache = TieredKVCache(make_cfg())
+    first = cache.create_sequence()
+    cache.append(first, "text", *kv(4), tokens=[1, 2, 3, 4])
+    key = cache.content_key("vision", b"img", parent=cache.prefix_key(first))
+    cache.put(key, *kv(8))
+    other = cache.create_sequence()
+    cache.append(other, "text", *kv(4), tokens=[9, 9, 9, 9])
+    before = (cache.sequence(other).length, cache.sequence(other).chain, cache.stats().counters)
+    with pytest.raises(PrefixMismatchError):
+        cache.check_attach(other, key)
+    with pytest.raises(ForeignKeyError):
+        cache.check_attach(cache.create_sequence("someone-else"), cache.content_key("vision", b"img"))
+    assert (cache.sequence(other).length, cache.sequence(other).chain, cache.stats().counters) == before
+    cache.check_attach(first, key)                             # where it was derived: fine
+    assert cache.group_info(key).refs == 0 and cache.sequence(first).length == 4
+
+
+def test_chain_elsewhere_names_what_follows_as_a_local_attach_would():
+    cache = TieredKVCache(make_cfg())
+    key = cache.content_key("vision", b"img")
+    cache.put(key, *kv(8))
+    local, remote = cache.create_sequence(), cache.create_sequence()
+    for seq in (local, remote):
+        cache.append(seq, "text", *kv(4), tokens=[5, 6, 7, 8])
+    cache.attach(local, key)
+    cache.chain_elsewhere(remote, key)
+    assert cache.sequence(remote).length == 4                  # no tokens added here
+    assert cache.sequence(remote).chain == cache.sequence(local).chain
+    assert cache.chain_key(remote, "text") == cache.chain_key(local, "text")
+    assert cache.chain_key(remote, "text") != cache.chain_key(cache.create_sequence(), "text")
+    assert cache.device_bytes("vision") == 4 * make_cfg().spec("vision").page_bytes   # make_cfg's 4 pages

@@ -78,8 +78,7 @@ class HostedCache:
         tail = self.remote.tail_modality(seq)
         if tail is None:
             return self.cache.prefix_key(seq)
-        return self.cache.keys.chain(modality=tail, chain_digest=self.cache.sequence(seq).chain,
-                                     tenant_salt=self.cache.keyer.salt(seq.tenant))
+        return self.cache.chain_key(seq, tail)
 
     def create_sequence(self, tenant: str | None = None) -> SequenceHandle:
         return self.host.create(tenant)
@@ -217,12 +216,12 @@ class HostedCache:
             if not holders:
                 self.plan[k.hex] = "miss"
                 continue
-            pool = self.cache.pools[k.modality]
-            choice = placement.transfer_plan(loc.nbytes, pool.num_pages * pool.spec.page_bytes, calls_left,
+            room = self.cache.device_bytes(k.modality)
+            choice = placement.transfer_plan(loc.nbytes, room, calls_left,
                                              link_bytes_per_s=LINK_BYTES_PER_S, call_s=CALL_S)
             pools = [h for h in holders if not h.startswith(STORE_PREFIX)]
-            if choice == "remote" and (not pools or pool.spec.kind != "kv"):
-                choice = "fetch" if loc.nbytes <= pool.num_pages * pool.spec.page_bytes else "miss"
+            if choice == "remote" and (not pools or self.cfg.spec(k.modality).kind != "kv"):
+                choice = "fetch" if loc.nbytes <= room else "miss"
             self.plan[k.hex] = choice
             self.counters[f"plan_{choice}"] += 1
             if choice == "fetch":
@@ -247,9 +246,8 @@ class HostedCache:
         store = store_name(self.host.node)
         chosen: list[tuple[ContentKey, int]] = []
         for key in dict.fromkeys(keys):
-            with self.cache.lock:
-                group = self.cache.index.groups.get(key)
-                size = 0 if group is None or not group.evictable else group.nbytes
+            info = self.cache.group_info(key)
+            size = 0 if info is None or not info.evictable else info.nbytes
             if size:
                 chosen.append((key, size))
         # the exports' buffers (leased views of the arena) live only for the call below, so the

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import TieredKVCache
-from ..content import ContentKey, tenant_scope
-from ..core.segments import SequenceHandle, naming
-from ..errors import ForeignKeyError, ShapeError, UnknownKeyError
+from ..content import ContentKey
+from ..core.segments import SequenceHandle
+from ..errors import ShapeError, UnknownKeyError
 from ..kernels import merge_attention_states
 from .pool_actor import Part
 from .sequence_state import ClusterSequence
@@ -61,12 +61,8 @@ class RemoteParts:
 
     def attach(self, seq: SequenceHandle, key: ContentKey, holder: str) -> None:
         """Reference ``key`` at ``holder`` at the sequence's next position (one call)."""
-        self.cache.keyer.check_key(key, "kv")
-        if key.scope != tenant_scope(self.cache.keyer.salt(seq.tenant)):
-            raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
-        table = self.cache.sequence(seq)               # UnknownKeyError for a released one
-        with self.cache.lock:
-            self.cache.keyer.check_place(seq, table, key, table.chain)   # PrefixMismatchError
+        self.cache.check_attach(seq, key)   # ForeignKeyError, PrefixMismatchError, UnknownKeyError
+        table = self.cache.sequence(seq)
         split = self._seqs.get(seq.id) or _Split()
         proxy, proxy_start, n, _evicted = self.transport.attach(
             holder, split.proxies.get(holder), seq.tenant, key.to_wire())
@@ -75,9 +71,7 @@ class RemoteParts:
         local_at = table.length
         split.groups.append(RemoteGroup(holder, key, local_at + self._remote_tokens(split), local_at,
                                         proxy_start, n))
-        with self.cache.lock:
-            table.extend_chain(b"group:" + key.digest,  # the same identity as a local attach
-                               naming(key, table.chain))
+        self.cache.chain_elsewhere(seq, key)            # the same identity as a local attach
 
     def boundary(self, seq: SequenceHandle) -> bool:
         """Whether the sequence's next local tokens must start a segment of their own (a remote

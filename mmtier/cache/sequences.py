@@ -180,6 +180,23 @@ class Sequences:
             if shared:
                 self.counters.add("shared_attaches", key.modality)
 
+    def check_attach(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """``attach``'s checks (the key is this cache's kv key, of the sequence's tenant, derived
+        where the sequence's chain stands), with nothing attached."""
+        self.keyer.check_key(key, "kv")
+        if key.scope != tenant_scope(self.keyer.salt(seq.tenant)):
+            raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
+        with self.lock:
+            table = self.table(seq)
+            self.keyer.check_place(seq, table, key, table.chain)
+
+    def chain_elsewhere(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """Extend the sequence's chain by ``key``'s group as an attach would, the group itself
+        attended where it lives (another node): later keys derive as after a local attach."""
+        with self.lock:
+            table = self.table(seq)
+            table.extend_chain(b"group:" + key.digest, naming(key, table.chain))
+
     def release(self, seq: SequenceHandle, per_sequence: Iterable[PerSequence] = ()) -> None:
         """Drop ``seq``'s references (and what ``per_sequence`` keeps for it): private runs are
         freed, shared groups stay; its open reservations end (unpinned, freed with the rest)."""

@@ -122,6 +122,17 @@ class TieredKVCache:
         """A key naming everything ``seq`` holds so far; pass it as ``parent=`` to chain."""
         return self.seqs.prefix_key(seq)
 
+    def chain_key(self, seq: SequenceHandle, modality: str) -> ContentKey:
+        """A key of ``modality`` naming the sequence's chain as it stands (the parent of what
+        follows a group attended elsewhere, whose chain the local table carries)."""
+        return self.keys.chain(modality=modality, chain_digest=self.seqs.sequence(seq).chain,
+                               tenant_salt=self.keyer.salt(seq.tenant))
+
+    def device_bytes(self, modality: str) -> int:
+        """Bytes of ``modality``'s device pool (every page, used or not)."""
+        pool = self.pools[modality]
+        return pool.num_pages * pool.spec.page_bytes
+
     def shard_key(self, key: ContentKey, shard: str) -> ContentKey:
         """The key of one shard of ``key``'s group (a tensor-parallel rank's heads, a pipeline
         stage's layers: ``KeyMaker.shard``); ``key`` must be this cache's."""
@@ -161,6 +172,17 @@ class TieredKVCache:
         sequence (a cluster sequence's run or proxy on a pool) whose client checked the key's
         place in it. The tenant check stays."""
         self.seqs.attach(seq, key, placed=True)
+
+    def check_attach(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """The checks ``attach`` makes (``ForeignKeyError``, ``PrefixMismatchError``,
+        ``UnknownKeyError`` for a released sequence), with nothing attached: for a group the
+        sequence will attend where it lives, on another node."""
+        self.seqs.check_attach(seq, key)
+
+    def chain_elsewhere(self, seq: SequenceHandle, key: ContentKey) -> None:
+        """The sequence's chain extended by ``key``'s group, attended where it lives (another
+        node), so that its later keys derive as after a local ``attach``; no tokens added."""
+        self.seqs.chain_elsewhere(seq, key)
 
     def release(self, seq: SequenceHandle) -> None:
         """Drop the sequence's references; its private runs are freed, shared groups stay cached.
