@@ -62,7 +62,9 @@ def test_groups_lost_counts_evictions_at_the_bottom():
     assert cache.groups_lost() == 1 and cache.indexed(keys) == [False] + [True] * 4
 
 
-def test_attach_placed_skips_the_prefix_check_but_not_the_tenant_check():
+def image_after_a_prefix():
+    """A cache; a sequence of 4 text tokens; an image keyed under that prefix, stored; another
+    sequence of 4 other text tokens (where the image's key does not belong)."""
     cache = TieredKVCache(make_cfg())
     first = cache.create_sequence()
     cache.append(first, "text", *kv(4), tokens=[1, 2, 3, 4])
@@ -70,6 +72,11 @@ def test_attach_placed_skips_the_prefix_check_but_not_the_tenant_check():
     cache.put(key, *kv(8))
     other = cache.create_sequence()
     cache.append(other, "text", *kv(4), tokens=[9, 9, 9, 9])
+    return cache, first, key, other
+
+
+def test_attach_placed_skips_the_prefix_check_but_not_the_tenant_check():
+    cache, first, key, other = image_after_a_prefix()
     with pytest.raises(PrefixMismatchError):
         cache.attach(other, key)
     cache.attach_placed(other, key)
@@ -80,13 +87,7 @@ def test_attach_placed_skips_the_prefix_check_but_not_the_tenant_check():
 
 def test_check_attach_makes_attach_checks_and_changes_nothing():
     """A group attended where it lives elsewhere: the attach checks, nothing attached."""
-    cache = TieredKVCache(make_cfg())
-    first = cache.create_sequence()
-    cache.append(first, "text", *kv(4), tokens=[1, 2, 3, 4])
-    key = cache.content_key("vision", b"img", parent=cache.prefix_key(first))
-    cache.put(key, *kv(8))
-    other = cache.create_sequence()
-    cache.append(other, "text", *kv(4), tokens=[9, 9, 9, 9])
+    cache, first, key, other = image_after_a_prefix()
     before = (cache.sequence(other).length, cache.sequence(other).chain, cache.stats().counters)
     with pytest.raises(PrefixMismatchError):
         cache.check_attach(other, key)
