@@ -402,7 +402,7 @@ def test_duel_shadow_is_a_leaf_first_device_tier_in_bytes_with_prefix_hits():
 
 
 class _Duel(DuelPolicy):
-    expert_names = ("lru", "bimodal_lru")
+    expert_classes = (LRUPolicy, BimodalLRUPolicy)
     warm_tiers = 1.0
 
 

@@ -8,10 +8,9 @@ one of mmtier's modules by another, at import time or inside a function (those g
   running up fails here, naming the edge.
 - No cycle among modules at import time.
 - No module imports another's private (underscore) name.
-Known and left: two cycles among modules through imports inside functions (``eviction.duel``
-looks its experts up in ``eviction.policies``' map; ``serve``'s config, model API and chat model
-pick an engine by name); ``test_the_lazy_module_cycles_are_only_the_known_ones`` pins them so
-that a new one fails."""
+Known and left: one cycle among modules through imports inside functions (``serve``'s config,
+model API and chat model pick an engine by name);
+``test_the_lazy_module_cycles_are_only_the_known_ones`` pins it so that a new one fails."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ LAYERS = [
     {"cli.py"},
 ]
 KNOWN_LAZY_CYCLES = [
-    {"mmtier.eviction.duel", "mmtier.eviction.policies"},
     {"mmtier.serve.chat_model", "mmtier.serve.config", "mmtier.serve.model_api", "mmtier.serve.protocol"},
 ]
 

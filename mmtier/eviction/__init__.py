@@ -1,5 +1,5 @@
 """Eviction: the mechanism (``base``: heaps per tier, modality and lane, leaf-first over prefix
-chains) and the policies (``policies``: LRU, modality-priority LRU, cost-aware, and the map;
+chains) and the policies (``lru``: LRU, modality-priority LRU, cost-aware; ``policies``: the map by name;
 ``bimodal``, ``s3fifo``, ``arc``, ``dip``, ``duel``, ``chainbip``, ``slru``: one policy each; ``lanes``: what two-queue policies share)."""
 
 from .arc import ARCPolicy

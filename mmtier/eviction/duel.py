@@ -6,6 +6,8 @@ from __future__ import annotations
 from ..config import CacheConfig
 from ..core.groups import ModalityGroup, Tier
 from .base import Clock, EvictionPolicy
+from .dip import DIPPolicy
+from .lru import LRUPolicy
 
 
 class Shadow:
@@ -96,18 +98,15 @@ class DuelPolicy(EvictionPolicy):
     experts' mechanism's (the real groups), so they hold whoever is in charge."""
 
     name = "duel"
-    expert_names: tuple[str, ...] = ("lru", "dip")
+    expert_classes: tuple[type[EvictionPolicy], ...] = (LRUPolicy, DIPPolicy)
     window_tiers = 16.0
     margin = 1.25
     warm_tiers = 2.0
 
     def __init__(self, cfg: CacheConfig, clock: Clock | None = None):
         super().__init__(cfg, clock)
-        # the map names this class too, so it is imported here
-        from .policies import POLICIES
-
-        self.experts = [POLICIES[n](cfg, self.clock) for n in self.expert_names]
-        self.shadows = [Shadow(POLICIES[n](cfg, self.clock)) for n in self.expert_names]
+        self.experts = [cls(cfg, self.clock) for cls in self.expert_classes]
+        self.shadows = [Shadow(cls(cfg, self.clock)) for cls in self.expert_classes]
         self.scores = [0.0] * len(self.experts)
         self.lead = 0
         self.references = 0
