@@ -163,3 +163,39 @@ def test_promotion_checks_each_page_as_it_copies_it():
         with pytest.raises(Exception):                       # noqa: B017 - the miss's type is the cache's
             cache.attach(cache.create_sequence(), keys[1])
         assert not cache.contains(keys[1])
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_checked_copy_flags_each_non_finite_value_and_no_finite_extreme(dtype, scalar):
+    """The finiteness scan taken in the copy (``check``), at values and places a vector test can
+    get wrong: the first and last element of a unit, a stripe's lanes either side of a scramble,
+    the unit's last stripe (its own key); finite extremes (max, -max, the smallest subnormal)
+    never flagged; digests and bytes as the plain copy's in every case."""
+    from mmtier.native.rows import CHECK_KINDS
+    gen = torch.Generator().manual_seed(23)
+    n = 4096                                          # 8-16 KiB units: several scrambles each
+    fi = torch.finfo(dtype)
+    src = torch.randn(3, n, generator=gen).to(dtype)
+    src[0, :7] = fi.max
+    src[1, 100:103] = -fi.max
+    src[2, -5:] = torch.tensor(fi.tiny / 8, dtype=dtype)
+    row = n * src.element_size()
+    offs = torch.arange(3, dtype=torch.int64) * row
+
+    def copy(s: torch.Tensor):
+        dst = torch.full_like(s, float("nan"))
+        res = native_digests.copy_digest(dst.data_ptr() + offs, s.data_ptr() + offs, ([], [], [], row),
+                                         check=CHECK_KINDS[dtype], scalar=scalar)
+        assert torch.equal(dst.view(torch.uint8), s.view(torch.uint8))
+        assert res.digests == [xxhash.xxh3_64_intdigest(r) for r in s.view(torch.uint8).numpy()]
+        return res
+
+    assert not copy(src).nonfinite
+    stripe = 64 // src.element_size()
+    places = [(0, 0), (2, n - 1), (1, 16 * stripe - 1), (1, 16 * stripe), (2, n - stripe), (0, 5 * stripe + 3)]
+    for (u, i), value in zip(places, [float("nan"), float("inf"), float("-inf"), -float("nan"),
+                                      float("inf"), float("nan")]):
+        bad = src.clone()
+        bad[u, i] = value
+        assert copy(bad).nonfinite, (u, i, value)

@@ -113,47 +113,99 @@ static void row_scalar(char *d, const char *src, int64_t row, uint64_t acc[8], i
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 512          /* bytes: the source read this far ahead of the stripe (a row starts the prefetcher afresh) */
+#endif
+#define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
+
+/* One stripe: copied (stream: non-temporal), tested (check: the lanes' exponent bits, kept as a
+   running unsigned max that reaches the mask only where some element had all of them set) and
+   folded into the accumulators a0, a1 with `key`. */
+AVX2_INLINE void stripe_avx2(char *d, const char *src, const unsigned char *key, __m256i *a0, __m256i *a1,
+                             __m256i *hi, __m256i m, const int stream, const int check) {
+    __m256i x0 = _mm256_loadu_si256((const __m256i *)src);
+    __m256i x1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+    if (stream) {
+        _mm256_stream_si256((__m256i *)d, x0);
+        _mm256_stream_si256((__m256i *)(d + 32), x1);
+    } else {
+        _mm256_storeu_si256((__m256i *)d, x0);
+        _mm256_storeu_si256((__m256i *)(d + 32), x1);
+    }
+    if (check == 3) {
+        *hi = _mm256_max_epu32(*hi, _mm256_max_epu32(_mm256_and_si256(x0, m), _mm256_and_si256(x1, m)));
+    } else if (check) {
+        *hi = _mm256_max_epu16(*hi, _mm256_max_epu16(_mm256_and_si256(x0, m), _mm256_and_si256(x1, m)));
+    }
+    __m256i k0 = _mm256_xor_si256(x0, _mm256_loadu_si256((const __m256i *)key));
+    __m256i k1 = _mm256_xor_si256(x1, _mm256_loadu_si256((const __m256i *)(key + 32)));
+    /* acc[i] += lo32(k) * hi32(k); acc[i ^ 1] += x[i] */
+    __m256i p0 = _mm256_mul_epu32(k0, _mm256_shuffle_epi32(k0, _MM_SHUFFLE(0, 3, 0, 1)));
+    __m256i p1 = _mm256_mul_epu32(k1, _mm256_shuffle_epi32(k1, _MM_SHUFFLE(0, 3, 0, 1)));
+    *a0 = _mm256_add_epi64(*a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(x0, _MM_SHUFFLE(1, 0, 3, 2))));
+    *a1 = _mm256_add_epi64(*a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(x1, _MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+/* scramble() on the accumulators in registers: a ^= a >> 47; a ^= key; a *= P32_1. */
+AVX2_INLINE __m256i scramble_avx2(__m256i a, const unsigned char *key) {
+    const __m256i prime = _mm256_set1_epi32((int)P32_1);
+    a = _mm256_xor_si256(_mm256_xor_si256(a, _mm256_srli_epi64(a, 47)), _mm256_loadu_si256((const __m256i *)key));
+    __m256i lo = _mm256_mul_epu32(a, prime);
+    __m256i hi = _mm256_mul_epu32(_mm256_shuffle_epi32(a, _MM_SHUFFLE(0, 3, 0, 1)), prime);
+    return _mm256_add_epi64(lo, _mm256_slli_epi64(hi, 32));
+}
+
+/* A row of whole stripes, `*sp` the unit's stripes before it (S in all): runs of stripes up to
+   the next scramble, each stripe's key 8 bytes on from the last, so the loop does no division
+   and keeps its counters in registers; the unit's last stripe takes its own key. */
+AVX2_INLINE int row_avx2_body(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *sp, int64_t S,
+                              const int stream, const int check) {
+    const unsigned char *last_key = SECRET + SECRET_SIZE - STRIPE - 7;
+    const unsigned char *scramble_key = SECRET + SECRET_SIZE - STRIPE;
+    __m256i m = check == 3 ? _mm256_set1_epi32(0x7F800000)
+              : _mm256_set1_epi16((short)(check == 2 ? 0x7F80 : 0x7C00));
+    __m256i hi = _mm256_setzero_si256();
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
+    int64_t s = *sp, k = 0;
+    while (k < row) {
+        int64_t in_block = s % STRIPES_PER_BLOCK;
+        int64_t run = STRIPES_PER_BLOCK - in_block, left = (row - k) / STRIPE;
+        if (run > left) run = left;
+        int last = s + run == S;                        /* the run ends on the unit's last stripe */
+        const unsigned char *key = SECRET + in_block * 8;
+        for (int64_t i = 0; i < run - last; i++, k += STRIPE, key += 8) {
+            _mm_prefetch(src + k + PREFETCH_AHEAD, _MM_HINT_T0);
+            stripe_avx2(d + k, src + k, key, &a0, &a1, &hi, m, stream, check);
+        }
+        if (last) {
+            stripe_avx2(d + k, src + k, last_key, &a0, &a1, &hi, m, stream, check);
+            k += STRIPE;
+        }
+        s += run;
+        if (s % STRIPES_PER_BLOCK == 0 && s < S) {     /* stripe s - 1 closed a block, not the last */
+            a0 = scramble_avx2(a0, scramble_key);
+            a1 = scramble_avx2(a1, scramble_key + 32);
+        }
+    }
+    *sp = s;
+    _mm256_storeu_si256((__m256i *)acc, a0);
+    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+    if (!check) return 0;
+    __m256i seen = check == 3 ? _mm256_cmpeq_epi32(hi, m) : _mm256_cmpeq_epi16(hi, m);
+    return !_mm256_testz_si256(seen, seen);
+}
+
+/* row_avx2_body with stream and check as constants (one specialised loop each). */
 __attribute__((target("avx2")))
 static int row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
                     int stream, int check) {
-    __m256i bad = _mm256_setzero_si256();
-    __m256i m = check == 3 ? _mm256_set1_epi32(0x7F800000)
-              : _mm256_set1_epi16((short)(check == 2 ? 0x7F80 : 0x7C00));
-#define MMT_TEST(x) (check == 3 ? _mm256_cmpeq_epi32(_mm256_and_si256((x), m), m) \
-                                : _mm256_cmpeq_epi16(_mm256_and_si256((x), m), m))
-    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
-    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
-    for (int64_t k = 0; k < row; k += STRIPE, (*s)++) {
-        __m256i x0 = _mm256_loadu_si256((const __m256i *)(src + k));
-        __m256i x1 = _mm256_loadu_si256((const __m256i *)(src + k + 32));
-        if (stream) {
-            _mm256_stream_si256((__m256i *)(d + k), x0);
-            _mm256_stream_si256((__m256i *)(d + k + 32), x1);
-        } else {
-            _mm256_storeu_si256((__m256i *)(d + k), x0);
-            _mm256_storeu_si256((__m256i *)(d + k + 32), x1);
-        }
-        if (check) bad = _mm256_or_si256(bad, _mm256_or_si256(MMT_TEST(x0), MMT_TEST(x1)));
-        const unsigned char *key = stripe_key(*s, S);
-        __m256i k0 = _mm256_xor_si256(x0, _mm256_loadu_si256((const __m256i *)key));
-        __m256i k1 = _mm256_xor_si256(x1, _mm256_loadu_si256((const __m256i *)(key + 32)));
-        /* acc[i] += lo32(k) * hi32(k); acc[i ^ 1] += x[i] */
-        __m256i p0 = _mm256_mul_epu32(k0, _mm256_shuffle_epi32(k0, _MM_SHUFFLE(0, 3, 0, 1)));
-        __m256i p1 = _mm256_mul_epu32(k1, _mm256_shuffle_epi32(k1, _MM_SHUFFLE(0, 3, 0, 1)));
-        a0 = _mm256_add_epi64(a0, _mm256_add_epi64(p0, _mm256_shuffle_epi32(x0, _MM_SHUFFLE(1, 0, 3, 2))));
-        a1 = _mm256_add_epi64(a1, _mm256_add_epi64(p1, _mm256_shuffle_epi32(x1, _MM_SHUFFLE(1, 0, 3, 2))));
-        if (*s % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1 && *s < S - 1) {
-            _mm256_storeu_si256((__m256i *)acc, a0);
-            _mm256_storeu_si256((__m256i *)(acc + 4), a1);
-            scramble(acc);
-            a0 = _mm256_loadu_si256((const __m256i *)acc);
-            a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
-        }
+#define MMT_ROW(st, ch) return row_avx2_body(d, src, row, acc, s, S, st, ch)
+    if (stream) {
+        switch (check) { case 1: MMT_ROW(1, 1); case 2: MMT_ROW(1, 2); case 3: MMT_ROW(1, 3); default: MMT_ROW(1, 0); }
     }
-    _mm256_storeu_si256((__m256i *)acc, a0);
-    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
-#undef MMT_TEST
-    return !_mm256_testz_si256(bad, bad);
+    switch (check) { case 1: MMT_ROW(0, 1); case 2: MMT_ROW(0, 2); case 3: MMT_ROW(0, 3); default: MMT_ROW(0, 0); }
+#undef MMT_ROW
 }
 #endif
 
