@@ -181,6 +181,24 @@ def stored(n, dtype, cfg, gen):
             (torch.randn(L, n, H, D, generator=gen) / vs).to(dtype))
 
 
+def fill(cache, seq, cfg, gen, groups: int, tokens: int):
+    """``groups`` of ``tokens`` each into ``seq``: text appended and images put (prefix-dependent)
+    in turn, then flushed; the K/V as stored, in order."""
+    ks, vs = [], []
+    for i in range(groups):
+        k, v = stored(tokens, getattr(torch, cfg.dtype), cfg, gen)
+        if i % 2:
+            cache.append(seq, "text", k, v)
+        else:
+            key = cache.content_key("vision", f"img{i}".encode(), tenant="acme", parent=cache.prefix_key(seq))
+            cache.put(key, k, v)
+            cache.attach(seq, key)
+        ks.append(k)
+        vs.append(v)
+    cache.flush()
+    return ks, vs
+
+
 def check_attention(cache, seq, ks, vs, cfg, gen, n_q=3, tol=2e-5):
     """Every layer's attention of ``n_q`` fresh queries against the float64 oracle over the
     dequantized K/V the sequence holds (``tol``: the torch path's float32; Triton's bfloat16
@@ -203,22 +221,10 @@ def test_cache_across_device_host_disk_against_oracle(tmp_path, dtype, scales):
     groups end up on the device, the host and the disk, and every layer's attention over all of
     them matches the oracle on the dequantized values."""
     cfg = fp8_cfg(tmp_path, dtype, scales)
-    tdtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(3)
-    ks, vs = [], []
     with TieredKVCache(cfg) as cache:
         seq = cache.create_sequence(tenant="acme")
-        for i in range(12):
-            k, v = stored(50, tdtype, cfg, gen)
-            if i % 2:
-                cache.append(seq, "text", k, v)
-            else:
-                key = cache.content_key("vision", f"img{i}".encode(), tenant="acme", parent=cache.prefix_key(seq))
-                cache.put(key, k, v)
-                cache.attach(seq, key)
-            ks.append(k)
-            vs.append(v)
-        cache.flush()
+        ks, vs = fill(cache, seq, cfg, gen, 12, 50)
         assert {s.group.tier for s in cache.sequence(seq).segments} == {Tier.DEVICE, Tier.HOST, Tier.DISK}
         check_attention(cache, seq, ks, vs, cfg, gen)
         check_attention(cache, seq, ks, vs, cfg, gen, n_q=1)

@@ -28,6 +28,10 @@ per call. It needs each key sequence at one stride, which a page of the pool onl
   token, so unwritten slots (which may hold NaN) are never read by the kernel;
 - copies are where a 16-bit pool is widened: a float32 query keeps its precision and every
   dtype pair runs the float32 kernel;
+- fp8 pages are not copied at all where the native helper applies (``native.fp8_attention``):
+  one C call over every full page widens each row in registers where it is used, the softmax
+  online, split over torch's threads; at a decode over Qwen2.5-VL's shape (4 KV heads x 128,
+  GQA 7) about twice the widen-then-flash path's speed on one core of the 2-core EPYC;
 - every kernel call yields exact partial states ``(out, lse)`` (one per batch entry), combined
   by a log-sum-exp merge in bounded groups, so memory stays bounded for long query blocks.
 
@@ -39,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..native import fp8
+from ..native import fp8, fp8_attention
 from .layout import PagedKV
 
 GATHER_BYTES = 8 << 20
@@ -74,6 +78,11 @@ def _full_pages(qh, op: PagedKV, page_ids, scale: float, states: _States) -> Non
     hkv, rows, head_dim = qh.shape
     size = op.page_size
     ids = page_ids.sort().values
+    if op.kv.dtype in fp8.FP8:                             # fp8: widened in registers, one pass
+        state = fp8_attention.attend(qh, op.kv, op.layer, ids, scale)
+        if state is not None:
+            states.add(state[0][None], state[1][None])
+            return
     page_elems = size * hkv * head_dim                     # one page's K (or V) in one layer
     step = _pages_per_chunk(page_elems)
     buf = torch.empty(2 * step * page_elems, dtype=torch.float32, device=qh.device)
