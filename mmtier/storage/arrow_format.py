@@ -45,12 +45,11 @@ import xxhash
 
 from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
-from .dest_pages import DestPages
+from .dest_pages import DestPages, layer_slices
 from .layer_extent import (
     DIRECT_MIN_EXTENT,
     LayerExtent,
     digest_of_slices,
-    layer_slices,
     preadv_exact,
     read_frame,
 )

@@ -31,6 +31,13 @@ from ..config import ModalitySpec
 from ..errors import CorruptDataError, DTypeError, ShapeError
 
 
+def layer_slices(views: Sequence[np.ndarray], layer: int, layer_bytes: int) -> list[np.ndarray]:
+    """Layer ``layer``'s slice of every page of ``views`` (``[k, page_bytes]`` rows), in page
+    order: the destination of one layer extent in whole pages (strided, no copy)."""
+    lo = layer * layer_bytes
+    return [row[lo:lo + layer_bytes] for v in views for row in v]
+
+
 class DestPages:
     """Destination pages: one tensor or several contiguous runs, addressed by page index.
     ``one_layer``: each destination page holds one layer of a page (``spec.layer_shape``)."""
@@ -83,8 +90,7 @@ class DestPages:
     def layer_slices(self, first: int, pages: int, layer: int, layer_bytes: int) -> list[np.ndarray]:
         """Layer ``layer``'s slice (``layer_bytes`` a page) of pages ``first..first+pages``, in
         page order: the destination of one layer extent (strided views, no copy)."""
-        lo = layer * layer_bytes
-        return [row[lo:lo + layer_bytes] for v in self.views(first, pages) for row in v]
+        return layer_slices(self.views(first, pages), layer, layer_bytes)
 
     def layer_writer(self, first: int, pages: int, layer_bytes: int):
         """``copy(layer, a, src)``: bytes ``a..a+len(src)`` of layer ``layer``'s extent (pages

@@ -90,13 +90,6 @@ class LayerExtent:
         return out
 
 
-def layer_slices(views: Sequence[np.ndarray], layer: int, layer_bytes: int) -> list[np.ndarray]:
-    """Layer ``layer``'s slice of every page of ``views`` (``[k, page_bytes]`` rows), in page
-    order: the destination of one layer extent in whole pages (strided, no copy)."""
-    lo = layer * layer_bytes
-    return [row[lo:lo + layer_bytes] for v in views for row in v]
-
-
 def digest_of_slices(slices: Sequence[np.ndarray]) -> int:
     """xxh3 of ``slices`` taken in order (what one layer extent of the file holds)."""
     h = xxhash.xxh3_64()
