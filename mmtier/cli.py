@@ -141,6 +141,7 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
         cfg, settings = _serve_llm_start_config(llm[0], path)
     elif "applications" in data:
         from .serve.config import ServeAppConfig
+        from .serve.engine_loader import app_cache_config
 
         apps = [a for a in data["applications"] or []
                 if str(a.get("import_path", "")).startswith("mmtier.serve")]
@@ -149,7 +150,7 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
         args = ServeAppConfig.parse(apps[0].get("args") or {})
         if allow_default_secret:
             args = args.model_copy(update={"cache": args.cache.model_copy(update={"allow_default_key_secret": True})})
-        return args.cache_config(), args.settings()
+        return app_cache_config(args), args.settings()
     else:
         settings = ClusterSettings(**(data.pop("cluster", None) or {}))
         cfg = CacheConfig(**dict(data.get("cache", data)))

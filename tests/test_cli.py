@@ -64,17 +64,18 @@ def test_start_refuses_the_default_key_secret_without_the_dev_flag(monkeypatch, 
 
 def test_serve_app_refuses_the_default_key_secret_unless_allowed(monkeypatch):
     from mmtier.serve.config import ServeAppConfig
+    from mmtier.serve.engine_loader import app_cache_config
 
     monkeypatch.delenv("MMTIER_KEY_SECRET", raising=False)
     args = {"api_keys": {"k": "acme"}}
     with pytest.raises(ConfigError) as err:
-        ServeAppConfig.parse(args).cache_config()
+        app_cache_config(ServeAppConfig.parse(args))
     assert err.value.fields == ("key_secret",)
     allowed = ServeAppConfig.parse({**args, "cache": {"allow_default_key_secret": True}})
-    assert allowed.cache_config().key_secret == DEFAULT_KEY_SECRET
+    assert app_cache_config(allowed).key_secret == DEFAULT_KEY_SECRET
     monkeypatch.setenv("MY_SECRET", "from-env")
     from_env = ServeAppConfig.parse({**args, "cache": {"key_secret_env": "MY_SECRET"}})
-    assert from_env.cache_config().key_secret == "from-env"
+    assert app_cache_config(from_env).key_secret == "from-env"
 
 
 def test_deployment_configs():

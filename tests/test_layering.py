@@ -6,11 +6,8 @@ one of mmtier's modules by another, at import time or inside a function (those g
   a package that reaches back (the graph of packages is acyclic), so every import runs down.
   ``LAYERS`` below is that order as it stands, bottom first; a change that adds an import
   running up fails here, naming the edge.
-- No cycle among modules at import time.
-- No module imports another's private (underscore) name.
-Known and left: one cycle among modules through imports inside functions (``serve``'s config,
-model API and chat model pick an engine by name);
-``test_the_lazy_module_cycles_are_only_the_known_ones`` pins it so that a new one fails."""
+- No cycle among modules, at import time or through imports inside functions.
+- No module imports another's private (underscore) name."""
 
 from __future__ import annotations
 
@@ -35,9 +32,6 @@ LAYERS = [
     {"serve"},
     {"demo"},
     {"cli.py"},
-]
-KNOWN_LAZY_CYCLES = [
-    {"mmtier.serve.chat_model", "mmtier.serve.config", "mmtier.serve.model_api", "mmtier.serve.protocol"},
 ]
 
 
@@ -134,10 +128,10 @@ def test_no_module_cycle_at_import_time():
     assert cycles(graph) == []
 
 
-def test_the_lazy_module_cycles_are_only_the_known_ones():
+def test_no_module_cycle_through_imports_inside_functions():
     mods = modules()
     graph = {a: {b for b, _ in targets if b in mods} for a, targets in imports(mods, lazy=True).items()}
-    assert sorted(map(sorted, cycles(graph))) == sorted(map(sorted, KNOWN_LAZY_CYCLES))
+    assert cycles(graph) == []
 
 
 def test_no_module_imports_another_modules_private_name():

@@ -37,7 +37,7 @@ from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.serve.app import build_app  # noqa: E402
 from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ServeAppConfig  # noqa: E402
-from mmtier.serve.model_api import load_frontend  # noqa: E402
+from mmtier.serve.engine_loader import load_frontend  # noqa: E402
 
 from .media_samples import float_wav, image, part, video, wav  # noqa: E402
 

@@ -14,7 +14,7 @@ from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
 from mmtier.serve.chat_model import load_chat  # noqa: E402
 from mmtier.serve.config import ModelArgs  # noqa: E402
-from mmtier.serve.model_api import load_engine, load_frontend  # noqa: E402
+from mmtier.serve.engine_loader import load_engine, load_frontend  # noqa: E402
 
 from .media_samples import image, video, wav  # noqa: E402
 

@@ -29,7 +29,7 @@ from mmtier.actors.registry import ContentRegistry, HolderInfo  # noqa: E402
 from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.errors import HolderLostError  # noqa: E402
 from mmtier.serve.config import ModelArgs, Workers  # noqa: E402
-from mmtier.serve.model_api import load_engine  # noqa: E402
+from mmtier.serve.engine_loader import load_engine  # noqa: E402
 from mmtier.serve.turns import TurnRunner  # noqa: E402
 
 from .media_samples import image, wav  # noqa: E402

@@ -9,8 +9,9 @@
 - ``worker.TurnWorker``: the per-node worker, an actor that runs the model and holds its node's
   pool (``mmtier.actors.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
   its requests (a plain class);
-- ``engines``: the model a worker runs behind one interface (``chat_model``: the transformers
-  chat model), and the part of it the ingress needs;
+- ``model_api``: the model a worker runs behind one interface (``chat_model``: the transformers
+  chat model), and the part of it the ingress needs; ``engine_loader`` loads them and builds
+  the cluster's cache config for the model;
 - ``media``: the media bytes the app accepts (PNG, JPEG, PCM16 WAV), checked before routing;
 
 Names load lazily so that ``import mmtier.serve`` does not import Ray.

@@ -50,7 +50,7 @@ class ChatIngress:
         import ray
 
         from ..actors import connect
-        from .model_api import load_frontend
+        from .engine_loader import load_frontend
 
         self.cfg = ServeAppConfig.parse(cfg_json)
         self.keys = self.cfg.key_table()
@@ -220,10 +220,11 @@ def build_app(args: dict | None = None):
 
     from ..actors import start
     from ..actors.pool_host import host_name
+    from .engine_loader import app_cache_config
 
     cfg = ServeAppConfig.parse(args)
     cfg.key_table()                                     # fail at deploy time, not per request
-    cache_cfg = cfg.cache_config()                      # refuses the public default key secret
+    cache_cfg = app_cache_config(cfg)                   # refuses the public default key secret
     cfg_json = cfg.model_dump(mode="json")
     if not ray.is_initialized():
         ray.init(address="auto", namespace=cfg.settings().namespace)

@@ -19,7 +19,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..actors.settings import ClusterSettings
-from ..config import CacheConfig, require_key_secret
 from ..errors import ConfigError
 
 
@@ -92,23 +91,6 @@ class CacheArgs(_Strict):
                            "when key_secret_env is unset or names an unset variable (anyone "
                            "could derive tenant salts).")
     shares: dict[str, float] | None = Field(None, description="Arena share per modality (default: the model's).")
-
-    def cache_config(self, model: ModelArgs) -> CacheConfig:
-        """The cluster's cache for ``model`` (its layout from the model, budgets from here)."""
-        from .model_api import engine_cache_config
-
-        extra: dict[str, Any] = {"device": self.device, "eviction_policy": self.eviction_policy}
-        secret = os.environ.get(self.key_secret_env) if self.key_secret_env else None
-        if secret:
-            extra["key_secret"] = secret
-        elif self.key_secret_env and not self.allow_default_key_secret:
-            raise ConfigError(f"cache.key_secret_env: environment variable {self.key_secret_env} "
-                              "is not set (it holds the cache's key secret)", ("cache.key_secret_env",))
-        cfg = engine_cache_config(model, device_bytes=self.device_bytes, host_bytes=self.host_bytes,
-                                  shares=self.shares, **extra)
-        require_key_secret(cfg, self.allow_default_key_secret,
-                           "set cache.key_secret_env to an environment variable that holds one")
-        return cfg
 
 
 class Limits(_Strict):
@@ -209,9 +191,6 @@ class ServeAppConfig(_Strict):
             return ClusterSettings(**self.cluster)
         except ValidationError as exc:
             raise ConfigError(f"invalid cluster settings: {exc}", ("cluster",)) from None
-
-    def cache_config(self) -> CacheConfig:
-        return self.cache.cache_config(self.model)
 
     def key_table(self) -> KeyTable:
         digests = {k.lower(): t for k, t in self.api_key_sha256.items()}

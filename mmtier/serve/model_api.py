@@ -12,6 +12,9 @@ the engine computes them, for its one batched registry lookup per request.
 - ``hf`` (``chat_model.py``): the transformers chat model of ``mmtier.chat.model``, the
   one model stack of the demo, the benchmarks and Serve.
 
+``engine_loader.py`` picks and loads the engine by ``model.kind`` (this module only names the
+interface, so the engines import it and it imports none of them).
+
 Items reach an engine as ``("text", str)`` or ``(request media type, bytes)`` pairs, the media
 already decoded once and checked by the protocol (``media.py``).
 """
@@ -22,9 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..config import CacheConfig
 from ..content import ContentKey
-from .config import ModelArgs
 
 Item = tuple[str, Any]        # ("text", str) | ("image" | "video" | "audio", bytes)
 Turn = tuple[Sequence[Item], str]   # an earlier turn: its items and the answer's text
@@ -69,24 +70,3 @@ class TurnEngine(Frontend, Protocol):
 
     def answer(self, cache, tenant: str, history: Sequence[Turn], items: Sequence[Item],
                max_new_tokens: int) -> TurnOutput: ...
-
-
-def load_engine(model: ModelArgs, device: str = "cpu") -> TurnEngine:
-    """The engine of ``model.kind`` with its weights on ``device`` (a worker)."""
-    from .chat_model import HFEngine
-
-    return HFEngine.load(model, device)
-
-
-def load_frontend(model: ModelArgs) -> Frontend:
-    """What the ingress needs of the engine: no weights, no pool."""
-    from .chat_model import HFFrontend
-
-    return HFFrontend.load(model)
-
-
-def engine_cache_config(model: ModelArgs, **overrides: Any) -> CacheConfig:
-    """The cluster's ``CacheConfig`` for ``model`` (every pool and store of the app uses it)."""
-    from .chat_model import hf_cache_config
-
-    return hf_cache_config(model, **overrides)

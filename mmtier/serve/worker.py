@@ -5,9 +5,10 @@ device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the model 
 live in one process, on the node's GPU when it has one (``app.py`` asks ``num_gpus=1`` for it,
 ``workers.device: auto``; ``mmtier start`` leaves that GPU free, see ``launch.device_pools``),
 else on the CPU, so a request's attention reads local pages with no Ray call. The model is a
-chat engine (``model_api.py``: the transformers chat model); a request's history and media groups held elsewhere are found by one
-registry lookup and pulled whole into the pool (the ``traffic`` in the answer counts those
-calls); new groups are published after the request.
+chat engine (``model_api.py``: the transformers chat model, loaded by ``engine_loader.py``); a
+request's history and media groups held elsewhere are found by one registry lookup and pulled
+whole into the pool (the ``traffic`` in the answer counts those calls); new groups are
+published after the request.
 
 The requests themselves (the serial engine's one at a time, the answer a failed one gets) are
 a plain class, ``turns.TurnRunner``, over the pool's ``HostedCache``; the pool's own actor
@@ -20,7 +21,7 @@ import logging
 
 from ..actors.pool_host import PoolHost
 from .config import ServeAppConfig
-from .model_api import load_engine
+from .engine_loader import load_engine
 from .turns import TurnRunner
 
 log = logging.getLogger(__name__)
