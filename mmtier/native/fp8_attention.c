@@ -175,9 +175,11 @@ VEC_INLINE void scores_avx2(const uint8_t *k, int64_t stride, const float *q, in
     for (int t = 0; t < T; t++) s[t] = hsum8(a[t]);
 }
 
-/* acc[r][d0 : d0 + 8C] = corr[r] * acc + sum_t w[t][r] * v_t[d0 : d0 + 8C] over n tokens. */
+/* acc[r][d0 : d0 + 8C] = corr[r] * acc + sum_t w[t][r] * v_t[d0 : d0 + 8C] over n tokens; the
+   weights come broadcast already (w[t][r]: 8 copies), so each FMA reads its weight from memory
+   in the instruction, with no broadcast per column chunk. */
 VEC_INLINE void values_avx2(const uint8_t *v, int64_t stride, int n, int d0, int D, float *acc,
-                            const float *corr, const float (*w)[8], const int R, const int C, const int e5m2) {
+                            const float *corr, const __m256 (*w)[8], const int R, const int C, const int e5m2) {
     __m256 o[4][8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++)
@@ -185,10 +187,8 @@ VEC_INLINE void values_avx2(const uint8_t *v, int64_t stride, int n, int d0, int
     for (int t = 0; t < n; t++) {
         __m256 x[4];
         for (int c = 0; c < C; c++) x[c] = widen8(v + t * stride + d0 + 8 * c, e5m2);
-        for (int r = 0; r < R; r++) {
-            __m256 wr = _mm256_broadcast_ss(&w[t][r]);
-            for (int c = 0; c < C; c++) o[c][r] = _mm256_fmadd_ps(wr, x[c], o[c][r]);
-        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) o[c][r] = _mm256_fmadd_ps(w[t][r], x[c], o[c][r]);
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) _mm256_storeu_ps(acc + r * D + d0 + 8 * c, o[c][r]);
@@ -223,16 +223,20 @@ VEC_INLINE void head_block_avx2(const job_t *j, const uint8_t *k, const uint8_t 
         s[t] = exp8(_mm256_sub_ps(s[t], mx));
         l = _mm256_add_ps(l, s[t]);
     }
-    float cv[8], w[TOKENS][8];
+    float cv[8], wt[8];
+    __m256 w[TOKENS][8];
     _mm256_storeu_ps(cv, corr);
     _mm256_storeu_ps(mv, mx);
     _mm256_storeu_ps(lv, l);
-    for (t = 0; t < n; t++) _mm256_storeu_ps(w[t], s[t]);
+    for (t = 0; t < n; t++) {
+        _mm256_storeu_ps(wt, s[t]);
+        for (int r = 0; r < R; r++) w[t][r] = _mm256_set1_ps(wt[r]);
+    }
     for (int r = 0; r < R; r++) { j->m[h * R + r] = mv[r]; j->l[h * R + r] = lv[r]; }
     const int C = V_CHUNKS(R);
     int d = 0;
-    for (; d + 8 * C <= D; d += 8 * C) values_avx2(v, stride, n, d, D, acc, cv, (const float (*)[8])w, R, C, e5m2);
-    for (; d < D; d += 8) values_avx2(v, stride, n, d, D, acc, cv, (const float (*)[8])w, R, 1, e5m2);
+    for (; d + 8 * C <= D; d += 8 * C) values_avx2(v, stride, n, d, D, acc, cv, (const __m256 (*)[8])w, R, C, e5m2);
+    for (; d < D; d += 8) values_avx2(v, stride, n, d, D, acc, cv, (const __m256 (*)[8])w, R, 1, e5m2);
 }
 
 VEC static void head_block_vec(const job_t *j, const uint8_t *k, const uint8_t *v, int n, int h) {
