@@ -42,15 +42,15 @@ def oracle(q, kv, layer, ids, scale):
     (6, 1, 128, 64, 1), (7, 4, 128, 16, 2), (8, 2, 24, 32, 1)])
 def test_against_the_float64_oracle(scalar, dtype, rows, hkv, d, size, threads):
     gen = torch.Generator().manual_seed(rows * 100 + d + size)
-    kv = pool(gen, 13, 3, size, hkv, d, dtype)
-    ids = torch.randperm(13, generator=gen)[:9]
+    kv = pool(gen, 80, 3, size, hkv, d, dtype)
+    ids = torch.randperm(80, generator=gen)[:70]          # threads take 16 pages at a time
     q = torch.randn(hkv, rows, d, generator=gen)
     scale = d ** -0.5
     got = fp8_attention.attend(q, kv, 1, ids, scale, threads=threads, scalar=scalar)
     assert got is not None
     out, lse = oracle(q, kv, 1, ids, scale)
-    assert rel_err(got[0], out) <= 2e-6
-    assert (got[1].double() - lse).abs().max().item() <= 2e-5
+    assert rel_err(got[0], out) <= 1e-5                   # float32 sums over 1,120 keys
+    assert (got[1].double() - lse).abs().max().item() <= 5e-5
 
 
 @pytest.mark.parametrize("scalar", [False, True])
@@ -59,15 +59,15 @@ def test_against_the_float64_oracle(scalar, dtype, rows, hkv, d, size, threads):
 @pytest.mark.parametrize("where", [0, 1])
 def test_a_special_byte_gives_its_heads_state_nan_and_no_other(scalar, dtype, special, where):
     gen = torch.Generator().manual_seed(5)
-    kv = pool(gen, 6, 2, 16, 3, 64, dtype)
-    kv.view(torch.uint8)[4, 0, where, 9, 1, 17] = special         # K or V of head 1 in page 4
+    kv = pool(gen, 40, 2, 16, 3, 64, dtype)
+    kv.view(torch.uint8)[34, 0, where, 9, 1, 17] = special        # K or V of head 1 in page 34
     q = torch.randn(3, 4, 64, generator=gen)
-    ids = torch.tensor([0, 2, 4, 5])
+    ids = torch.tensor([0, 2, *range(4, 40)])
     got = fp8_attention.attend(q, kv, 0, ids, 0.125, threads=2, scalar=scalar)
     assert got[0][1].isnan().all() and got[1][1].isnan().all()
     clean = [0, 2]
     out, lse = oracle(q, kv, 0, ids, 0.125)
-    assert rel_err(got[0][clean], out[clean]) <= 2e-6 and not got[0][clean].isnan().any()
+    assert rel_err(got[0][clean], out[clean]) <= 1e-5 and not got[0][clean].isnan().any()
 
 
 def test_shapes_it_does_not_take_are_left_to_the_caller():

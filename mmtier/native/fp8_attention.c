@@ -16,8 +16,8 @@
  * that KV head's rows, never a finite wrong one.
  *
  * Two paths: AVX2 + FMA (chosen at run time where the CPU has both and denormal inputs are not
- * flushed), and portable C; `threads` split the pages (each thread a partial state, merged by
- * log-sum-exp at the end). Returns 0, or -2 on arguments it does not take (nothing written). */
+ * flushed), and portable C; `threads` take the pages in chunks as they go (each thread a partial
+ * state, merged by log-sum-exp at the end). Returns 0, or -2 on arguments it does not take (nothing written). */
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
@@ -31,10 +31,12 @@
 #define MAX_DIM 512
 #define MAX_THREADS 16
 #define TOKENS 32           /* tokens per online-softmax block */
+#define CHUNK 16            /* pages a thread takes at a time */
 
 typedef struct {
     const int64_t *pages;
     int64_t n_pages, v_off;
+    int64_t *next;          /* the first page no thread has taken yet (shared) */
     int P, hkv, D, R, e5m2, vec;
     const float *q;
     float *acc, *m, *l;     /* this thread's state: [hkv, R, D], [hkv, R], [hkv, R] */
@@ -270,20 +272,27 @@ static void prefetch_part(const job_t *j, int64_t i, int part, int parts) {
     }
 }
 
+/* Chunks of CHUNK pages taken in turn from the shared counter until none are left: a thread
+   that is slowed (a core shared with the disk readers) takes fewer, none waits on another. */
 static void *run_job(void *arg) {
     job_t *j = arg;
-    for (int64_t i = 0; i < PAGES_AHEAD && i < j->n_pages; i++) prefetch_part(j, i, 0, 1);
-    for (int64_t i = 0; i < j->n_pages; i++) {
-        const uint8_t *page = (const uint8_t *)(intptr_t)j->pages[i];
-        for (int h = 0; h < j->hkv; h++) {
-            prefetch_part(j, i + PAGES_AHEAD, h, j->hkv);
-            for (int t0 = 0; t0 < j->P; t0 += TOKENS) {
-                int n = j->P - t0 < TOKENS ? j->P - t0 : TOKENS;
-                const uint8_t *k = page + ((int64_t)t0 * j->hkv + h) * j->D;
+    for (;;) {
+        int64_t a = __atomic_fetch_add(j->next, CHUNK, __ATOMIC_RELAXED);
+        if (a >= j->n_pages) break;
+        int64_t b = a + CHUNK < j->n_pages ? a + CHUNK : j->n_pages;
+        for (int64_t i = a; i < a + PAGES_AHEAD && i < b; i++) prefetch_part(j, i, 0, 1);
+        for (int64_t i = a; i < b; i++) {
+            const uint8_t *page = (const uint8_t *)(intptr_t)j->pages[i];
+            for (int h = 0; h < j->hkv; h++) {
+                if (i + PAGES_AHEAD < b) prefetch_part(j, i + PAGES_AHEAD, h, j->hkv);
+                for (int t0 = 0; t0 < j->P; t0 += TOKENS) {
+                    int n = j->P - t0 < TOKENS ? j->P - t0 : TOKENS;
+                    const uint8_t *k = page + ((int64_t)t0 * j->hkv + h) * j->D;
 #ifdef HAVE_AVX2
-                if (j->vec) { head_block_vec(j, k, k + j->v_off, n, h); continue; }
+                    if (j->vec) { head_block_vec(j, k, k + j->v_off, n, h); continue; }
 #endif
-                head_block_scalar(j, k, k + j->v_off, n, h);
+                    head_block_scalar(j, k, k + j->v_off, n, h);
+                }
             }
         }
     }
@@ -302,28 +311,27 @@ int mmtier_fp8_attend(const int64_t *pages, int64_t n_pages, int64_t v_off, int 
 #endif
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    if (threads > n_pages) threads = (int)n_pages;
+    if (threads > (n_pages + CHUNK - 1) / CHUNK) threads = (int)((n_pages + CHUNK - 1) / CHUNK);
     int64_t state = (int64_t)hkv * R;
     float *mem = malloc(sizeof(float) * (size_t)(threads * state * (D + 2)));
     if (mem == NULL) return -2;
     job_t jobs[MAX_THREADS];
     pthread_t tid[MAX_THREADS];
     int started[MAX_THREADS] = {0};
+    int64_t next = 0;
     for (int t = 0; t < threads; t++) {
-        int64_t a = n_pages * t / threads, b = n_pages * (t + 1) / threads;
         float *acc = mem + t * state * (D + 2);
-        job_t j = {pages + a, b - a, v_off, P, hkv, D, R, e5m2, vec, q, acc, acc + state * D,
+        job_t j = {pages, n_pages, v_off, &next, P, hkv, D, R, e5m2, vec, q, acc, acc + state * D,
                    acc + state * D + state};
         jobs[t] = j;
         memset(acc, 0, sizeof(float) * (size_t)(state * D));
         for (int64_t i = 0; i < state; i++) { jobs[t].m[i] = -INFINITY; jobs[t].l[i] = 0.f; }
     }
-    for (int t = 1; t < threads; t++)          /* thread 0's share runs here; a failed start too */
+    for (int t = 1; t < threads; t++)          /* this thread works too; a failed start costs only speed */
         started[t] = pthread_create(&tid[t], NULL, run_job, &jobs[t]) == 0;
     run_job(&jobs[0]);
     for (int t = 1; t < threads; t++) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else run_job(&jobs[t]);
+        if (started[t]) pthread_join(tid[t], NULL);   /* a thread never started took no page */
     }
     for (int64_t i = 0; i < state; i++) {      /* the threads' states merged by log-sum-exp */
         float top = -INFINITY;
