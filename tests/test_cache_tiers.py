@@ -203,6 +203,40 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         assert all(cache.contains(k) for k in keys if k not in victims)
 
 
+def test_a_long_disk_read_takes_fewer_larger_batches(tmp_path, monkeypatch, backend):
+    """Past ``BATCH_BYTES`` x ``MAX_BATCHES`` a call's batches grow (about ``MAX_BATCHES`` a
+    modality, none over ``MAX_BATCH_BYTES``), and the answer is the oracle's all the same."""
+    from mmtier.attention import streaming
+    from mmtier.attention.lower_operands import disk_stream
+
+    monkeypatch.setattr(streaming, "BATCH_BYTES", VISION_PAGE)
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        seq, ks, vs, keys, on_disk = _mixed_on_disk(cache, 9, every=3)
+        segs = cache.sequence(seq).segments
+
+        def batches() -> int:
+            stream = disk_stream(cache.lower, segs, 0)
+            for _, fut in stream.batches:
+                fut.result(timeout=60)
+            stream.close()
+            return len(stream.batches)
+
+        many = batches()
+        monkeypatch.setattr(streaming, "MAX_BATCHES", 1)
+        few = batches()
+        assert few < many and few <= len({s.group.modality for s in segs if s.group.tier == Tier.DISK})
+        q = torch.randn(2, 4, D)
+        kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
+        t = kk.shape[1]
+        for layer in range(L):
+            out = cache.attention(seq, layer, q)
+            expect, _ = oracle_attention(q, torch.arange(t - 2, t), kk[layer], vv[layer], torch.arange(t))
+            assert rel_err(out, expect) < 1e-5
+        monkeypatch.setattr(streaming, "MAX_BATCH_BYTES", VISION_PAGE)
+        assert batches() == many
+
+
 @pytest.mark.parametrize("persist", [False, True])
 def test_warm_restart_knows_every_group_on_disk(tmp_path, backend, persist):
     """Three groups spilled to disk; the fourth is on the device when the cache closes:

@@ -5,10 +5,11 @@ to is those bytes over the disk's bandwidth. ``DiskStream`` gets there by keepin
 and the cores busy at once:
 
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
-  ``BATCH_BYTES`` and each batch is queued at once as one mover job (``Mover.fetch_many``:
-  each group of the batch read with its verified lean read into one host buffer, taken from
-  the cache's ``StagingPool`` and given back once the batch is computed, so a decode step does
-  not pay fresh page faults for the buffers of the last one);
+  ``BATCH_BYTES`` (a long read: about ``MAX_BATCHES`` batches, each at most ``MAX_BATCH_BYTES``)
+  and each batch is queued at once as one mover job (``Mover.fetch_many``: each group of the
+  batch read with its verified lean read into one host buffer, taken from the cache's
+  ``StagingPool`` and given back once the batch is computed, so a decode step does not pay
+  fresh page faults for the buffers of the last one);
 - an attention call is for one layer, so where a modality's pages hold several layers only
   that layer is read (``DiskTier.get_layer``: ``1/L`` of the group's bytes, one contiguous
   extent per file in the layer-major format, read with ``O_DIRECT`` into the page-aligned
@@ -48,6 +49,13 @@ from ..storage.staging import StagingPool
 from .compile import compile_segments
 
 BATCH_BYTES = 8 << 20
+# A call that reads more than BATCH_BYTES x MAX_BATCHES takes larger batches, up to
+# MAX_BATCH_BYTES: each batch costs the caller's thread ~1.5 ms of Python beside the kernel
+# (compile, page tables, the call), which at a 2M-token step was 7,168 batches and ~11 s; 64 a
+# layer keep the read before the first batch's compute and the compute after the last read
+# (the call's bubble) ~3 % of it.
+MAX_BATCHES = 64
+MAX_BATCH_BYTES = 64 << 20
 # Batches read at once. With buffered reads more than 2 only fought over the GIL and the cores
 # (each reader copied out of the page cache); with O_DIRECT layer reads a reader sleeps in the
 # device, and 4 kept the disk busier: a read-only stream of 5.4 GB (Qwen2.5-VL shape, 131K
@@ -66,6 +74,7 @@ class DiskStream:
         groups = list(groups)
         self._keys = {g.gid: k for g, k in zip(groups, keys)}
         self.layer = layer
+        batch_bytes_arg = batch_bytes
         batch_bytes = BATCH_BYTES if batch_bytes is None else batch_bytes
         self.batches: list[tuple[list[ModalityGroup], Future]] = []
         self._taken: set[Future] = set()
@@ -79,10 +88,14 @@ class DiskStream:
         for members in by_modality.values():
             batch, size = [], 0
             per_layer = _read_per_layer(members[0].spec)
+            limit = batch_bytes
+            if batch_bytes_arg is None:             # a long read: fewer, larger batches
+                total = sum(_read_bytes(g, per_layer) for g in members)
+                limit = min(max(batch_bytes, total // MAX_BATCHES), MAX_BATCH_BYTES)
             for g in members:                       # batches sized by the bytes they read
                 batch.append(g)
-                size += g.nbytes // g.spec.page_layers if per_layer else g.nbytes
-                if size >= batch_bytes:
+                size += _read_bytes(g, per_layer)
+                if size >= limit:
                     self.batches.append((batch, Future()))
                     batch, size = [], 0
             if batch:
@@ -174,6 +187,11 @@ class DiskStream:
             raise CorruptDataError(f"{len(self.failed)} disk group(s) missing or failed verification, "
                                    f"e.g. {self.failed[0]!r} (a miss)")
         return states
+
+
+def _read_bytes(g: ModalityGroup, per_layer: bool) -> int:
+    """The bytes a batch reads of ``g``: one layer of each page, or all of them."""
+    return g.nbytes // g.spec.page_layers if per_layer else g.nbytes
 
 
 def _read_per_layer(spec) -> bool:
