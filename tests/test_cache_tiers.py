@@ -204,8 +204,8 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
 
 
 def test_a_long_disk_read_takes_fewer_larger_batches(tmp_path, monkeypatch, backend):
-    """Past ``BATCH_BYTES`` x ``MAX_BATCHES`` a call's batches grow (about ``MAX_BATCHES`` a
-    modality, none over ``MAX_BATCH_BYTES``), and the answer is the oracle's all the same."""
+    """Past ``BATCH_BYTES`` x ``MAX_BATCHES`` a call's batches grow (about ``MAX_BATCHES`` in
+    all, none over ``MAX_BATCH_BYTES``), and the answer is the oracle's all the same."""
     from mmtier.attention import streaming
     from mmtier.attention.lower_operands import disk_stream
 

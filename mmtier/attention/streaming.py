@@ -5,7 +5,7 @@ to is those bytes over the disk's bandwidth. ``DiskStream`` gets there by keepin
 and the cores busy at once:
 
 - the disk-resident groups of one attention call are cut, per modality, into batches of about
-  ``BATCH_BYTES`` (a long read: about ``MAX_BATCHES`` batches, each at most ``MAX_BATCH_BYTES``)
+  ``BATCH_BYTES`` (a long read: about ``MAX_BATCHES`` in all, each at most ``MAX_BATCH_BYTES``)
   and each batch is queued at once as one mover job (``Mover.fetch_many``: each group of the
   batch read with its verified lean read into one host buffer, taken from the cache's
   ``StagingPool`` and given back once the batch is computed, so a decode step does not pay
@@ -52,8 +52,8 @@ BATCH_BYTES = 8 << 20
 # A call that reads more than BATCH_BYTES x MAX_BATCHES takes larger batches, up to
 # MAX_BATCH_BYTES: each batch costs the caller's thread ~1.5 ms of Python beside the kernel
 # (compile, page tables, the call), which at a 2M-token step was 7,168 batches and ~11 s; 64 a
-# layer keep the read before the first batch's compute and the compute after the last read
-# (the call's bubble) ~3 % of it.
+# call (one layer) keep the read before the first batch's compute and the compute after the
+# last read (the call's bubble) ~3 % of it.
 MAX_BATCHES = 64
 MAX_BATCH_BYTES = 64 << 20
 # Batches read at once. With buffered reads more than 2 only fought over the GIL and the cores
@@ -85,13 +85,13 @@ class DiskStream:
         by_modality: dict[str, list[ModalityGroup]] = {}
         for g in {g.gid: g for g in groups}.values():
             by_modality.setdefault(g.modality, []).append(g)
+        limit = batch_bytes
+        if batch_bytes_arg is None:                 # a long read: fewer, larger batches
+            total = sum(_read_bytes(g, _read_per_layer(g.spec)) for ms in by_modality.values() for g in ms)
+            limit = min(max(batch_bytes, total // MAX_BATCHES), MAX_BATCH_BYTES)
         for members in by_modality.values():
             batch, size = [], 0
             per_layer = _read_per_layer(members[0].spec)
-            limit = batch_bytes
-            if batch_bytes_arg is None:             # a long read: fewer, larger batches
-                total = sum(_read_bytes(g, per_layer) for g in members)
-                limit = min(max(batch_bytes, total // MAX_BATCHES), MAX_BATCH_BYTES)
             for g in members:                       # batches sized by the bytes they read
                 batch.append(g)
                 size += _read_bytes(g, per_layer)
