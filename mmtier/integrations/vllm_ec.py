@@ -58,9 +58,9 @@ from ..content import ContentKey
 from ..errors import MMTierError
 from .connector_cache import open_shared, release_shared, report_for, tenant_from_extra
 from .lookup_channel import LookupChannel
-from .vllm import SPLIT_BACKENDS
 from .vllm_keys import embed_pools, embedding_key
 from .vllm_metrics import MMTierECPromMetrics, MMTierECStats
+from .vllm_setup import SPLIT_BACKENDS
 from .vllm_shape import engine_shape, engine_shard
 
 if TYPE_CHECKING:

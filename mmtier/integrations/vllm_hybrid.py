@@ -172,7 +172,7 @@ class AsyncLoads:
 
     def submit(self, ops: list, layers: list[tuple[torch.Tensor, int]], key_of: Callable[[Any], Any],
                states: list[StateCopy] = (), views: list[tuple[torch.Tensor, ...]] = ()) -> None:
-        """Load every op (``vllm.GroupCopy`` with ``group_slots``) into ``layers``
+        """Load every op (``vllm_meta.GroupCopy`` with ``group_slots``) into ``layers``
         (``(tensor, group)`` in the cache's layer order), and every state into ``views`` (the
         recurrent layers' state tensors)."""
         with self._lock:
