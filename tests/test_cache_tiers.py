@@ -169,6 +169,17 @@ def test_disk_groups_are_read_one_layer_per_call(tmp_path, backend):
         assert cache.stats().counters.get("corrupt_reads", 0) == 0
 
 
+def every_layer_matches_oracle(cache, seq, q, ks, vs) -> None:
+    """Each layer's attention of ``q`` (the last ``len(q)`` positions) over ``seq`` equals the
+    oracle's over the concatenated ``ks`` / ``vs``."""
+    kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
+    t, n = kk.shape[1], q.shape[0]
+    for layer in range(L):
+        out = cache.attention(seq, layer, q)
+        expect, _ = oracle_attention(q, torch.arange(t - n, t), kk[layer], vv[layer], torch.arange(t))
+        assert rel_err(out, expect) < 1e-5
+
+
 def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path, monkeypatch, backend):
     """Disk groups of two modalities streamed in several small batches, each computed as it
     lands and merged by log-sum-exp, equal the oracle; a corrupt file in one batch makes the
@@ -186,12 +197,7 @@ def test_disk_stream_in_many_batches_equals_oracle_and_fails_as_a_whole(tmp_path
         for _, fut in batches:
             fut.result(timeout=60)
         q = torch.randn(2, 4, D)
-        kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
-        t = kk.shape[1]
-        for layer in range(L):
-            out = cache.attention(seq, layer, q)
-            expect, _ = oracle_attention(q, torch.arange(t - 2, t), kk[layer], vv[layer], torch.arange(t))
-            assert rel_err(out, expect) < 1e-5
+        every_layer_matches_oracle(cache, seq, q, ks, vs)
         victims = [on_disk[1], on_disk[-1]]
         for victim in victims:      # a call over layer 0 reads (and verifies) only layer 0's
             extent = cache.lower.disk.info(victim).extents[0]     # bytes: damage one of them
@@ -227,12 +233,7 @@ def test_a_long_disk_read_takes_fewer_larger_batches(tmp_path, monkeypatch, back
         few = batches()
         assert few < many and few <= len({s.group.modality for s in segs if s.group.tier == Tier.DISK})
         q = torch.randn(2, 4, D)
-        kk, vv = torch.cat(ks, 1), torch.cat(vs, 1)
-        t = kk.shape[1]
-        for layer in range(L):
-            out = cache.attention(seq, layer, q)
-            expect, _ = oracle_attention(q, torch.arange(t - 2, t), kk[layer], vv[layer], torch.arange(t))
-            assert rel_err(out, expect) < 1e-5
+        every_layer_matches_oracle(cache, seq, q, ks, vs)
         monkeypatch.setattr(streaming, "MAX_BATCH_BYTES", VISION_PAGE)
         assert batches() == many
 
