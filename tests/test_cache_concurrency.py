@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.cache.attention import AttentionPlanner
+from mmtier.attention.planner import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
 from mmtier.cache.keys import CacheKeys

@@ -11,8 +11,10 @@ The parts, one file each, are given the lock and the parts they use in their con
 (``group_index.py``: key -> group, ids, lineage), ``Residency`` (``residency.py``: lower tiers,
 room, promotion, leases, export, stats and the life cycle; the lower tiers' ``GroupOwner``),
 ``Sequences`` (``sequences.py``: tables, appends, attach and release), ``SharedGroups``
-(``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner`` (``attention.py``),
-``EngineSurface`` (``engine_surface.py``: per-layer writes, seal, batched attention), ``PageIO``
+(``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner``
+(``attention/planner.py``), ``EngineSurface``
+(``engine_surface.py``: per-layer writes, seal, batched attention through
+``attention/batch_planner.py``), ``PageIO``
 (``page_io.py``: a group as page bytes and back) and ``Holdings`` (``holdings.py``: group
 snapshots, explicit drops, page usage: what a pool serving the cache asks). This file builds
 them and delegates; it holds no bookkeeping of its own.
@@ -24,6 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..attention.planner import AttentionPlanner
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
 from ..core.groups import ModalityGroup
@@ -37,7 +40,6 @@ from ..stats import CacheStats, Counters
 from ..tiers.leases import Lease, LeaseTable
 from ..tiers.lower import LowerTiers
 from ..tiers.room import Room
-from .attention import AttentionPlanner
 from .engine_surface import EngineSurface
 from .group_index import GroupIndex
 from .holdings import GroupInfo, Holdings, PageUsage

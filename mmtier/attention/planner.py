@@ -2,20 +2,19 @@
 tier they live: ``attention``, ``attention_state`` and ``attention_state_parts``, planned under
 the lock (segments chosen, groups pinned, operands captured), computed without it, unpinned under
 it again. Its own state: the compiled device operands per sequence (reused while unchanged).
+
+It knows the cache's parts only by what it asks of them (``GroupHolder``: the residency part;
+``SequenceTables``: the sequences part), so attention imports nothing of the cache.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 
-from ..attention.batch import check_segments
-from ..attention.compile import compile_segments
-from ..attention.lower_operands import disk_stream, host_operands, release_held
-from ..attention.operands import CompiledOperands
-from ..attention.plan import AttentionPlan
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
 from ..core.groups import ModalityGroup, Tier
@@ -23,16 +22,41 @@ from ..core.locking import OwnerLock
 from ..core.segments import Segment, SequenceHandle, SequenceTable
 from ..errors import DTypeError, ShapeError, UnknownKeyError
 from ..eviction import EvictionPolicy
+from ..pages.pool import PagePool
 from ..stats import Counters
-from .residency import Residency
-from .sequences import Sequences
+from ..tiers.lower import LowerTiers
+from .batch import check_segments
+from .compile import compile_segments
+from .lower_operands import disk_stream, host_operands, release_held
+from .operands import CompiledOperands
+from .plan import AttentionPlan
+
+
+class GroupHolder(Protocol):
+    """What attention asks of the part that owns where groups live (``cache.residency.Residency``
+    has it); called with the lock held, but ``check_open``."""
+
+    lower: LowerTiers
+    pools: dict[str, PagePool]
+
+    def check_open(self) -> None: ...
+
+    def forget_corrupt(self, group: ModalityGroup) -> None: ...
+
+    def settle(self, group: ModalityGroup) -> None: ...
+
+
+class SequenceTables(Protocol):
+    """A sequence's table (``cache.sequences.Sequences`` has it)."""
+
+    def table(self, seq: SequenceHandle) -> SequenceTable: ...
 
 
 class AttentionPlanner:
     """Plans, runs and unpins attention (see the module's docstring)."""
 
     def __init__(self, cfg: CacheConfig, lock: OwnerLock, device: torch.device, maker: KeyMaker,
-                 seqs: Sequences, residency: Residency, policy: EvictionPolicy, counters: Counters):
+                 seqs: SequenceTables, residency: GroupHolder, policy: EvictionPolicy, counters: Counters):
         self.cfg, self.lock, self.device, self.maker = cfg, lock, device, maker
         self.seqs, self.residency, self.policy, self.counters = seqs, residency, policy, counters
         self.compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
