@@ -199,3 +199,32 @@ def test_the_checked_copy_flags_each_non_finite_value_and_no_finite_extreme(dtyp
         bad = src.clone()
         bad[u, i] = value
         assert copy(bad).nonfinite, (u, i, value)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_a_copy_split_over_threads_gives_the_one_thread_result(threads):
+    """A copy without ``expect`` split over ``threads`` (runs of at least 4 MiB of units, the
+    last run shorter where the units do not divide): every byte, every digest and the
+    finiteness flag as one thread's, and a NaN in the last unit (the last thread's run) found."""
+    from mmtier.native.rows import CHECK_KINDS
+    gen = torch.Generator().manual_seed(threads)
+    units, n = 23, 1 << 20                          # 2 MiB units: 46 MiB, up to 11 runs
+    src = torch.randn(units, n, generator=gen).to(torch.bfloat16)
+    row = n * src.element_size()
+    offs = torch.arange(units, dtype=torch.int64) * row
+    want = [xxhash.xxh3_64_intdigest(r) for r in src.view(torch.uint8).numpy()]
+
+    def copy(s: torch.Tensor, t: int):
+        dst = torch.full_like(s, float("nan"))
+        res = native_digests.copy_digest(dst.data_ptr() + offs, s.data_ptr() + offs, ([], [], [], row),
+                                         check=CHECK_KINDS[torch.bfloat16], threads=t)
+        assert torch.equal(dst.view(torch.uint8), s.view(torch.uint8))
+        return res
+
+    one, split = copy(src, 1), copy(src, threads)
+    assert split.digests == one.digests == want and split.bad == -1 and not split.nonfinite
+    bad = src.clone()
+    bad[-1, n - 1] = float("nan")
+    assert copy(bad, threads).nonfinite
+    plain = native_digests.copy_digest(None, src.data_ptr() + offs, ([], [], [], row), threads=threads)
+    assert plain.digests == want                    # digests only: one thread, the same digests

@@ -16,10 +16,17 @@
  * does: a put written straight into the host tier takes its digests and its finiteness scan
  * in the one pass that moves it (`mmtier_copy_rows_xxh3_checked`).
  *
+ * A copy without `expect` may be split over `threads` (contiguous runs of units, one per
+ * thread, at least PART_MIN_BYTES each; this thread runs the first): the units are independent,
+ * each digest is its own unit's, so the result is the same, only sooner where one core does not
+ * saturate memory. With `expect` the copy runs on one thread (the first differing unit stops
+ * it: nothing after it is touched).
+ *
  * Only inputs longer than 240 bytes and rows a multiple of 64 bytes are taken (xxh3's long-
  * input path, whole 64-byte stripes); the caller hashes anything else itself. The hash is
  * written from the published XXH3 specification and checked against python's xxhash in
  * tests/test_native_digests.py. */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -296,11 +303,76 @@ static int64_t copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
     return bad;
 }
 
+#define MAX_THREADS 16
+#define PART_MIN_BYTES (4 << 20)
+
+typedef struct {
+    const int64_t *dst, *src;
+    int64_t n_units;
+    int nd;
+    const int64_t *shape, *dstr, *sstr;
+    int64_t row;
+    int flags;
+    uint64_t *digests;
+    int nonfinite;
+    int64_t ret;
+} part_t;
+
+static void *run_part(void *arg) {
+    part_t *p = arg;
+    p->ret = copy_rows_xxh3(p->dst, p->src, p->n_units, p->nd, p->shape, p->dstr, p->sstr, p->row,
+                            p->flags, p->digests, NULL, &p->nonfinite);
+    return NULL;
+}
+
+/* copy_rows_xxh3 without `expect`, its units split over up to `threads` threads. */
+static int64_t copy_rows_split(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
+                               const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
+                               int64_t row, int flags, uint64_t *digests, int threads, int *nonfinite) {
+    int64_t total = walk_rows(nd, shape);
+    int64_t unit_bytes = total > 0 && row > 0 ? total * row : 0;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (unit_bytes > 0 && threads > 1) {
+        int64_t most = n_units * unit_bytes / PART_MIN_BYTES;
+        if (most < threads) threads = most < 1 ? 1 : (int)most;
+    }
+    if (threads <= 1 || dst == NULL || digests == NULL) {
+        int found = 0;
+        int64_t r = copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, flags, digests, NULL, &found);
+        if (nonfinite != NULL) *nonfinite = found;
+        return r;
+    }
+    part_t parts[MAX_THREADS];
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    int64_t at = 0;
+    for (int t = 0; t < threads; t++) {
+        int64_t n = n_units / threads + (t < n_units % threads);
+        part_t p = {dst + at, src + at, n, nd, shape, dstr, sstr, row, flags, digests + at, 0, -1};
+        parts[t] = p;
+        at += n;
+    }
+    for (int t = 1; t < threads; t++)          /* a thread that does not start: its part runs here */
+        started[t] = pthread_create(&tid[t], NULL, run_part, &parts[t]) == 0;
+    run_part(&parts[0]);
+    int64_t ret = parts[0].ret;
+    int found = parts[0].nonfinite;
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL); else run_part(&parts[t]);
+        if (parts[t].ret == -2) ret = -2;
+        found |= parts[t].nonfinite;
+    }
+    if (nonfinite != NULL) *nonfinite = found;
+    return ret;
+}
+
 int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
                               const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
                               int64_t row, int flags, uint64_t *digests,
-                              const uint64_t *expect) {
-    return copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, flags & 3, digests, expect, NULL);
+                              const uint64_t *expect, int threads) {
+    if (expect != NULL)
+        return copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, flags & 3, digests, expect, NULL);
+    return copy_rows_split(dst, src, n_units, nd, shape, dstr, sstr, row, flags & 3, digests, threads, NULL);
 }
 
 /* The same copy, each element also tested for NaN / Inf (`check`: 1 float16, 2 bfloat16,
@@ -308,8 +380,8 @@ int64_t mmtier_copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
 int64_t mmtier_copy_rows_xxh3_checked(const int64_t *dst, const int64_t *src, int64_t n_units, int nd,
                                       const int64_t *shape, const int64_t *dstr, const int64_t *sstr,
                                       int64_t row, int flags, uint64_t *digests, int check,
-                                      int *nonfinite) {
+                                      int *nonfinite, int threads) {
     if (check < 1 || check > 3 || dst == NULL || nonfinite == NULL) return -2;
-    return copy_rows_xxh3(dst, src, n_units, nd, shape, dstr, sstr, row, (flags & 3) | (check << 2),
-                          digests, NULL, nonfinite);
+    return copy_rows_split(dst, src, n_units, nd, shape, dstr, sstr, row, (flags & 3) | (check << 2),
+                           digests, threads, nonfinite);
 }

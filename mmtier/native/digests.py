@@ -31,8 +31,9 @@ _I64P = ctypes.POINTER(ctypes.c_int64)
 
 _ARGS = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, _I64P, _I64P, _I64P, ctypes.c_int64,
          ctypes.c_int, ctypes.c_void_p]
-_SIGNATURES = {"mmtier_copy_rows_xxh3": [*_ARGS, ctypes.c_void_p],                       # expect
-               "mmtier_copy_rows_xxh3_checked": [*_ARGS, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]}
+_SIGNATURES = {"mmtier_copy_rows_xxh3": [*_ARGS, ctypes.c_void_p, ctypes.c_int],        # expect, threads
+               "mmtier_copy_rows_xxh3_checked": [*_ARGS, ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+                                                 ctypes.c_int]}                           # ..., threads
 
 
 def _fn(name: str = "mmtier_copy_rows_xxh3"):
@@ -63,12 +64,14 @@ class Result:
 def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
                 space: tuple[list[int], list[int], list[int], int] | None, *,
                 expect: list[int] | tuple[int, ...] | None = None, stream: bool | None = None,
-                scalar: bool = False, check: int = 0) -> Result | None:
+                scalar: bool = False, check: int = 0, threads: int = 1) -> Result | None:
     """Copy units (``dst_addrs`` ``None``: only digest them) over ``space`` (``rows.row_space``),
     each unit's xxh3 taken on the way; with ``expect``, stop at the first unit that differs.
     ``check`` (``rows.CHECK_KINDS``: 1 float16, 2 bfloat16, 3 float32; a copy, no ``expect``):
-    every element also tested for NaN / Inf (``Result.nonfinite``). ``scalar``: the portable
-    code only (tests). ``None`` where this does not apply."""
+    every element also tested for NaN / Inf (``Result.nonfinite``). ``threads``: a copy without
+    ``expect`` split over up to that many threads (runs of units of at least 4 MiB each; the
+    same result). ``scalar``: the portable code only (tests). ``None`` where this does not
+    apply."""
     if check and (check not in (1, 2, 3) or dst_addrs is None or expect is not None):
         return None
     fn = _fn("mmtier_copy_rows_xxh3_checked" if check else "mmtier_copy_rows_xxh3")
@@ -98,10 +101,10 @@ def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
             arr(*sstr), row, flags, out.ctypes.data]
     found = ctypes.c_int(0)
     if check:
-        bad = fn(*args, check, ctypes.byref(found))
+        bad = fn(*args, check, ctypes.byref(found), max(1, threads))
     else:
         want = np.asarray(expect, dtype=np.uint64) if expect is not None else None
-        bad = fn(*args, want.ctypes.data if want is not None else None)
+        bad = fn(*args, want.ctypes.data if want is not None else None, max(1, threads))
     if bad == -2:
         raise ValueError("mmtier_copy_rows_xxh3 refused its arguments")
     return Result([int(d) for d in out], int(bad), bool(found.value))

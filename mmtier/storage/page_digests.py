@@ -116,7 +116,7 @@ def kv_in_digested(slab: torch.Tensor, slots: Sequence[int], k: torch.Tensor, v:
     if full:
         dst = _page_addrs(slab, slots[:full])
         src = k.data_ptr() + torch.arange(full, dtype=torch.int64) * (P * k.stride(1) * es)
-        res = native_digests.copy_digest(dst, src, space, check=check)
+        res = native_digests.copy_digest(dst, src, space, check=check, threads=torch.get_num_threads())
         if res is None:
             return None
         sums = res.digests
