@@ -34,11 +34,11 @@ from mmtier.attention.planner import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
 from mmtier.cache.keys import CacheKeys
-from mmtier.cache.residency import Residency
 from mmtier.cache.sequences import Sequences
 from mmtier.cache.shared_groups import SharedGroups
 from mmtier.core.groups import Tier
 from mmtier.errors import CapacityError, UnknownKeyError
+from mmtier.tiers.residency import Residency
 from tests.composed import check_facade
 from tests.oracle import Logical, oracle_attention, rel_err
 

@@ -15,7 +15,6 @@ from mmtier.attention.planner import AttentionPlanner
 from mmtier.cache.engine_surface import EngineSurface
 from mmtier.cache.group_index import GroupIndex
 from mmtier.cache.keys import CacheKeys
-from mmtier.cache.residency import Residency
 from mmtier.cache.sequences import Sequences
 from mmtier.cache.shared_groups import SharedGroups
 from mmtier.config import CacheConfig, ModalitySpec
@@ -37,6 +36,7 @@ from mmtier.eviction import make_policy
 from mmtier.pages.payload import write_fresh_pages
 from mmtier.pages.pool import DeviceArena
 from mmtier.stats import Counters
+from mmtier.tiers.residency import Residency
 from tests.oracle import oracle_attention, rel_err
 
 L, H, D = 2, 2, 16

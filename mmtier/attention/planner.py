@@ -33,7 +33,7 @@ from .plan import AttentionPlan
 
 
 class GroupHolder(Protocol):
-    """What attention asks of the part that owns where groups live (``cache.residency.Residency``
+    """What attention asks of the part that owns where groups live (``tiers.residency.Residency``
     has it); called with the lock held, but ``check_open``."""
 
     lower: LowerTiers

@@ -23,9 +23,9 @@ from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModali
 from ..eviction import EvictionPolicy
 from ..pages.layer_writes import Reservation, write_one_layer
 from ..pages.payload import token_identity
+from ..tiers.residency import Residency
 from .group_index import GroupIndex
 from .keys import CacheKeys
-from .residency import Residency
 from .sequences import Sequences
 
 

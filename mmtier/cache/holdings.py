@@ -16,8 +16,8 @@ from ..core.groups import ModalityGroup, Tier
 from ..core.locking import OwnerLock
 from ..pages.pool import PagePool
 from ..stats import Counters
+from ..tiers.residency import Residency
 from .group_index import GroupIndex
-from .residency import Residency
 from .sequences import Sequences
 
 

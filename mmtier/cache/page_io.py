@@ -27,9 +27,9 @@ from ..eviction import EvictionPolicy
 from ..pages.pool import PagePool
 from ..stats import Counters
 from ..storage.arrow_format import page_sums
+from ..tiers.residency import Residency
 from .group_index import GroupIndex
 from .keys import CacheKeys
-from .residency import Residency
 from .shared_groups import SharedGroups
 from .transfer_sums import check_pages
 

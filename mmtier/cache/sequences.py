@@ -25,10 +25,10 @@ from ..eviction import EvictionPolicy
 from ..pages.payload import check_kv, slot_mapping, token_identity, write_slots
 from ..pages.pool import PagePool
 from ..stats import Counters
+from ..tiers.residency import Residency
 from ..tiers.room import ROOM_WAIT_S
 from .group_index import GroupIndex
 from .keys import DEFAULT_TENANT, CacheKeys
-from .residency import Residency
 
 
 @dataclass(eq=False)

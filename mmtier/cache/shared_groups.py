@@ -16,9 +16,9 @@ from ..eviction import EvictionPolicy
 from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
 from ..stats import Counters
 from ..storage.host import write_host_slots
+from ..tiers.residency import Residency
 from .group_index import GroupIndex
 from .keys import CacheKeys
-from .residency import Residency
 
 
 class SharedGroups:

@@ -8,7 +8,7 @@ room, a restore from disk) marks the groups it works on and lets go of the lock 
 
 The parts, one file each, are given the lock and the parts they use in their constructors:
 ``CacheKeys`` (``keys.py``: tenants, content and prefix keys, key checks), ``GroupIndex``
-(``group_index.py``: key -> group, ids, lineage), ``Residency`` (``residency.py``: lower tiers,
+(``group_index.py``: key -> group, ids, lineage), ``Residency`` (``tiers/residency.py``: lower tiers,
 room, promotion, leases, export, stats and the life cycle; the lower tiers' ``GroupOwner``),
 ``Sequences`` (``sequences.py``: tables, appends, attach and release), ``SharedGroups``
 (``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner``
@@ -39,13 +39,13 @@ from ..pages.pool import DeviceArena, PagePool
 from ..stats import CacheStats, Counters
 from ..tiers.leases import Lease, LeaseTable
 from ..tiers.lower import LowerTiers
+from ..tiers.residency import Residency
 from ..tiers.room import Room
 from .engine_surface import EngineSurface
 from .group_index import GroupIndex
 from .holdings import GroupInfo, Holdings, PageUsage
 from .keys import CacheKeys
 from .page_io import GroupPages, PageIO
-from .residency import Residency
 from .sequences import Sequences
 from .shared_groups import SharedGroups
 

@@ -1,1 +1,1 @@
-"""The lower tiers as the cache sees them: ``lower`` (the host and disk copies of groups, promotion and spills), ``room`` (making room on the device), ``leases`` (read leases)."""
+"""Where a group lives: ``residency`` (the one owner: room, demotion and promotion, leases, export, verified reads, stats, close), ``lower`` (the host and disk copies of groups, promotion and spills), ``room`` (making room on the device), ``leases`` (read leases), ``placement`` (where a put lands)."""

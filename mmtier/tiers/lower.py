@@ -1,8 +1,9 @@
 """Where a group lives: demotion (device -> host -> disk -> drop), promotion, prefetch, spills.
 
 ``LowerTiers`` composes the host tier, the disk tier and the mover for the cache that owns the
-groups and is called with that owner's lock held. It knows the owner only through
-``GroupOwner`` (dropping and forgetting groups, waiting for a copy with the lock let go), and
+groups and is called with that owner's lock held. It knows the owner (``residency.Residency``,
+beside it in this package) only through ``GroupOwner`` (dropping and forgetting groups, waiting
+for a copy with the lock let go), and
 takes the keys, counters and policy as arguments. Whole groups move; none is ever split across
 tiers.
 

@@ -3,19 +3,22 @@
 back (``GroupOwner``: it is the owner), leases, export (``read_group``), inventory, ``flush``,
 ``prefetch``, promotion to the device and verified host and disk reads, stats and the life cycle.
 Its own state: the lower tiers, the room maker, the leases and whether the cache is closed; the
-pools, the group index and the lock are given to it.
+pools, the group index and the lock are given to it. It sits in ``tiers/`` beside ``LowerTiers``,
+so the ``GroupOwner`` calls between them stay inside this package; it knows the cache's key
+checks and group index only through ``KeyChecks`` and ``GroupDirectory``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
 from ..config import CacheConfig, ModalitySpec
-from ..content import ContentKey
+from ..content import ContentKey, KeyMaker
 from ..core.groups import ModalityGroup, Tier
 from ..core.locking import OwnerLock
 from ..errors import CapacityError, ClosedError, CorruptDataError, ShapeError
@@ -25,19 +28,43 @@ from ..pages.pool import PagePool
 from ..stats import CacheStats, Counters, TierUsage
 from ..storage.dest_pages import DestTokens, usable_tokens
 from ..storage.page_digests import copy_out_verified
-from ..tiers.leases import Lease, LeaseTable
-from ..tiers.lower import WAIT_S, LowerTiers
-from ..tiers.placement import PutPlacement
-from ..tiers.room import Room
-from .group_index import GroupIndex
-from .keys import CacheKeys
+from .leases import Lease, LeaseTable
+from .lower import WAIT_S, LowerTiers
+from .placement import PutPlacement
+from .room import Room
+
+
+class KeyChecks(Protocol):
+    """The cache's key checks, as residency uses them (``cache.keys.CacheKeys`` has them)."""
+
+    maker: KeyMaker
+
+    def check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec: ...
+
+
+class GroupDirectory(Protocol):
+    """The cache's group index, as residency uses it (``cache.group_index.GroupIndex`` has it)."""
+
+    groups: dict[ContentKey, ModalityGroup]
+
+    def new_gid(self) -> int: ...
+
+    def __contains__(self, key: ContentKey) -> bool: ...
+
+    def __iter__(self) -> Iterator[ModalityGroup]: ...
+
+    def require(self, key: ContentKey) -> ModalityGroup: ...
+
+    def adopt(self, groups: Iterable[ModalityGroup]) -> None: ...
+
+    def unindex(self, group: ModalityGroup) -> None: ...
 
 
 class Residency:
     """Tiers, room, promotion, leases and export of one cache (see the module's docstring)."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, pools: dict[str, PagePool], keyer: CacheKeys,
-                 index: GroupIndex, policy: EvictionPolicy, counters: Counters,
+    def __init__(self, cfg: CacheConfig, lock: OwnerLock, pools: dict[str, PagePool], keyer: KeyChecks,
+                 index: GroupDirectory, policy: EvictionPolicy, counters: Counters,
                  live_groups: Callable[[], list[ModalityGroup]]):
         """``live_groups``: every indexed group and every group a sequence holds (a group may
         appear twice); room making chooses among them."""
