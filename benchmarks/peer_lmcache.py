@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     peer = Peer(args.peer_python, work / "lmcache-worker.log")
     mine = None
     try:
-        info = peer.call("init", **shape, workdir=str(work))
+        info = peer.call("init", **shape, workdir=str(work), threads=args.threads)
         mine = MMTierSide(**shape, workdir=str(work), put_placement=args.put_placement)
         run = {"mmtier": lambda op: getattr(mine, op)(), "lmcache": lambda op: peer.call(op),
                "raw": lambda op: getattr(mine, op)()}

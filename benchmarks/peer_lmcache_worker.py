@@ -359,6 +359,7 @@ def main() -> None:
             if op == "init":
                 import lmcache
 
+                torch.set_num_threads(cmd.pop("threads", 1))   # the same torch threads as mmtier's side
                 peer = Peer(**cmd)
                 ans = {"version": getattr(lmcache, "__version__", "?"), "torch": torch.__version__}
             elif op == "quit":
