@@ -53,7 +53,7 @@ class BatchPlanner:
         if groups is not None and len(groups) != len(seqs):
             raise ShapeError(f"{len(groups)} group lists for {len(seqs)} sequences")
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             tables = [self.seqs.table(seq) for seq in seqs]
             step = (tuple(seq.id for seq in seqs), tuple(bounds), causal, tuple(q.shape[1:]), q.dtype) \
                 if groups is None else None                  # a self-attention batch: kept per step

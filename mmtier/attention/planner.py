@@ -41,6 +41,8 @@ class GroupHolder(Protocol):
 
     def check_open(self) -> None: ...
 
+    def apply_copies(self) -> None: ...
+
     def forget_corrupt(self, group: ModalityGroup) -> None: ...
 
     def settle(self, group: ModalityGroup) -> None: ...
@@ -76,7 +78,7 @@ class AttentionPlanner:
         """``TieredKVCache.attention_state`` (its contract is documented there)."""
         self.check_q(q)
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             table = self.seqs.table(seq)
             segments = self.select(seq, table, groups)
             if modalities is not None:
@@ -102,7 +104,7 @@ class AttentionPlanner:
         """``TieredKVCache.attention_state_parts`` (its contract is documented there)."""
         self.check_q(q)
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             segments, seen = [], set()
             for seq, keys, offset, start in parts:
                 for s in self.select(seq, self.seqs.table(seq), keys):
@@ -195,7 +197,7 @@ class AttentionPlanner:
                 self.residency.settle(g)
         if plan.lower:
             self.counters.add("lower_tier_attentions")
-        self.residency.lower.apply_completions()
+        self.residency.apply_copies()
 
     def device_view(self, group: ModalityGroup):
         pool = self.residency.pools[group.modality]

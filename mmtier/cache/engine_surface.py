@@ -54,7 +54,7 @@ class EngineSurface:
         identity = token_identity(modality, None, None, tokens) if tokens is not None else \
             b"unique:" + os.urandom(16)
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             growth = self.seqs.grow(self.seqs.table(seq), modality, spec, n, new_run)
             group = self.seqs.commit_growth(growth, identity)
             group.pins += 1

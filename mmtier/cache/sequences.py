@@ -103,7 +103,7 @@ class Sequences:
             raise ShapeError(f"{len(tokens)} token ids for {n} tokens")
         identity = token_identity(modality, k, v, tokens)
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             growth = self.grow(self.table(seq), modality, spec, n, new_run)
             try:
                 write_slots(growth.pool, k, v, growth.page_ids, growth.offsets, self.cfg.attention_backend)
@@ -160,7 +160,7 @@ class Sequences:
         self.residency.check_open()
         self.keyer.check_key(key, "kv")
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             table = self.table(seq)
             if key.scope != tenant_scope(self.keyer.salt(seq.tenant)):
                 raise ForeignKeyError(f"key {key!r} belongs to another tenant than sequence {seq.id}")
@@ -201,7 +201,7 @@ class Sequences:
         """Drop ``seq``'s references (and what ``per_sequence`` keeps for it): private runs are
         freed, shared groups stay; its open reservations end (unpinned, freed with the rest)."""
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             table = self.table(seq)
             for kept in per_sequence:
                 kept.drop(seq.id)

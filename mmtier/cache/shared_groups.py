@@ -32,7 +32,7 @@ class SharedGroups:
     def contains(self, key: ContentKey) -> bool:
         self.keyer.check_key(key)
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             group = self.index.get(key)
             self.counters.add("hits" if group is not None else "misses", key.modality)
             if group is not None:
@@ -72,7 +72,7 @@ class SharedGroups:
         (``write_host(entry)`` fills host slots), a put the placement policy sends around a
         full pool lands in the host tier instead, in one copy (``tiers.placement``)."""
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             if key in self.index:
                 return False
             pool = self.residency.pools[key.modality]
@@ -124,7 +124,7 @@ class SharedGroups:
     def get_embedding(self, key: ContentKey) -> torch.Tensor:
         spec = self.keyer.check_key(key, "embedding")
         with self.lock:
-            self.residency.lower.apply_completions()
+            self.residency.apply_copies()
             group = self.index.require(key)
             group.hits += 1
             self.counters.add("embedding_reads", key.modality)

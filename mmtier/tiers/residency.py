@@ -95,7 +95,7 @@ class Residency:
     def stats(self, sequences: Callable[[], int]) -> CacheStats:
         """The cache's stats; ``sequences``: how many sequences it holds (asked under the lock)."""
         with self.lock:
-            self.lower.apply_completions()
+            self.apply_copies()
             device: dict[str, TierUsage] = {}
             for name, pool in self.pools.items():
                 device[name] = TierUsage(0, pool.num_used, pool.num_used * pool.spec.page_bytes,
@@ -112,6 +112,13 @@ class Residency:
             lower = self.lower.stats(groups) if self.lower.enabled else {}
             return CacheStats(tiers={"device": device, **lower}, counters=counters,
                               by_modality=by_modality, sequences=sequences())
+
+    def apply_copies(self) -> None:
+        """Apply the copies that landed since the last call (spills, prefetches: their effect on
+        the groups happens only here, lock held). The one entry point for the cache's parts and
+        attention: each public call makes it once under the lock before it looks at a group's
+        tier, and attention again when it unpins; ``wait`` makes it after each wait."""
+        self.lower.apply_completions()
 
     # ------------------------------------------------------------------ room and residency
     def allocate(self, pool: PagePool, n: int, protect: list[ModalityGroup]) -> list[int]:
@@ -153,7 +160,7 @@ class Residency:
             with self.lock.unlocked():
                 return fut.result(timeout=WAIT_S)
         finally:
-            self.lower.apply_completions()
+            self.apply_copies()
 
     # ------------------------------------------------------------------ leases and export
     def lease(self, key: ContentKey, ttl: float = 30.0) -> Lease:
@@ -183,7 +190,7 @@ class Residency:
         specs = [self.keyer.check_key(key, "kv") for key in keys]
         with self.lock:
             self.check_open()
-            self.lower.apply_completions()
+            self.apply_copies()
             groups = [self.index.require(key) for key in keys]
             if lease is not None:
                 self.leases.check(lease)
@@ -293,13 +300,13 @@ class Residency:
     def inventory(self) -> list[tuple[ContentKey, str, int]]:
         """``TieredKVCache.inventory`` (its contract is documented there)."""
         with self.lock:
-            self.lower.apply_completions()
+            self.apply_copies()
             return [(g.key, g.tier.name.lower(), g.nbytes) for g in self.index]
 
     def holds(self, keys: Iterable[ContentKey]) -> list[bool]:
         """``TieredKVCache.holds`` (its contract is documented there)."""
         with self.lock:
-            self.lower.apply_completions()
+            self.apply_copies()
             return [k in self.index for k in keys]
 
     def forget_corrupt(self, group: ModalityGroup) -> None:
@@ -317,13 +324,13 @@ class Residency:
         if pending:
             concurrent.futures.wait(pending, timeout=WAIT_S)
         with self.lock:
-            self.lower.apply_completions()
+            self.apply_copies()
 
     def prefetch(self, key: ContentKey) -> bool:
         """``TieredKVCache.prefetch`` (its contract is documented there)."""
         self.keyer.check_key(key)
         with self.lock:
-            self.lower.apply_completions()
+            self.apply_copies()
             group = self.index.require(key)
             return self.lower.prefetch(group) is not None
 
