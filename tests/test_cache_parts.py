@@ -1,5 +1,6 @@
 """``TieredKVCache``'s parts alone, without the facade: each built from real small parts (a real
-``DeviceArena`` of a tiny config, the policy, counters and lock the cache would give it) and
+``DeviceArena`` of a tiny config, the policy and counters the cache would give it, the lock
+residency creates) and
 checked on what it owns: keys and lineage, the group index, residency (room, export, promotion,
 the life cycle), the sequences' tables and refcounts, shared groups, attention and the engine's
 per-layer surface."""
@@ -82,18 +83,16 @@ class Parts:
 
 def make_parts(**cfg_over) -> Parts:
     cfg = make_cfg(**cfg_over)
-    arena, lock, counters, policy = DeviceArena(cfg), OwnerLock(), Counters(), make_policy(cfg)
+    arena, counters, policy = DeviceArena(cfg), Counters(), make_policy(cfg)
     maker = KeyMaker(cfg.model, cfg.key_secret)
     index = GroupIndex(policy, counters)
+    residency = Residency(cfg, arena.pools, maker, index, policy, counters)
+    lock = residency.lock                      # residency owns the lock; the parts take it there
     keyer = CacheKeys(cfg, maker, index.lineage, lock)
-    held: list[Sequences] = []
-    residency = Residency(cfg, lock, arena.pools, keyer, index, policy, counters,
-                          lambda: list(index.groups.values()) + held[0].held_groups())
-    seqs = Sequences(cfg, lock, keyer, index, residency, policy, counters)
-    held.append(seqs)
-    shared = SharedGroups(cfg, lock, keyer, index, residency, policy, counters)
-    planner = AttentionPlanner(cfg, lock, arena.device, maker, seqs, residency, policy, counters)
-    engine = EngineSurface(cfg, lock, keyer, index, seqs, residency, planner, policy)
+    seqs = Sequences(cfg, keyer, index, residency, policy, counters)   # registers with residency
+    shared = SharedGroups(cfg, keyer, index, residency, policy, counters)
+    planner = AttentionPlanner(cfg, arena.device, maker, seqs, residency, policy, counters)
+    engine = EngineSurface(cfg, keyer, index, seqs, residency, planner, policy)
     return Parts(cfg, arena, lock, counters, index, keyer, residency, seqs, shared, planner, engine)
 
 

@@ -15,7 +15,6 @@ import torch
 
 from ..content import ContentKey
 from ..core.groups import Tier
-from ..core.locking import OwnerLock
 from ..core.segments import Segment, SequenceHandle
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
@@ -28,9 +27,9 @@ from .step_plans import StepPlans
 class BatchPlanner:
     """Plans, runs and unpins a batch's attention (see the module's docstring)."""
 
-    def __init__(self, lock: OwnerLock, seqs: SequenceTables, residency: GroupHolder,
+    def __init__(self, seqs: SequenceTables, residency: GroupHolder,
                  planner: AttentionPlanner, policy: EvictionPolicy):
-        self.lock, self.seqs, self.residency, self.planner, self.policy = lock, seqs, residency, planner, policy
+        self.lock, self.seqs, self.residency, self.planner, self.policy = residency.lock, seqs, residency, planner, policy
         self.steps = StepPlans()               # batch plans, reused by the other layers of a step
 
     def attention_batch(self, seqs: Sequence[SequenceHandle], layer: int, q: torch.Tensor,

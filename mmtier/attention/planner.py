@@ -36,6 +36,7 @@ class GroupHolder(Protocol):
     """What attention asks of the part that owns where groups live (``tiers.residency.Residency``
     has it); called with the lock held, but ``check_open``."""
 
+    lock: OwnerLock          # the cache's lock: residency owns it, attention takes it from there
     lower: LowerTiers
     pools: dict[str, PagePool]
 
@@ -57,9 +58,9 @@ class SequenceTables(Protocol):
 class AttentionPlanner:
     """Plans, runs and unpins attention (see the module's docstring)."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, device: torch.device, maker: KeyMaker,
+    def __init__(self, cfg: CacheConfig, device: torch.device, maker: KeyMaker,
                  seqs: SequenceTables, residency: GroupHolder, policy: EvictionPolicy, counters: Counters):
-        self.cfg, self.lock, self.device, self.maker = cfg, lock, device, maker
+        self.cfg, self.lock, self.device, self.maker = cfg, residency.lock, device, maker
         self.seqs, self.residency, self.policy, self.counters = seqs, residency, policy, counters
         self.compiled = CompiledOperands()     # device operands per sequence, reused while unchanged
 

@@ -17,7 +17,6 @@ from ..attention.planner import AttentionPlanner
 from ..config import CacheConfig
 from ..content import ContentKey, tenant_scope
 from ..core.groups import Tier
-from ..core.locking import OwnerLock
 from ..core.segments import SequenceHandle, naming
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
@@ -32,12 +31,12 @@ from .sequences import Sequences
 class EngineSurface:
     """Per-layer writes and batched attention (see the module's docstring)."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, keyer: CacheKeys, index: GroupIndex,
+    def __init__(self, cfg: CacheConfig, keyer: CacheKeys, index: GroupIndex,
                  seqs: Sequences, residency: Residency, planner: AttentionPlanner,
                  policy: EvictionPolicy):
-        self.cfg, self.lock, self.keyer, self.index = cfg, lock, keyer, index
+        self.cfg, self.keyer, self.index, self.lock = cfg, keyer, index, residency.lock
         self.seqs, self.residency, self.planner, self.policy = seqs, residency, planner, policy
-        self.batches = BatchPlanner(lock, seqs, residency, planner, policy)
+        self.batches = BatchPlanner(seqs, residency, planner, policy)
         self.steps = self.batches.steps        # batch plans, reused by the other layers of a step
 
     def reserve(self, seq: SequenceHandle, modality: str, n: int, *,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from ..content import ContentKey
 from ..core.groups import ModalityGroup, Tier
-from ..core.locking import OwnerLock
 from ..pages.pool import PagePool
 from ..stats import Counters
 from ..tiers.residency import Residency
@@ -52,9 +51,9 @@ class PageUsage:
 class Holdings:
     """Read-mostly views of the cache's groups, and explicit drops (see the module's docstring)."""
 
-    def __init__(self, lock: OwnerLock, pools: dict[str, PagePool], index: GroupIndex, seqs: Sequences,
+    def __init__(self, pools: dict[str, PagePool], index: GroupIndex, seqs: Sequences,
                  residency: Residency, counters: Counters):
-        self.lock, self.pools, self.index, self.seqs = lock, pools, index, seqs
+        self.lock, self.pools, self.index, self.seqs = residency.lock, pools, index, seqs
         self.residency, self.counters = residency, counters
 
     def group_info(self, key: ContentKey) -> GroupInfo | None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker, media_digest, tenant_salt
+from ..core.key_checks import spec_of_key
 from ..core.lineage import Lineage
 from ..core.locking import OwnerLock
 from ..core.segments import SequenceHandle, SequenceTable
-from ..errors import DTypeError, ForeignKeyError, PrefixMismatchError, UnknownModalityError
+from ..errors import DTypeError, ForeignKeyError, PrefixMismatchError
 
 DEFAULT_TENANT = "default"
 
@@ -66,11 +67,7 @@ class CacheKeys:
         return key
 
     def check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec:
-        self.maker.verify(key)
-        spec = self.cfg.spec(key.modality)
-        if kind is not None and spec.kind != kind:
-            raise UnknownModalityError(f"modality {key.modality!r} holds {spec.kind!r} payloads, not {kind!r}")
-        return spec
+        return spec_of_key(self.cfg, self.maker, key, kind)
 
     def check_place(self, seq: SequenceHandle, table: SequenceTable, key: ContentKey, before: bytes) -> None:
         """A prefix-dependent ``key`` may stand where the sequence's chain is ``before`` only if

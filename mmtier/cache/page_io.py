@@ -6,7 +6,7 @@ count that rebuilds the group from it, and the xxh3 of each page: the importer c
 as they landed against them, so a transfer is a verified read like a disk or host one (a
 mismatch is a miss: ``CorruptDataError``, counted, nothing kept). ``to_wire`` / ``from_wire``
 are its form between processes (``({"num_tokens", "xxh3"}, buffer)``). The group index, pools,
-residency and the lock are given to this part; it holds no state of its own.
+residency are given to this part (the lock is residency's); it holds no state of its own.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 
 from ..content import ContentKey
 from ..core.groups import Tier
-from ..core.locking import OwnerLock
 from ..errors import CorruptDataError, ShapeError, UnknownKeyError
 from ..eviction import EvictionPolicy
 from ..pages.pool import PagePool
@@ -69,9 +68,9 @@ def _with_sums(num_tokens: int, pages: torch.Tensor, page_bytes: int,
 class PageIO:
     """Export and import of whole groups as page bytes (see the module's docstring)."""
 
-    def __init__(self, lock: OwnerLock, pools: dict[str, PagePool], keyer: CacheKeys, index: GroupIndex,
+    def __init__(self, pools: dict[str, PagePool], keyer: CacheKeys, index: GroupIndex,
                  residency: Residency, shared: SharedGroups, policy: EvictionPolicy, counters: Counters):
-        self.lock, self.pools, self.keyer, self.index = lock, pools, keyer, index
+        self.lock, self.pools, self.keyer, self.index = residency.lock, pools, keyer, index
         self.residency, self.shared, self.policy, self.counters = residency, shared, policy, counters
 
     def export(self, key: ContentKey, *, copy: bool = True) -> GroupPages:

@@ -1,8 +1,9 @@
 """``Sequences``: the sequences of a ``TieredKVCache`` and their tables: creation, lookup,
 ``append`` with the growth of a sequence's tail run (pages planned, written, then recorded),
 ``attach`` (a shared group referenced at the next position: its refcount) and ``release``.
-Its own state: the tables by sequence id and the ids; the lock, keys, group index and residency
-are given to it.
+Its own state: the tables by sequence id and the ids; the keys, group index and residency are
+given to it, the lock is residency's; it registers itself with residency (``held_by``), which asks
+it for the groups its sequences hold and how many there are.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, tenant_scope
 from ..core.groups import ModalityGroup, Tier
-from ..core.locking import OwnerLock
 from ..core.segments import SequenceHandle, SequenceTable, naming
 from ..errors import ForeignKeyError, ShapeError, UnknownKeyError, UnknownModalityError
 from ..eviction import EvictionPolicy
@@ -53,12 +53,14 @@ class PerSequence(Protocol):
 class Sequences:
     """Sequences, their tables and private runs (see the module's docstring)."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, keyer: CacheKeys, index: GroupIndex,
+    def __init__(self, cfg: CacheConfig, keyer: CacheKeys, index: GroupIndex,
                  residency: Residency, policy: EvictionPolicy, counters: Counters):
-        self.cfg, self.lock, self.keyer, self.index, self.residency = cfg, lock, keyer, index, residency
+        self.cfg, self.keyer, self.index, self.residency = cfg, keyer, index, residency
+        self.lock = residency.lock               # residency's: it owns the cache's lock
         self.policy, self.counters = policy, counters
         self.tables: dict[int, SequenceTable] = {}
         self._ids = itertools.count(1)
+        residency.held_by(self)                  # room making chooses among the groups held here
 
     def create(self, tenant: str | None = None) -> SequenceHandle:
         self.residency.check_open()

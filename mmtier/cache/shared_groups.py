@@ -10,7 +10,6 @@ import torch
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
 from ..core.groups import Tier
-from ..core.locking import OwnerLock
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
 from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
@@ -24,9 +23,10 @@ from .keys import CacheKeys
 class SharedGroups:
     """Stores and reads shared groups; holds no state of its own beyond the parts it is given."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, keyer: CacheKeys, index: GroupIndex,
+    def __init__(self, cfg: CacheConfig, keyer: CacheKeys, index: GroupIndex,
                  residency: Residency, policy: EvictionPolicy, counters: Counters):
-        self.cfg, self.lock, self.keyer, self.index, self.residency = cfg, lock, keyer, index, residency
+        self.cfg, self.keyer, self.index, self.residency = cfg, keyer, index, residency
+        self.lock = residency.lock
         self.policy, self.counters = policy, counters
 
     def contains(self, key: ContentKey) -> bool:

@@ -6,10 +6,12 @@ attention is planned under it (segments chosen, groups pinned, operands captured
 without it, and unpinned under it again; a call that must wait for a copy (a spill that makes
 room, a restore from disk) marks the groups it works on and lets go of the lock for the wait.
 
-The parts, one file each, are given the lock and the parts they use in their constructors:
+The parts, one file each, are given the parts they use in their constructors; the lock is
+``Residency``'s (it creates it; the others take it from there, so ownership runs one way, down):
 ``CacheKeys`` (``keys.py``: tenants, content and prefix keys, key checks), ``GroupIndex``
-(``group_index.py``: key -> group, ids, lineage), ``Residency`` (``tiers/residency.py``: lower tiers,
-room, promotion, leases, export, stats and the life cycle; the lower tiers' ``GroupOwner``),
+(``group_index.py``: key -> group, ids, lineage), ``Residency`` (``tiers/residency.py``: the lock,
+lower tiers, room, promotion, leases, export, stats and the life cycle; the lower tiers'
+``GroupOwner``; it applies landed copies, ``apply_copies``),
 ``Sequences`` (``sequences.py``: tables, appends, attach and release), ``SharedGroups``
 (``shared_groups.py``: contains, put, get_embedding), ``AttentionPlanner``
 (``attention/planner.py``), ``EngineSurface``
@@ -29,7 +31,6 @@ import torch
 from ..attention.planner import AttentionPlanner
 from ..config import CacheConfig
 from ..content import ContentKey, KeyMaker
-from ..core.groups import ModalityGroup
 from ..core.lineage import Lineage
 from ..core.locking import OwnerLock
 from ..core.segments import SequenceHandle, SequenceTable
@@ -62,26 +63,19 @@ class TieredKVCache:
         self.keys = KeyMaker(cfg.model, cfg.key_secret)
         self.policy = policy if policy is not None else make_policy(cfg)
         self.counters = Counters()
-        self.lock = OwnerLock()
         self.index = GroupIndex(self.policy, self.counters)
+        self.residency = Residency(cfg, self.pools, self.keys, self.index, self.policy, self.counters)
+        self.lock: OwnerLock = self.residency.lock     # residency owns the lock; the parts take it there
         self.keyer = CacheKeys(cfg, self.keys, self.index.lineage, self.lock)
-        self.residency = Residency(cfg, self.lock, self.pools, self.keyer, self.index, self.policy,
-                                   self.counters, self._live_groups)
-        self.seqs = Sequences(cfg, self.lock, self.keyer, self.index, self.residency, self.policy,
+        self.seqs = Sequences(cfg, self.keyer, self.index, self.residency, self.policy, self.counters)
+        self.shared = SharedGroups(cfg, self.keyer, self.index, self.residency, self.policy, self.counters)
+        self.planner = AttentionPlanner(cfg, self.arena.device, self.keys, self.seqs, self.residency,
+                                        self.policy, self.counters)
+        self.engine = EngineSurface(cfg, self.keyer, self.index, self.seqs, self.residency, self.planner,
+                                    self.policy)
+        self.page_io = PageIO(self.pools, self.keyer, self.index, self.residency, self.shared, self.policy,
                               self.counters)
-        self.shared = SharedGroups(cfg, self.lock, self.keyer, self.index, self.residency, self.policy,
-                                   self.counters)
-        self.planner = AttentionPlanner(cfg, self.lock, self.arena.device, self.keys, self.seqs,
-                                        self.residency, self.policy, self.counters)
-        self.engine = EngineSurface(cfg, self.lock, self.keyer, self.index, self.seqs, self.residency,
-                                    self.planner, self.policy)
-        self.page_io = PageIO(self.lock, self.pools, self.keyer, self.index, self.residency, self.shared,
-                              self.policy, self.counters)
-        self.holdings = Holdings(self.lock, self.pools, self.index, self.seqs, self.residency, self.counters)
-
-    def _live_groups(self) -> list[ModalityGroup]:
-        """Every indexed group and every group a sequence holds (a group may appear twice)."""
-        return list(self.index.groups.values()) + self.seqs.held_groups()
+        self.holdings = Holdings(self.pools, self.index, self.seqs, self.residency, self.counters)
 
     # ------------------------------------------------------------------ the parts' state, read-only
     @property
@@ -380,7 +374,7 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ stats and life cycle
     def stats(self) -> CacheStats:
-        return self.residency.stats(lambda: len(self.seqs))
+        return self.residency.stats()
 
     def close(self) -> None:
         """Wait for in-flight copies, then close the lower tiers (files stay for a restart)."""

@@ -2,16 +2,19 @@
 (``LowerTiers``), room making (``Room``), freeing and forgetting groups, what the lower tiers call
 back (``GroupOwner``: it is the owner), leases, export (``read_group``), inventory, ``flush``,
 ``prefetch``, promotion to the device and verified host and disk reads, stats and the life cycle.
-Its own state: the lower tiers, the room maker, the leases and whether the cache is closed; the
-pools, the group index and the lock are given to it. It sits in ``tiers/`` beside ``LowerTiers``,
-so the ``GroupOwner`` calls between them stay inside this package; it knows the cache's key
-checks and group index only through ``KeyChecks`` and ``GroupDirectory``.
+Its own state: the cache's lock (``OwnerLock``: it creates it; the cache's facade and parts take
+it from here, ``Residency.lock``), the lower tiers, the room maker, the leases and whether the
+cache is closed; the pools and the group index are given to it. It sits in ``tiers/`` beside
+``LowerTiers``, so the ``GroupOwner`` calls between them stay inside this package; it checks keys
+with ``core.key_checks`` and knows the cache's group index and sequences only through
+``GroupDirectory`` (given at construction) and ``SequenceHolder`` (the sequences part registers
+itself, ``held_by``), so nothing calls back up into the facade.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -20,6 +23,7 @@ import torch
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker
 from ..core.groups import ModalityGroup, Tier
+from ..core.key_checks import spec_of_key
 from ..core.locking import OwnerLock
 from ..errors import CapacityError, ClosedError, CorruptDataError, ShapeError
 from ..eviction import EvictionPolicy
@@ -32,14 +36,6 @@ from .leases import Lease, LeaseTable
 from .lower import WAIT_S, LowerTiers
 from .placement import PutPlacement
 from .room import Room
-
-
-class KeyChecks(Protocol):
-    """The cache's key checks, as residency uses them (``cache.keys.CacheKeys`` has them)."""
-
-    maker: KeyMaker
-
-    def check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec: ...
 
 
 class GroupDirectory(Protocol):
@@ -60,23 +56,45 @@ class GroupDirectory(Protocol):
     def unindex(self, group: ModalityGroup) -> None: ...
 
 
+class SequenceHolder(Protocol):
+    """The cache's sequences, as residency asks of them (``cache.sequences.Sequences`` has it and
+    registers itself with ``Residency.held_by``); asked with the lock held."""
+
+    def held_groups(self) -> list[ModalityGroup]:
+        """Every group a sequence holds, once per reference."""
+
+    def __len__(self) -> int:
+        """How many sequences there are."""
+
+
 class Residency:
     """Tiers, room, promotion, leases and export of one cache (see the module's docstring)."""
 
-    def __init__(self, cfg: CacheConfig, lock: OwnerLock, pools: dict[str, PagePool], keyer: KeyChecks,
-                 index: GroupDirectory, policy: EvictionPolicy, counters: Counters,
-                 live_groups: Callable[[], list[ModalityGroup]]):
-        """``live_groups``: every indexed group and every group a sequence holds (a group may
-        appear twice); room making chooses among them."""
-        self.lock, self.pools, self.keyer, self.index = lock, pools, keyer, index
+    def __init__(self, cfg: CacheConfig, pools: dict[str, PagePool], maker: KeyMaker,
+                 index: GroupDirectory, policy: EvictionPolicy, counters: Counters):
+        self.lock = OwnerLock()                # the cache's one lock: the parts take it from here
+        self.cfg, self.pools, self.maker, self.index = cfg, pools, maker, index
         self.policy, self.counters = policy, counters
+        self.sequences: SequenceHolder | None = None
         self.leases = LeaseTable(ttl=30.0, clock=policy.clock)
-        self.lower = LowerTiers(cfg, keyer.maker, counters, policy, owner=self)
-        self.room = Room(lock, policy, self.lower, live_groups, self.drop, pools)
-        self.placement = PutPlacement(cfg.put_placement, self.lower.host is not None, live_groups)
-        self.live_groups = live_groups
+        self.lower = LowerTiers(cfg, maker, counters, policy, owner=self)
+        self.room = Room(self.lock, policy, self.lower, self.live_groups, self.drop, pools)
+        self.placement = PutPlacement(cfg.put_placement, self.lower.host is not None, self.live_groups)
         self.closed = False
         index.adopt(self.lower.adopt_disk_inventory(index.groups, index.new_gid))
+
+    def held_by(self, sequences: SequenceHolder) -> None:
+        """The part whose sequences hold groups outside the index (it registers itself once)."""
+        self.sequences = sequences
+
+    def live_groups(self) -> list[ModalityGroup]:
+        """Every indexed group and every group a sequence holds (a group may appear twice; lock
+        held): room making and put placement choose among them."""
+        held = self.sequences.held_groups() if self.sequences is not None else []
+        return list(self.index.groups.values()) + held
+
+    def check_key(self, key: ContentKey, kind: str | None = None) -> ModalitySpec:
+        return spec_of_key(self.cfg, self.maker, key, kind)
 
     # ------------------------------------------------------------------ life cycle and stats
     def check_open(self) -> None:
@@ -92,8 +110,8 @@ class Residency:
                 self.lower.persist(self.live_groups(), self.pools)
             self.lower.close()
 
-    def stats(self, sequences: Callable[[], int]) -> CacheStats:
-        """The cache's stats; ``sequences``: how many sequences it holds (asked under the lock)."""
+    def stats(self) -> CacheStats:
+        """The cache's stats (``TieredKVCache.stats``)."""
         with self.lock:
             self.apply_copies()
             device: dict[str, TierUsage] = {}
@@ -111,7 +129,8 @@ class Residency:
             counters.update(self.lower.storage_counters())
             lower = self.lower.stats(groups) if self.lower.enabled else {}
             return CacheStats(tiers={"device": device, **lower}, counters=counters,
-                              by_modality=by_modality, sequences=sequences())
+                              by_modality=by_modality,
+                              sequences=len(self.sequences) if self.sequences is not None else 0)
 
     def apply_copies(self) -> None:
         """Apply the copies that landed since the last call (spills, prefetches: their effect on
@@ -165,7 +184,7 @@ class Residency:
     # ------------------------------------------------------------------ leases and export
     def lease(self, key: ContentKey, ttl: float = 30.0) -> Lease:
         """``TieredKVCache.lease`` (its contract is documented there)."""
-        self.keyer.check_key(key)
+        self.check_key(key)
         with self.lock:
             return self.leases.grant(self.index.require(key), ttl)
 
@@ -187,7 +206,7 @@ class Residency:
         return self.export(list(keys), list(out) if out is not None else None, None)
 
     def export(self, keys: list[ContentKey], out: list | None, lease: Lease | None) -> list:
-        specs = [self.keyer.check_key(key, "kv") for key in keys]
+        specs = [self.check_key(key, "kv") for key in keys]
         with self.lock:
             self.check_open()
             self.apply_copies()
@@ -328,7 +347,7 @@ class Residency:
 
     def prefetch(self, key: ContentKey) -> bool:
         """``TieredKVCache.prefetch`` (its contract is documented there)."""
-        self.keyer.check_key(key)
+        self.check_key(key)
         with self.lock:
             self.apply_copies()
             group = self.index.require(key)
