@@ -9,7 +9,6 @@ import torch
 
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey
-from ..core.groups import Tier
 from ..errors import ShapeError
 from ..eviction import EvictionPolicy
 from ..pages.payload import FiniteCheck, check_kv, check_payload, write_embedding, write_fresh_pages
@@ -49,7 +48,7 @@ class SharedGroups:
         try:
             stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(
                 pool, k, v, pages, backend, finite.tally), ready=finite.wait,
-                write_host=lambda entry: write_host_slots(self.residency.lower.host, entry, k, v, finite.tally))
+                write_host=lambda host, entry: write_host_slots(host, entry, k, v, finite.tally))
             finite.wait()                     # a key already held: the payload is still checked
             return stored
         finally:
@@ -69,15 +68,16 @@ class SharedGroups:
         ``ready()`` (a check of the payload that ran beside the write: it raises to refuse it),
         index. A refusal frees the pages and records nothing; room made for them by moving
         groups one tier down stays made (those groups are intact there). With ``write_host``
-        (``write_host(entry)`` fills host slots), a put the placement policy sends around a
-        full pool lands in the host tier instead, in one copy (``tiers.placement``)."""
+        (``write_host(host tier, entry)`` fills host slots), a put the placement policy sends
+        around a full pool lands in the host tier instead, in one copy (``tiers.placement``;
+        ``Residency.store_host``)."""
         with self.lock:
             self.residency.apply_copies()
             if key in self.index:
                 return False
             pool = self.residency.pools[key.modality]
             if write_host is not None and self.residency.placement.around(pool, spec.pages_for(n)):
-                stored = self.store_host(key, spec, n, write_host, ready)
+                stored = self.residency.store_host(key, spec, n, write_host, ready)
                 if stored is not None:
                     return stored
                 if key in self.index:            # put by another thread while room was made
@@ -95,31 +95,6 @@ class SharedGroups:
                 raise
             self.index.insert(key, spec, n, pages)
             return True
-
-    def store_host(self, key: ContentKey, spec: ModalitySpec, n: int, write_host, ready) -> bool | None:
-        """The put written around the device: host slots (room made below as for a demotion;
-        may let go of the lock), ``write_host(entry)``, ``ready()``, commit, index. ``None``:
-        the host tier could not take it (the caller takes the device path); ``False``: the key
-        was put meanwhile. A refusal gives the slots back and records nothing (lock held)."""
-        lower = self.residency.lower
-        entry = lower.reserve_host(key, spec, n)
-        if entry is None:
-            return None
-        if key in self.index:
-            lower.host.abort(entry)
-            return False
-        try:
-            write_host(entry)
-            if ready is not None:
-                ready()
-            lower.host.commit(entry)
-        except BaseException:
-            lower.host.abort(entry)
-            raise
-        self.index.insert(key, spec, n, [], tier=Tier.HOST, location=entry)
-        self.counters.add("puts_written_around", key.modality)
-        lower.maybe_background_spill()
-        return True
 
     def get_embedding(self, key: ContentKey) -> torch.Tensor:
         spec = self.keyer.check_key(key, "embedding")

@@ -14,7 +14,7 @@ itself, ``held_by``), so nothing calls back up into the facade.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -30,7 +30,9 @@ from ..eviction import EvictionPolicy
 from ..pages.copies import check_out_kv, pages_into_kv, view_runs
 from ..pages.pool import PagePool
 from ..stats import CacheStats, Counters, TierUsage
+from ..storage import HostTier
 from ..storage.dest_pages import DestTokens, usable_tokens
+from ..storage.host_slabs import HostEntry
 from ..storage.page_digests import copy_out_verified
 from .leases import Lease, LeaseTable
 from .lower import WAIT_S, LowerTiers
@@ -52,6 +54,9 @@ class GroupDirectory(Protocol):
     def require(self, key: ContentKey) -> ModalityGroup: ...
 
     def adopt(self, groups: Iterable[ModalityGroup]) -> None: ...
+
+    def insert(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int], *,
+               tier: Tier = Tier.DEVICE, location: object = None) -> ModalityGroup: ...
 
     def unindex(self, group: ModalityGroup) -> None: ...
 
@@ -172,6 +177,34 @@ class Residency:
             group.pages = []
         if self.lower.enabled:
             self.lower.forget(group)
+
+    def store_host(self, key: ContentKey, spec: ModalitySpec, n: int,
+                   write_host: Callable[[HostTier, HostEntry], None],
+                   ready: Callable[[], None] | None) -> bool | None:
+        """A put written around the device (``tiers.placement``): host slots (room made below as
+        for a demotion; may let go of the lock), ``write_host(host tier, entry)``, ``ready()``,
+        commit, index. ``None``: the host tier could not take it (the caller takes the device
+        path); ``False``: the key was put meanwhile. A refusal gives the slots back and records
+        nothing (lock held)."""
+        lower = self.lower
+        entry = lower.reserve_host(key, spec, n)
+        if entry is None:
+            return None
+        if key in self.index:
+            lower.host.abort(entry)
+            return False
+        try:
+            write_host(lower.host, entry)
+            if ready is not None:
+                ready()
+            lower.host.commit(entry)
+        except BaseException:
+            lower.host.abort(entry)
+            raise
+        self.index.insert(key, spec, n, [], tier=Tier.HOST, location=entry)
+        self.counters.add("puts_written_around", key.modality)
+        lower.maybe_background_spill()
+        return True
 
     # ------------------------------------------------------------------ GroupOwner (for residency)
     def wait(self, fut: Future) -> object:
