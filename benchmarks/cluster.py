@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
 from benchmarks._common import (  # noqa: E402
     add_out_arg,
     best_time,
@@ -44,7 +44,7 @@ from benchmarks._common import (  # noqa: E402
     write_results,
 )
 from mmtier import CacheConfig, ModalitySpec  # noqa: E402
-from mmtier.actors import ClusterSettings, PoolHost, host_name  # noqa: E402
+from mmtier.cluster import ClusterSettings, PoolHost, host_name  # noqa: E402
 from mmtier.content import ContentKey, KeyMaker, media_digest, tenant_salt  # noqa: E402
 
 

@@ -13,13 +13,13 @@ the median of the per-round ratios (best, worst and every pair beside it, the lo
 - slot gather / scatter: vLLM's tensors to contiguous and back by ``slot_mapping`` (what any
   connector pays, no store behind it);
 - save: what ``MMTierConnector`` does per step for groups of whole blocks. On a CPU: ``put``
-  straight from vLLM's tensors (``vllm_copy.engine_blocks``; the connector's writer thread does
+  straight from vLLM's tensors (``vllm.copy.engine_blocks``; the connector's writer thread does
   this after ``wait_for_save`` and the next step waits for it before vLLM writes a block): one
   copy, the NaN / Inf test inside it. On a GPU: each group's runs of consecutive blocks copied
   as they lie into a stage laid out as vLLM's tensors (``save_kv_layer``), then ``put`` of the
   stage's block-split K/V views (timed here inline, its cost): the layout change in the second;
 - load: what ``start_load_kv`` does for a whole group of whole blocks: ``read_group(out=)``
-  straight into vLLM's blocks of every layer (``vllm_copy.engine_blocks``: one copy from the
+  straight into vLLM's blocks of every layer (``vllm.copy.engine_blocks``: one copy from the
   cache's pages, no stage); checked equal to the source;
 - beside them (``save_staged_*``, ``load_staged_*``): the staged save (as on a GPU) and the
   staged load (``read_group(out=)`` into a stage laid out as vLLM's tensors, then per layer
@@ -46,7 +46,7 @@ import torch
 
 from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
 from mmtier import CacheConfig, TieredKVCache
-from mmtier.integrations import vllm_copy
+from mmtier.engines.vllm import copy as vllm_copy
 
 
 def _timed(fn) -> float:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
         sync()
 
     def save_direct(batch):
-        """The connector's path on a CPU (``vllm_copy.engine_blocks``): ``put`` straight from
+        """The connector's path on a CPU (``vllm.copy.engine_blocks``): ``put`` straight from
         vLLM's tensors, one copy."""
         keys[:] = batch
         nb = group[0] // BS
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def load():
         """The connector's load of whole groups: ``read_group(out=)`` straight into vLLM's
-        blocks of every layer (``vllm_copy.engine_blocks``)."""
+        blocks of every layer (``vllm.copy.engine_blocks``)."""
         nb = group[0] // BS
         for i, key in enumerate(keys):
             cache.read_group(key, out=vllm_copy.engine_blocks(dst, D, block_ids[i * nb:(i + 1) * nb]))

@@ -95,8 +95,8 @@ def timed(fn, new_tokens: int) -> tuple[float, float, torch.Tensor]:
 
 def bench_model(label: str, build, prompt: int, new_tokens: int, runs: int) -> dict:
     from mmtier import TieredKVCache
-    from mmtier.integrations import transformers as mt
-    from mmtier.integrations.session import Media, Session
+    from mmtier.engines import transformers as mt
+    from mmtier.engines.transformers.session import Media, Session
 
     torch.manual_seed(0)
     ref = build()

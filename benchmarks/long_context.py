@@ -380,8 +380,8 @@ def run_cluster(tokens: int, preset: str, seed: int, oracle_heads: int, nodes: i
     import ray
     from ray.cluster_utils import Cluster
 
-    import mmtier.actors as mma
-    from mmtier.actors import ClusterSettings
+    import mmtier.cluster as mma
+    from mmtier.cluster import ClusterSettings
 
     hkv, dim, hq, dtype, model_layers = PRESETS[preset]
     tdtype = getattr(torch, dtype)

@@ -111,7 +111,7 @@ def engine(model: Path, dtype: str, mmtier: dict | None = None, prefix: bool = F
     kv = None
     if mmtier is not None or extra is not None:
         kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
-                              kv_connector_module_path="mmtier.integrations.vllm",
+                              kv_connector_module_path="mmtier.engines.vllm.connector",
                               kv_connector_extra_config=extra if extra is not None else {"mmtier_cache": mmtier})
     args = dict(skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK, max_model_len=8192, dtype=dtype,
                 enable_prefix_caching=prefix, seed=0, kv_transfer_config=kv, max_num_batched_tokens=8192)

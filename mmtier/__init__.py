@@ -1,6 +1,6 @@
 """mmtier: a tiered, modality-aware, paged KV-cache store for multimodal LLM serving on Ray.
 
-The core (this package minus ``actors/`` and ``serve/``) imports without Ray.
+The core (this package minus ``cluster/`` and ``serve/``) imports without Ray.
 """
 
 from .cache import TieredKVCache
@@ -35,7 +35,7 @@ __all__ = [
 def __getattr__(name: str):
     """``mmtier.start`` / ``connect`` / ``shutdown`` import Ray only when first used."""
     if name in ("start", "connect", "shutdown"):
-        from . import actors
+        from . import cluster
 
-        return getattr(actors, name)
+        return getattr(cluster, name)
     raise AttributeError(f"module 'mmtier' has no attribute {name!r}")

@@ -126,7 +126,7 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
     when that leaves the public default secret, unless ``allow_default_secret`` (local runs)."""
     import yaml
 
-    from .actors.settings import ClusterSettings
+    from .cluster.settings import ClusterSettings
     from .config import KEY_SECRET_ENV, CacheConfig, require_key_secret
     from .errors import ConfigError
 
@@ -162,9 +162,9 @@ def load_start_config(path: Path, allow_default_secret: bool = False):
 
 def _serve_llm_start_config(app: dict, path: Path):
     """The cache and cluster settings a Ray Serve LLM application's vLLM engines name."""
-    from .actors.settings import ClusterSettings
+    from .cluster.settings import ClusterSettings
+    from .engines.connector_cache import cluster_from_extra, config_from_extra
     from .errors import ConfigError
-    from .integrations.connector_cache import cluster_from_extra, config_from_extra
 
     try:
         extra = app["args"]["llm_configs"][0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
@@ -187,7 +187,7 @@ def start(config: Path, address: str, allow_default_secret: bool) -> None:
     layout, cluster.gpu_pools: engines); cluster.gpu_pools: actors gives each GPU a model-less
     pool actor instead. Idempotent: run it again after nodes join. The key secret comes from
     MMTIER_KEY_SECRET (a preset) or the Serve config's cache.key_secret_env."""
-    from . import actors
+    from . import cluster
     from .errors import ConfigError
 
     try:
@@ -196,7 +196,7 @@ def start(config: Path, address: str, allow_default_secret: bool) -> None:
         raise click.ClickException(str(exc)) from None
     _connect_ray(address, settings.namespace)
     try:
-        report = actors.start(cfg, settings)
+        report = cluster.start(cfg, settings)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(f"mmtier on {len(report.nodes)} node(s), namespace {settings.namespace!r}, model {cfg.model}, "
@@ -210,12 +210,12 @@ def start(config: Path, address: str, allow_default_secret: bool) -> None:
 @click.option("--namespace", default="mmtier", show_default=True, help="mmtier's Ray namespace.")
 def status(address: str, namespace: str) -> None:
     """Actors, tiers and hit ratios of mmtier on a running cluster, as tables."""
-    from . import actors
+    from . import cluster
 
     _connect_ray(address, namespace)
-    settings = actors.ClusterSettings(namespace=namespace)
+    settings = cluster.ClusterSettings(namespace=namespace)
     try:
-        cc = actors.connect(settings)
+        cc = cluster.connect(settings)
     except ValueError:
         raise click.ClickException(f"mmtier is not running in namespace {namespace!r} "
                                    "(mmtier start --config ...)") from None

@@ -2,7 +2,7 @@
 vLLM with a connector in its loop but nothing moved. vLLM's CPU build binds such an engine's
 OpenMP threads one core fewer than a plain engine's under its multiprocessing executor (which
 moved bf16 logprobs); mmtier's plugin undoes that for mmtier's connector only
-(``mmtier.integrations.vllm_threads``), so this engine shows what vLLM alone does."""
+(``mmtier.engines.vllm.threads``), so this engine shows what vLLM alone does."""
 
 from __future__ import annotations
 

@@ -71,10 +71,10 @@ def llm_config(model: Path, link: dict, *, max_ongoing: int = 1) -> dict:
             "max_num_seqs": 4, "enable_prompt_tokens_details": True,
             "worker_extension_cls": "tests.serve_worker_ext.EncoderCounter",
             "kv_transfer_config": {"kv_connector": "MMTierConnector",
-                                   "kv_connector_module_path": "mmtier.integrations.vllm",
+                                   "kv_connector_module_path": "mmtier.engines.vllm.connector",
                                    "kv_role": "kv_both", "kv_connector_extra_config": extra},
             "ec_transfer_config": {"ec_connector": "MMTierECConnector",
-                                   "ec_connector_module_path": "mmtier.integrations.vllm_ec",
+                                   "ec_connector_module_path": "mmtier.engines.vllm.ec",
                                    "ec_role": "ec_both", "ec_connector_extra_config": extra},
         },
     }
@@ -114,8 +114,8 @@ class ServeCluster:
         from ray import serve
         from ray.cluster_utils import Cluster
 
-        from mmtier import actors as mma
-        from mmtier.actors.settings import ClusterSettings
+        from mmtier import cluster as mma
+        from mmtier.cluster.settings import ClusterSettings
         from mmtier.config import CacheConfig
 
         self.model = model_dir(tmp)
@@ -197,7 +197,7 @@ class ServeCluster:
         import ray
         from ray import serve
 
-        from mmtier import actors as mma
+        from mmtier import cluster as mma
 
         try:
             if ray.is_initialized():

@@ -19,7 +19,7 @@ class EncoderCounter:
                 self._mmtier_encoded += int(args[0].shape[0])
 
             self.model_runner.model.vision_tower.register_forward_hook(count)
-        from mmtier.integrations import connector_cache
+        from mmtier.engines import connector_cache
 
         n, self._mmtier_encoded = self._mmtier_encoded, 0
         pulled = sum(link.counters["pulled"] for link in list(connector_cache._LINKS.values()))

@@ -55,7 +55,7 @@ class HostPool:
 
 
 def backend_for(fields: dict, *, tenant: str = "acme", tp_rank: int = 0, **extra):
-    extra = {"backend_name": "mmtier", "module_path": "mmtier.integrations.sglang",
+    extra = {"backend_name": "mmtier", "module_path": "mmtier.engines.sglang",
              "class_name": "MMTierHiCacheStorage", "interface_v1": 1, "mmtier_tenant": tenant,
              "mmtier_cache": fields, **extra}
     cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=2, pp_rank=0, pp_size=1, attn_cp_rank=0,

@@ -167,8 +167,8 @@ def test_start_leaves_a_gpu_node_s_gpu_to_its_engine(tmp_path):
         assert not any(n.startswith("mmtier-pool") for n in names), names
         assert ray.available_resources().get("GPU") == 1.0
     finally:
-        from mmtier.actors import shutdown
-        from mmtier.actors.settings import ClusterSettings
+        from mmtier.cluster import shutdown
+        from mmtier.cluster.settings import ClusterSettings
 
         shutdown(ClusterSettings(namespace="mmtier-gpu-layout"))
         ray.shutdown()

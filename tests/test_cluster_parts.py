@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import torch
 
-from mmtier.actors.cluster_keys import ClusterKeys
-from mmtier.actors.holders import Holders
-from mmtier.actors.sequence_book import SequenceBook
-from mmtier.actors.settings import ClusterSettings
 from mmtier.cache import TieredKVCache
+from mmtier.cluster.client_holders import Holders
+from mmtier.cluster.client_keys import ClusterKeys
+from mmtier.cluster.client_sequences import SequenceBook
+from mmtier.cluster.settings import ClusterSettings
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.core.segments import SequenceHandle
 from mmtier.errors import ForeignKeyError, HolderLostError, UnknownKeyError, UnknownModalityError

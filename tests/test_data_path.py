@@ -179,7 +179,7 @@ def test_engine_blocks_put_and_read_back_from_every_tier(tmp_path, layout):
     """A group put straight from an engine's per-layer paged tensors (scattered blocks, vLLM's
     two layouts) reads back bitwise into another engine's blocks from each tier (the host read
     checked page by page), and equals the same tokens put as plain K/V."""
-    from mmtier.integrations import vllm_copy
+    from mmtier.engines.vllm import copy as vllm_copy
     from mmtier.pages.copies import EngineBlocks
 
     nb = 12
@@ -214,7 +214,7 @@ def test_engine_blocks_put_and_read_back_from_every_tier(tmp_path, layout):
 
 
 def test_engine_blocks_bad_input_is_refused_and_changes_nothing(tmp_path):
-    from mmtier.integrations import vllm_copy
+    from mmtier.engines.vllm import copy as vllm_copy
 
     src = [torch.randn(8, P, H, 2 * D).transpose(1, 2) for _ in range(L)]
     with TieredKVCache(cfg(tmp_path, disk=False)) as cache:

@@ -10,8 +10,7 @@ import pytest
 import yaml
 
 from mmtier.config import CacheConfig
-from mmtier.errors import ConfigError
-from mmtier.integrations.connector_cache import (
+from mmtier.engines.connector_cache import (
     CLUSTER_ENV,
     close_shared,
     cluster_from_extra,
@@ -20,6 +19,7 @@ from mmtier.integrations.connector_cache import (
     shared_cache,
     tenant_from_extra,
 )
+from mmtier.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = dict(model="tiny-engine", num_layers=1, num_kv_heads=1, head_dim=16, dtype="float32",
@@ -69,9 +69,9 @@ def test_the_cluster_is_joined_only_when_asked_and_its_fields_are_checked(monkey
         cluster_from_extra({})
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray (mmtier.actors)")
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs Ray (mmtier.cluster)")
 def test_an_engine_cache_shares_only_with_the_clusters_model_secret_and_layouts():
-    from mmtier.actors.connector_link import check_compatible
+    from mmtier.cluster.link import check_compatible
 
     base = CacheConfig(**FIELDS)
     check_compatible(base, CacheConfig(**{**FIELDS, "device_bytes": 4 << 20, "host_bytes": 1 << 20}))

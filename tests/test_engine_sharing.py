@@ -35,9 +35,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
-from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.actors.launch import NodeStoreActor, store_name  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
+from mmtier.cluster import ClusterSettings  # noqa: E402
+from mmtier.cluster.actors import NodeStoreActor, store_name  # noqa: E402
 from mmtier.config import CacheConfig  # noqa: E402
 from tests.engine_shapes import EMBED_WIDTH, cache_fields, with_embeddings  # noqa: E402
 from tests.vllm_instance import VllmInstance  # noqa: E402
@@ -150,7 +150,7 @@ def test_sglang_instances_share_pages_through_the_cluster(cluster):
     Ray until its backend joins the cluster (``RAY_ADDRESS``), finds them with ``batch_exists``
     (one lookup, one fetch per page) and loads the same bytes zero-copy into its host pool."""
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
-    from mmtier.integrations.connector_cache import close_shared
+    from mmtier.engines.connector_cache import close_shared
     from tests import sglang_harness as sh
 
     base, _nodes, address = cluster
@@ -218,12 +218,12 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
     from vllm.v1.request import Request
 
     from mmtier import TieredKVCache
-    from mmtier.integrations.connector_cache import close_shared
+    from mmtier.engines.connector_cache import close_shared
 
     base, nodes, _address = cluster
     fields = with_embeddings(cache_fields(base / "ec-slow"))
     ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
-                          ec_connector_module_path="mmtier.integrations.vllm_ec",
+                          ec_connector_module_path="mmtier.engines.vllm.ec",
                           ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                      "mmtier_cluster": CLUSTER})
     cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
@@ -282,8 +282,8 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
     ({"cluster": {"namespace": "no-mmtier-here"}}, "mmtier_cluster.namespace")])
 def test_an_engine_that_cannot_share_is_refused_at_construction(cluster, tmp_path, change, field):
     pytest.importorskip("sglang.srt.mem_cache.hicache_storage", reason="SGLang is not importable: run ./run engines")
+    from mmtier.engines.connector_cache import close_shared
     from mmtier.errors import ConfigError
-    from mmtier.integrations.connector_cache import close_shared
     from tests import sglang_harness as sh
 
     change = dict(change)

@@ -369,8 +369,8 @@ def test_vllm_kv_cache_dtypes_map_to_fp8_pages_and_runtime_scales_are_refused():
     scales vLLM computes at run time and fp8 formats mmtier has no pages for are refused."""
     from types import SimpleNamespace
 
-    from mmtier.integrations import vllm_copy
-    from mmtier.integrations.vllm_shape import _fp8_name
+    from mmtier.engines.vllm import copy as vllm_copy
+    from mmtier.engines.vllm.shape import _fp8_name
 
     cc = lambda dtype, calc=False: SimpleNamespace(cache_dtype=dtype, calculate_kv_scales=calc)  # noqa: E731
     assert _fp8_name(cc("fp8")) == _fp8_name(cc("fp8_e4m3")) == "float8_e4m3fn"

@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers", reason="the hf extra (transfo
 from transformers import GenerationMixin, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 from mmtier import ConfigError, TieredKVCache  # noqa: E402
+from mmtier.engines import transformers as mt  # noqa: E402
 from mmtier.errors import UnsupportedError  # noqa: E402
-from mmtier.integrations import transformers as mt  # noqa: E402
 from tests.hf_models import MODELS  # noqa: E402
 
 NEW_TOKENS = 6

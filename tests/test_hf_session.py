@@ -15,9 +15,9 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 from transformers import GenerationMixin  # noqa: E402
 
 from mmtier import ShapeError, TieredKVCache  # noqa: E402
+from mmtier.engines import transformers as mt  # noqa: E402
+from mmtier.engines.transformers.session import Media, Session  # noqa: E402
 from mmtier.errors import UnsupportedError  # noqa: E402
-from mmtier.integrations import transformers as mt  # noqa: E402
-from mmtier.integrations.session import Media, Session  # noqa: E402
 from tests.hf_models import (  # noqa: E402
     MODELS,
     llava_inputs,
@@ -199,7 +199,7 @@ def test_images_whose_inputs_do_not_concatenate_take_separate_forwards():
     """``_chunks``: text and images run together while the images' processor outputs
     concatenate; an image with other names or another shape past the first dimension starts a
     new forward (each still a run of its own)."""
-    from mmtier.integrations.session import Span, _chunks
+    from mmtier.engines.transformers.session import Span, _chunks
 
     def img(shape, names=("pixel_values",)):
         return Media(b"x", {n: torch.randn(*shape) for n in names})

@@ -16,9 +16,9 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 from transformers import GenerationMixin  # noqa: E402
 
 from mmtier import TieredKVCache  # noqa: E402
+from mmtier.engines import transformers as mt  # noqa: E402
+from mmtier.engines.transformers.session import Session  # noqa: E402
 from mmtier.errors import UnsupportedError  # noqa: E402
-from mmtier.integrations import transformers as mt  # noqa: E402
-from mmtier.integrations.session import Session  # noqa: E402
 from tests.hf_models import text_inputs, tiny_llama, tiny_mistral, tiny_qwen2  # noqa: E402
 
 NEW = 5

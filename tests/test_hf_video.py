@@ -17,10 +17,10 @@ pytest.importorskip("transformers", reason="the hf extra (transformers) is not i
 pytest.importorskip("av", reason="the hf extra (PyAV) is not installed")
 
 from mmtier import TieredKVCache  # noqa: E402
+from mmtier.engines import transformers as mt  # noqa: E402
+from mmtier.engines.transformers.session import Media, Session  # noqa: E402
+from mmtier.engines.transformers.video_frames import VideoProcessor, decode, probe  # noqa: E402
 from mmtier.errors import BadMediaError, ShapeError  # noqa: E402
-from mmtier.integrations import transformers as mt  # noqa: E402
-from mmtier.integrations.session import Media, Session  # noqa: E402
-from mmtier.integrations.video_frames import VideoProcessor, decode, probe  # noqa: E402
 from tests.hf_models import MODELS, QWEN_IDS  # noqa: E402
 
 from .media_samples import video  # noqa: E402

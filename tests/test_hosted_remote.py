@@ -12,8 +12,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mmtier.actors.hosted import HostedCache
-from mmtier.actors.pool_actor import PoolService
+from mmtier.cluster.engine_cache import HostedCache
+from mmtier.cluster.pool import PoolService
 from mmtier.errors import UnknownKeyError
 from tests.oracle import oracle_attention, rel_err
 from tests.reference_model import ReferenceModel
@@ -138,7 +138,7 @@ class Clustered(InProcess):
     whole-group fetches from the holders' exports."""
 
     def __init__(self, holders: dict[str, PoolService]):
-        from mmtier.actors.registry import ContentRegistry, HolderInfo
+        from mmtier.cluster.registry import ContentRegistry, HolderInfo
 
         super().__init__(holders)
         self.registry = ContentRegistry()

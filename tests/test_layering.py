@@ -26,12 +26,13 @@ LAYERS = [
     {"storage"},
     {"attention", "tiers"},
     {"cache"},
-    {"actors"},
-    {"integrations", "mmtier"},
+    {"cluster"},
+    {"engines", "mmtier"},
     {"chat"},
     {"serve"},
     {"demo"},
     {"cli.py"},
+    {"actors", "integrations"},          # old paths kept for configs: one import line a module
 ]
 
 

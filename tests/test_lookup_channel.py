@@ -7,7 +7,7 @@ import hashlib
 import uuid
 
 from mmtier.content import ContentKey
-from mmtier.integrations.lookup_channel import LookupChannel
+from mmtier.engines.vllm.lookup_channel import LookupChannel
 
 
 def key(i: int) -> ContentKey:

@@ -1,4 +1,4 @@
-"""``actors/metrics.py`` through Ray's real metrics pipeline: an actor with a real cache
+"""``cluster/metrics.py`` through Ray's real metrics pipeline: an actor with a real cache
 publishes its usage and event counters (``ActorMetrics``) and counts routing (``ClientMetrics``);
 Ray's Prometheus endpoint of the node (a fresh local Ray, loopback) then serves exactly those
 values: gauges as the cache's bytes and groups per tier and modality, counters as the growth of
@@ -47,7 +47,7 @@ class Probe:
         import torch
 
         from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-        from mmtier.actors.metrics import ActorMetrics, ClientMetrics
+        from mmtier.cluster.metrics import ActorMetrics, ClientMetrics
 
         self.torch = torch
         self.cache = TieredKVCache(CacheConfig(
@@ -80,7 +80,7 @@ class Probe:
         self.client.remote("store", 3)
 
     def due_after_publish(self, interval: float) -> tuple[bool, bool]:
-        from mmtier.actors.metrics import ActorMetrics
+        from mmtier.cluster.metrics import ActorMetrics
 
         m = ActorMetrics("due-probe", min_interval_s=interval)
         first = m.due()

@@ -24,9 +24,9 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
-from mmtier.actors import ClusterSettings  # noqa: E402
-from mmtier.actors.pool_host import PoolHost, host_name  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
+from mmtier.cluster import ClusterSettings  # noqa: E402
+from mmtier.cluster.engine_pool import PoolHost, host_name  # noqa: E402
 from tests.reference_model import Audio, Image, ReferenceModel, Text  # noqa: E402
 from tests.reference_model.engine import ReferenceEngine  # noqa: E402
 
@@ -107,7 +107,7 @@ def test_remote_media_groups_cost_one_lookup_n_fetches_one_publish(cluster, new_
 
 
 def test_transfer_plan_fetches_what_fits_and_attends_huge_cold_groups_in_place():
-    from mmtier.actors.placement import transfer_plan
+    from mmtier.cluster.client_placement import transfer_plan
 
     plan = lambda nbytes, calls: transfer_plan(nbytes, 64 << 20, calls, link_bytes_per_s=1e9, call_s=1e-3)  # noqa: E731
     assert plan(8 << 20, 0) == "fetch"                 # fits easily: always pulled whole
@@ -141,9 +141,9 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
     """No Ray: an export's buffer is a view of the arena leased exactly as long as it lives (the
     group cannot leave meanwhile); an import into scattered pages, run by run, stores the same
     K/V; a key not held raises and leaves no lease."""
-    from mmtier.actors.pool_actor import PoolService
-    from mmtier.actors.transfer import export_to_object_store
     from mmtier.cache.page_io import page_runs
+    from mmtier.cluster.pool import PoolService
+    from mmtier.cluster.transfer import export_to_object_store
     from mmtier.errors import UnknownKeyError
 
     cfg = MODEL.cache_config(device_bytes=6 << 20)
@@ -320,8 +320,8 @@ def test_a_failed_fetch_is_a_miss_and_leaks_nothing(cluster):
 def test_import_takes_pages_under_the_lock_and_gives_them_back_when_it_cannot_keep_them():
     """No Ray: an import fills its pages outside the cache's lock; a bad buffer takes nothing,
     and a key imported by another thread meanwhile gives the pages back (no leak either way)."""
-    from mmtier.actors.pool_actor import PoolService
     from mmtier.cache import GroupPages
+    from mmtier.cluster.pool import PoolService
     from mmtier.errors import ShapeError
 
     cfg = MODEL.cache_config(device_bytes=6 << 20)

@@ -21,9 +21,9 @@ import torch  # noqa: E402
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
 from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, PrefixMismatchError, UnknownKeyError  # noqa: E402
-from mmtier.actors import ClusterSettings, HolderLostError  # noqa: E402
+from mmtier.cluster import ClusterSettings, HolderLostError  # noqa: E402
 from tests.composed import check_facade  # noqa: E402
 from tests.oracle import Logical as OracleLog  # noqa: E402
 from tests.oracle import oracle_attention, rel_err  # noqa: E402
@@ -111,14 +111,14 @@ class Logical(OracleLog):
 def test_the_client_is_a_facade_over_parts_that_do_not_import_it():
     """``ClusterCache`` holds its parts, one file each (no cluster needed): no base classes, no
     part importing ``client``; every operation keeps its async and blocking twins."""
-    from mmtier.actors.attacher import Attacher
-    from mmtier.actors.client import ClusterCache
-    from mmtier.actors.cluster_attention import ClusterAttention
-    from mmtier.actors.cluster_keys import ClusterKeys
-    from mmtier.actors.group_copies import GroupCopier
-    from mmtier.actors.holders import Holders
-    from mmtier.actors.sequence_book import SequenceBook
-    from mmtier.actors.shared_groups import SharedGroups
+    from mmtier.cluster.client import ClusterCache
+    from mmtier.cluster.client_attach import Attacher
+    from mmtier.cluster.client_attention import ClusterAttention
+    from mmtier.cluster.client_holders import Holders
+    from mmtier.cluster.client_keys import ClusterKeys
+    from mmtier.cluster.client_sequences import SequenceBook
+    from mmtier.cluster.client_shared import SharedGroups
+    from mmtier.cluster.transfer_copies import GroupCopier
 
     check_facade(ClusterCache, [Holders, ClusterKeys, SequenceBook, Attacher, SharedGroups, GroupCopier,
                                 ClusterAttention], min_parts=7)
@@ -148,7 +148,7 @@ def test_start_is_idempotent_and_pins_by_node(cc):
 # ---------------------------------------------------------------------- hits and keys everywhere
 @ray.remote(num_cpus=0)
 def _probe(media: bytes, settings_json: dict):
-    import mmtier.actors as m
+    import mmtier.cluster as m
 
     c = m.connect(ClusterSettings(**settings_json))
     key = c.content_key("vision", media, tenant="acme")
@@ -499,7 +499,7 @@ def test_store_spills_host_to_disk_serves_and_adopts_after_restart(tmp_path):
     export stream them back exactly, a recreated store adopts its directory, a corrupt file is a
     miss reported as lost, and the disk budget's bottom drops (reported as evicted)."""
     from mmtier import CorruptDataError, TieredKVCache
-    from mmtier.actors.node_store import NodeStoreService, store_dir
+    from mmtier.cluster.store import NodeStoreService, store_dir
 
     cfg = CFG.model_copy(update={"disk_dir": tmp_path})
     maker = TieredKVCache(CFG.model_copy(update={"disk_dir": None}))

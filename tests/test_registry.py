@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
-from mmtier.actors.registry import ContentRegistry, HolderInfo
+from mmtier.cluster.registry import ContentRegistry, HolderInfo
 
 CFG = CacheConfig(model="m", num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
                   modalities={"vision": ModalitySpec(page_size=4)}, device="cpu", device_bytes=1 << 20)

@@ -32,7 +32,7 @@ serve = pytest.importorskip("ray.serve")
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
 from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.serve.app import build_app  # noqa: E402
 from mmtier.serve.chat_model import load_chat  # noqa: E402
@@ -158,7 +158,7 @@ def body(*items, history=(), new: int = NEW, **fields) -> dict:
 
 def workers_state() -> dict:
     """Per worker node: the digests of the groups its pool holds."""
-    from mmtier.actors.pool_host import host_name
+    from mmtier.cluster.engine_pool import host_name
     from mmtier.serve.routing import pin_targets
 
     ns = ServeAppConfig.parse(ARGS).settings().namespace
@@ -492,7 +492,7 @@ def test_new_conversations_follow_their_clip_and_tenants_do_not_share(url):
 
 
 def _worker(node: str):
-    from mmtier.actors.pool_host import host_name
+    from mmtier.cluster.engine_pool import host_name
 
     return ray.get_actor(host_name(node), namespace=ServeAppConfig.parse(ARGS).settings().namespace)
 
@@ -599,7 +599,7 @@ def test_killing_a_worker_loses_only_its_pool(url, chat):
     node's groups still serve, and the next requests succeed (recomputing what was lost): a
     request sent to the restarting worker fails over to the other node (stateless: nothing of
     the conversation was the worker's)."""
-    from mmtier.actors.pool_host import host_name
+    from mmtier.cluster.engine_pool import host_name
 
     settings = ServeAppConfig.parse(ARGS).settings()
     clips = _clip_on_each_node(url, 40)

@@ -91,7 +91,7 @@ def test_vllm_plugin_binds_the_shim_in_a_fresh_process_before_llava_imports():
     then does vLLM's LLaVA module import; without the plugin that import fails here."""
     probe = ("from vllm.plugins import load_general_plugins; load_general_plugins(); "
              "import vllm.model_executor.models.llava; "
-             "from mmtier.integrations.vllm_plugin import shim_state; import json, dataclasses; "
+             "from mmtier.engines.vllm.plugin import shim_state; import json, dataclasses; "
              "print('STATE', json.dumps(dataclasses.asdict(shim_state())))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -275,7 +275,7 @@ def test_the_engines_saves_are_published_to_mmtiers_cluster(app):
     what it saves is written through to the node's store and published."""
     import ray
 
-    from mmtier.actors import ClusterSettings
+    from mmtier.cluster import ClusterSettings
 
     registry = ray.get_actor(ClusterSettings().registry_name, namespace="mmtier")
     before = ray.get(registry.stats.remote(), timeout=60)

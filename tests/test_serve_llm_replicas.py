@@ -140,7 +140,7 @@ def test_best_node_prefers_media_then_the_longest_held_prefix():
     the leading run of prompt tokens held on one node; holders it cannot place are ignored."""
     import os
 
-    from mmtier.actors.registry import Location
+    from mmtier.cluster.registry import Location
     from mmtier.content import ContentKey
     from mmtier.serve.affinity_router import best_node
     from mmtier.serve.request_keys import RequestKeys

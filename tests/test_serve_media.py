@@ -335,8 +335,8 @@ def test_mmtier_start_leaves_a_gpu_to_its_engine_unless_told_otherwise():
     """The serving layout (``gpu_pools: engines``, the default) puts no model-less pool on a GPU
     node (the engine that runs there holds its pool); ``actors`` gives each GPU a pool actor;
     a node without a GPU gets a CPU pool either way."""
-    from mmtier.actors.launch import device_pools
-    from mmtier.actors.settings import ClusterSettings
+    from mmtier.cluster.launch import device_pools
+    from mmtier.cluster.settings import ClusterSettings
 
     gpu_node = {"NodeID": "n1", "Resources": {"CPU": 8.0, "GPU": 2.0}}
     cpu_node = {"NodeID": "n2", "Resources": {"CPU": 8.0}}

@@ -23,10 +23,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers, Pillow) is not installed")
 
-from mmtier.actors.hosted import HostedCache  # noqa: E402
-from mmtier.actors.pool_actor import PoolService  # noqa: E402
-from mmtier.actors.registry import ContentRegistry, HolderInfo  # noqa: E402
 from mmtier.chat.model import dense_chat  # noqa: E402
+from mmtier.cluster.engine_cache import HostedCache  # noqa: E402
+from mmtier.cluster.pool import PoolService  # noqa: E402
+from mmtier.cluster.registry import ContentRegistry, HolderInfo  # noqa: E402
 from mmtier.errors import HolderLostError  # noqa: E402
 from mmtier.serve.config import ModelArgs, Workers  # noqa: E402
 from mmtier.serve.engine_loader import load_engine  # noqa: E402

@@ -14,8 +14,8 @@ pytest.importorskip("sglang.srt.mem_cache.hicache_storage",
                     reason="SGLang is not importable: run ./run engines (.venv-engines: a real vLLM engine, its CPU build here, and SGLang); ./run test then runs this file there")
 
 from mmtier.core.groups import Tier  # noqa: E402
+from mmtier.engines.connector_cache import close_shared  # noqa: E402
 from mmtier.errors import ConfigError  # noqa: E402
-from mmtier.integrations.connector_cache import close_shared  # noqa: E402
 from tests.sglang_harness import PAGES, D, H, HostPool, L, P, backend_for  # noqa: E402
 
 

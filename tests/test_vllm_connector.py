@@ -17,8 +17,8 @@ import torch
 pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base",
                     reason="vLLM is not importable: run ./run engines (.venv-engines: vLLM's CPU build here); ./run test then runs this file there")
 
-from mmtier.integrations import vllm_copy as h_copy  # noqa: E402
-from mmtier.integrations.connector_cache import close_shared  # noqa: E402
+from mmtier.engines.connector_cache import close_shared  # noqa: E402
+from mmtier.engines.vllm import copy as h_copy  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 
@@ -53,8 +53,8 @@ def test_a_tensor_parallel_engine_with_mmtier_cluster_is_refused_before_anything
     from vllm.config import ParallelConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+    from mmtier.engines.vllm.connector import MMTierConnector
     from mmtier.errors import ConfigError
-    from mmtier.integrations.vllm import MMTierConnector
 
     spill = tmp_path / "spill"
     cfg = h.vllm_config(h.cache_fields(spill), mmtier_cluster={"namespace": "nowhere"})
@@ -83,7 +83,7 @@ def test_hits_by_full_blocks_per_prefix_image_and_salt(pair):
 
 def test_a_conversations_next_turns_hit_up_to_the_last_prompts_full_blocks_in_large_chunks(tmp_path):
     """Chunks of 16 blocks: the last prompt's full blocks ended inside one, which the next turn's
-    whole chunk misses; the connector follows the part the last turn stored (``vllm_plan``'s
+    whole chunk misses; the connector follows the part the last turn stored (``vllm.plan``'s
     forks) and loads every full block of it. Turn 1 [0, 40) of 41 tokens; turn 2 (61 tokens)
     hits 40, not 24; turn 3 (76) hits 56 through both turns' parts; the bytes are the saved ones."""
     sched, worker = h.connectors(h.cache_fields(tmp_path / "spill"), mmtier_chunk_blocks=16)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmtier.integrations import vllm_copy as vc
+from mmtier.engines.vllm import copy as vc
 
 B, H, N, D = 12, 4, 16, 32
 

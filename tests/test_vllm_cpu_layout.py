@@ -18,7 +18,7 @@ pytest.importorskip("vllm._custom_ops", reason="no vLLM here: run ./run engines 
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: E402
 
-from mmtier.integrations import vllm_copy as vc  # noqa: E402
+from mmtier.engines.vllm import copy as vc  # noqa: E402
 
 B, H, N, D = 6, 2, 32, 32
 

@@ -70,7 +70,7 @@ def test_an_engine_with_mmtier_computes_on_the_threads_of_the_same_engine_withou
     an engine with a connector computed on another number of OpenMP threads than without, and
     bf16 sums in another order (the first issue-34 report: another answer with nothing loaded,
     on an Intel Xeon). With mmtier's connector the worker binds as the plain engine's does
-    (``mmtier.integrations.vllm_threads``); a connector that does nothing shows what vLLM alone
+    (``mmtier.engines.vllm.threads``); a connector that does nothing shows what vLLM alone
     does. A tiny Gemma 3 in bf16, vLLM's default executor and its prefix cache on."""
     r = scenario("threads", tmp_path)
     assert r["mmtier_threads"] == r["plain_threads"]

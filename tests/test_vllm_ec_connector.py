@@ -26,7 +26,7 @@ from vllm.v1.outputs import ECConnectorOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
 from mmtier.core.groups import Tier  # noqa: E402
-from mmtier.integrations.connector_cache import close_shared  # noqa: E402
+from mmtier.engines.connector_cache import close_shared  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 WIDTH = 24
@@ -45,7 +45,7 @@ def fields(tmp_path, device_pages=64):
 
 def connector(f, role, tenant="acme"):
     ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
-                          ec_connector_module_path="mmtier.integrations.vllm_ec",
+                          ec_connector_module_path="mmtier.engines.vllm.ec",
                           ec_connector_extra_config={"mmtier_cache": f, "mmtier_tenant": tenant})
     cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
     cfg.parallel_config.distributed_executor_backend = "uni"   # both roles in this process
@@ -101,7 +101,7 @@ def run(sched, worker, req, encoder_cache, computed=None) -> bool:
 
 def test_encoder_outputs_round_trip_between_instances_keyed_by_content(roles):
     sched, worker, f = roles
-    assert type(worker).__module__ == "mmtier.integrations.vllm_ec"
+    assert type(worker).__module__ == "mmtier.engines.vllm.ec"
     x = torch.randn(h.IMAGE_LEN, WIDTH)
     assert not run(sched, worker, request("r1", "img-A", pixels(1)), {}, computed=x)
     encoder_cache = {}

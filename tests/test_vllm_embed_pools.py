@@ -1,4 +1,4 @@
-"""Which mmtier pool holds a vLLM media item's encoder output (``vllm_keys.embed_pools``): the
+"""Which mmtier pool holds a vLLM media item's encoder output (``vllm.keys.embed_pools``): the
 encoder-cache connector and the router that locates items both read it, so an image, a video
 and a clip each land in their medium's pool and nowhere else."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from mmtier.config import CacheConfig
+from mmtier.engines.vllm.keys import embed_pools
 from mmtier.errors import ConfigError
-from mmtier.integrations.vllm_keys import embed_pools
 
 
 def cfg(*embeds: str) -> CacheConfig:

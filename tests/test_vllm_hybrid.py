@@ -95,7 +95,7 @@ def test_a_qwen3_next_hit_restores_the_attention_kv_and_the_recurrent_state(tmp_
 
 
 def test_each_group_reads_its_own_table_and_a_let_go_block_is_no_slot():
-    from mmtier.integrations.vllm_hybrid import KVGroups, chunk_blocks_within, group_slots
+    from mmtier.engines.vllm.hybrid import KVGroups, chunk_blocks_within, group_slots
 
     # full attention holds blocks 5, 6, 7; the sliding group let its first block go (null, 0)
     # and holds 9, 4 after it

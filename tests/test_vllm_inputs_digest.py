@@ -1,4 +1,4 @@
-"""``vllm_keys.inputs_digest``: computed once per item object, never shared between items."""
+"""``vllm.keys.inputs_digest``: computed once per item object, never shared between items."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mmtier.integrations import vllm_keys
+from mmtier.engines.vllm import keys as vllm_keys
 
 
 class Item(UserDict):             # vLLM's MultiModalKwargsItem is a UserDict of fields with .data

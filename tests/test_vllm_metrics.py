@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from vllm.distributed.ec_transfer.ec_connector.metrics import ECConnectorProm  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm  # noqa: E402
 
-from mmtier.integrations import vllm_metrics  # noqa: E402
-from mmtier.integrations.connector_cache import close_shared  # noqa: E402
+from mmtier.engines.connector_cache import close_shared  # noqa: E402
+from mmtier.engines.vllm import metrics as vllm_metrics  # noqa: E402
 from tests import vllm_harness as h  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def test_the_encoder_cache_connector_feeds_the_same_metrics(tmp_path):
     kv_cfg = h.vllm_config(fields)
     sched, worker = h.connectors(fields)                        # the KV connectors, one cache
     ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
-                          ec_connector_module_path="mmtier.integrations.vllm_ec",
+                          ec_connector_module_path="mmtier.engines.vllm.ec",
                           ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme"})
     ec_cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))
     ec_cfg.parallel_config.distributed_executor_backend = "uni"   # both roles in this process

@@ -1,4 +1,4 @@
-"""A conversation's next turn through the vLLM connector's plan (``vllm_plan``): text is cut in
+"""A conversation's next turn through the vLLM connector's plan (``vllm.plan``): text is cut in
 chunks of several blocks at absolute positions, and the last prompt's full blocks ended inside
 one, so the new prompt's whole chunk misses what the last turn stored. ``fork_keys`` names the
 parts that end on each block boundary inside the chunk; a plan cut there (``cuts``) chains the
@@ -11,8 +11,8 @@ import pytest
 
 from mmtier.cache import TieredKVCache
 from mmtier.config import CacheConfig
+from mmtier.engines.vllm.plan import MediaItem, fork_keys, plan_request
 from mmtier.errors import ShapeError
-from mmtier.integrations.vllm_plan import MediaItem, fork_keys, plan_request
 
 BS = 8
 

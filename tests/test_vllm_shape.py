@@ -1,4 +1,4 @@
-"""The cache a vLLM engine needs, read from the engine (``mmtier.integrations.vllm_shape``):
+"""The cache a vLLM engine needs, read from the engine (``mmtier.engines.vllm.shape``):
 sizes from the extra config, flat keys or the environment in that order, shapes checked against
 the engine's, and the shape read from a real ``VllmConfig`` where vLLM is installed."""
 
@@ -7,15 +7,15 @@ from __future__ import annotations
 import pytest
 
 from mmtier.config import CacheConfig
-from mmtier.errors import ConfigError
-from mmtier.integrations.connector_cache import config_from_extra
-from mmtier.integrations.vllm_shape import (
+from mmtier.engines.connector_cache import config_from_extra
+from mmtier.engines.vllm.shape import (
     EngineShape,
     available_bytes,
     cache_config,
     default_sizes,
     parse_bytes,
 )
+from mmtier.errors import ConfigError
 
 SHAPE = EngineShape(model="/models/tiny", num_layers=2, num_kv_heads=2, head_dim=32, dtype="bfloat16",
                     block_size=32)
@@ -102,7 +102,7 @@ def test_the_shape_is_read_from_a_real_vllm_config(tmp_path):
                         "environment runs this file)")
     from vllm.engine.arg_utils import EngineArgs
 
-    from mmtier.integrations.vllm_shape import engine_shape
+    from mmtier.engines.vllm.shape import engine_shape
     from tests.vllm_models import build_llama
 
     model = build_llama(tmp_path / "llama")

@@ -22,7 +22,7 @@ from mmtier.serve.tiny_audio import AUDIO_ID, SAMPLE_RATE, audio_prompt, clip
 from mmtier.serve.tiny_models import text
 from tests.vllm_scenarios import close, engine
 
-EC_CONNECTOR = "mmtier.integrations.vllm_ec"
+EC_CONNECTOR = "mmtier.engines.vllm.ec"
 ARGS = dict(skip_tokenizer_init=False, max_model_len=1024, max_num_batched_tokens=128, enable_chunked_prefill=True)
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")   # collective_rpc of a function
 
@@ -102,7 +102,7 @@ def run(llm, reqs: list[dict], calls: TowerCalls, placeholder: int, max_tokens: 
 
 def pools() -> dict:
     """The pools of the cache this process's connectors opened: ``[kind, page, width]``."""
-    from mmtier.integrations import connector_cache
+    from mmtier.engines import connector_cache
 
     caches = list(connector_cache._CACHES.values())
     return {"caches": len(caches),

@@ -78,7 +78,7 @@ def blocks_kv(llm, blocks: list[int], head_dim: int):
     """K and V ``[layers, len(blocks) * block, heads, head_dim]`` of vLLM's blocks, copied."""
     import torch
 
-    from mmtier.integrations.vllm_copy import kv_views
+    from mmtier.engines.vllm.copy import kv_views
 
     ks, vs = [], []
     for layer in kv_caches(llm):
@@ -111,7 +111,7 @@ def run(llm, spy: Spy, prompts: list[list[int]]) -> list[dict]:
 def oracle(model: str, tmp: str, dtype: str = "float32") -> dict:
     import torch
 
-    from mmtier.integrations import connector_cache
+    from mmtier.engines import connector_cache
 
     p = prompt(30, 400)
     full = (len(p) - 1) // BLOCK                     # 12 blocks: what a hit covers
@@ -229,7 +229,7 @@ def threads(tmp: str) -> dict:
     threads moves the numerics: a tiny Gemma 3 (sliding-window and full-attention layers,
     vLLM's hybrid allocator and prefix cache on), one 301-token prompt, greedy with the top
     logprobs, in a plain engine, an engine whose KV connector does nothing (vLLM binds it one
-    core fewer where it can, ``mmtier.integrations.vllm_threads``) and an engine with mmtier's
+    core fewer where it can, ``mmtier.engines.vllm.threads``) and an engine with mmtier's
     connector given only sizes; the prompt twice in the plain engine (the second from vLLM's own
     prefix cache) and in mmtier's, vLLM's own cache reset between (the second from mmtier); the
     threads and CPUs of each engine's worker (``DemoWorker.mmtier_threads``)."""

@@ -32,7 +32,7 @@ IMAGE_AT, IMAGE_LEN = 10, 16     # the image's placeholder positions [10, 26)
 
 def vllm_config(fields: dict, **extra) -> VllmConfig:
     kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
-                          kv_connector_module_path="mmtier.integrations.vllm",
+                          kv_connector_module_path="mmtier.engines.vllm.connector",
                           kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                      **extra})
     cfg = VllmConfig(kv_transfer_config=kv, cache_config=CacheConfig(block_size=BS),

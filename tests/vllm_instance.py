@@ -26,7 +26,7 @@ class VllmInstance:
     def reopen(self, disk_dir: str) -> None:
         """A fresh, empty cache in this process over an empty ``disk_dir`` (an engine restarted
         elsewhere: over the old directory it would find what the old cache persisted at close)."""
-        from mmtier.integrations.connector_cache import close_shared
+        from mmtier.engines.connector_cache import close_shared
 
         self.worker.shutdown()
         close_shared()
@@ -42,7 +42,7 @@ class VllmInstance:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        from mmtier.integrations.connector_cache import close_shared
+        from mmtier.engines.connector_cache import close_shared
 
         self.worker.shutdown()
         close_shared()
@@ -98,7 +98,7 @@ class VllmInstance:
         for role in (ECConnectorRole.SCHEDULER, ECConnectorRole.WORKER):
             fields = with_embeddings(self.h.cache_fields(f"{disk_dir}/{role.name.lower()}" if split else disk_dir))
             ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_role="ec_both",
-                                  ec_connector_module_path="mmtier.integrations.vllm_ec",
+                                  ec_connector_module_path="mmtier.engines.vllm.ec",
                                   ec_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                              "mmtier_cluster": self.cluster})
             cfg = VllmConfig(ec_transfer_config=ec, device_config=DeviceConfig(device="cpu"))

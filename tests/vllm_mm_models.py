@@ -1,9 +1,9 @@
 """The tiny random-weight LLaVA of the real-engine multimodal tests: it lives in the package
 (``mmtier.serve.tiny_models``: ``mmtier serve``'s CPU configuration runs it too), and the
 torchvision shim vLLM's LLaVA module needs here is mmtier's vLLM plugin
-(``mmtier.integrations.vllm_plugin``). Re-exported for the tests."""
+(``mmtier.engines.vllm.plugin``). Re-exported for the tests."""
 
-from mmtier.integrations.vllm_plugin import torchvision_free_vllm
+from mmtier.engines.vllm.plugin import torchvision_free_vllm
 from mmtier.serve.tiny_models import (
     BLOCK,
     EMBED_WIDTH,

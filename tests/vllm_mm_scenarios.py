@@ -35,7 +35,7 @@ def llava_registered() -> None:
 
 llava_registered()
 
-EC_CONNECTOR = "mmtier.integrations.vllm_ec"
+EC_CONNECTOR = "mmtier.engines.vllm.ec"
 # 128 tokens a step: vLLM's own encoder cache holds two images, so a third pushes the first out
 MM_ARGS = dict(skip_tokenizer_init=False, limit_mm_per_prompt={"image": 1}, max_model_len=1024,
                max_num_batched_tokens=128, enable_chunked_prefill=True)
@@ -198,7 +198,7 @@ def sizes_only(model: str, tmp: str) -> dict:
     vision tower). Plain engines: the three in one, the last alone in a fresh one."""
     from vllm.config import ECTransferConfig
 
-    from mmtier.integrations import connector_cache
+    from mmtier.engines import connector_cache
 
     p = prompts()
     a = image(1)

@@ -24,7 +24,7 @@ def shard_keys(fields: dict, keys: list, tag: str) -> list:
     """The keys a worker of shard ``tag`` stores ``keys``' groups under (``KeyMaker.shard``)."""
     from mmtier.cache import TieredKVCache
     from mmtier.config import CacheConfig
-    from mmtier.integrations.connector_cache import lookup_only
+    from mmtier.engines.connector_cache import lookup_only
 
     with TieredKVCache(lookup_only(CacheConfig(**fields))) as cache:
         return [cache.shard_key(k, tag) for k in keys]

@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tests.vllm_models import BLOCK, VOCAB, cache_fields  # noqa: E402
 
-CONNECTOR = "mmtier.integrations.vllm"
+CONNECTOR = "mmtier.engines.vllm.connector"
 # vLLM's own prefix caching in every engine a scenario starts (with and without mmtier): the
 # scenario's ``prefix_caching`` argument sets it (``main``), so each scenario runs both ways
 PREFIX_CACHING = False
@@ -61,7 +61,7 @@ def close(llm) -> None:
         core.shutdown()
     del llm
     gc.collect()
-    from mmtier.integrations.connector_cache import close_shared
+    from mmtier.engines.connector_cache import close_shared
 
     close_shared()
 
@@ -94,8 +94,8 @@ def prompt_keys(fields: dict, tokens: list[int]) -> list:
     made by a keys-only cache of the same config."""
     from mmtier.cache import TieredKVCache
     from mmtier.config import CacheConfig
-    from mmtier.integrations.connector_cache import lookup_only
-    from mmtier.integrations.vllm_plan import plan_request
+    from mmtier.engines.connector_cache import lookup_only
+    from mmtier.engines.vllm.plan import plan_request
 
     with TieredKVCache(lookup_only(CacheConfig(**fields))) as keys:
         plan = plan_request(keys, tokens, [], block_size=BLOCK, tenant="acme", chunk_blocks=1)
@@ -247,8 +247,8 @@ def cluster(model: str, tmp: str) -> dict:
     (through the node store and the registry; no shared directory), tokens equal."""
     import ray
 
-    from mmtier import actors as mma
-    from mmtier.actors.settings import ClusterSettings
+    from mmtier import cluster as mma
+    from mmtier.cluster.settings import ClusterSettings
     from mmtier.config import CacheConfig
 
     settings = ClusterSettings(namespace="mmtier-vllm-engines", device_resource="no_such_device",

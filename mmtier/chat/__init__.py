@@ -5,5 +5,5 @@ new tokens), their history replay and keys (``history``, ``spans``), its media i
 (``media``: images, video segments, audio clips, byte-level text ids), the dense reference
 (``dense``: the same conversation recomputed with no reuse) and the engine actor that holds a
 pool (``actor``: ``ChatEngine``). Served by ``mmtier.serve`` (``chat_model``), run by
-``mmtier demo --engine transformers``. The engines it builds on are ``mmtier.integrations``'.
+``mmtier demo --engine transformers``. The engines it builds on are ``mmtier.engines``'.
 """

@@ -20,8 +20,8 @@ from dataclasses import asdict
 
 import torch
 
-from ..actors.pool_host import PoolHost
-from ..actors.settings import ClusterSettings
+from ..cluster.engine_pool import PoolHost
+from ..cluster.settings import ClusterSettings
 from ..content import ContentKey
 from ..errors import ConfigError, UnknownKeyError
 from .conversation import Conversation

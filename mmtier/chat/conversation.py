@@ -32,10 +32,10 @@ import torch
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from ..content import ContentKey
+from ..engines.transformers import cache_for
+from ..engines.transformers.cache import RunPlan
+from ..engines.transformers.session import Media, Session
 from ..errors import CapacityError, MMTierError, ShapeError
-from ..integrations.session import Media, Session
-from ..integrations.transformers import cache_for
-from ..integrations.transformers_cache import RunPlan
 from .history import History, chain, prompt_without_audio, replay, root_key, tail
 from .media import (
     AUDIO_END,

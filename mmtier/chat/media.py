@@ -34,8 +34,14 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from ..engines.transformers.video_frames import (
+    VideoHeader,
+    VideoProcessor,
+    probe,
+    segment_inputs,
+    segments,
+)
 from ..errors import BadMediaError, ShapeError
-from ..integrations.video_frames import VideoHeader, VideoProcessor, probe, segment_inputs, segments
 
 # -------------------------------------------------------------------------- text
 PAD, BOS, EOS, UNK = 0, 1, 2, 3

@@ -56,9 +56,9 @@ from typing import Any
 import torch
 
 from ..config import CacheConfig, ModalitySpec
+from ..engines import transformers as mt
+from ..engines.transformers.layout import model_identity
 from ..errors import ConfigError
-from ..integrations import transformers as mt
-from ..integrations.hf_layout import model_identity
 from .conversation import Conversation, TurnCounters, TurnResult
 from .dense import dense_chat, dense_turn
 
@@ -260,7 +260,7 @@ def _still_video() -> bytes:
 def video_processor_from(path: Path | None, images, cfg: dict | None = None):
     """The video settings of a model directory (``video_preprocessor_config.json``: fps, frames,
     frame pixels), else ``cfg`` (the demo config's ``video`` section), else the defaults here."""
-    from ..integrations.video_frames import VideoProcessor
+    from ..engines.transformers.video_frames import VideoProcessor
 
     cfg = dict(cfg or {})
     if path is not None and (path / "video_preprocessor_config.json").is_file():

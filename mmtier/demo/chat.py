@@ -3,7 +3,7 @@ on a real architecture through the transformers adapter.
 
 What it does, in order:
 
-1. starts a local Ray bound to 127.0.0.1 and mmtier on it (``mmtier.actors.start``: the
+1. starts a local Ray bound to 127.0.0.1 and mmtier on it (``mmtier.cluster.start``: the
    ContentRegistry and a node store), and a ``ChatEngine`` actor
    (``mmtier.chat.actor``) that runs the chat model and holds its own pool
    (``PoolHost``): attention reads local pages, the cluster is asked only at turn boundaries;
@@ -218,10 +218,10 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
     import ray
     import torch
 
-    from .. import actors
-    from ..actors.pool_host import host_name
+    from .. import cluster
     from ..chat.actor import ChatEngine
     from ..chat.model import ChatModel
+    from ..cluster.engine_pool import host_name
 
     torch.set_num_threads(1)
     convs = workload(spec)
@@ -229,13 +229,13 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
     with tempfile.TemporaryDirectory(prefix="mmtier-demo-") as disk:
         cfg = ChatModel.tiny(spec.seed).cache_config(device_bytes=spec.device_bytes, shares=spec.shares,
                                                      disk_dir=disk, disk_bytes=256 << 20)
-        settings = actors.ClusterSettings(namespace="mmtier-demo", copy_after_remote_uses=spec.copy_after_remote_uses,
+        settings = cluster.ClusterSettings(namespace="mmtier-demo", copy_after_remote_uses=spec.copy_after_remote_uses,
                                           store_bytes=128 << 20, sweep_interval_s=5.0)
         ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=256 << 20,
                  _node_ip_address="127.0.0.1", namespace=settings.namespace, log_to_driver=False,
                  configure_logging=False)
         try:
-            started = actors.start(cfg, settings)
+            started = cluster.start(cfg, settings)
             node = ray.get_runtime_context().get_node_id()
             engine = ray.remote(ChatEngine).options(
                 name=host_name(node), namespace=settings.namespace, num_cpus=0, max_concurrency=2,
@@ -245,10 +245,10 @@ def run_demo(spec: DemoSpec, progress: bool = True) -> DemoReport:
             moved = _run(spec, convs, engine, progress)
             pool = ray.get(engine.stats.remote(), timeout=60)
             runs = ray.get(engine.encoder_runs.remote(), timeout=60)
-            with actors.connect(settings) as cc:
+            with cluster.connect(settings) as cc:
                 per_actor = cc.actor_stats()
         finally:
-            actors.shutdown(settings)
+            cluster.shutdown(settings)
             ray.shutdown()
     elapsed = time.perf_counter() - t_all
     mismatches = _check(convs)

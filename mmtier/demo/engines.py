@@ -1,7 +1,7 @@
 """vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) as a child process
 on 127.0.0.1, the way a user serves: with vLLM's own prefix cache on, and with or without
 mmtier's KV and encoder-cache connectors (named with their sizes only: the cache's shape comes
-from vLLM, ``mmtier.integrations.vllm_shape``). The demo and ``benchmarks/serving_load.py``
+from vLLM, ``mmtier.engines.vllm.shape``). The demo and ``benchmarks/serving_load.py``
 start their engines here. Everything the server prints goes to a log file, never the console.
 
 ``EngineSpec`` is what to start; ``EngineServer`` starts it, waits for ``/health``, counts the
@@ -55,11 +55,11 @@ class EngineSpec:
                 "--worker-extension-cls", "mmtier.demo.worker_ext.DemoWorker"]
         if self.mmtier is not None:
             args += ["--kv-transfer-config", json.dumps({
-                "kv_connector": "MMTierConnector", "kv_connector_module_path": "mmtier.integrations.vllm",
+                "kv_connector": "MMTierConnector", "kv_connector_module_path": "mmtier.engines.vllm.connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": self.mmtier})]
         if self.mmtier is not None and self.encoder_cache:
             args += ["--ec-transfer-config", json.dumps({
-                "ec_connector": "MMTierECConnector", "ec_connector_module_path": "mmtier.integrations.vllm_ec",
+                "ec_connector": "MMTierECConnector", "ec_connector_module_path": "mmtier.engines.vllm.ec",
                 "ec_role": "ec_both", "ec_connector_extra_config": self.mmtier})]
         return args
 

@@ -11,7 +11,7 @@ server's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``; the servers bind 
   before the server is stopped (at ``atexit`` the interpreter refuses new thread-pool work, and
   the disk tier's writer runs on one);
 - ``mmtier_threads``: the worker's OpenMP threads and the CPUs it may run on (what vLLM's CPU
-  build bound it to: ``mmtier.integrations.vllm_threads``)."""
+  build bound it to: ``mmtier.engines.vllm.threads``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class DemoWorker:
         return n
 
     def mmtier_close(self) -> int:
-        from mmtier.integrations import connector_cache
+        from mmtier.engines import connector_cache
 
         n = connector_cache.open_count()
         connector_cache.close_shared()

@@ -7,7 +7,7 @@
   OpenAI-shaped errors; ``completions``: the answers, JSON or SSE, with ``usage``;
 - ``routing``: the cache-affinity rule (which node's worker takes a request);
 - ``worker.TurnWorker``: the per-node worker, an actor that runs the model and holds its node's
-  pool (``mmtier.actors.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
+  pool (``mmtier.cluster.PoolHost``), on the node's GPU when it has one; ``turns.TurnRunner``
   its requests (a plain class);
 - ``model_api``: the model a worker runs behind one interface (``chat_model``: the transformers
   chat model), and the part of it the ingress needs; ``engine_loader`` loads them and builds

@@ -30,7 +30,7 @@ from typing import Any
 from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
-from ..actors.registry import Location
+from ..cluster.registry import Location
 from .request_keys import RequestKeyer, RequestKeys
 
 log = logging.getLogger(__name__)

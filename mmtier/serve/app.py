@@ -49,7 +49,7 @@ class ChatIngress:
     def __init__(self, cfg_json: dict, workers: dict):
         import ray
 
-        from ..actors import connect
+        from ..cluster import connect
         from .engine_loader import load_frontend
 
         self.cfg = ServeAppConfig.parse(cfg_json)
@@ -218,8 +218,8 @@ def build_app(args: dict | None = None):
     import ray
     from ray import serve
 
-    from ..actors import start
-    from ..actors.pool_host import host_name
+    from ..cluster import start
+    from ..cluster.engine_pool import host_name
     from .engine_loader import app_cache_config
 
     cfg = ServeAppConfig.parse(args)

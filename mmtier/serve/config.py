@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..actors.settings import ClusterSettings
+from ..cluster.settings import ClusterSettings
 from ..errors import ConfigError
 
 
@@ -158,7 +158,7 @@ class ServeAppConfig(_Strict):
                                                  "'model' must be it, else 404 model_not_found).")
     cache: CacheArgs = Field(default_factory=CacheArgs)
     cluster: dict[str, Any] = Field(default_factory=dict, description="ClusterSettings fields (namespace, timeouts, ...).")
-    start_cache: bool = Field(True, description="Run mmtier.actors.start() at deploy time (idempotent).")
+    start_cache: bool = Field(True, description="Run mmtier.cluster.start() at deploy time (idempotent).")
     api_keys: dict[str, str] = Field(default_factory=dict, description="API key -> tenant (development; prefer the two below).")
     api_key_sha256: dict[str, str] = Field(default_factory=dict, description="hex SHA-256 of an API key -> tenant.")
     api_keys_env: str | None = Field(None, description="Environment variable holding a JSON object {api key: tenant}.")

@@ -167,7 +167,7 @@ def _start_cluster(doc: dict[str, Any]) -> None:
     import ray
 
     from ..config import KEY_SECRET_ENV, CacheConfig, require_key_secret
-    from ..integrations.connector_cache import cluster_from_extra, config_from_extra
+    from ..engines.connector_cache import cluster_from_extra, config_from_extra
 
     started = False
     for app in doc["applications"]:
@@ -184,13 +184,13 @@ def _start_cluster(doc: dict[str, Any]) -> None:
             cluster = cluster_from_extra(extra) if isinstance(extra, dict) else None
             if cluster is None or started:
                 continue
-            from .. import actors
+            from .. import cluster as mmtier_cluster
 
             cfg = config_from_extra(extra)
             if os.environ.get(KEY_SECRET_ENV):
                 cfg = CacheConfig(**{**cfg.model_dump(), "key_secret": os.environ[KEY_SECRET_ENV]})
             require_key_secret(cfg, bool(ingress.get("allow_default_key_secret")), f"set {KEY_SECRET_ENV}")
-            actors.start(cfg, cluster[0])
+            mmtier_cluster.start(cfg, cluster[0])
             started = True
 
 

@@ -17,7 +17,7 @@ import os
 import ray
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
-from ..actors.connector_link import NODE_ENV
+from ..cluster.link import NODE_ENV
 
 
 class NodeCallback(CallbackBase):

@@ -4,7 +4,7 @@ tenants, held as SHA-256 digests: ``serve.config.KeyTable``) and each tenant's `
 
 A tenant's salt is ``HMAC-SHA256(key secret, "mmtier/cache_salt/v1/" + tenant)`` in hex: the
 ingress sets it as vLLM's per-request ``cache_salt``, which vLLM mixes into its block hashes and
-mmtier's connectors into every key's scope (``integrations/vllm.py``), so one tenant's content
+mmtier's connectors into every key's scope (``engines/vllm/connector.py``), so one tenant's content
 never hits for another, and nobody without the secret can compute another tenant's salt. The
 secret is the cache's (``MMTIER_KEY_SECRET``, or the variable ``key_secret_env`` names); the
 public default only where ``allow_default_key_secret`` says so (a local try-out)."""

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from ..errors import BadMediaError
 
 if TYPE_CHECKING:                     # video_frames imports torch: only when a video is checked
-    from ..integrations.video_frames import VideoHeader
+    from ..engines.transformers.video_frames import VideoHeader
 
 IMAGE_TYPES = {"PNG": "image/png", "JPEG": "image/jpeg"}      # Pillow format -> media type
 AUDIO_TYPES = ("audio/wav",)                  # mmtier's own app; the vLLM ingress also takes MP3
@@ -152,7 +152,7 @@ def check_video(data: bytes, max_seconds: float, max_frames: int, max_pixels: in
     """An MP4 whose every frame decodes, of at most ``max_seconds``, ``max_frames`` frames and
     ``max_pixels`` pixels a frame, all as its header declares them, checked before any frame is
     decoded (a video bomb is refused by its declared size)."""
-    from ..integrations.video_frames import decode, probe
+    from ..engines.transformers.video_frames import decode, probe
 
     header = probe(data)
     if header.pixels > max_pixels:

@@ -8,7 +8,7 @@ the engine will: vLLM's own renderer and input processor, built from the deploym
 ``LLMConfig`` through Ray Serve LLM's own ``_get_vllm_engine_config`` (the function its
 ``LLMServer`` starts the engine with; only vLLM's multimodal processor cache is off here, so
 every item keeps its inputs), and keys the resulting ``EngineCoreRequest`` with the connectors'
-own functions (``vllm_keys``). The keys carry the cluster's secret: the keyer joins the mmtier
+own functions (``vllm.keys``). The keys carry the cluster's secret: the keyer joins the mmtier
 cluster named in the connectors' ``mmtier_cluster`` and makes keys with a lookup-only cache.
 
 Rendering runs on the keyer's own thread and event loop (``submit``), never on the router's.
@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..content import ContentKey
-from ..errors import ConfigError, MMTierError
-from ..integrations.connector_cache import (
+from ..engines.connector_cache import (
     cluster_from_extra,
     config_from_extra,
     lookup_only,
     shared_cache,
     tenant_from_extra,
 )
-from ..integrations.vllm_names import names_ec_connector, names_kv_connector
+from ..engines.vllm.names import names_ec_connector, names_kv_connector
+from ..errors import ConfigError, MMTierError
 
 
 class KeyingError(MMTierError):
@@ -97,8 +97,8 @@ class RequestKeyer:
         from vllm.renderers.online_renderer import OnlineRenderer
         from vllm.v1.engine.input_processor import InputProcessor
 
-        from ..actors.connector_link import join
-        from ..integrations.vllm_keys import KeyScheme, embed_pools
+        from ..cluster.link import join
+        from ..engines.vllm.keys import KeyScheme, embed_pools
 
         # the arguments LLMServer.start builds, and the renderer vLLM's init_app_state makes of them
         engine_args, vllm_config = _get_vllm_engine_config(self.llm_config)
@@ -135,7 +135,7 @@ class RequestKeyer:
     async def _keys(self, request: Any) -> RequestKeys:
         from vllm.sampling_params import SamplingParams
 
-        from ..integrations.vllm_keys import embedding_key
+        from ..engines.vllm.keys import embedding_key
 
         if not self.ready.done():
             await asyncio.wrap_future(self.ready)

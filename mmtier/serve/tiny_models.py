@@ -19,7 +19,7 @@ torchvision imports, and ``from_pretrained`` loads it through ``AutoVideoProcess
 placeholder that raises without torchvision. PyPI's torchvision is a CUDA build that fails
 beside this CPU torch and no CPU build of it is at hand; LLaVA's processor has no video
 attribute. vLLM's LLaVA module still needs one shim without torchvision:
-``mmtier.integrations.vllm_plugin`` (a vLLM general plugin, run in each of vLLM's processes).
+``mmtier.engines.vllm.plugin`` (a vLLM general plugin, run in each of vLLM's processes).
 
 Imports transformers only (inside the builders); vLLM loads the model in its own processes."""
 

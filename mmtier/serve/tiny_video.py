@@ -5,8 +5,8 @@ the image model and ``tiny_audio``'s Qwen2-Audio the audio one.
 
 - the tokenizer is ``tiny_models``' word-level one with Qwen2-VL's vision tokens added;
 - the processor is transformers' ``Qwen2VLProcessor`` over the PIL image processor and mmtier's
-  torchvision-free video processor (``mmtier.integrations.qwen2_vl_video``), which mmtier's vLLM
-  plugin binds in where torchvision does not import (``vllm_plugin``); building it needs the
+  torchvision-free video processor (``mmtier.engines.transformers.qwen2_vl_video``), which mmtier's vLLM
+  plugin binds in where torchvision does not import (``vllm.plugin``); building it needs the
   same binding, done here first;
 - frames are 56 x 56 (2 x 2 merged patches of 14 after the merge: 4 tokens a temporal patch of 2
   frames), so a video of 8 frames is 16 placeholder tokens;
@@ -48,13 +48,13 @@ def build_qwen2_vl(path: str | Path, *, seed: int = 0, layers: int = LAYERS, hid
     import torch
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from ..integrations.vllm_plugin import torchvision_free_vllm
+    from ..engines.vllm.plugin import torchvision_free_vllm
 
     torchvision_free_vllm()
     from transformers.models.qwen2_vl import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from ..integrations.qwen2_vl_video import Qwen2VLVideoProcessorPil
+    from ..engines.transformers.qwen2_vl_video import Qwen2VLVideoProcessorPil
 
     path = Path(path)
     if (path / "config.json").exists():

@@ -1,7 +1,7 @@
 """``TurnWorker``: the per-node worker of the Serve app (a Ray actor; ``app.py`` creates it).
 
 One worker runs on each node (pinned by a per-node resource), as a named actor that holds its
-device's pool (``mmtier.actors.PoolHost``, name ``host_name(node)``): the model and its cache
+device's pool (``mmtier.cluster.PoolHost``, name ``host_name(node)``): the model and its cache
 live in one process, on the node's GPU when it has one (``app.py`` asks ``num_gpus=1`` for it,
 ``workers.device: auto``; ``mmtier start`` leaves that GPU free, see ``launch.device_pools``),
 else on the CPU, so a request's attention reads local pages with no Ray call. The model is a
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from ..actors.pool_host import PoolHost
+from ..cluster.engine_pool import PoolHost
 from .config import ServeAppConfig
 from .engine_loader import load_engine
 from .turns import TurnRunner

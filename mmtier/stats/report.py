@@ -1,7 +1,7 @@
 """A cache's statistics as reports for a metrics system: how much each event counter grew since
 the last report, and what each tier holds now. Ray actors publish them through Ray's metrics
-(``actors/metrics.py``), engine processes through their engine's own Prometheus endpoint
-(``integrations/vllm_metrics.py``). No metrics library here.
+(``cluster/metrics.py``), engine processes through their engine's own Prometheus endpoint
+(``engines/vllm/metrics.py``). No metrics library here.
 """
 
 from __future__ import annotations

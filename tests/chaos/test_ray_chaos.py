@@ -36,9 +36,9 @@ import torch  # noqa: E402
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import mmtier.actors as mma  # noqa: E402
+import mmtier.cluster as mma  # noqa: E402
 from mmtier import CacheConfig, ModalitySpec, UnknownKeyError  # noqa: E402
-from mmtier.actors import ClusterSettings  # noqa: E402
+from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.errors import MMTierError  # noqa: E402
 from tests.oracle import oracle_attention, rel_err  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The shape every engine takes on the cluster: the model's process embeds its device's cache, so
 a turn's attention reads local pages; the cluster sees it as that device's pool (its name is
-``mmtier.actors.host_name(node, i)``). Conversations are opened, fed turn by turn, and closed;
+``mmtier.cluster.host_name(node, i)``). Conversations are opened, fed turn by turn, and closed;
 each turn answers its tokens, its time inside the actor, its model counters and the Ray calls
 it made (``RayTransport.calls``: at most one lookup, one fetch per remote group, one publish).
 Used by the demo and the tests; a plain class, wrapped with ``ray.remote`` by the caller.
@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from mmtier.actors.pool_host import PoolHost
-from mmtier.actors.settings import ClusterSettings
+from mmtier.cluster.engine_pool import PoolHost
+from mmtier.cluster.settings import ClusterSettings
 
 from .encoders import ModelError
 from .reference import Item, ModelCounters, ReferenceModel

@@ -1,0 +1,139 @@
+"""Start and stop mmtier on a running Ray cluster: the one place where actors are created (the
+actor classes, each wrapping one plain class, and their names are ``actors``).
+
+``start(cfg)`` is idempotent. It creates what is missing, by deterministic name in namespace
+``mmtier``:
+
+- ``mmtier-registry``: the ContentRegistry (detached, ``max_restarts=-1``, calls retried across
+  restarts; rebuilds its state from the holders' inventories after a restart);
+- per alive node, ``mmtier-store:<node id>``: the NodeStoreActor (pinned to the node);
+- per unit of ``settings.device_resource`` on a node, ``mmtier-pool:<node id>:gpu<i>`` (or
+  ``dev<i>`` for a custom resource standing in for GPUs): a PagePoolActor pinned to the node;
+  a node with no such resource gets one CPU pool ``mmtier-pool:<node id>:cpu0``.
+
+Nodes that join later: run ``start()`` again; it adds actors for the new nodes and leaves the
+existing ones untouched (``StartReport.created`` / ``existing`` say which). Actors of a node
+that died are gone with it (pool and store actors are pinned, ``soft=False``); ``start()`` never
+recreates them elsewhere. ``shutdown()`` kills every mmtier actor.
+
+Tiers on the cluster (when ``cfg.disk_dir`` is set; without it pools drop under pressure and
+stores keep host memory only, as before): each pool's ``TieredKVCache`` gets a disk tier of its
+own, ``disk_dir / "pool-<pool name, sanitized>"`` (no host tier: ``host_bytes=0``), so device
+pressure moves unreferenced groups to disk whole instead of dropping them; each node store puts
+``disk_dir / "store-<node id>"`` behind its host tier. A pool or store recreated on the same
+node (``start()`` after a kill) adopts the groups in its directory and announces them to the
+registry with its inventory; a holder that finds a corrupt copy tells the registry with
+``actors.report_lost`` (the pool and store actors, and ``PoolHost``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ..config import CacheConfig
+from ..errors import ConfigError
+from .actors import ContentRegistryActor, NodeStoreActor, PagePoolActor, pool_name, store_name
+from .settings import ClusterSettings
+
+
+@dataclass
+class StartReport:
+    """What ``start`` found and made: actor names, and the nodes it covered."""
+
+    registry: str
+    created: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------- start / shutdown
+def device_pools(node: dict, settings: ClusterSettings) -> list[tuple[str, str, dict]]:
+    """The model-less pool actors ``start`` puts on ``node`` (a ``ray.nodes()`` entry): ``(name,
+    device, Ray resource options)`` each. ``settings.gpu_pools``: ``"engines"`` (the serving
+    layout, the default) leaves every GPU to the engine that will run there and hold its pool
+    (a ``PoolHost``: the Serve app's worker, ``ChatEngine``), so a GPU node gets none;
+    ``"actors"`` gives each GPU a ``PagePoolActor`` (memory with no model in front: a
+    cache-only cluster). A node without devices gets one CPU pool; a non-GPU
+    ``device_resource`` (tests) one CPU pool per unit, claiming it."""
+    node_id = node["NodeID"]
+    units = int(node.get("Resources", {}).get(settings.device_resource, 0))
+    if settings.device_resource == "GPU":
+        if units and settings.gpu_pools == "engines":
+            return []
+        pools = [(pool_name(node_id, "gpu", i), "cuda", {"num_gpus": 1}) for i in range(units)]
+    else:
+        pools = [(pool_name(node_id, "dev", i), "cpu", {"resources": {settings.device_resource: 1}})
+                 for i in range(units)]
+    return pools or [(pool_name(node_id, "cpu", 0), "cpu", {})]
+
+
+def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartReport:
+    """Create the registry, a store per node and its pools (``device_pools``) where missing
+    (idempotent)."""
+    settings = settings or ClusterSettings()
+    if not ray.is_initialized():
+        ray.init(namespace=settings.namespace)
+    ns = settings.namespace
+    cfg_json = cfg.model_dump(mode="json")
+    s_json = settings.model_dump(mode="json")
+    have = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == ns}
+    report = StartReport(registry=settings.registry_name)
+    made: list[Any] = []
+
+    common = {"namespace": ns, "lifetime": "detached", "num_cpus": settings.actor_num_cpus}
+    if settings.registry_name in have:
+        report.existing.append(settings.registry_name)
+        reg = ray.get_actor(settings.registry_name, namespace=ns)
+        running = ray.get(reg.config.remote(), timeout=settings.call_timeout_s)
+        if CacheConfig(**running) != CacheConfig(**cfg_json):
+            raise ConfigError("mmtier is already running with another CacheConfig; shut it down first")
+    else:
+        reg = ray.remote(ContentRegistryActor).options(
+            name=settings.registry_name, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
+            max_concurrency=1000, **common).remote(cfg_json, s_json)
+        report.created.append(settings.registry_name)
+        made.append(reg)
+
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        node_id = node["NodeID"]
+        report.nodes.append(node_id)
+        pin = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+               "max_restarts": settings.pool_max_restarts, "max_concurrency": settings.pool_concurrency,
+               "get_if_exists": True, **common}
+        name = store_name(node_id)
+        if name in have:
+            report.existing.append(name)
+        else:
+            made.append(ray.remote(NodeStoreActor).options(name=name, **pin).remote(
+                cfg_json, name, node_id, s_json))
+            report.created.append(name)
+        for name, device, res in device_pools(node, settings):
+            if name in have:
+                report.existing.append(name)
+                continue
+            made.append(ray.remote(PagePoolActor).options(name=name, **pin, **res).remote(
+                cfg_json, name, node_id, device, s_json))
+            report.created.append(name)
+    ray.get([a.ping.remote() for a in made], timeout=settings.start_timeout_s)
+    return report
+
+
+def shutdown(settings: ClusterSettings | None = None) -> list[str]:
+    """Kill every mmtier actor (registry, pools, stores); returns their names."""
+    settings = settings or ClusterSettings()
+    if not ray.is_initialized():
+        return []
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == settings.namespace and a["name"].startswith("mmtier-")]
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=settings.namespace), no_restart=True)
+        except ValueError:
+            continue                 # already gone
+    return names

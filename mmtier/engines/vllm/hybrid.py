@@ -1,0 +1,250 @@
+"""vLLM's hybrid memory allocator (``SupportsHMA``) for models whose attention layers are of
+several kinds: full attention and sliding-window attention (Gemma 2 / 3, Mistral-style
+interleaving, gpt-oss).
+
+With the hybrid allocator on, vLLM gives each kind of layer a KV cache group of its own, each
+with its own block table: a sliding-window group frees the blocks that fall out of its window
+and holds the *null block* (id 0) in their place. mmtier's groups stay what they are (a range
+of the prompt, every layer's K and V); what differs is where each layer's positions live:
+
+- **Saves** read each layer's positions through its own group's table. Text chunks are kept
+  within the smallest window (``chunk_blocks_within``), so a chunk prefilled over two steps is
+  whole when saved; a range a sliding layer has already let go (a media item longer than the
+  window, prefilled over several steps) is not saved: a later miss, never a page with the null
+  block's bytes.
+- **Loads** write each layer only at positions its group holds: a sliding layer gets the last
+  window of the hit, as vLLM's own prefix cache gives it, and nothing is written into the null
+  block.
+- **Loads run asynchronously** (vLLM's ``WAITING_FOR_REMOTE_KVS``): with several groups vLLM
+  cannot map a failed block back to its request (block ids are per group) and accepts failures
+  only as whole requests (``failed_recving``), which vLLM then recomputes. ``AsyncLoads`` reads
+  a request's groups on the connector's reader thread, writes them into vLLM's tensors, and
+  reports the request done or failed; a request that finishes while its load still writes
+  keeps its blocks until the load is over (``finished_sending``).
+
+Recurrent layers (Mamba, Gated DeltaNet in Qwen3-Next / Qwen3.5) keep a state per request, not
+KV per position. With vLLM's prefix caching on, vLLM runs them in its ``align`` mode: prefill
+steps end on block boundaries and the state after position ``e`` (a multiple of the block size)
+lies in the layer's block ``e // block_size - 1`` of that group's table. mmtier keeps such a
+state as groups of their own (``StateCopy``; one embedding pool per state tensor, keyed by the
+group that ends at ``e``: ``KeyMaker.state``), saved where a step ends on a group's end, and a
+hit ends only where a state is held: the KV of every attention layer up to ``e`` and the state
+at ``e`` restore the request exactly. Without prefix caching (vLLM's ``none`` mode a request's
+state moves between blocks as it runs) the connector is refused with that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import ConfigError, MMTierError
+from . import copy as vllm_copy
+
+log = logging.getLogger(__name__)
+NULL_BLOCK = 0          # vLLM's BlockPool hands out block 0 as the null block, never to a request
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """The recurrent state after positions ``[0, end)`` of a request, the state after ``key``'s
+    group, in vLLM's state block ``block`` (``-1``: vLLM gave none, the load fails)."""
+
+    req_id: str
+    key: Any
+    end: int
+    block: int
+
+
+@dataclass(frozen=True)
+class KVGroups:
+    """The KV cache groups of a hybrid engine: which group each attention layer is in, each
+    group's sliding window (``None``: full attention), and the layers holding a recurrent state
+    (and their group)."""
+
+    layer_group: dict[str, int]
+    windows: tuple[int | None, ...]
+    state_layers: tuple[str, ...] = ()
+    state_group: int | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.windows)
+
+    def describe(self) -> str:
+        kinds = ["full" if w is None else f"sliding {w}" for w in self.windows]
+        return ", ".join(f"group {i}: {k}" for i, k in enumerate(kinds))
+
+
+def kv_groups(kv_cache_config: Any) -> KVGroups | None:
+    """The groups of ``kv_cache_config`` where there are several (vLLM's hybrid allocator on);
+    ``None`` for one group (every layer shares one block table: the connector's plain path).
+    A group of recurrent state (Mamba, linear attention) raises ``ConfigError``."""
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) <= 1:
+        return None
+    layer_group, windows, state_layers, state_group = {}, [], [], None
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if hasattr(spec, "shapes") and hasattr(spec, "dtypes"):        # Mamba / linear attention
+            mode = getattr(spec, "mamba_cache_mode", None)
+            if mode != "align" or state_group is not None:
+                raise ConfigError(
+                    f"this model's {len(group.layer_names)} recurrent layers ({type(spec).__name__}, "
+                    f"vLLM's mamba_cache_mode {mode!r}) keep their state where mmtier cannot find it "
+                    "by position: turn vLLM's prefix caching on (its 'align' mode puts the state "
+                    "after each block in a block of its own), or serve the model without the connector",
+                    ("kv_connector", "enable_prefix_caching"))
+            state_layers += list(group.layer_names)
+            state_group = index
+            windows.append(None)
+            continue
+        if not (hasattr(spec, "head_size") and hasattr(spec, "num_kv_heads")):
+            raise ConfigError(f"a KV cache group of {type(spec).__name__} ({len(group.layer_names)} layers) "
+                              "is neither attention nor a recurrent state: mmtier's connector does not "
+                              "serve it", ("kv_connector", "model"))
+        windows.append(getattr(spec, "sliding_window", None))
+        for name in group.layer_names:
+            layer_group[name] = index
+    return KVGroups(layer_group, tuple(windows), tuple(state_layers), state_group)
+
+
+def state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int) -> torch.Tensor:
+    """State tensor ``index`` of every recurrent layer at vLLM's block ``block``, as
+    ``[layers * rows, width]`` (a copy: vLLM's block is written again later)."""
+    return torch.cat([layer[index][block].reshape(-1, layer[index].shape[-1]) for layer in views])
+
+
+def put_state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int, rows: torch.Tensor) -> None:
+    """The inverse of ``state_rows``: ``rows`` into every recurrent layer's block ``block``."""
+    per_layer = rows.shape[0] // len(views)
+    for i, layer in enumerate(views):
+        dst = layer[index][block]
+        dst.copy_(rows[i * per_layer:(i + 1) * per_layer].reshape(dst.shape).to(dst.device))
+
+
+def chunk_blocks_within(groups: KVGroups, block_size: int, chunk_blocks: int) -> int:
+    """The text chunk (in vLLM blocks) no longer than the smallest sliding window: a chunk that
+    spans a chunked-prefill step is then saved before its sliding layers let any of it go."""
+    windows = [w for w in groups.windows if w]
+    if not windows:
+        return chunk_blocks
+    return max(1, min(chunk_blocks, min(windows) // block_size))
+
+
+def group_slots(tables: list[list[int]], lo: int, hi: int, block_size: int) -> torch.Tensor:
+    """``[groups, hi - lo]`` vLLM slot ids of positions ``[lo, hi)`` in each group's block
+    table; ``-1`` where the group holds the null block (a sliding window let it go) or no
+    block at all."""
+    pos = np.arange(lo, hi, dtype=np.int64)
+    idx, off = pos // block_size, pos % block_size
+    out = np.full((len(tables), hi - lo), -1, dtype=np.int64)
+    for g, table in enumerate(tables):
+        blocks = np.append(np.asarray(table, dtype=np.int64), NULL_BLOCK)    # past the table: none
+        b = blocks[np.minimum(idx, len(blocks) - 1)]
+        out[g] = np.where(b != NULL_BLOCK, b * block_size + off, -1)
+    return torch.from_numpy(out)
+
+
+class AsyncLoads:
+    """Requests' loads on the reader thread, written into vLLM's tensors layer by layer at the
+    positions each layer's group holds, and reported through ``finished`` (vLLM's
+    ``get_finished`` / ``failed_recving``)."""
+
+    def __init__(self, reader: Executor, read: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+                 head_dim: int, read_state: Callable[[Any, int], torch.Tensor] | None = None):
+        self._reader, self._read, self._head_dim = reader, read, head_dim
+        self._read_state = read_state             # (state op's key, state index) -> rows
+        self._lock = threading.Lock()
+        self._pending: dict[str, int] = {}        # request -> groups still loading
+        self._failed: set[str] = set()            # requests with a group that did not load
+        self._done: set[str] = set()              # loaded (or failed), not yet reported
+        self._ever: set[str] = set()              # requests that had a load (their blocks wait for it)
+        self._finishing: set[str] = set()         # finished by vLLM, their load not over yet
+        self._released: set[str] = set()          # finished and load over: blocks may go
+
+    def submit(self, ops: list, layers: list[tuple[torch.Tensor, int]], key_of: Callable[[Any], Any],
+               states: list[StateCopy] = (), views: list[tuple[torch.Tensor, ...]] = ()) -> None:
+        """Load every op (``meta.GroupCopy`` with ``group_slots``) into ``layers``
+        (``(tensor, group)`` in the cache's layer order), and every state into ``views`` (the
+        recurrent layers' state tensors)."""
+        with self._lock:
+            for op in [*ops, *states]:
+                self._pending[op.req_id] = self._pending.get(op.req_id, 0) + 1
+                self._ever.add(op.req_id)
+        for op in ops:
+            self._reader.submit(self._load, op, layers, key_of(op.key))
+        for op in states:
+            self._reader.submit(self._load_state, op, views)
+
+    def _load_state(self, op: StateCopy, views: list[tuple[torch.Tensor, ...]]) -> None:
+        ok = True
+        try:
+            if op.block < 0 or not views or self._read_state is None:
+                raise MMTierError(f"no state block for the hit ending at {op.end}")
+            rows = [self._read_state(op.key, i) for i in range(len(views[0]))]   # all read, then written
+            with torch.inference_mode():
+                for i, r in enumerate(rows):
+                    put_state_rows(views, op.block, i, r)
+        except (MMTierError, OSError, RuntimeError) as exc:
+            log.warning("mmtier: load of the state after %r failed (%s); vLLM recomputes the request", op.key, exc)
+            ok = False
+        self._settle(op.req_id, ok)
+
+    def _load(self, op, layers: list[tuple[torch.Tensor, int]], key) -> None:
+        ok = True
+        try:
+            k, v = self._read(key)
+            a, b = op.lo - op.start, op.hi - op.start
+            with torch.inference_mode():              # vLLM's KV tensors are inference tensors
+                for layer, (tensor, group) in enumerate(layers):
+                    slots = op.group_slots[group]
+                    keep = slots >= 0
+                    if not bool(keep.any()):
+                        continue
+                    vllm_copy.scatter(tensor, slots[keep].to(tensor.device), self._head_dim,
+                                      k[layer, a:b][keep].to(tensor.device), v[layer, a:b][keep].to(tensor.device))
+        except (MMTierError, OSError, RuntimeError) as exc:
+            log.warning("mmtier: load of %r failed (%s); vLLM recomputes the request", op.key, exc)
+            ok = False
+        self._settle(op.req_id, ok)
+
+    def _settle(self, req_id: str, ok: bool) -> None:
+        with self._lock:
+            if not ok:
+                self._failed.add(req_id)
+            self._pending[req_id] -= 1
+            if self._pending[req_id] == 0:
+                del self._pending[req_id]
+                self._done.add(req_id)
+                if req_id in self._finishing:
+                    self._finishing.discard(req_id)
+                    self._released.add(req_id)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """``(released, loaded, failed)`` since the last call: requests vLLM finished whose
+        blocks may now be freed, requests whose load is over (failed ones included), and those
+        of them that failed."""
+        with self._lock:
+            for req in finished_req_ids & self._ever:
+                self._ever.discard(req)
+                if req in self._pending:
+                    self._finishing.add(req)
+                else:
+                    self._released.add(req)
+            released, self._released = self._released, set()
+            done, self._done = self._done, set()
+            failed = self._failed & done
+            self._failed -= done
+        return released, done, failed
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._pending)

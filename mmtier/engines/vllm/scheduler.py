@@ -1,0 +1,270 @@
+"""The scheduler side of mmtier's vLLM connector (``connector.MMTierConnector`` forwards vLLM's
+scheduler calls here): what a request holds in the cache and which groups each step loads and
+saves.
+
+A request's prompt becomes chained groups (``plan``); the hit is the leading run of held
+groups in whole blocks, looked up in one pass (through the lookup channel where the worker runs
+in a process of its own); where the run stops inside a text chunk, the part of it an earlier
+prompt stored (a conversation's last turn ended there) is looked up too and the prompt planned
+again with a cut there (``_fork``). With ``mmtier_cluster``, the groups not held here are looked
+up (and pulled, or located for the worker to pull) once per request, off vLLM's thread
+(``get_num_new_matched_tokens`` answers ``None`` until then). ``build_connector_meta`` lists,
+per step, the groups to load (the hit) and to save (groups whose positions this step
+completes): the metadata of ``meta`` that the worker side (``worker``) acts on. Its
+state is per request (``_ReqState``), and the counts of what it told vLLM it would load.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...content import ContentKey
+from . import hybrid as vllm_hybrid
+from .meta import GroupCopy, MMTierConnectorMetadata
+from .plan import RequestPlan, Segment, slots_for
+from .setup import ConnectorSetup
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+# forks a lookup follows (``_fork``): one per earlier turn of a conversation that ended inside a
+# chunk, so a conversation's n-th turn takes up to n - 1; past this many the hit stops there
+MAX_FORKS = 64
+
+
+@dataclass
+class _ReqState:
+    plan: RequestPlan
+    computed: int = 0              # vLLM's locally computed tokens when the hit was asked
+    hit: int = 0
+    load: bool = False
+    block_ids: list[list[int]] = field(default_factory=list)   # vLLM's block table per KV cache group
+    saved: int = 0                 # segments [0, saved) are held or queued for saving
+    cuts: tuple[int, ...] = ()     # where the plan forks off to an earlier prompt's part (_fork)
+    pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
+
+
+class MMTierConnectorScheduler:
+    """See the module docstring; ``setup``: what it shares with the worker side."""
+
+    def __init__(self, setup: ConnectorSetup):
+        self.setup = setup
+        self.cache, self.link, self.split, self.block_size = setup.cache, setup.link, setup.split, setup.block_size
+        self.hybrid, self.scheme, self.states = setup.hybrid, setup.scheme, setup.states
+        self._channel = setup.channel
+        self._reqs: dict[str, _ReqState] = {}
+        # tokens the scheduler told vLLM it would load, and tokens it then asked the worker to
+        # load (equal unless a hit went unloaded); loads for requests resumed after preemption
+        self.counts = {"hit_tokens": 0, "load_tokens": 0, "resumed_loads": 0}
+        self._async_ops: list[GroupCopy] = []     # hybrid: loads issued at allocation, sent next
+        self._async_states: list[vllm_hybrid.StateCopy] = []
+        self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
+
+    def plan(self, request: Request) -> _ReqState:
+        """The request's state, its prompt planned on first sight."""
+        state = self._reqs.get(request.request_id)
+        if state is None:
+            state = self._reqs[request.request_id] = _ReqState(self.scheme.plan(self.cache, request))
+        return state
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        state = self.plan(request)
+        keys = [s.key for s in state.plan.segments]
+        held = self._held(keys)
+        if not all(held):          # an earlier prompt ended inside the chunk that missed
+            held = self._fork(request, state, held)
+            keys = [s.key for s in state.plan.segments]
+        if self.link is not None and not all(held):
+            if state.pull is None:                     # one lookup (and its pulls) per request
+                ask = self.link.locate_async if self.split else self.link.pull_async
+                state.pull = ask(keys[held.index(False):])
+            if not state.pull.done():
+                return None, False                     # vLLM asks again at a later step
+            if self.split:                             # held by the cluster: the worker pulls them
+                n = held.index(False) + (state.pull.result() if state.pull.exception() is None else 0)
+                held = [i < n for i in range(len(keys))]
+            else:
+                held = self._lookup(keys)              # what was pulled is local now
+        state.computed, state.hit = num_computed_tokens, state.plan.hit_tokens(held, self.block_size)
+        if self.states:                                # a hit ends where a state is held
+            state.hit = self._state_hit(state, held, request.num_tokens)
+        state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
+        n = max(0, state.hit - num_computed_tokens)
+        return n, self.hybrid is not None and n > 0     # hybrid: loaded while the request waits
+
+    def _state_hit(self, state: _ReqState, held: list[bool], num_tokens: int) -> int:
+        """The longest hit whose end holds a state: the end of a held group on a block
+        boundary, short of the last token, whose states the cache holds."""
+        segs = state.plan.segments
+        run = next((i for i, ok in enumerate(held) if not ok), len(held))
+        for i in range(run - 1, -1, -1):
+            end = segs[i].end
+            if end % self.block_size or end > num_tokens - 1:
+                continue
+            keys = [self.cache.state_key(segs[i].key, m) for m in self.states]
+            if self._channel is not None and self._channel.asks:
+                if self._channel.leading_held(keys) == len(keys):
+                    return end
+            elif all(self.cache.contains(k) for k in keys):
+                return end
+        return 0
+
+    def _state_at(self, req_id: str, state: _ReqState, end: int) -> vllm_hybrid.StateCopy | None:
+        """The state after ``[0, end)``: the group ending there and vLLM's state block of it."""
+        seg = next((s for s in state.plan.segments if s.end == end), None)
+        if seg is None:
+            return None
+        table = state.block_ids[self.hybrid.state_group] if self.hybrid.state_group < len(state.block_ids) else []
+        index = end // self.block_size - 1
+        block = table[index] if 0 <= index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK else -1
+        return vllm_hybrid.StateCopy(req_id, seg.key, end, block)
+
+    def _held(self, keys: list[ContentKey]) -> list[bool]:
+        """Which of ``keys`` are held, as a leading run: the worker's cache through the lookup
+        channel where it runs in another process, else this process's."""
+        if self._channel is not None and self._channel.asks:
+            n = self._channel.leading_held(keys)
+            return [i < n for i in range(len(keys))]
+        return self._lookup(keys)
+
+    def _first_held(self, keys: list[ContentKey]) -> int | None:
+        """The index of the first of ``keys`` held, each looked up in order until one is (one
+        round trip where the worker runs in another process); ``None`` when none is."""
+        if self._channel is not None and self._channel.asks:
+            return self._channel.first_held(keys)
+        return next((i for i, key in enumerate(keys) if self.cache.contains(key)), None)
+
+    def _fork(self, request: Request, state: _ReqState, held: list[bool]) -> list[bool]:
+        """Where the leading run stops inside a text chunk, the longest part of it an earlier
+        prompt stored (its full blocks ended there: a conversation's last turn): the request
+        is planned again with a cut there and looked up again (``plan``). Two lookups per
+        fork (the chunk's parts at once, then the new plan), and a few forks per request."""
+        for _ in range(MAX_FORKS):
+            n = held.index(False) if False in held else len(held)
+            forks = self.scheme.forks(self.cache, request, state.plan, n)
+            i = self._first_held([key for _, key in forks]) if forks else None
+            if i is None:
+                break
+            state.cuts = tuple(sorted({*state.cuts, forks[i][0]}))
+            state.plan = self.scheme.plan(self.cache, request, state.cuts)
+            held = self._held([seg.key for seg in state.plan.segments])
+            if all(held):
+                break
+        return held
+
+    def _lookup(self, keys: list[ContentKey]) -> list[bool]:
+        """Which keys the cache holds, in one pass that stops at the first miss."""
+        held: list[bool] = []
+        for key in keys:
+            held.append(self.cache.contains(key))
+            if not held[-1]:
+                break
+        return held + [False] * (len(keys) - len(held))
+
+    def update_state_after_alloc(self, request: Request, blocks, num_external_tokens: int) -> None:
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            state.load = num_external_tokens > 0
+            if state.load:
+                state.hit = state.computed + num_external_tokens
+                self.counts["hit_tokens"] += num_external_tokens
+                if self.hybrid is not None:       # the request waits for it: load now, once
+                    state.block_ids = [list(ids) for ids in blocks.get_block_ids()]
+                    self._async_ops += self._loads(request.request_id, state)
+                    self._async_reqs.add(request.request_id)
+                    if self.states:
+                        at = self._state_at(request.request_id, state, state.hit)
+                        self._async_states.append(at or vllm_hybrid.StateCopy(request.request_id, None, state.hit, -1))
+
+    def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
+        meta = MMTierConnectorMetadata(loads=self._async_ops, state_loads=self._async_states)
+        self._async_ops, self._async_states = [], []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._reqs.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = [list(ids) for ids in new.block_ids]
+            if state.load:
+                meta.loads += self._loads(new.req_id, state)
+            done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+            saves = self._saves(new.req_id, state, max(done, state.hit))
+            meta.saves += saves
+            self._state_save(meta, new.req_id, state, saves, done)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._reqs.get(req_id)
+            if state is None:
+                continue
+            if req_id in cached.resumed_req_ids:           # preempted: blocks were rebuilt
+                state.block_ids = []
+            if cached.new_block_ids[i] is not None:
+                tables = cached.new_block_ids[i]
+                state.block_ids = [(state.block_ids[g] if g < len(state.block_ids) else []) + list(ids)
+                                   for g, ids in enumerate(tables)]
+            if state.load:                                 # resumed with a hit: load it again
+                meta.loads += self._loads(req_id, state)
+                self.counts["resumed_loads"] += 1
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            saves = self._saves(req_id, state, max(done, state.hit))
+            meta.saves += saves
+            self._state_save(meta, req_id, state, saves, done)
+        return meta
+
+    def _state_save(self, meta: MMTierConnectorMetadata, req_id: str, state: _ReqState,
+                    saves: list[GroupCopy], done: int) -> None:
+        """The state to save with this step's groups: where the step ends on a block boundary
+        at the end of a group it saves (vLLM's state of that position is then in its block)."""
+        if self.states and saves and saves[-1].end == done and done % self.block_size == 0:
+            at = self._state_at(req_id, state, done)
+            if at is not None and at.block >= 0:
+                meta.state_saves.append(at)
+
+    def _loads(self, req_id: str, state: _ReqState) -> list[GroupCopy]:
+        """The copies that load a request's hit into its blocks (once per admission)."""
+        state.load = False
+        ops = self._copies(req_id, state, state.computed, state.hit)
+        self.counts["load_tokens"] += sum(op.hi - op.lo for op in ops)
+        return ops
+
+    def _copies(self, req_id: str, state: _ReqState, lo: int, hi: int) -> list[GroupCopy]:
+        out = []
+        for seg in state.plan.segments:
+            a, b = max(lo, seg.start), min(hi, seg.end)
+            if a < b:
+                out.append(self._copy(req_id, state, seg, a, b))
+        return out
+
+    def _saves(self, req_id: str, state: _ReqState, computed: int) -> list[GroupCopy]:
+        out, segs = [], state.plan.segments
+        while state.saved < len(segs) and segs[state.saved].end <= computed:
+            seg = segs[state.saved]
+            out.append(self._copy(req_id, state, seg, seg.start, seg.end))
+            state.saved += 1
+        return out
+
+    def _copy(self, req_id: str, state: _ReqState, seg: Segment, lo: int, hi: int) -> GroupCopy:
+        if self.hybrid is not None:       # each layer reads its own group's table
+            per_group = vllm_hybrid.group_slots(state.block_ids, lo, hi, self.block_size)
+            return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, per_group[0], (), per_group)
+        slots = slots_for(state.block_ids[0], lo, hi, self.block_size)
+        blocks = tuple(sorted({int(s) // self.block_size for s in slots}))
+        return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, torch.from_numpy(slots), blocks)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid allocator's ``request_finished``: a request that had a load keeps its
+        blocks until the worker says the load no longer writes them (``finished_sending``)."""
+        self._reqs.pop(request.request_id, None)
+        if request.request_id in self._async_reqs:
+            self._async_reqs.discard(request.request_id)
+            return True, None
+        return False, None
