@@ -13,7 +13,7 @@ attaches them (``refs``,
 ratio (blocks of the longest cached prefix of each request over all its blocks) and the
 recompute avoided (those blocks' tokens over all tokens: one modality, so seconds are tokens).
 
-``tests/test_eviction_replay.py`` replays a trace both ways (this and ``policyreplay`` with
+``tests/benchmarks/test_eviction_replay.py`` replays a trace both ways (this and ``policyreplay`` with
 512-token pages and the same capacity) and checks they agree request by request.
 """
 

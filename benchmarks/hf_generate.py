@@ -202,7 +202,7 @@ def main(argv=None) -> dict:
     new_tokens = 6 if args.quick else 16
     figures: dict = {"quick": args.quick, "runs": runs, "new_tokens": new_tokens,
                      "threads": torch.get_num_threads()}
-    from tests.hf_models import tiny_llava
+    from tests.support.hf_models import tiny_llava
 
     models = {"tiny": (tiny_llava, 32 if args.quick else 128), "7b": (llava_7b_shapes, 64 if args.quick else 256)}
     for label in (args.models or ("tiny" if args.quick else "tiny,7b")).split(","):

@@ -18,7 +18,7 @@ of policies x traces x capacities runs in minutes:
 Keys are the cache's own (``content_key`` of a ``TieredKVCache`` over the same config), so
 hash-dependent policies decide alike (``page_lru`` runs LRU, which reads no key: its one-page
 groups get stand-in digests). ``ops`` counts the policy calls (hooks and ``victims``), for the
-cost per operation. ``tests/test_eviction_replay.py`` checks that this replay and
+cost per operation. ``tests/benchmarks/test_eviction_replay.py`` checks that this replay and
 ``cachereplay.replay`` give the same hits, puts and evictions for every policy.
 """
 

@@ -2,7 +2,7 @@
 
     .venv-engines/bin/python -m benchmarks.serve_routing [--rounds 2] [--conversations 3] [--turns 3]
 
-The app of ``tests/serve_llm_cluster.py``: a ``ray.cluster_utils.Cluster`` of a head and two
+The app of ``tests/support/serve_llm_cluster.py``: a ``ray.cluster_utils.Cluster`` of a head and two
 nodes, one replica on each (vLLM's CPU build, the tiny LLaVA, mmtier's KV and encoder-cache
 connectors joined to the cluster, vLLM's own prefix cache off). The trace: several multi-turn
 conversations, each opening with its own image (a data URL) that every later turn carries in
@@ -49,8 +49,8 @@ ROUTERS = ("affinity", "default")
 def conversations(seed: int, n: int, turns: int) -> list[list[list[dict]]]:
     """``n`` conversations of ``turns`` user messages each (the first with the conversation's
     image): per conversation, the user contents in order."""
-    from tests.serve_llm_cluster import data_url
-    from tests.vllm_mm_models import image, text
+    from tests.support.serve_llm_cluster import data_url
+    from tests.support.vllm_mm_models import image, text
 
     out = []
     for c in range(n):
@@ -68,7 +68,7 @@ def decision_s(keyer, registry, messages: list[dict]) -> float:
     import ray
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
-    from tests.serve_llm_cluster import MODEL_ID
+    from tests.support.serve_llm_cluster import MODEL_ID
 
     t0 = time.perf_counter()
     keys = keyer.submit(ChatCompletionRequest(model=MODEL_ID, messages=messages, max_tokens=1)).result(60)
@@ -81,7 +81,7 @@ def replay(app, trace, max_tokens: int, keyer=None) -> dict:
     request's routing work timed before it is sent)."""
     from openai import OpenAI
 
-    from tests.serve_llm_cluster import MODEL_ID
+    from tests.support.serve_llm_cluster import MODEL_ID
 
     client = OpenAI(base_url=app.base + "/v1", api_key="none", timeout=300.0, max_retries=0)
     app.encoded()                                     # reset the encoder counts
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--first", choices=ROUTERS, default=ROUTERS[0], help="the router run first")
     add_out_arg(ap)
     args = ap.parse_args(argv)
-    from tests.serve_llm_cluster import ServeCluster
+    from tests.support.serve_llm_cluster import ServeCluster
 
     t_start, load_start = time.perf_counter(), os.getloadavg()[0]
     from mmtier.serve.request_keys import RequestKeyer

@@ -35,8 +35,8 @@ def media_rounds(medium: str, model: str, rounds: int) -> dict[str, list[float]]
     from mmtier.serve.tiny_audio import SAMPLE_RATE, audio_prompt, clip
     from mmtier.serve.tiny_models import text
     from mmtier.serve.tiny_video import frames, video_prompt
-    from tests.vllm_av_scenarios import ARGS, EC_CONNECTOR
-    from tests.vllm_scenarios import engine
+    from tests.support.vllm_av_scenarios import ARGS, EC_CONNECTOR
+    from tests.support.vllm_scenarios import engine
 
     sizes = {"mmtier_host_bytes": "256MiB", "mmtier_tenant": "bench"}
     ec = ECTransferConfig(ec_connector="MMTierECConnector", ec_connector_module_path=EC_CONNECTOR,

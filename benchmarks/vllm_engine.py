@@ -50,7 +50,7 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 # The image part's LLaVA needs its shim and registration in every process vLLM spawns, and a
 # spawned process imports this module: so they are installed here, at import.
-import tests.vllm_mm_scenarios  # noqa: E402, F401
+import tests.support.vllm_mm_scenarios  # noqa: E402, F401
 from benchmarks._common import add_out_arg, ratio_figures, write_results  # noqa: E402
 from benchmarks.file_faults import drop_cache  # noqa: E402
 
@@ -76,12 +76,12 @@ def build_model(path: Path, dtype: str) -> Path:
 
 def build_gemma3(path: Path, dtype: str) -> Path:
     """A Gemma 3 of ``SHAPE``, its layers sliding-window (``HYBRID_WINDOW``) and full attention in
-    turn; every weight drawn from N(0, 0.1) (``tests.vllm_models._randomized``: Gemma's own
+    turn; every weight drawn from N(0, 0.1) (``tests.support.vllm_models._randomized``: Gemma's own
     initializers give weights that repeat one token)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    from tests.vllm_models import _randomized
+    from tests.support.vllm_models import _randomized
 
     if (path / "config.json").exists():
         return path
@@ -246,8 +246,8 @@ def image_rounds(work: Path, rounds: int) -> dict[str, list[float]]:
     """TTFT of a repeated image prompt (fresh image and text each round) on three engines."""
     from vllm import SamplingParams
 
-    from tests.vllm_mm_models import build_llava, image, image_prompt, text
-    from tests.vllm_mm_scenarios import mm_engine
+    from tests.support.vllm_mm_models import build_llava, image, image_prompt, text
+    from tests.support.vllm_mm_scenarios import mm_engine
 
     model = str(build_llava(work / "llava"))
     engines = {"image_recompute": mm_engine(model, executor="mp"),

@@ -120,7 +120,7 @@ def test_format_status_table():
 @pytest.mark.ray
 def test_demo_quick_end_to_end(tmp_path):
     """The transformers demo (``--engine transformers``; the default, vLLM's, runs in the engines
-    environment: ``tests/test_demo_serving.py``)."""
+    environment: ``tests/demo/test_serving.py``)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
     proc = subprocess.run([sys.executable, "-m", "mmtier.cli", "demo", "--engine", "transformers", "--quick",
                            "--out", str(tmp_path), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -25,7 +25,7 @@
  * Only inputs longer than 240 bytes and rows a multiple of 64 bytes are taken (xxh3's long-
  * input path, whole 64-byte stripes); the caller hashes anything else itself. The hash is
  * written from the published XXH3 specification and checked against python's xxhash in
- * tests/test_native_digests.py. */
+ * tests/native/test_digests.py. */
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>

@@ -13,7 +13,7 @@ configuration, as ``tiny_models``' LLaVA is the image model.
 - the audio tower is 2 layers of width 64 over Whisper's 1500 positions; the language model a
   2-layer Qwen2 of the LLaVA's KV shape (2 KV heads of 32, float32).
 
-Why Qwen2-Audio (``tests/test_vllm_engine_audio.py`` says which candidates ran): its vLLM
+Why Qwen2-Audio (``tests/engines/test_vllm_engine_av.py`` says which candidates ran): its vLLM
 module and processor import nothing of torchvision, and the model is decoder-only, so both of
 mmtier's connectors see its audio as placeholder positions of the prompt, like an image's.
 

@@ -40,7 +40,7 @@ import mmtier.cluster as mma  # noqa: E402
 from mmtier import CacheConfig, ModalitySpec, UnknownKeyError  # noqa: E402
 from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.errors import MMTierError  # noqa: E402
-from tests.oracle import oracle_attention, rel_err  # noqa: E402
+from tests.support.oracle import oracle_attention, rel_err  # noqa: E402
 
 pytestmark = [pytest.mark.chaos, pytest.mark.ray]
 

@@ -1,0 +1,1 @@
+"""Tests of the cache facade and its parts."""

@@ -1,0 +1,1 @@
+"""Tests of end to end, through a model."""

