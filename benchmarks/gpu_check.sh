@@ -10,11 +10,11 @@
 #      tests/e2e/test_model.py, each test on the torch and the triton backend, and the test that an
 #      attention call makes no host sync; tests/kernels/test_fp8_pages.py: fp8 pages, the Triton kernel
 #      over them compiled);
-#   2. `python -m benchmarks.kernels --device cuda` (paged Triton vs SDPA's flash backend over the
+#   2. `python -m benchmarks.kernels.kernels --device cuda` (paged Triton vs SDPA's flash backend over the
 #      same K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
-#   3. `python -m benchmarks.connector_copy --device cuda` (the vLLM connector's staged save /
+#   3. `python -m benchmarks.engines.connector_copy --device cuda` (the vLLM connector's staged save /
 #      load of whole blocks against a plain D2H / H2D copy of the same bytes);
-#   4. `python -m benchmarks.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS`
+#   4. `python -m benchmarks.kernels.long_context --device cuda --preset $LC_PRESET --tokens $LC_TOKENS`
 #      (one layer of a real model's shape per decode step, across GPU, host and NVMe).
 # Under $OUT (default ./gpu_check_out): log.txt (every step's output, the environment first),
 # tests.xml (junit), kernels.json, connector_copy.json, long_context.json, summary.json (exit
@@ -237,11 +237,11 @@ fi
 
 # 2.-4. the benchmarks, each writing its JSON into the scratch folder, copied to $OUT
 # shellcheck disable=SC2086
-step kernels "${BENCH_TIMEOUT:-150}" "$PY" -m benchmarks.kernels --device cuda --out "$SCRATCH" ${BENCH_ARGS:-}
+step kernels "${BENCH_TIMEOUT:-150}" "$PY" -m benchmarks.kernels.kernels --device cuda --out "$SCRATCH" ${BENCH_ARGS:-}
 rc_copy=skipped rc_lc=skipped
 if [[ -z $SHIM ]]; then
-    step copy "${COPY_TIMEOUT:-60}" "$PY" -m benchmarks.connector_copy --device cuda --out "$SCRATCH"
-    step lc "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.long_context --device cuda \
+    step copy "${COPY_TIMEOUT:-60}" "$PY" -m benchmarks.engines.connector_copy --device cuda --out "$SCRATCH"
+    step lc "${LC_TIMEOUT:-120}" "$PY" -m benchmarks.kernels.long_context --device cuda \
         --preset "${LC_PRESET:-qwen2.5-vl-7b}" --tokens "${LC_TOKENS:-500000}" --layers "${LC_LAYERS:-1}" \
         --out "$SCRATCH"
 else

@@ -30,47 +30,49 @@ NOTES = HERE / "RESULTS_NOTES.md"
 NOTES_PAGE = "notes"                # pages/notes.md
 
 COMMANDS = {
-    "alloc": "python -m benchmarks.alloc",
-    "kernels": "python -m benchmarks.kernels",
-    "spill": "python -m benchmarks.spill  (6 paired rounds, the writers in turn first)",
-    "eviction": "python -m benchmarks.eviction",
-    "cluster": "python -m benchmarks.cluster",
-    "long_context": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
+    "alloc": "python -m benchmarks.pages.alloc",
+    "kernels": "python -m benchmarks.kernels.kernels",
+    "spill": "python -m benchmarks.storage.spill  (6 paired rounds, the writers in turn first)",
+    "eviction": "python -m benchmarks.eviction.eviction",
+    "cluster": "python -m benchmarks.cluster.cluster",
+    "long_context": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
                     "(all 28 layers, what the disk held at --tokens max --reserve-gib 20)",
-    "long_context_fp8": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 2097152 --dtype float8_e4m3fn "
+    "long_context_fp8": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 2097152 --dtype float8_e4m3fn "
                         "--repeats 3 --host-gib 4 --reserve-gib 10  (all 28 layers in fp8, e4m3 with a per-tensor "
                         "scale; 56 GiB per step)",
-    "long_context_fp8_vs_bf16": "python -m benchmarks.long_context --preset qwen2.5-vl-7b --tokens 131072 --compare "
+    "long_context_fp8_vs_bf16": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 131072 --compare "
                                 "--repeats 3  (bf16 then fp8 e4m3 at the same tokens, one after the other)",
-    "long_context_1layer": "python -m benchmarks.long_context --preset tiny --tokens 2000000",
-    "long_context_cluster": "python -m benchmarks.long_context --preset tiny --tokens 500000 --cluster",
-    "multiturn": "python -m benchmarks.multiturn  (40 turns, 3 rounds; the chat model)",
-    "hf_generate": "python -m benchmarks.hf_generate",
-    "vllm_av": ".venv-engines/bin/python -m benchmarks.vllm_av  (tiny Qwen2-Audio and Qwen2-VL, language model "
+    "long_context_1layer": "python -m benchmarks.kernels.long_context --preset tiny --tokens 2000000",
+    "long_context_cluster": "python -m benchmarks.kernels.long_context --preset tiny --tokens 500000 --cluster",
+    "multiturn": "python -m benchmarks.cache.multiturn  (40 turns, 3 rounds; the chat model)",
+    "hf_generate": "python -m benchmarks.engines.hf_generate",
+    "vllm_av": ".venv-engines/bin/python -m benchmarks.engines.vllm_av  (tiny Qwen2-Audio and Qwen2-VL, language model "
                "2 layers x 128; 5 paired rounds)",
-    "vllm_av_8x512": ".venv-engines/bin/python -m benchmarks.vllm_av --lm 8x512  (the same models with an 8-layer, "
+    "vllm_av_8x512": ".venv-engines/bin/python -m benchmarks.engines.vllm_av --lm 8x512  (the same models with an 8-layer, "
                      "512-wide language model; 5 paired rounds)",
     "demo": "mmtier demo --engine transformers (./run demo --engine transformers)",
     "demo_serving": "mmtier demo (./run demo: the openai client against vLLM's OpenAI API server with and without "
                     "mmtier, prefix caching on, vLLM's CPU build)",
-    "serving_load": ".venv/bin/python -m benchmarks.serving_load  (open-loop Poisson load against vLLM's OpenAI API "
+    "serving_load": ".venv/bin/python -m benchmarks.engines.serving_load  (open-loop Poisson load against vLLM's OpenAI API "
                     "server with and without mmtier, the engines from .venv-engines)",
-    "vllm_parallel": ".venv-engines/bin/python -m benchmarks.vllm_parallel  (tensor_parallel_size 2, real vLLM "
+    "vllm_parallel": ".venv-engines/bin/python -m benchmarks.engines.vllm_parallel  (tensor_parallel_size 2, real vLLM "
                      "engines, CPU build; vLLM's prefix cache on, its pool too small to keep the repeat)",
-    "vllm_engine": ".venv-engines/bin/python -m benchmarks.vllm_engine  (real vLLM engines, CPU build; "
+    "vllm_engine": ".venv-engines/bin/python -m benchmarks.engines.vllm_engine  (real vLLM engines, CPU build; "
                    "5 paired rounds of a 2,048-token prompt)",
-    "vllm_engine_hybrid": ".venv-engines/bin/python -m benchmarks.vllm_engine --hybrid  (real vLLM engines, CPU "
+    "vllm_engine_hybrid": ".venv-engines/bin/python -m benchmarks.engines.vllm_engine --hybrid  (real vLLM engines, CPU "
                           "build, vLLM's hybrid allocator on; an 8-layer Gemma 3, sliding-window (512) and full-attention "
                           "layers in turn, float32; 5 paired rounds of a 2,048-token prompt; mmtier's repeat after "
                           "vLLM's prefix cache was reset)",
-    "serve_routing": ".venv-engines/bin/python -m benchmarks.serve_routing --first default  (two Ray Serve LLM replicas on a "
+    "serve_routing": ".venv-engines/bin/python -m benchmarks.serve.serve_routing --first default  (two Ray Serve LLM replicas on a "
                      "two-node ray.cluster_utils.Cluster, vLLM CPU build; 2 rounds per router, the routers in turn)",
-    "kernel_compile": "./run kernels-compile  (python -m benchmarks.kernel_compile in .venv-triton: triton 3.6, "
+    "kernel_compile": "./run kernels-compile  (python -m benchmarks.kernels.kernel_compile in .venv-triton: triton 3.6, "
                       "CPU torch; every variant the launch code makes, compiled with no GPU; a row is "
                       "registers, spilled bytes, shared KiB per arch)",
-    "peer_lmcache": "./run peers  (python -m benchmarks.peer_lmcache --groups 16 --rounds 5 --put-placement auto; "
-                    "LMCache 0.5.6 in .venv-lmcache from benchmarks/peers_env.sh)",
+    "peer_lmcache": "./run peers  (python -m benchmarks.peers.peer_lmcache --groups 16 --rounds 5 --put-placement auto; "
+                    "LMCache 0.5.6 in .venv-lmcache from benchmarks/peers/peers_env.sh)",
 }
+
+RUNS_MODULE = re.compile(r"-m benchmarks\.(\w+(?:\.\w+)*)(.*)")    # -m benchmarks.GROUP.NAME ARGS
 
 OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load"}   # they draw their own PNG
 
@@ -235,16 +237,17 @@ def index_path(folder: Path) -> Path:
 
 
 def _split_command(cmd: str) -> tuple[str, str]:
-    """``"python -m benchmarks.x --a  (what it runs)"`` -> the command and the note in brackets."""
+    """``"python -m benchmarks.g.x --a  (what it runs)"`` -> the command and the note in brackets."""
     m = re.match(r"(.*?)\s+\((.*)\)\s*$", cmd, re.S)
     return (m.group(1), m.group(2)) if m else (cmd, "")
 
 
 @functools.cache
 def _doc_sentence(module: str) -> str:
-    """The first sentence of ``benchmarks/MODULE.py``'s docstring (read, not imported), or ``""``."""
+    """The first sentence of ``benchmarks/GROUP/NAME.py``'s docstring (``module``: ``GROUP.NAME``;
+    read, not imported), or ``""``."""
     try:
-        doc = ast.get_docstring(ast.parse((HERE / f"{module}.py").read_text()))
+        doc = ast.get_docstring(ast.parse((HERE / f"{module.replace('.', '/')}.py").read_text()))
     except (OSError, SyntaxError, ValueError):
         return ""
     if not doc:
@@ -255,9 +258,15 @@ def _doc_sentence(module: str) -> str:
     return sentence + "." if sentence else ""
 
 
+def _module(base: str) -> str:
+    """``GROUP.NAME`` of the benchmark module ``benchmarks/GROUP/NAME.py``, or ``NAME`` when none."""
+    found = sorted(HERE.glob(f"*/{base}.py"))
+    return f"{found[0].parent.name}.{base}" if found else base
+
+
 def command(name: str) -> str:
     base = name.split("/")[-1]
-    return COMMANDS.get(base, f"python -m benchmarks.{base}")
+    return COMMANDS.get(base, f"python -m benchmarks.{_module(base)}")
 
 
 def describe(name: str) -> str:
@@ -265,11 +274,11 @@ def describe(name: str) -> str:
     note or arguments from ``COMMANDS`` after it), else its command."""
     base = name.split("/")[-1]
     cmd, note = _split_command(command(name))
-    m = re.search(r"-m benchmarks\.(\w+)(.*)", cmd) or re.search(r"-m benchmarks\.(\w+)(.*)", note)
+    m = RUNS_MODULE.search(cmd) or RUNS_MODULE.search(note)
     doc = _doc_sentence(m.group(1)) if m else ""
     if not doc:
         text = f"`{cmd}`" + (f" ({note})" if note else "") + "."
-    elif m.group(1) == base:
+    elif m.group(1).split(".")[-1] == base:
         text = doc
     else:                                 # a variant of another module's benchmark
         args = m.group(2).strip() if m.string == cmd else ""

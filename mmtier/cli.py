@@ -32,8 +32,13 @@ import click
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")    # Ray binds 127.0.0.1 locally
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-BENCHMARKS = ("alloc", "kernels", "spill", "eviction", "cluster", "long_context", "multiturn", "hf_generate",
-              "connector_copy")
+# the suite's names (each writes NAME.json) and their modules, benchmarks/GROUP/NAME.py
+BENCHMARK_MODULES = {"alloc": "benchmarks.pages.alloc", "kernels": "benchmarks.kernels.kernels",
+                     "spill": "benchmarks.storage.spill", "eviction": "benchmarks.eviction.eviction",
+                     "cluster": "benchmarks.cluster.cluster", "long_context": "benchmarks.kernels.long_context",
+                     "multiturn": "benchmarks.cache.multiturn", "hf_generate": "benchmarks.engines.hf_generate",
+                     "connector_copy": "benchmarks.engines.connector_copy"}
+BENCHMARKS = tuple(BENCHMARK_MODULES)
 DEFAULT_OUT = Path("benchmarks") / "results"
 
 
@@ -312,7 +317,7 @@ def bench(names: tuple[str, ...], quick: bool, out: Path | None) -> None:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         try:
-            importlib.import_module(f"benchmarks.{name}").main(argv)
+            importlib.import_module(BENCHMARK_MODULES[name]).main(argv)
         except Exception as exc:          # one failing benchmark does not stop the suite
             failed.append(name)
             tqdm.write(f"[mmtier bench] {name} failed: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """vLLM's OpenAI API server (``python -m vllm.entrypoints.openai.api_server``) as a child process
 on 127.0.0.1, the way a user serves: with vLLM's own prefix cache on, and with or without
 mmtier's KV and encoder-cache connectors (named with their sizes only: the cache's shape comes
-from vLLM, ``mmtier.engines.vllm.shape``). The demo and ``benchmarks/serving_load.py``
+from vLLM, ``mmtier.engines.vllm.shape``). The demo and ``benchmarks/engines/serving_load.py``
 start their engines here. Everything the server prints goes to a log file, never the console.
 
 ``EngineSpec`` is what to start; ``EngineServer`` starts it, waits for ``/health``, counts the

@@ -16,7 +16,7 @@ server, plain and with mmtier's connectors, the way the image part does (``mmtie
 The models are tiny (2 layers, width 128): their prefill costs too little for times to say
 anything, so none are reported here (every request's are in the demo's request log); the
 times of a repeated audio or video prompt at a prefill-dominated shape are
-``benchmarks/vllm_av.py --lm 8x512``'s. The four servers start side by side and run one after
+``benchmarks/engines/vllm_av.py --lm 8x512``'s. The four servers start side by side and run one after
 the other."""
 
 from __future__ import annotations

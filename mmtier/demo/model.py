@@ -1,5 +1,5 @@
 """The demo's model: a random-weight LLaVA whose language model has the shape of
-``benchmarks/vllm_engine.py`` (8 Llama layers, width 512, 8 query / 4 KV heads of 64), so that a
+``benchmarks/engines/vllm_engine.py`` (8 Llama layers, width 512, 8 query / 4 KV heads of 64), so that a
 prefill costs what it costs against a load (a hit is ~0.05x the recompute there), and a CLIP
 tower on 224 x 224 images (256 image tokens a picture). Built and saved with ``save_pretrained``
 (nothing downloaded), its tokenizer and processor beside it: the tiny LLaVA's word-level

@@ -10,7 +10,7 @@ that holds a fraction of the conversations:
 What it does, in order:
 
 1. builds the model (``mmtier.demo.model``: a random-weight LLaVA whose language model is the
-   8-layer, 512-wide shape of ``benchmarks/vllm_engine.py``, 256 image tokens a picture) and
+   8-layer, 512-wide shape of ``benchmarks/engines/vllm_engine.py``, 256 image tokens a picture) and
    starts both servers (their logs go to one file the summary names);
 2. runs a seeded workload: conversations that open with one shared system prompt, carry images
    (PNG / JPEG data URLs from a small catalogue: an image recurs across turns and conversations)
@@ -395,7 +395,7 @@ def format_serving_report(r: ServingDemoReport, json_path: Path | None = None, p
         "",
         *modality_table(f),
         "(text: turns without an image; image: turns with one; audio / video: the tiny Qwen2-Audio and "
-        "Qwen2-VL, items reused across turns and users, no times: see benchmarks/vllm_av.py; items sent: "
+        "Qwen2-VL, items reused across turns and users, no times: see benchmarks/engines/vllm_av.py; items sent: "
         "in every prompt, history included; tower runs: items the encoder towers ran on)",
         "",
         f"later turns start in {ratio:.2f}x the time with mmtier (target <= 0.5): "

@@ -1,5 +1,5 @@
 """A vLLM worker extension (``--worker-extension-cls mmtier.demo.worker_ext.DemoWorker``) the demo
-and ``benchmarks/serving_load.py`` call from outside the engine's processes through the API
+and ``benchmarks/engines/serving_load.py`` call from outside the engine's processes through the API
 server's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``; the servers bind 127.0.0.1 only):
 
 - ``mmtier_encoded``: the items the model's encoder towers encoded since the last call (forward

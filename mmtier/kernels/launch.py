@@ -4,7 +4,7 @@
 where it runs: ``gpu_choices(device)`` is true on CUDA, and anywhere inside ``as_on_gpu()``.
 Tests run the interpreter inside it, so the configuration a GPU compiles (not only the wider
 tiles the interpreter is fastest with) is checked against the oracle on a CPU; the compile
-check (``benchmarks/kernel_compile.py``) drives the launch code with meta tensors inside it and
+check (``benchmarks/kernels/kernel_compile.py``) drives the launch code with meta tensors inside it and
 compiles what it would launch for sm_80 / sm_90 / sm_100.
 
 **The interpreter** (``TRITON_INTERPRET=1``: the kernels run in Python on the CPU, as in the

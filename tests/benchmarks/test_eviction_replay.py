@@ -1,23 +1,29 @@
-"""The policy replay (``benchmarks.policyreplay``) against the whole cache (``benchmarks.cachereplay``):
-the same hits, stores and evictions for every policy, Belady and per-page LRU, on the first
-requests of the checked-in heavy-tailed sample at 5% of its distinct bytes (the benchmark
-checks 5% and 10% on more requests: ``cache_parity_mismatches``); the policy replay against an
-independent replay of the published form (``benchmarks.blockreplay``: one group per hash id,
-capacity in blocks), request by request, with the cache's keys and with its own; pools of exactly
-the asked size (a chain larger than the pool runs uncached past what fits); and the
+"""The policy replay (``benchmarks.eviction.policyreplay``) against the whole cache
+(``benchmarks.eviction.cachereplay``): the same hits, stores and evictions for every policy, Belady
+and per-page LRU, on the first requests of the checked-in heavy-tailed sample at 5% of its distinct
+bytes (the benchmark checks 5% and 10% on more requests: ``cache_parity_mismatches``); the policy
+replay against an independent replay of the published form (``benchmarks.eviction.blockreplay``: one
+group per hash id, capacity in blocks), request by request, with the cache's keys and with its own;
+pools of exactly the asked size (a chain larger than the pool runs uncached past what fits); and the
 Mooncake-format importer on lines of that form."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.blockreplay import block_replay, capacity_for
-from benchmarks.cachereplay import bench_config, replay
-from benchmarks.chains import ChainTrace, TraceFormatError, from_records, load_jsonl, parse_record
-from benchmarks.eviction import PAGE, SAMPLE, pages_for
-from benchmarks.heavytail import HeavyTailConfig, generate
-from benchmarks.policyreplay import replay_policy, trace_keys
-from benchmarks.recompute import load_costs
+from benchmarks.eviction.blockreplay import block_replay, capacity_for
+from benchmarks.eviction.cachereplay import bench_config, replay
+from benchmarks.eviction.chains import (
+    ChainTrace,
+    TraceFormatError,
+    from_records,
+    load_jsonl,
+    parse_record,
+)
+from benchmarks.eviction.eviction import PAGE, SAMPLE, pages_for
+from benchmarks.eviction.heavytail import HeavyTailConfig, generate
+from benchmarks.eviction.policyreplay import replay_policy, trace_keys
+from benchmarks.eviction.recompute import load_costs
 from mmtier.eviction import POLICIES
 
 COSTS = load_costs()

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="the hf extra (transformers) is not installed")
 
-from benchmarks import hf_generate  # noqa: E402
+from benchmarks.engines import hf_generate  # noqa: E402
 
 
 def test_hf_generate_quick_writes_figures(tmp_path):

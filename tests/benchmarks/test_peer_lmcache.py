@@ -1,4 +1,4 @@
-"""The short form of ``benchmarks/peer_lmcache.py`` (mmtier's side, ``peer_lmcache_mmtier``) that
+"""The short form of ``benchmarks/peers/peer_lmcache.py`` (mmtier's side, ``peer_lmcache_mmtier``) that
 CI runs: every operation the benchmark times runs on small groups and reads back exactly the
 bytes it stored, the puts into the full device pool are written around it (no demotion), and
 the simple calls (``read_group(key)``, no ``out=``) answer what the batched / ``out=`` ones
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.peer_lmcache import PAIRS, SIMPLE
-from benchmarks.peer_lmcache_mmtier import MMTierSide
+from benchmarks.peers.peer_lmcache import PAIRS, SIMPLE
+from benchmarks.peers.peer_lmcache_mmtier import MMTierSide
 
 GROUPS = 6
 

@@ -96,6 +96,6 @@ def test_main_with_results_dir(tmp_path):
     assert out == tmp_path / "RESULTS.md"
     _check_site(tmp_path, report.load(tmp_path))
     page = (tmp_path / "pages" / "alloc.md").read_text()
-    assert "Reproduce: `python -m benchmarks.alloc`" in page and "| `x_pairs` | 1.0/2.0 |" in page
+    assert "Reproduce: `python -m benchmarks.pages.alloc`" in page and "| `x_pairs` | 1.0/2.0 |" in page
     assert "Not yet run here:" in out.read_text()
     assert _committed() == before

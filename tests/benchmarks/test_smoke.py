@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks import multiturn
+from benchmarks.cache import multiturn
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +74,7 @@ def test_paired_summary_is_the_median_of_the_pairs():
 
 
 def test_overlap_floor_is_the_largest_resource_and_the_sum_beside_it():
-    from benchmarks.floors import Floors
+    from benchmarks.kernels.floors import Floors
 
     f = Floors({"memory": 0.1, "disk": 0.5}, compute_s=0.3)
     assert (f.overlap_s, f.summed_s, f.bound) == (0.5, 0.6, "disk")
@@ -83,7 +83,7 @@ def test_overlap_floor_is_the_largest_resource_and_the_sum_beside_it():
 
 
 def test_long_context_preset_config_is_the_shipped_preset_with_its_own_layers(tmp_path):
-    from benchmarks import long_context as lc
+    from benchmarks.kernels import long_context as lc
 
     cfg = lc.build_config(12_000, "qwen2.5-vl-7b", 2, "cpu", tmp_path / "spill", reserve=4 << 30)
     assert (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.dtype) == (2, 4, 128, "bfloat16")
@@ -98,7 +98,7 @@ def test_long_context_preset_config_is_the_shipped_preset_with_its_own_layers(tm
 
 
 def test_connector_copy_quick_restores_the_bytes_and_reports_ratios(tmp_path):
-    from benchmarks import connector_copy
+    from benchmarks.engines import connector_copy
 
     fig = connector_copy.main(["--quick", "--repeat", "5", "--out", str(tmp_path)])    # raises if a load is wrong
     data = json.loads((tmp_path / "connector_copy.json").read_text())

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from benchmarks import eviction as bench
-from benchmarks.cachereplay import pool_floor, replay, split_pages
-from benchmarks.chains import (
+from benchmarks.eviction import eviction as bench
+from benchmarks.eviction.cachereplay import pool_floor, replay, split_pages
+from benchmarks.eviction.chains import (
     ChainTrace,
     Item,
     Request,
@@ -19,10 +19,10 @@ from benchmarks.chains import (
     load_jsonl,
     parse_record,
 )
-from benchmarks.heavytail import HeavyTailConfig, generate
-from benchmarks.tracesim import plan
-from benchmarks.workloads import WorkloadConfig
-from benchmarks.workloads import generate as generate_dialogue
+from benchmarks.eviction.heavytail import HeavyTailConfig, generate
+from benchmarks.eviction.tracesim import plan
+from benchmarks.eviction.workloads import WorkloadConfig
+from benchmarks.eviction.workloads import generate as generate_dialogue
 
 B = 512
 COSTS = {"text": 1.0, "vision": 3.0, "audio": 2.0, "video": 3.0}

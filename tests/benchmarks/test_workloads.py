@@ -7,8 +7,8 @@ from collections import defaultdict
 import pyarrow as pa
 import pytest
 
-from benchmarks.tracesim import GroupTiers, dedup, plan, replay, waste
-from benchmarks.workloads import (
+from benchmarks.eviction.tracesim import GroupTiers, dedup, plan, replay, waste
+from benchmarks.eviction.workloads import (
     LLAVA_IMAGE_TOKENS,
     VIDEO_TOKENS_PER_S,
     WorkloadConfig,

@@ -1,6 +1,6 @@
 """``mmtier demo`` (its default: the openai client against vLLM's OpenAI API server with vLLM's
 prefix cache on and a small KV pool, beside the same server with mmtier's connectors, restarted
-midway) end to end with ``--quick``, and ``benchmarks/serving_load.py --quick`` (a few requests
+midway) end to end with ``--quick``, and ``benchmarks/engines/serving_load.py --quick`` (a few requests
 at one rate against both servers), each in a subprocess. Runs in the engines environment
 (``./run engines``); elsewhere it is skipped with the reason."""
 
@@ -60,7 +60,7 @@ def test_demo_quick_answers_equal_through_a_restart(tmp_path):
 
 
 def test_serving_load_quick_runs_against_both_servers(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.serving_load", "--quick", "--out", str(tmp_path),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.engines.serving_load", "--quick", "--out", str(tmp_path),
                            "--engines-python", sys.executable], cwd=ROOT, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.tracesim import GroupTiers, PageTiers
+from benchmarks.eviction.tracesim import GroupTiers, PageTiers
 from mmtier import config as config_mod
 from mmtier.config import CacheConfig, ModalitySpec
 from mmtier.core.groups import ModalityGroup, Tier

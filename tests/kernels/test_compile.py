@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 _HARNESS = r'''
 import json, sys, types
-import benchmarks.kernel_compile as kc
+import benchmarks.kernels.kernel_compile as kc
 modules = kc._import_kernels()
 launches = kc.record_launches(modules)
 out = {"launches": len(launches), "unreached": kc.unreached(modules, launches)}
@@ -87,8 +87,8 @@ def test_gpu_check_dry_run_starts_every_step(tmp_path):
     assert summary["dry_run"] is True
     assert summary["rc"] == {"tests": "0", "kernels": "0", "connector_copy": "0", "long_context": "0"}
     log = (tmp_path / "log.txt").read_text()
-    for start in ("=== tests:", "benchmarks.kernels --device cuda", "benchmarks.connector_copy --device cuda",
-                  "benchmarks.long_context --device cuda"):
+    for start in ("=== tests:", "benchmarks.kernels.kernels --device cuda", "benchmarks.engines.connector_copy --device cuda",
+                  "benchmarks.kernels.long_context --device cuda"):
         assert start in log, start
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log.txt", "summary.json"]
 
@@ -96,7 +96,7 @@ def test_gpu_check_dry_run_starts_every_step(tmp_path):
 def test_check_fails_on_errors_shared_memory_over_the_limit_and_spills():
     """What fails the check: a compile error, shared memory over the arch's per-block limit,
     any spilled byte; a clean variant does not, and every variant gets its row."""
-    from benchmarks.kernel_compile import SHARED_LIMIT, summarize
+    from benchmarks.kernels.kernel_compile import SHARED_LIMIT, summarize
 
     labels = ["clean", "broken", "too much shared", "spills"]
     scen = [[f"scenario {i}"] for i in range(4)]

@@ -671,7 +671,7 @@ def test_bad_writes_raise_and_write_nothing():
 
 # ---------------------------------------------------------------------------------------------
 # the package without triton (every variant compiling for sm_80 / sm_90 / sm_100 is
-# benchmarks/kernel_compile.py's check: ./run kernels-compile)
+# benchmarks/kernels/kernel_compile.py's check: ./run kernels-compile)
 
 
 def test_kernels_package_imports_without_triton_or_ray():

@@ -1,5 +1,5 @@
 """Two Ray Serve LLM replicas on two nodes, sharing through the mmtier cluster, for the tests and
-``benchmarks/serve_routing.py``.
+``benchmarks/serve/serve_routing.py``.
 
 A ``ray.cluster_utils.Cluster``: a head (the Serve controller, proxy and ingress, the mmtier
 registry) and two nodes, each with one unit of ``mmtier_replica`` so that each of the two

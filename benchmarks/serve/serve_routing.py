@@ -1,6 +1,6 @@
 """Affinity routing against Serve's default, on two Ray Serve LLM replicas sharing through mmtier.
 
-    .venv-engines/bin/python -m benchmarks.serve_routing [--rounds 2] [--conversations 3] [--turns 3]
+    .venv-engines/bin/python -m benchmarks.serve.serve_routing [--rounds 2] [--conversations 3] [--turns 3]
 
 The app of ``tests/support/serve_llm_cluster.py``: a ``ray.cluster_utils.Cluster`` of a head and two
 nodes, one replica on each (vLLM's CPU build, the tiny LLaVA, mmtier's KV and encoder-cache

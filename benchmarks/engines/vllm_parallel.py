@@ -10,7 +10,7 @@ rank), two engines side by side:
 Each round takes a fresh prompt A: A, then fillers that push A out of vLLM's blocks, then A
 again (timed: ``generate`` of one token). The engines take turns going first; the ratio is the
 median of the per-round ratios. Run it in the engines environment:
-``.venv-engines/bin/python -m benchmarks.vllm_parallel [--rounds N] [--quick]``.
+``.venv-engines/bin/python -m benchmarks.engines.vllm_parallel [--rounds N] [--quick]``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-from benchmarks import vllm_engine  # noqa: E402
 from benchmarks._common import add_out_arg, write_results  # noqa: E402
-from benchmarks.vllm_engine import BLOCK, SHAPE, build_model, close, ttft  # noqa: E402
+from benchmarks.engines import vllm_engine  # noqa: E402
+from benchmarks.engines.vllm_engine import BLOCK, SHAPE, build_model, close, ttft  # noqa: E402
 
 TP = 2
 FILLERS = 3

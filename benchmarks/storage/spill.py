@@ -1,6 +1,6 @@
 """Spill and restore throughput of the disk tier against the raw disk, torch.save and Ray.
 
-``python -m benchmarks.spill [--quick] [--dir DIR]``
+``python -m benchmarks.storage.spill [--quick] [--dir DIR]``
 
 All measured in one run, in one directory, over the same bytes (random, never zeros): 64 MiB
 groups of 2 MiB pages (8 layers, 8 KV heads, head dim 128, fp16, 64-token pages) held in a

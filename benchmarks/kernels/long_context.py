@@ -1,6 +1,6 @@
 """A long multimodal context across device, host and disk: one decode step against its floors.
 
-``python -m benchmarks.long_context [--preset NAME] [--tokens N|max] [--layers all|1] [--repeats N]
+``python -m benchmarks.kernels.long_context [--preset NAME] [--tokens N|max] [--layers all|1] [--repeats N]
 [--device cuda] [--cluster] [--quick]``
 
 Without ``--preset`` two rows run, each writing its own JSON:
@@ -81,7 +81,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 from benchmarks._common import add_out_arg, print_table, ratio_figures, spread, write_results
-from benchmarks.floors import (
+from benchmarks.kernels.floors import (
     Floors,
     cpu_attention_rate,
     disk_read_bandwidth,
@@ -94,7 +94,7 @@ from mmtier.attention.streaming import READERS
 from mmtier.config import FP8_DTYPES
 from mmtier.core.groups import Tier
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 PRESETS = {   # per-layer KV shape: (kv heads, head dim, query heads, dtype, layers of the model)
     "tiny": (1, 64, 4, "float32", 32),
     "llama-3-8b": (8, 128, 32, "bfloat16", 32),

@@ -1,6 +1,6 @@
 """Every Triton kernel variant the launch code produces, compiled for real GPUs without one.
 
-``python -m benchmarks.kernel_compile [--arch 80 90 100] [--jobs N] [--out DIR]`` (``./run
+``python -m benchmarks.kernels.kernel_compile [--arch 80 90 100] [--jobs N] [--out DIR]`` (``./run
 kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's, beside CPU torch).
 
 1. **Record.** The project's own launch code runs on meta tensors inside ``as_on_gpu()``
@@ -45,7 +45,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90, 100)
 # the most dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}

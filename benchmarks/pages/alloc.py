@@ -1,6 +1,6 @@
 """Pool allocate+free throughput, and the CPU attention path against contiguous SDPA.
 
-``python -m benchmarks.alloc [--quick]``
+``python -m benchmarks.pages.alloc [--quick]``
 
 Figures:
 - ``alloc_free_pages_per_s_batched``: pages allocated and freed per second in batches of 64

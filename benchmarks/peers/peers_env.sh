@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Creates the peers environment for benchmarks/peer_lmcache.py: a venv of its own with LMCache
+# Creates the peers environment for benchmarks/peers/peer_lmcache.py: a venv of its own with LMCache
 # from PyPI (and the CPU build of torch it runs on here), apart from mmtier's venv, so the
 # comparison runs each system in the environment it ships with. LMCache pulls cupy and CUDA
 # python packages; they import on a machine without a GPU, and the benchmark drives LMCache's
 # CPU and disk backends and its engine with a small CPU connector of its own.
-#   benchmarks/peers_env.sh [PEERS_VENV]      (default: .venv-lmcache)
+#   benchmarks/peers/peers_env.sh [PEERS_VENV]      (default: .venv-lmcache)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PEERS=${1:-.venv-lmcache}
 PY=${PYTHON:-python3}
 CPU_TORCH=${MMTIER_CPU_TORCH:-torch==2.13.0}

@@ -1,4 +1,4 @@
-"""mmtier's side of ``benchmarks/peer_lmcache.py``: the same operations as
+"""mmtier's side of ``benchmarks/peers/peer_lmcache.py``: the same operations as
 ``peer_lmcache_worker.py`` runs on LMCache, on the same bytes, plus the raw copies each cache-level
 operation must make. Every method returns seconds (and ``equal``: the bytes read back compared
 bitwise with the source) for one round."""
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from benchmarks.file_faults import damage, drop_cache
-from benchmarks.peer_lmcache_worker import group_kv
+from benchmarks.peers.peer_lmcache_worker import group_kv
 from mmtier import CacheConfig, TieredKVCache
 from mmtier.content import KeyMaker
 from mmtier.native import rows as native_rows

@@ -1,9 +1,9 @@
 """Multi-turn multimodal dialogue through the real cache: time to first token and memory.
 
-``python -m benchmarks.multiturn [--quick] [--turns N] [--active N] [--new-tokens N]
+``python -m benchmarks.cache.multiturn [--quick] [--turns N] [--active N] [--new-tokens N]
 [--rounds N] [--seed N] [--out DIR]`` (quick: 4 turns, 1 round; full: 40 turns, 3 rounds)
 
-A seeded trace from ``benchmarks/workloads.py`` (conversations of several turns, interleaved,
+A seeded trace from ``benchmarks/eviction/workloads.py`` (conversations of several turns, interleaved,
 over several tenants; Zipf-popular images shared across conversations and tenants; audio clips;
 video) is saved as Arrow IPC, loaded back and replayed through ``TieredKVCache`` by the chat
 model the demo and Serve run (``mmtier.chat.model.ChatModel.tiny``: a random-weight
@@ -84,9 +84,9 @@ from mmtier.chat.dense import dense_chat, dense_turn
 from mmtier.chat.model import ChatModel
 from mmtier.demo.chat import IMAGE_SIZES, audio_bytes, image_bytes, video_bytes
 
-from ._common import add_out_arg, print_table, write_results
+from .._common import add_out_arg, print_table, write_results
+from ..eviction.workloads import WorkloadConfig, generate, load, save
 from .multiturn_figures import ARMS, figures, plot
-from .workloads import WorkloadConfig, generate, load, save
 
 SCALE = 4                           # trace text tokens per model token
 AUDIO_TOKENS_PER_S = 50             # Whisper: 1500 encoder tokens per 30 s

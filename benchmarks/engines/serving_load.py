@@ -25,7 +25,7 @@ The sustainable rate at a p99 bound is the highest rate tried whose p99 TTFT is 
 ``benchmarks/results/`` (matplotlib, where it imports).
 
 Run it from the base environment (the engines start from ``.venv-engines``):
-``.venv/bin/python -m benchmarks.serving_load [--rates 1,2,4,6,8] [--quick]``.
+``.venv/bin/python -m benchmarks.engines.serving_load [--rates 1,2,4,6,8] [--quick]``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 from benchmarks._common import add_out_arg, write_results
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ the KV does not cover the image).
 Every round takes a fresh random prompt; each engine sees it once (stored, or recomputed) and
 then again (timed: ``generate`` of one token). Engines take turns going first, rounds pair
 their figures, and the ratios are medians of the per-round ratios. Run it in the engines
-environment: ``.venv-engines/bin/python -m benchmarks.vllm_engine [--rounds N] [--quick]``.
+environment: ``.venv-engines/bin/python -m benchmarks.engines.vllm_engine [--rounds N] [--quick]``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """mmtier's data path side by side with LMCache's, on the same Llama-3-8B-shaped bf16 KV.
 
-``python -m benchmarks.peer_lmcache [--groups 16] [--rounds 5] [--peer-python .venv-lmcache/bin/python]``
+``python -m benchmarks.peers.peer_lmcache [--groups 16] [--rounds 5] [--peer-python .venv-lmcache/bin/python]``
 
-LMCache (0.5.6 from PyPI) runs in its own environment (``benchmarks/peers_env.sh``; ``./run peers``)
+LMCache (0.5.6 from PyPI) runs in its own environment (``benchmarks/peers/peers_env.sh``; ``./run peers``)
 as a subprocess, ``peer_lmcache_worker.py``, that answers JSON on stdout (no pickle); mmtier runs
 here (``peer_lmcache_mmtier.py``). Both make the same KV from the same seeds: groups (LMCache's
 chunks) of 256 tokens of 32 layers x 8 KV heads x head dim 128, bf16, 32 MiB each (the issue
@@ -61,9 +61,9 @@ from pathlib import Path
 import torch
 
 from benchmarks._common import add_out_arg, print_table, ratio_figures, write_results
-from benchmarks.peer_lmcache_mmtier import RAW_PATH, MMTierSide
+from benchmarks.peers.peer_lmcache_mmtier import RAW_PATH, MMTierSide
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "peer_lmcache_worker.py"
 
 # (figure, mmtier op, LMCache op or None, raw op or None)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.rounds < 5:
         ap.error("--rounds must be >= 5 (medians of at least five paired rounds)")
     if not Path(args.peer_python).exists():
-        ap.error(f"no LMCache environment at {args.peer_python}: run benchmarks/peers_env.sh (./run peers)")
+        ap.error(f"no LMCache environment at {args.peer_python}: run benchmarks/peers/peers_env.sh (./run peers)")
     torch.set_num_threads(args.threads)
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="peer-lmcache-", dir=ROOT / "benchmarks"))
     work.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ Models: the tiny Qwen2-Audio (a clip of a second, 25 tokens) and the tiny Qwen2-
 32 tokens) of the engine tests, 400 words before the item and 300 after. Every round takes a
 fresh item and fresh words; each engine sees the prompt once, then again (timed: ``generate``
 of one token); engines take turns going first, and the figures are medians of the per-round
-ratios. ``.venv-engines/bin/python -m benchmarks.vllm_av [--rounds N]``.
+ratios. ``.venv-engines/bin/python -m benchmarks.engines.vllm_av [--rounds N]``.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--lm", default=None, metavar="LAYERSxHIDDEN",
-                    help="a larger language model for both (e.g. 8x512, the shape of benchmarks/vllm_engine.py); "
+                    help="a larger language model for both (e.g. 8x512, the shape of benchmarks/engines/vllm_engine.py); "
                          "results then go to vllm_av_LAYERSxHIDDEN.json")
     add_out_arg(ap)
     args = ap.parse_args(argv)

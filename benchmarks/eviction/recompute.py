@@ -1,13 +1,13 @@
 """Recompute cost per token and modality, measured with the chat model on this machine.
 
-``python -m benchmarks.recompute`` times the dense path (``dense_turn``: no cache) of the chat
+``python -m benchmarks.eviction.recompute`` times the dense path (``dense_turn``: no cache) of the chat
 model the demo and Serve run (``ChatModel.tiny``: a random-weight Qwen2-VL and Whisper): a text
 prompt, the same prompt with an image, with a video and with an audio clip (one new token each,
 so the time is the prefill: encoders + decoder over every position). A media token's cost is the
 extra time over the text prompt divided by the media's tokens (an image's and a video's decoder
 tokens; a clip's Whisper encoder positions, the tokens of its ``audio`` group), plus a text
 token's; median of ``--repeat`` runs of each (interleaved, one torch thread). The table goes to
-``benchmarks/traces/recompute_costs.json``, which the eviction benchmark reads (so its policies
+``benchmarks/eviction/traces/recompute_costs.json``, which the eviction benchmark reads (so its policies
 see one fixed, measured table, not a fresh, noisy one per run).
 """
 
@@ -19,7 +19,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ._common import machine
+from .._common import machine
 
 TABLE = Path(__file__).resolve().parent / "traces" / "recompute_costs.json"
 

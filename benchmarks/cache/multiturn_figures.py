@@ -6,7 +6,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from ._common import machine, ratio_figures
+from .._common import machine, ratio_figures
 
 ARMS = ("cache", "dense")
 GROUPS = {"vision": ("vision", "vision_embed", "video", "video_embed"),

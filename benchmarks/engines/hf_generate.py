@@ -1,7 +1,7 @@
 """Real transformers model code through the cache: TTFT and time per output token, and one
 batched attention call against one call per sequence.
 
-``python -m benchmarks.hf_generate [--quick] [--runs N] [--out DIR]``
+``python -m benchmarks.engines.hf_generate [--quick] [--runs N] [--out DIR]``
 
 Models (random weights, built from configs, float32, on the CPU):
 

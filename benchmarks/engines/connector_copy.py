@@ -1,6 +1,6 @@
 """The vLLM connector's worker-side copies against a plain tensor copy of the same bytes.
 
-``python -m benchmarks.connector_copy [--quick]``
+``python -m benchmarks.engines.connector_copy [--quick]``
 
 One request's prompt of ``tokens`` positions sits in vLLM-layout paged KV tensors (one per
 layer, ``[blocks, heads, block_size, 2 * head_dim]``, physically block-then-token-major) on

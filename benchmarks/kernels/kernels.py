@@ -1,6 +1,6 @@
 """Paged attention against attention over the same KV laid out contiguously, side by side.
 
-``python -m benchmarks.kernels [--quick] [--device cpu|cuda]``
+``python -m benchmarks.kernels.kernels [--quick] [--device cpu|cuda]``
 
 Decode (one query token per sequence) of one long sequence whose context is split across one
 to three pools (text pages of 16 tokens, vision 64, audio 256; segments interleaved as in a

@@ -1,9 +1,9 @@
 """Eviction on the cache's own policy code: prefix-block hit ratio, recompute avoided and cost
 per operation, per policy, trace and capacity.
 
-``python -m benchmarks.eviction [--quick] [--jsonl PATH ...] [--mooncake PATH]`` replays chain
+``python -m benchmarks.eviction.eviction [--quick] [--jsonl PATH ...] [--mooncake PATH]`` replays chain
 traces through each policy class of ``mmtier.eviction.POLICIES`` as ``TieredKVCache`` drives it
-(``benchmarks/policyreplay.py``: contains / put / attach / release, room made by
+(``benchmarks/eviction/policyreplay.py``: contains / put / attach / release, room made by
 ``policy.victims`` as ``Room.make_room`` does, the cache's own keys), with a device tier of 5%,
 10% and 20% of the distinct pages of the requests replayed (per modality; nothing raises it: a
 group that finds no room while the request's own chain holds the pool is not stored,
@@ -19,7 +19,7 @@ hits request by request (``independent_replay_mismatches``: 0). Traces:
   groups (cross-attention / encoder KV) from Zipf catalogues re-sent across conversations and
   by several tenants (whose keys differ: nothing is shared across tenants), 24 conversations
   open at once;
-- ``sample``: ``benchmarks/traces/heavytail_sample.jsonl``, a checked-in file in the published
+- ``sample``: ``benchmarks/eviction/traces/heavytail_sample.jsonl``, a checked-in file in the published
   prefix-hash form, through the JSONL importer (``chains.py``);
 - ``heavytail``: the heavy-tailed generator (``heavytail.py``), written as JSONL and imported;
 - ``mooncake``: Mooncake's public synthetic trace (``timestamp``, ``input_length``,
@@ -35,7 +35,7 @@ chained one-page groups under LRU) and ``belady`` (offline: furthest next use, l
 request's hit is the longest cached prefix of its chain, scored as blocks (``block_hit__``: the
 trace's blocks, a partial last block one; a generated trace's group one), tokens (``hit__``)
 and recompute time avoided (``avoided_fraction__``: hit tokens weighed by the measured seconds
-per token of their modality, ``benchmarks/traces/recompute_costs.json``), each also over LRU's
+per token of their modality, ``benchmarks/eviction/traces/recompute_costs.json``), each also over LRU's
 (``block_hit_over_lru__``, ``hit_over_lru__``, ``avoided_over_lru__``) and Belady's.
 
 Targets (``TARGET_FRACTIONS``, 5% and 10%; both scores, ``SCORES``): a policy
@@ -63,7 +63,7 @@ from pathlib import Path
 from mmtier.config import CacheConfig
 from mmtier.eviction import POLICIES
 
-from ._common import RESULTS, add_out_arg, print_table, write_results
+from .._common import RESULTS, add_out_arg, print_table, write_results
 from .blockreplay import block_replay, capacity_for, read_records
 from .cachereplay import bench_config, replay
 from .chains import ChainTrace, from_plan, load_jsonl, write_jsonl
@@ -77,7 +77,7 @@ from .workloads import generate as generate_dialogue
 TRACES = Path(__file__).resolve().parent / "traces"
 SAMPLE = TRACES / "heavytail_sample.jsonl"
 MOONCAKE = Path(os.environ.get("MMTIER_MOONCAKE_TRACE") or
-                Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
+                Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl")
 FRACTIONS = (0.05, 0.1, 0.2)
 TARGET_FRACTIONS = (0.05, 0.1)
 HEAVY = ("sample", "heavytail")

@@ -1,4 +1,4 @@
-"""Ray layer figures on a two-node cluster on loopback (``python -m benchmarks.cluster [--quick]``).
+"""Ray layer figures on a two-node cluster on loopback (``python -m benchmarks.cluster.cluster [--quick]``).
 
 - ``registry_lookups_per_s`` (batched: 1,000 keys per call) and ``registry_single_lookups_per_s``
   (one key per call), from the driver to the registry actor;

@@ -1,6 +1,6 @@
-"""LMCache's side of ``benchmarks/peer_lmcache.py``, run in LMCache's own environment.
+"""LMCache's side of ``benchmarks/peers/peer_lmcache.py``, run in LMCache's own environment.
 
-``.venv-lmcache/bin/python benchmarks/peer_lmcache_worker.py`` (``benchmarks/peers_env.sh`` makes
+``.venv-lmcache/bin/python benchmarks/peers/peer_lmcache_worker.py`` (``benchmarks/peers/peers_env.sh`` makes
 that venv). It imports LMCache and torch only (never mmtier), reads one JSON command per line on
 stdin and answers one JSON object per line on stdout (LMCache's own logging goes to stderr):
 no pickle either way. The KV is made here from the same seeds as mmtier's side (the same torch
@@ -24,7 +24,8 @@ import torch
 
 try:                                   # as a module of the benchmarks package (mmtier's side)
     from benchmarks.file_faults import damage, drop_cache
-except ImportError:                    # as a script in LMCache's environment (benchmarks/ on the path)
+except ImportError:                    # as a script in LMCache's environment: benchmarks/ on the path
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from file_faults import damage, drop_cache
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks of the whole cache (``TieredKVCache``): multi-turn multimodal dialogue."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the engine integrations: vLLM connectors and engines, transformers, load."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the eviction policies: trace replays, trace generators, recompute costs."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the attention kernels: paged vs contiguous, compiled variants, long context."""

@@ -1,0 +1,1 @@
+"""Benchmarks of the page pools: allocate+free throughput, CPU attention over their pages."""
