@@ -8,7 +8,7 @@
 #   1. tests: (a) the Triton kernel tests (compiled, the GPU's own tile configuration); (b) the
 #      cache suite with its pool on the GPU (tests/cache/test_cache.py, tests/cache/test_tiers.py,
 #      tests/e2e/test_model.py, each test on the torch and the triton backend, and the test that an
-#      attention call makes no host sync; tests/kernels/test_fp8_pages.py: fp8 pages, the Triton kernel
+#      attention call makes no host sync; tests/attention/kernels/test_fp8_pages.py: fp8 pages, the Triton kernel
 #      over them compiled);
 #   2. `python -m benchmarks.kernels.kernels --device cuda` (paged Triton vs SDPA's flash backend over the
 #      same K/V made contiguous, fp16 and bf16, page sizes 16, 64, 256 and mixed, 64K-1M tokens);
@@ -112,9 +112,9 @@ export PYTHONPATH="${SHIM:+$SHIM:}$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # the whole cache imports), else a minimal runner that understands the few pytest features
 # the kernel tests use (parametrize, skipif, raises, skip).
 TEST_TIMEOUT=${TEST_TIMEOUT:-210}
-TESTS=(tests/kernels/test_triton.py)
+TESTS=(tests/attention/kernels/test_triton.py)
 if [[ -z $SHIM ]]; then
-    TESTS+=(tests/cache/test_cache.py tests/cache/test_tiers.py tests/e2e/test_model.py tests/kernels/test_fp8_pages.py)
+    TESTS+=(tests/cache/test_cache.py tests/cache/test_tiers.py tests/e2e/test_model.py tests/attention/kernels/test_fp8_pages.py)
 else
     echo "the cache suite is skipped: mmtier does not import here (send .gpu-wheels)" | tee -a "$LOG"
 fi
@@ -135,7 +135,7 @@ if "$PY" -c "import pytest" >/dev/null 2>&1; then
 else
     RUNNER=$(mktemp -d)
     cat > "$RUNNER/pytest.py" <<'EOF'
-"""A stand-in for the few pytest features tests/kernels/test_triton.py uses."""
+"""A stand-in for the few pytest features tests/attention/kernels/test_triton.py uses."""
 import contextlib
 import re
 
@@ -193,7 +193,7 @@ import traceback
 
 import pytest
 
-mod = importlib.import_module("tests.kernels.test_triton")
+mod = importlib.import_module("tests.attention.kernels.test_triton")
 passed = failed = skipped = 0
 t0 = time.time()
 module_skip = getattr(mod, "pytestmark", None)
@@ -227,7 +227,7 @@ print(f"{passed} passed, {failed} failed, {skipped} skipped in {time.time() - t0
 sys.exit(1 if failed else 0)
 EOF
     if [[ $DRY == 1 ]]; then       # the stand-in runner only imports the test module
-        env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" -c "import tests.kernels.test_triton" 2>&1 | tee -a "$LOG"
+        env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" -c "import tests.attention.kernels.test_triton" 2>&1 | tee -a "$LOG"
     else
         timeout "$TEST_TIMEOUT" env PYTHONPATH="$RUNNER:$PYTHONPATH" "$PY" "$RUNNER/run_tests.py" 2>&1 \
             | tee -a "$LOG"

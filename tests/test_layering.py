@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / "mmtier"
 # bottom first; a name with ".py" is a top-level module, "mmtier" the package's __init__
 LAYERS = [
     {"errors.py", "native", "stats"},
-    {"config.py", "content.py", "kernels"},
+    {"config.py", "content.py"},
     {"core"},
     {"eviction", "pages"},
     {"storage"},

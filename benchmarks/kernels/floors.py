@@ -139,7 +139,7 @@ def cpu_attention_rate(cache, table, q: torch.Tensor) -> float:
     CPU work the arithmetic needs does not; the floor it gives is what an idle machine would
     take, so a decode timed in wall seconds beside it is never flattered by the load."""
     from mmtier.attention.compile import compile_segments
-    from mmtier.kernels import paged_attention
+    from mmtier.attention.kernels import paged_attention
 
     segs = [s for s in table.segments if s.group.tier == Tier.DEVICE]
     nbytes = sum(s.group.nbytes for s in segs) // cache.cfg.num_layers

@@ -4,14 +4,14 @@
 kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's, beside CPU torch).
 
 1. **Record.** The project's own launch code runs on meta tensors inside ``as_on_gpu()``
-   (``mmtier/kernels/launch.py``), so it makes a GPU's choices: ``paged_attention_triton`` (a
+   (``mmtier/pages/kernels/launch.py``), so it makes a GPU's choices: ``paged_attention_triton`` (a
    real ``plan_paged_attention`` over host tables, ``_launch``, ``merge_partials``),
    ``merge_attention_states_triton`` and ``write_kv_triton`` over pools of fp16 / bf16 / fp32,
    head dims 64-256, page sizes 16-256, GQA 1-8, decode / prefill / chunked prefill /
    non-causal, one output and split partials. ``JITFunction.run`` is replaced by a recorder:
    each launch keeps its kernel, arguments and options, and nothing runs. What is compiled is
    what the launch code passed, so a new constexpr, option or kernel it launches is covered
-   without editing this file; a ``@triton.jit`` function of ``mmtier.kernels`` that no recorded
+   without editing this file; a ``@triton.jit`` function of the kernel modules that no recorded
    launch reaches (launched, or called by one) fails the check.
 2. **Compile.** Each distinct launch is bound the way ``JITFunction.run`` binds it
    (``create_function_from_signature`` over the target's backend, then ``_pack_args``: the
@@ -59,9 +59,10 @@ SPLITS = {"decode": (False, True), "chunked": (False, True), "prefill": (False,)
 
 
 def _import_kernels():
-    """``mmtier.kernels`` without the rest of the cache: where ``import mmtier`` fails (this
-    side environment has torch and triton only) a bare package whose path is ``mmtier/``
-    stands in, so that only the modules the kernels use load. Compiled kernels: this process
+    """The Triton kernel modules (``mmtier.attention.kernels``: attention, merge;
+    ``mmtier.pages.kernels``: launch, write) without the rest of the cache: where ``import
+    mmtier`` fails (this side environment has torch and triton only) a bare package whose path
+    is ``mmtier/`` stands in, so that only the modules the kernels use load. Compiled kernels: this process
     must not run Triton's interpreter (``@triton.jit`` reads ``TRITON_INTERPRET`` when the
     kernel modules load)."""
     os.environ.pop("TRITON_INTERPRET", None)
@@ -73,7 +74,8 @@ def _import_kernels():
         shim = types.ModuleType("mmtier")
         shim.__path__ = [str(ROOT / "mmtier")]
         sys.modules["mmtier"] = shim
-    from mmtier.kernels import launch, triton_attention, triton_merge, triton_write
+    from mmtier.attention.kernels import triton_attention, triton_merge
+    from mmtier.pages.kernels import launch, triton_write
     return launch, triton_attention, triton_merge, triton_write
 
 
@@ -125,7 +127,8 @@ def _seqs(mode: str, page_size: int):
 def _attention(ta, dtype, q_dtype, head_dim, mode, page_size, group, split, kv_heads=2):
     import torch
 
-    from mmtier.kernels.layout import INDEX_DTYPE, build_paged_kv
+    from mmtier.attention.kernels.layout import build_paged_kv
+    from mmtier.pages.kernels import INDEX_DTYPE
 
     seqs = _seqs(mode, page_size)
     pages_needed = sum(-(-length // page_size) for segs, _ in seqs for _, length in segs)
@@ -191,7 +194,7 @@ def record_launches(modules) -> list[Launch]:
                     k = torch.empty((2, 5, heads, head_dim), dtype=src, device="meta")
                     ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
                     tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
-        for heads, head_dim in ((8, 128), (4, 128)):   # fp8 pages written as bytes (``kernels.write_kv``)
+        for heads, head_dim in ((8, 128), (4, 128)):   # fp8 pages written as bytes (``pages.kernels.write_kv``)
             rec.scenario = f"write fp8 pool (uint8) H{heads} D{head_dim}"
             kv = torch.empty((4, 2, 2, 16, heads, head_dim), dtype=torch.uint8, device="meta")
             k = torch.empty((2, 5, heads, head_dim), dtype=torch.uint8, device="meta")

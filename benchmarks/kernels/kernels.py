@@ -47,8 +47,9 @@ from benchmarks._common import (
     spread,
     write_results,
 )
-from mmtier.kernels import paged_attention
-from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
+from mmtier.attention.kernels import paged_attention
+from mmtier.attention.kernels.layout import PagedKV, build_paged_kv
+from mmtier.pages.kernels import INDEX_DTYPE
 
 HQ, HKV, DIM = 32, 8, 128
 PAGE_SIZES = (16, 64, 256)  # text, vision, audio
@@ -322,7 +323,10 @@ def _gpu_case(figures, ctx, layout, dtype, dev, gen, l2, bw, backend) -> tuple[f
     its figures go into ``figures``; returns (paged / contiguous time, bandwidth fraction)."""
     from torch.nn.attention import sdpa_kernel
 
-    from mmtier.kernels.triton_attention import paged_attention_triton, plan_paged_attention
+    from mmtier.attention.kernels.triton_attention import (
+        paged_attention_triton,
+        plan_paged_attention,
+    )
 
     first = make_set(ctx, layout, dtype, dev, gen)
     count = n_sets(kv_bytes(first), l2)

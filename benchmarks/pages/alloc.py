@@ -19,9 +19,9 @@ import random
 import torch
 
 from benchmarks._common import add_out_arg, best_time, print_table, write_results
+from mmtier.attention.kernels.layout import build_paged_kv
+from mmtier.attention.kernels.reference import paged_attention_torch
 from mmtier.config import CacheConfig, ModalitySpec
-from mmtier.kernels.layout import build_paged_kv
-from mmtier.kernels.reference import paged_attention_torch
 from mmtier.pages.pool import DeviceArena
 
 

@@ -18,8 +18,8 @@ import torch
 from ..core.groups import ModalityGroup
 from ..core.segments import Segment
 from ..errors import ShapeError
-from ..kernels import merge_attention_states, paged_attention, upload_ints
-from ..kernels.layout import PagedKV
+from .kernels import merge_attention_states, paged_attention, upload_ints
+from .kernels.layout import PagedKV
 from .plan import AttentionPlan
 
 

@@ -15,8 +15,8 @@ import torch
 from ..config import ModalitySpec
 from ..core.groups import ModalityGroup
 from ..core.segments import Segment
-from ..kernels.layout import HostTables, PagedKV, paged_kv_from_host
-from ..kernels.scales import spec_scales
+from .kernels.layout import HostTables, PagedKV, paged_kv_from_host
+from .kernels.scales import spec_scales
 
 
 def compile_segments(

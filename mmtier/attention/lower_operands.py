@@ -17,11 +17,11 @@ from ..content import ContentKey
 from ..core.groups import ModalityGroup, Tier
 from ..core.segments import Segment
 from ..errors import CorruptDataError
-from ..kernels.layout import PagedKV
 from ..storage import HostTier, Mover
 from ..storage.host_slabs import HostEntry
 from ..storage.staging import StagingPool
 from .compile import compile_segments
+from .kernels.layout import PagedKV
 from .streaming import DiskStream
 
 

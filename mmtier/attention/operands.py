@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..core.segments import Segment
-from ..kernels.layout import PagedKV
+from .kernels.layout import PagedKV
 
 KEPT = 256
 

@@ -20,9 +20,9 @@ import torch
 
 from ..core.groups import ModalityGroup
 from ..core.segments import Segment
-from ..kernels import merge_attention_states, paged_attention, upload_ints
-from ..kernels.layout import PagedKV
 from ..storage.host_slabs import HostEntry
+from .kernels import merge_attention_states, paged_attention, upload_ints
+from .kernels.layout import PagedKV
 from .streaming import DiskStream
 
 WAIT_S = 120.0

@@ -26,7 +26,7 @@ import torch
 
 from ..core.groups import ModalityGroup, Tier
 from ..core.segments import Segment, SequenceTable
-from ..kernels.layout import PagedKV
+from .kernels.layout import PagedKV
 from .operands import same, stamp
 
 KEPT = 16          # batches remembered (a step's self-attention batch, its cross batch, ...)

@@ -43,10 +43,10 @@ from ..content import ContentKey
 from ..core.groups import ModalityGroup
 from ..core.segments import Segment
 from ..errors import CorruptDataError, MMTierError
-from ..kernels import paged_attention
 from ..storage.mover import Mover
 from ..storage.staging import StagingPool
 from .compile import compile_segments
+from .kernels import paged_attention
 
 BATCH_BYTES = 8 << 20
 # A call that reads more than BATCH_BYTES x MAX_BATCHES takes larger batches, up to

@@ -10,10 +10,10 @@ from collections.abc import Iterable
 
 import torch
 
+from ..attention.kernels import merge_attention_states
 from ..content import ContentKey
 from ..core.segments import SequenceHandle
 from ..errors import HolderLostError, ShapeError, UnknownKeyError
-from ..kernels import merge_attention_states
 from . import client_placement as placement
 from .client_attach import Attacher
 from .client_holders import Holders

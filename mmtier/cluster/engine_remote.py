@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..attention.kernels import merge_attention_states
 from ..cache import TieredKVCache
 from ..content import ContentKey
 from ..core.segments import SequenceHandle
 from ..errors import ShapeError, UnknownKeyError
-from ..kernels import merge_attention_states
 from .client_sequence_state import ClusterSequence
 from .pool import Part
 

@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..attention.kernels import merge_attention_states, paged_attention, spec_scales
+from ..attention.kernels.layout import build_paged_kv
 from ..cache.transfer_sums import check_pages, expected_sums, with_sums
 from ..config import CacheConfig, ModalitySpec
 from ..content import ContentKey, KeyMaker
 from ..errors import CapacityError, CorruptDataError, MMTierError, ShapeError, UnknownKeyError
-from ..kernels import merge_attention_states, paged_attention, spec_scales
-from ..kernels.layout import build_paged_kv
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
 from .pool import group_item

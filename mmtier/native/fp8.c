@@ -4,7 +4,7 @@
  * on one core here). Each byte's float32 bits are built directly (fp8_bits.h), branch-free and
  * without a table: the compiler vectorises the loop (on x86 with GCC, an AVX2 clone and a baseline one, chosen
  * at load time for the CPU it runs on). Every one of the 256 bytes gives torch's own float32
- * bits, NaN payloads included (tests/kernels/test_fp8_pages.py checks all of them). Measured on one
+ * bits, NaN payloads included (tests/attention/kernels/test_fp8_pages.py checks all of them). Measured on one
  * core of the 2-core EPYC: 4.5 GB/s of e4m3 into 64 MiB of float32, the 256-entry table it
  * replaces 1.8 GB/s.
  *

@@ -17,8 +17,8 @@ import torch
 
 from ..core.groups import ModalityGroup
 from ..errors import ShapeError
-from ..kernels import uses_triton, write_kv
-from ..kernels.reference import LayerRows, layer_rows, write_layer_rows
+from .kernels import uses_triton, write_kv
+from .kernels.torch_write import LayerRows, layer_rows, write_layer_rows
 from .payload import check_payload
 from .pool import PagePool
 

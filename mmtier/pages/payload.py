@@ -10,11 +10,10 @@ import torch
 
 from ..config import ModalitySpec
 from ..errors import DTypeError, ShapeError
-from ..kernels import write_kv
-from ..kernels.layout import INDEX_DTYPE
 from ..native import rows as native_rows
 from .beside import beside, settle
 from .copies import EngineBlocks, kv_into_pages
+from .kernels import INDEX_DTYPE, write_kv
 from .pool import PagePool
 
 

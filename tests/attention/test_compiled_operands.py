@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from mmtier import TieredKVCache
+from mmtier.attention.kernels import build_paged_kv
 from mmtier.core.groups import Tier
 from mmtier.errors import ShapeError
-from mmtier.kernels import build_paged_kv
 from tests.cache.test_tiers import D, L, kv, make_cfg
 from tests.support.oracle import Logical, oracle_attention, rel_err
 

@@ -85,7 +85,7 @@ def test_a_long_decode_across_tiers_runs_through_it_against_the_oracle(tmp_path,
     """12,000 tokens (past the small path) in text and images over a device pool, the host and
     the disk, scales per layer and head: one query's attention per layer equals the oracle's on
     the dequantized values, and the native kernel computed it (counted, the real call made)."""
-    from tests.kernels.test_fp8_pages import check_attention, fill, fp8_cfg
+    from tests.attention.kernels.test_fp8_pages import check_attention, fill, fp8_cfg
     calls = []
     real = fp8_attention.attend
 

@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from mmtier.attention.kernels import build_paged_kv, paged_attention
 from mmtier.errors import (
     CapacityError,
     ClosedError,
@@ -16,7 +17,6 @@ from mmtier.errors import (
     ShapeError,
     UnknownModalityError,
 )
-from mmtier.kernels import build_paged_kv, paged_attention
 from mmtier.storage import HostTier
 from tests.storage.test_helpers import CFG, key, rand_pages, same_bytes
 

@@ -65,7 +65,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     ``mask [n, m]``: True where a query may see a key (None: all). Returns ``(out [n, Hq, D],
     lse [n, Hq])`` in float32, natural log; a query that sees no key gets ``out == 0`` and
-    ``lse == -inf``, the convention of ``mmtier.kernels``."""
+    ``lse == -inf``, the convention of ``mmtier.attention.kernels``."""
     n, hq, d = q.shape
     group = hq // k.shape[1]
     scale = d ** -0.5 if scale is None else scale

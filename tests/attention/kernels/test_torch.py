@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from mmtier.kernels import paged_attention, reference, small, unmasked
-from mmtier.kernels.layout import INDEX_DTYPE, PagedKV, build_paged_kv
+from mmtier.attention.kernels import paged_attention, reference, small, unmasked
+from mmtier.attention.kernels.layout import PagedKV, build_paged_kv
+from mmtier.pages.kernels import INDEX_DTYPE
 from tests.support.oracle import oracle_attention, rel_err
 
 OUT_TOL = 2e-5   # float32 arithmetic over a few thousand keys, relative to max |out|

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 _HARNESS = r'''
 import json, sys, types
@@ -24,7 +24,7 @@ import benchmarks.kernels.kernel_compile as kc
 modules = kc._import_kernels()
 launches = kc.record_launches(modules)
 out = {"launches": len(launches), "unreached": kc.unreached(modules, launches)}
-attn = [x for x in launches if x.fn.fn.__module__ == "mmtier.kernels.triton_attention"]
+attn = [x for x in launches if x.fn.fn.__module__ == "mmtier.attention.kernels.triton_attention"]
 fp32 = [x for x in attn if x.scenario.startswith("attention float32")]
 out["fp32_tiles"] = sorted({(x.kwargs["BLOCK_M"], x.kwargs["BLOCK_N"]) for x in fp32})
 out["options"] = sorted({(x.kwargs.get("num_warps"), x.kwargs.get("num_stages")) for x in attn})
@@ -64,8 +64,8 @@ def test_compile_harness_records_the_gpu_launches_and_compiles_one(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
     assert out["launches"] > 100 and out["unreached"] == []
-    assert out["kinds"] == ["mmtier.kernels.triton_attention", "mmtier.kernels.triton_merge",
-                            "mmtier.kernels.triton_write"]
+    assert out["kinds"] == ["mmtier.attention.kernels.triton_attention", "mmtier.attention.kernels.triton_merge",
+                            "mmtier.pages.kernels.triton_write"]
     assert out["fp32_tiles"] == [[16, 16]]            # float32 pools: the spill-free tiles
     assert all(w in (4, 8) and s in (2, 3) for w, s in out["options"])   # a GPU's options, recorded
     assert out["orphan"] == ["extra.orphan"]

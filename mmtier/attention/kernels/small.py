@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ShapeError
+from ...errors import ShapeError
 from .layout import PagedKV
 from .unmasked import FLASH_OP, widened
 

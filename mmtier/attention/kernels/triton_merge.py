@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import DTypeError, ShapeError
-from .launch import gpu_choices, launch_guard
+from ...errors import DTypeError, ShapeError
+from ...pages.kernels.launch import gpu_choices, launch_guard
 
 
 @triton.jit(do_not_specialize=["n_parts", "n_rows", "num_heads"])

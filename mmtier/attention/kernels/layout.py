@@ -15,7 +15,8 @@ A ``PagedKV`` may carry ``host``: the same five tables as CPU int32 tensors, whe
 built them on the host (``build_paged_kv``, the cache's ``compile_segments``). Planning a
 Triton launch then reads the host copies (validation, grid, per-page tables) and never waits
 on the device; without them it copies a few dozen ints back from the device (one sync).
-``upload_ints`` moves host-built index arrays to a device in one non-blocking copy.
+``upload_ints`` (``pages/kernels/indices.py``, with ``INDEX_DTYPE``: the write kernels' index
+arrays are int32 too) moves host-built index arrays to a device in one non-blocking copy.
 
 The queries are ``q [total_q, num_q_heads, head_dim]`` with ``q_indptr`` int32 ``[B+1]`` and
 ``q_pos`` int32 ``[total_q]`` (absolute positions; key position ``p`` is visible to a query at
@@ -30,12 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import DTypeError, ShapeError
+from ...errors import DTypeError, ShapeError
+from ...pages.kernels.indices import INDEX_DTYPE, upload_ints
 from .scales import KVScales
-
-INDEX_DTYPE = torch.int32
-ALIGN_INTS = 4    # 16 bytes of int32
-
 
 TABLES = ("seg_indptr", "seg_page_indptr", "seg_start", "seg_len", "page_ids")
 
@@ -143,25 +141,6 @@ def paged_kv_from_host(kv: torch.Tensor, layer: int, *tables: Sequence[int]) -> 
     host = [torch.tensor(t, dtype=INDEX_DTYPE) for t in tables]
     dev = upload_ints(host, kv.device)
     return PagedKV(kv, layer, *dev, host=HostTables(*host))
-
-
-def upload_ints(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """CPU int32 ``tensors`` on ``device``: the same tensors on the CPU; on a GPU, packed into
-    one pinned buffer and copied in one non-blocking transfer (the host never waits; the
-    caching host allocator keeps the buffer alive until the copy has run)."""
-    if device.type == "cpu":
-        return list(tensors)
-    # each tensor starts 16-byte aligned in the buffer: Triton specializes kernels on pointer
-    # alignment, so unaligned views would compile new variants as table sizes change
-    starts, at = [], 0
-    for t in tensors:
-        starts.append(at)
-        at += -(-t.numel() // ALIGN_INTS) * ALIGN_INTS
-    flat = torch.zeros(at, dtype=INDEX_DTYPE, pin_memory=device.type == "cuda")
-    for t, start in zip(tensors, starts):
-        flat[start:start + t.numel()] = t.reshape(-1)
-    on_dev = flat.to(device, non_blocking=True)
-    return [on_dev[start:start + t.numel()].view(t.shape) for t, start in zip(tensors, starts)]
 
 
 def check_queries(q: torch.Tensor, q_indptr: torch.Tensor, q_pos: torch.Tensor) -> None:

@@ -24,17 +24,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from mmtier.attention.kernels import merge_attention_states, paged_attention
+from mmtier.attention.kernels.layout import TABLES, HostTables, PagedKV, build_paged_kv
 from mmtier.errors import ConfigError, DTypeError, ShapeError
-from mmtier.kernels import merge_attention_states, paged_attention, write_kv
-from mmtier.kernels.launch import as_on_gpu
-from mmtier.kernels.layout import (
-    INDEX_DTYPE,
-    TABLES,
-    HostTables,
-    PagedKV,
-    build_paged_kv,
-    upload_ints,
-)
+from mmtier.pages.kernels import INDEX_DTYPE, upload_ints, write_kv
+from mmtier.pages.kernels.launch import as_on_gpu
 from tests.support.oracle import oracle_attention, rel_err
 
 HAS_CUDA = torch.cuda.is_available()
@@ -44,9 +38,12 @@ pytestmark = pytest.mark.skipif(
     reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (./run test sets it)")
 
 if HAS_CUDA or os.environ.get("TRITON_INTERPRET") == "1":
-    from mmtier.kernels.triton_attention import paged_attention_triton, plan_paged_attention
-    from mmtier.kernels.triton_merge import merge_partials
-    from mmtier.kernels.triton_write import write_kv_triton
+    from mmtier.attention.kernels.triton_attention import (
+        paged_attention_triton,
+        plan_paged_attention,
+    )
+    from mmtier.attention.kernels.triton_merge import merge_partials
+    from mmtier.pages.kernels.triton_write import write_kv_triton
 
 # What a 16-bit dot gives up: P is rounded to the pool's dtype before ``P @ V``, each weight
 # off by up to half a unit in its last place (2**-11 fp16, 2**-8 bf16), so out = P @ V / l is
@@ -264,7 +261,7 @@ def test_float32_query_over_16bit_pool_is_cast(dtype, tiles):
 def test_gpu_configuration_reaches_the_launch(monkeypatch):
     """Inside ``as_on_gpu()`` the launch passes a GPU's options (warps, stages) and block
     sizes, outside it (on the CPU) the interpreter's; both agree with the oracle."""
-    from mmtier.kernels import triton_attention as ta
+    from mmtier.attention.kernels import triton_attention as ta
 
     seen, real = [], ta._kernel
 
@@ -675,7 +672,7 @@ def test_bad_writes_raise_and_write_nothing():
 
 
 def test_kernels_package_imports_without_triton_or_ray():
-    """``import mmtier.kernels`` and the torch path work where triton cannot be imported, and
+    """``import mmtier.attention.kernels`` (with ``mmtier.pages.kernels``) and the torch path work where triton cannot be imported, and
     never pull in Ray; ``backend="triton"`` then raises a typed error."""
     import subprocess
     import sys
@@ -689,7 +686,7 @@ class Block:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import torch
-import mmtier.kernels as k
+import mmtier.attention.kernels as k
 from mmtier.errors import ConfigError
 assert not k.triton_available()
 kv = torch.randn(4, 1, 2, 16, 2, 64)
@@ -706,7 +703,7 @@ else:
 assert not any(m.split(".")[0] in ("triton", "ray") for m in sys.modules)
 print("ok")
 '''
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(root)]))}
     res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import torch
 
-from ..native import fp8, fp8_attention
+from ...native import fp8, fp8_attention
 from .layout import PagedKV
 
 GATHER_BYTES = 8 << 20

@@ -32,9 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import DTypeError, ShapeError
-from .launch import gpu_choices, launch_guard
-from .layout import INDEX_DTYPE, PagedKV, check_queries, upload_ints
+from ...errors import DTypeError, ShapeError
+from ...pages.kernels.indices import INDEX_DTYPE, upload_ints
+from ...pages.kernels.launch import gpu_choices, launch_guard
+from .layout import PagedKV, check_queries
 from .triton_merge import merge_partials
 
 LOG2E = 1.4426950408889634

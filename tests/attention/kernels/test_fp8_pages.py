@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from mmtier import CacheConfig, ModalitySpec, TieredKVCache
+from mmtier.attention.kernels import paged_attention, spec_scales
+from mmtier.attention.kernels.layout import build_paged_kv
+from mmtier.attention.kernels.scales import KVScales
 from mmtier.core.groups import Tier
 from mmtier.errors import ConfigError, CorruptDataError, DTypeError, UnknownKeyError
-from mmtier.kernels import paged_attention, spec_scales
-from mmtier.kernels.layout import INDEX_DTYPE, build_paged_kv
-from mmtier.kernels.scales import KVScales
 from mmtier.native import fp8 as native_fp8
+from mmtier.pages.kernels import INDEX_DTYPE
 from tests.support.oracle import oracle_attention, rel_err
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -80,7 +81,7 @@ def test_scaled_pools_against_oracle(dtype, backend, n_q):
 def test_triton_fp8_in_a_gpus_tile_configuration(dtype, scaled):
     """The Triton kernel in the block sizes, warps and stages a GPU launch takes
     (``as_on_gpu``), fp8 pools with scales and without (vLLM's default scales of 1.0)."""
-    from mmtier.kernels.launch import as_on_gpu
+    from mmtier.pages.kernels.launch import as_on_gpu
 
     with as_on_gpu():
         _pools_case(dtype, "triton", 3, scaled=scaled)

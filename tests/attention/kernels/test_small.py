@@ -1,6 +1,7 @@
-"""The torch path's small case (``mmtier.kernels.small``): one batch item over few pages, every
-operand in one masked softmax. Checked against the float64 oracle with fresh random pages,
-unwritten slots and unlisted pages NaN (``make_case``), across operands of different page sizes."""
+"""The torch path's small case (``mmtier.attention.kernels.small``): one batch item over few
+pages, every operand in one masked softmax. Checked against the float64 oracle with fresh random
+pages, unwritten slots and unlisted pages NaN (``make_case``), across operands of different page
+sizes."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from mmtier.kernels import paged_attention, reference, small
-from tests.kernels.test_torch import LSE_TOL, OUT_TOL, Item, Seg, make_case, run_and_check
+from mmtier.attention.kernels import paged_attention, reference, small
+from tests.attention.kernels.test_torch import LSE_TOL, OUT_TOL, Item, Seg, make_case, run_and_check
 from tests.support.oracle import oracle_attention, rel_err
 
 

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..errors import DTypeError, ShapeError
+from ...errors import DTypeError, ShapeError
+from .indices import INDEX_DTYPE, upload_ints
 from .launch import gpu_choices, launch_guard
-from .layout import INDEX_DTYPE, upload_ints
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -4,6 +4,10 @@
 on CPU tensors; ``"triton"`` forces Triton (on CPU tensors only under ``TRITON_INTERPRET=1``);
 ``"torch"`` forces the torch path. Triton is imported lazily: importing this package needs
 neither triton nor a GPU (and never imports Ray).
+
+The choice of backend, what every Triton launch shares (``launch``) and the int32 index arrays
+(``INDEX_DTYPE``, ``upload_ints``) are the write kernels' too: they live with them in
+``mmtier.pages.kernels``, a layer below, and are imported from there.
 """
 
 from __future__ import annotations
@@ -12,41 +16,15 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError, DTypeError
-from .layout import HostTables, PagedKV, build_paged_kv, check_queries, upload_ints
-from .reference import merge_attention_states_torch, paged_attention_torch, write_kv_torch
+from ...pages.kernels import BACKENDS, triton_available, upload_ints, uses_triton
+from .layout import HostTables, PagedKV, build_paged_kv, check_queries
+from .reference import merge_attention_states_torch, paged_attention_torch
 from .scales import KVScales, fold_query, spec_scales, unfold_output
-
-BACKENDS = ("auto", "triton", "torch")
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 __all__ = [
     "BACKENDS", "HostTables", "KVScales", "PagedKV", "build_paged_kv", "check_queries", "merge_attention_states",
-    "paged_attention", "spec_scales", "triton_available", "upload_ints", "write_kv",
+    "paged_attention", "spec_scales", "triton_available", "upload_ints",
 ]
-
-
-def triton_available() -> bool:
-    """Whether ``import triton`` works in this process."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _use_triton(backend: str, device: torch.device) -> bool:
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}", fields=("backend",))
-    if backend == "torch":
-        return False
-    if backend == "auto" and device.type != "cuda":
-        return False
-    if not triton_available():
-        if backend == "triton":
-            raise ConfigError("backend 'triton' needs the triton package", fields=("backend",))
-        return False
-    return True
 
 
 def paged_attention(
@@ -65,7 +43,7 @@ def paged_attention(
     if any(op.scales is not None for op in operands):
         return _scaled_attention(q, q_indptr, q_pos, operands, causal=causal, scale=scale, backend=backend,
                                  out_dtype=out_dtype, host_q_indptr=host_q_indptr)
-    if _use_triton(backend, q.device):
+    if uses_triton(backend, q.device):
         from .triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, q_indptr, q_pos, operands, causal=causal, scale=scale,
@@ -89,7 +67,7 @@ def _scaled_attention(q, q_indptr, q_pos, operands, *, causal, scale, backend, o
         if op.scales is None:
             continue
         if q.shape[1] % op.num_kv_heads:
-            from ..errors import ShapeError
+            from ...errors import ShapeError
 
             raise ShapeError(f"{q.shape[1]} query heads are not a multiple of {op.num_kv_heads} KV heads")
         k_scale, v_scale = op.scales.at(op.layer)
@@ -111,31 +89,8 @@ def merge_attention_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact merge of partial ``(out, lse)`` states over disjoint key sets."""
     device = outs[0].device if len(outs) else torch.device("cpu")
-    if _use_triton(backend, device):
+    if uses_triton(backend, device):
         from .triton_merge import merge_attention_states_triton
 
         return merge_attention_states_triton(outs, lses, out_dtype=out_dtype)
     return merge_attention_states_torch(outs, lses, out_dtype=out_dtype)
-
-
-def uses_triton(backend: str, device: torch.device) -> bool:
-    """Whether ``backend`` runs the Triton kernels for tensors on ``device``."""
-    return _use_triton(backend, device)
-
-
-def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids: torch.Tensor,
-             offsets: torch.Tensor, *, backend: str = "auto") -> None:
-    """Scatter ``k, v [num_layers, n, Hkv, D]`` into the page-major pool view ``kv``: token
-    ``i`` to page ``page_ids[i]``, slot ``offsets[i]``, in every layer. In place. The int32
-    indices may be on ``kv``'s device or on the CPU (built on the host: the Triton path checks
-    them there and uploads them without a device sync)."""
-    if _use_triton(backend, kv.device):
-        from .triton_write import write_kv_triton
-
-        if kv.dtype in FP8_DTYPES and k.dtype == v.dtype == kv.dtype:   # fp8 into fp8: a copy of bytes
-            kv, k, v = kv.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-        elif kv.dtype in FP8_DTYPES:
-            raise DTypeError(f"fp8 pages take fp8 K/V of their own format ({kv.dtype}), got {k.dtype} / {v.dtype}")
-        write_kv_triton(kv, k, v, page_ids, offsets)
-        return
-    write_kv_torch(kv, k, v, page_ids.to(kv.device), offsets.to(kv.device))
