@@ -61,7 +61,19 @@ class Result:
     nonfinite: bool = False        # with ``check``: a NaN / Inf was among the elements
 
 
-def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
+def _addrs(addrs: torch.Tensor | np.ndarray) -> np.ndarray | torch.Tensor:
+    """Unit addresses as a contiguous int64 array (numpy arrays pass as they are: a put's
+    addresses are built in numpy, a few microseconds less than torch's ops on 16 numbers)."""
+    if isinstance(addrs, np.ndarray):
+        return np.ascontiguousarray(addrs, dtype=np.int64)
+    return addrs.to(torch.int64).contiguous()
+
+
+def _ptr(addrs: np.ndarray | torch.Tensor) -> int:
+    return addrs.ctypes.data if isinstance(addrs, np.ndarray) else addrs.data_ptr()
+
+
+def copy_digest(dst_addrs: torch.Tensor | np.ndarray | None, src_addrs: torch.Tensor | np.ndarray,
                 space: tuple[list[int], list[int], list[int], int] | None, *,
                 expect: list[int] | tuple[int, ...] | None = None, stream: bool | None = None,
                 scalar: bool = False, check: int = 0, threads: int = 1) -> Result | None:
@@ -83,21 +95,21 @@ def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
         total *= n
     if row % 64 or total <= 240 or len(shape) > MAX_DIMS:
         return None
-    n = int(src_addrs.numel())
-    if dst_addrs is not None and dst_addrs.numel() != n:
-        raise ValueError(f"{dst_addrs.numel()} destination units, {n} source units")
+    sa = _addrs(src_addrs)
+    da = _addrs(dst_addrs) if dst_addrs is not None else None
+    n = len(sa)
+    if da is not None and len(da) != n:
+        raise ValueError(f"{len(da)} destination units, {n} source units")
     if expect is not None and len(expect) != n:
         raise ValueError(f"{len(expect)} expected digests for {n} units")
     if n == 0:
         return Result([], -1)
     if stream is None:
         stream = n * total >= STREAM_MIN_BYTES
-    sa = src_addrs.to(torch.int64).contiguous()
-    da = dst_addrs.to(torch.int64).contiguous() if dst_addrs is not None else None
     out = np.zeros(n, dtype=np.uint64)
     arr = ctypes.c_int64 * max(1, len(shape))
     flags = (1 if stream else 0) | (2 if scalar else 0)
-    args = [da.data_ptr() if da is not None else None, sa.data_ptr(), n, len(shape), arr(*shape), arr(*dstr),
+    args = [_ptr(da) if da is not None else None, _ptr(sa), n, len(shape), arr(*shape), arr(*dstr),
             arr(*sstr), row, flags, out.ctypes.data]
     found = ctypes.c_int(0)
     if check:
@@ -107,4 +119,4 @@ def copy_digest(dst_addrs: torch.Tensor | None, src_addrs: torch.Tensor,
         bad = fn(*args, want.ctypes.data if want is not None else None, max(1, threads))
     if bad == -2:
         raise ValueError("mmtier_copy_rows_xxh3 refused its arguments")
-    return Result([int(d) for d in out], int(bad), bool(found.value))
+    return Result(out.tolist(), int(bad), bool(found.value))

@@ -71,9 +71,9 @@ def page_rows_of(run: torch.Tensor) -> np.ndarray:
     return run.reshape(run.shape[0], -1).view(torch.uint8).numpy()
 
 
-def _page_addrs(view: torch.Tensor, ids: Sequence[int]) -> torch.Tensor:
+def _page_addrs(view: torch.Tensor, ids: Sequence[int]) -> np.ndarray:
     step = view.stride(0) * view.element_size()
-    return view.data_ptr() + torch.tensor(list(ids), dtype=torch.int64) * step
+    return view.data_ptr() + np.asarray(ids, dtype=np.int64) * step
 
 
 def copy_in_digested(dst_view: torch.Tensor, dst_ids: Sequence[int], src: torch.Tensor,
@@ -115,7 +115,7 @@ def kv_in_digested(slab: torch.Tensor, slots: Sequence[int], k: torch.Tensor, v:
     sums: list[int] = []
     if full:
         dst = _page_addrs(slab, slots[:full])
-        src = k.data_ptr() + torch.arange(full, dtype=torch.int64) * (P * k.stride(1) * es)
+        src = k.data_ptr() + np.arange(full, dtype=np.int64) * (P * k.stride(1) * es)
         res = native_digests.copy_digest(dst, src, space, check=check, threads=torch.get_num_threads())
         if res is None:
             return None
