@@ -121,7 +121,11 @@ static void row_scalar(char *d, const char *src, int64_t row, uint64_t acc[8], i
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 512          /* bytes: the source read this far ahead of the stripe (a row starts the prefetcher afresh) */
+/* bytes: the source read this far ahead of the stripe, into L2 (a row starts the prefetcher
+   afresh). Measured on a 2-core AMD EPYC (the put's copy, 32 MiB groups of 32 KiB rows, one
+   thread): 512 into L1 13.3-13.7 GB/s, 4096 into L2 14.5-15.1 (the plain row copy's 14.9-15.5),
+   6144 14.9, 8192 14.3-14.5, 2048 11.8-12.3, none 13.2. */
+#define PREFETCH_AHEAD 4096
 #endif
 #define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
 
@@ -182,7 +186,7 @@ AVX2_INLINE int row_avx2_body(char *d, const char *src, int64_t row, uint64_t ac
         int last = s + run == S;                        /* the run ends on the unit's last stripe */
         const unsigned char *key = SECRET + in_block * 8;
         for (int64_t i = 0; i < run - last; i++, k += STRIPE, key += 8) {
-            _mm_prefetch(src + k + PREFETCH_AHEAD, _MM_HINT_T0);
+            _mm_prefetch(src + k + PREFETCH_AHEAD, _MM_HINT_T1);
             stripe_avx2(d + k, src + k, key, &a0, &a1, &hi, m, stream, check);
         }
         if (last) {
