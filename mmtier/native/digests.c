@@ -120,12 +120,20 @@ static void row_scalar(char *d, const char *src, int64_t row, uint64_t acc[8], i
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_AVX2 1
-#ifndef PREFETCH_AHEAD
-/* bytes: the source read this far ahead of the stripe, into L2 (a row starts the prefetcher
-   afresh). Measured on a 2-core AMD EPYC (the put's copy, 32 MiB groups of 32 KiB rows, one
-   thread): 512 into L1 13.3-13.7 GB/s, 4096 into L2 14.5-15.1 (the plain row copy's 14.9-15.5),
-   6144 14.9, 8192 14.3-14.5, 2048 11.8-12.3, none 13.2. */
-#define PREFETCH_AHEAD 4096
+/* Bytes the source is read ahead of the stripe. A row starts the hardware prefetcher afresh:
+   where the source's rows lie apart (a put's token-major K / V: 32 KiB rows at layer strides)
+   the copy reads far ahead into L2; where they follow each other (a page read back from host
+   memory, one sequential run) the hardware keeps up and the copy reads just ahead into L1.
+   Measured on a 2-core AMD EPYC, one thread, 32 MiB groups of 32 KiB rows: the put's copy
+   13.3-13.7 GB/s at 512 into L1, 14.5-15.1 at 4096 into L2 (the plain row copy's 14.9-15.5;
+   6144 the same, 8192 14.3-14.5, 2048 11.8-12.3, none 13.2); a verified read out of host
+   memory 16.0-17.7 GB/s at 512 into L1, 14.1-15.0 at 4096 into L2. The two loops live in
+   functions of their own: inlined side by side in one, the far loop ran at 10.3 GB/s. */
+#ifndef PREFETCH_FAR
+#define PREFETCH_FAR 4096
+#endif
+#ifndef PREFETCH_NEAR
+#define PREFETCH_NEAR 512
 #endif
 #define AVX2_INLINE __attribute__((target("avx2"), always_inline)) static inline
 
@@ -170,7 +178,7 @@ AVX2_INLINE __m256i scramble_avx2(__m256i a, const unsigned char *key) {
    the next scramble, each stripe's key 8 bytes on from the last, so the loop does no division
    and keeps its counters in registers; the unit's last stripe takes its own key. */
 AVX2_INLINE int row_avx2_body(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *sp, int64_t S,
-                              const int stream, const int check) {
+                              const int stream, const int check, const int far) {
     const unsigned char *last_key = SECRET + SECRET_SIZE - STRIPE - 7;
     const unsigned char *scramble_key = SECRET + SECRET_SIZE - STRIPE;
     __m256i m = check == 3 ? _mm256_set1_epi32(0x7F800000)
@@ -186,7 +194,8 @@ AVX2_INLINE int row_avx2_body(char *d, const char *src, int64_t row, uint64_t ac
         int last = s + run == S;                        /* the run ends on the unit's last stripe */
         const unsigned char *key = SECRET + in_block * 8;
         for (int64_t i = 0; i < run - last; i++, k += STRIPE, key += 8) {
-            _mm_prefetch(src + k + PREFETCH_AHEAD, _MM_HINT_T1);
+            if (far) _mm_prefetch(src + k + PREFETCH_FAR, _MM_HINT_T1);
+            else _mm_prefetch(src + k + PREFETCH_NEAR, _MM_HINT_T0);
             stripe_avx2(d + k, src + k, key, &a0, &a1, &hi, m, stream, check);
         }
         if (last) {
@@ -207,16 +216,32 @@ AVX2_INLINE int row_avx2_body(char *d, const char *src, int64_t row, uint64_t ac
     return !_mm256_testz_si256(seen, seen);
 }
 
-/* row_avx2_body with stream and check as constants (one specialised loop each). */
-__attribute__((target("avx2")))
-static int row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
-                    int stream, int check) {
-#define MMT_ROW(st, ch) return row_avx2_body(d, src, row, acc, s, S, st, ch)
-    if (stream) {
-        switch (check) { case 1: MMT_ROW(1, 1); case 2: MMT_ROW(1, 2); case 3: MMT_ROW(1, 3); default: MMT_ROW(1, 0); }
-    }
-    switch (check) { case 1: MMT_ROW(0, 1); case 2: MMT_ROW(0, 2); case 3: MMT_ROW(0, 3); default: MMT_ROW(0, 0); }
+/* row_avx2_body with stream, check and the read-ahead as constants (one specialised loop
+   each; the far and near loops in functions of their own, as each was measured alone). */
+#define MMT_ROW(st, ch, fa) return row_avx2_body(d, src, row, acc, s, S, st, ch, fa)
+#define MMT_ROWS(fa) if (stream) { switch (check) { case 1: MMT_ROW(1, 1, fa); case 2: MMT_ROW(1, 2, fa); \
+                                                    case 3: MMT_ROW(1, 3, fa); default: MMT_ROW(1, 0, fa); } } \
+                     switch (check) { case 1: MMT_ROW(0, 1, fa); case 2: MMT_ROW(0, 2, fa); \
+                                      case 3: MMT_ROW(0, 3, fa); default: MMT_ROW(0, 0, fa); }
+__attribute__((target("avx2"), noinline))
+static int row_avx2_far(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
+                        int stream, int check) {
+    MMT_ROWS(1)
+}
+
+__attribute__((target("avx2"), noinline))
+static int row_avx2_near(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
+                         int stream, int check) {
+    MMT_ROWS(0)
+}
+#undef MMT_ROWS
 #undef MMT_ROW
+
+__attribute__((target("avx2")))
+static inline int row_avx2(char *d, const char *src, int64_t row, uint64_t acc[8], int64_t *s, int64_t S,
+                           int stream, int check, int far) {
+    return far ? row_avx2_far(d, src, row, acc, s, S, stream, check)
+               : row_avx2_near(d, src, row, acc, s, S, stream, check);
 }
 #endif
 
@@ -238,6 +263,16 @@ static int row_nonfinite(const char *p, int64_t row, int check) {
     return bad != 0;
 }
 
+/* Whether a unit's source rows follow each other in memory in walk order (one sequential run). */
+static int rows_follow(int nd, const int64_t *shape, const int64_t *sstr, int64_t row) {
+    int64_t next = row;
+    for (int i = nd - 1; i >= 0; i--) {
+        if (shape[i] > 1 && sstr[i] != next) return 0;
+        next *= shape[i];
+    }
+    return 1;
+}
+
 /* Digest (and copy, with `dst`) every unit; see the top of this file. Returns -1 when every
    unit is done (and matched `expect`), the index of the first unit that did not match, or -2
    on arguments it does not take (nothing copied). `dst` NULL: digests only, nothing copied. */
@@ -253,8 +288,9 @@ static int64_t copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
     int64_t len = total * row;
     if (len <= 240) return -2;
     int64_t S = len / STRIPE;
-    int use_avx2 = 0, stream = 0;
+    int use_avx2 = 0, stream = 0, far = 0;
 #ifdef HAVE_AVX2
+    far = !rows_follow(nd, shape, sstr, row);
     use_avx2 = !(flags & 2) && __builtin_cpu_supports("avx2");
     stream = use_avx2 && allow_stream && dst != NULL && dst_aligned(dst, n_units, nd, dstr, row, 32);
 #else
@@ -275,13 +311,13 @@ static int64_t copy_rows_xxh3(const int64_t *dst, const int64_t *src, int64_t n_
                 for (int64_t k = 0; k < row; k += (int64_t)sizeof(sink)) {
                     int64_t part = row - k < (int64_t)sizeof(sink) ? row - k : (int64_t)sizeof(sink);
 #ifdef HAVE_AVX2
-                    if (use_avx2) row_avx2(sink, s + w.soff + k, part, acc, &stripe, S, 0, 0); else
+                    if (use_avx2) row_avx2(sink, s + w.soff + k, part, acc, &stripe, S, 0, 0, far); else
 #endif
                     row_scalar(sink, s + w.soff + k, part, acc, &stripe, S);
                 }
             } else {
 #ifdef HAVE_AVX2
-                if (use_avx2) found |= row_avx2(d + w.doff, s + w.soff, row, acc, &stripe, S, stream, check); else
+                if (use_avx2) found |= row_avx2(d + w.doff, s + w.soff, row, acc, &stripe, S, stream, check, far); else
 #endif
                 {
                     row_scalar(d + w.doff, s + w.soff, row, acc, &stripe, S);
