@@ -195,7 +195,7 @@ def copy_out_verified(entry: DigestedPages, k: torch.Tensor, v: torch.Tensor) ->
         block_step, heads = P * token_step, k.stride(2) * es
     space = merge_dims([(k.shape[0], k.stride(0) * es, s[0]), (2, gap, s[1]), (P, token_step, s[2]),
                         (slab.shape[4], heads, s[3])], slab.shape[5] * es)
-    dst = k.data_ptr() + torch.arange(full, dtype=torch.int64) * block_step
+    dst = k.data_ptr() + np.arange(full, dtype=np.int64) * block_step
     res = native_digests.copy_digest(dst, _page_addrs(slab, entry.slots[:full]), space,
                                      expect=entry.sums[:full])
     if not _settled(entry, res):
