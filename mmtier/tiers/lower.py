@@ -58,6 +58,7 @@ from ..storage import DiskTier, HostTier, Mover
 from ..storage.dest_pages import DestTokens
 from ..storage.host_slabs import HostEntry
 from ..storage.staging import StagingPool
+from .places import PlaceOwner, tier_places
 
 log = logging.getLogger(__name__)
 WAIT_S = 120.0
@@ -67,18 +68,12 @@ PRIVATE_SALT = b"private"                  # the salt of private runs' keys (a t
 PRIVATE_SCOPE = tenant_scope(PRIVATE_SALT)
 
 
-class GroupOwner(Protocol):
-    """What the lower tiers ask of the cache that owns the groups (called with its lock held)."""
+class GroupOwner(PlaceOwner, Protocol):
+    """What the lower tiers and their places ask of the cache that owns the groups (called with
+    its lock held)."""
 
     def drop(self, group: ModalityGroup) -> None:
         """Evict a group at the cascade's end (it leaves the cache)."""
-
-    def forget_corrupt(self, group: ModalityGroup) -> None:
-        """A stored copy of the group failed verification: it is a miss from now on."""
-
-    def wait(self, fut: Future) -> object:
-        """The copy's result, waited for with the owner's lock let go (bounded in time); the
-        completions that landed meanwhile are applied before it returns or raises."""
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,7 @@ class StagedCopy:
 
 class LowerTiers:
     def __init__(self, cfg: CacheConfig, keys: KeyMaker, counters: Counters, policy: EvictionPolicy,
-                 owner: GroupOwner):
+                 owner: GroupOwner, pools: dict[str, PagePool]):
         self.cfg, self.keys, self.counters, self.policy, self.owner = cfg, keys, counters, policy, owner
         self.host = HostTier(cfg.host_bytes) if cfg.host_bytes > 0 else None
         self.disk = None
@@ -107,6 +102,7 @@ class LowerTiers:
         self._spill_bytes: dict[int, int] = {}  # gid -> bytes of a host -> disk spill not yet applied
         self._private_keys: dict[int, ContentKey] = {}
         self._lock = threading.Lock()
+        self.places = tier_places(pools, self, owner)   # Tier -> how a group there is read, freed
 
     @property
     def enabled(self) -> bool:
@@ -261,15 +257,12 @@ class LowerTiers:
         pool.free(group.pages)
         self._move(group, staged.tier, staged.location)
         self.counters.add("spills", group.modality)
-        self.counters.add("spills_to_host" if staged.tier == Tier.HOST else "spills_to_disk", group.modality)
+        self.counters.add(self.places[staged.tier].spill_counter, group.modality)
         if staged.tier == Tier.HOST:
             self.maybe_background_spill()
 
     def undo_demotion(self, staged: StagedCopy) -> None:
-        if staged.tier == Tier.HOST and self.host is not None:
-            self.host.remove(staged.key)
-        elif staged.tier == Tier.DISK and self.disk is not None:
-            self.disk.remove(staged.key)
+        self.places[staged.tier].remove(staged.key)
 
     def _host_room(self, nbytes: int, *, wait: bool = True) -> bool:
         """Make room in the host tier for ``nbytes`` by spilling its unreferenced groups to
@@ -339,8 +332,7 @@ class LowerTiers:
         """The group is freed: drop its lower-tier copies (a spill in flight finishes first and
         its completion removes the file)."""
         key = self.storage_key(group)
-        if group.tier == Tier.HOST and self.host is not None:
-            self.host.remove(key)
+        self.places[group.tier].forget(key)
         if self.disk is not None and group.gid not in self._spilling:
             self.disk.remove(key)
         self._private_keys.pop(group.gid, None)
@@ -358,17 +350,7 @@ class LowerTiers:
         """The group's lower copy (host slots, or ``src`` read from disk) into device ``pages``;
         the lower copy is removed and the group lives on the device."""
         key = self.storage_key(group)
-        if group.tier == Tier.DISK:
-            assert src is not None and self.disk is not None
-            at = 0
-            for run in view_runs(pool.view, pages):
-                run.copy_(src[at:at + run.shape[0]])
-                at += run.shape[0]
-            self.disk.remove(key)
-        else:
-            group.location.copy_to(pool.view, pages, check=False)   # the owner verified it
-            assert self.host is not None
-            self.host.remove(key)
+        self.places[group.tier].copy_in(group, pool, pages, src, key)
         group.pages = pages
         self._move(group, Tier.DEVICE, None)
         self.counters.add("restores", group.modality)

@@ -1,7 +1,8 @@
 """``Residency``: where a ``TieredKVCache``'s groups live and how they move: the lower tiers
 (``LowerTiers``), room making (``Room``), freeing and forgetting groups, what the lower tiers call
 back (``GroupOwner``: it is the owner), leases, export (``read_group``), inventory, ``flush``,
-``prefetch``, promotion to the device and verified host and disk reads, stats and the life cycle.
+``prefetch``, promotion to the device and verified host and disk reads (each tier's half in
+``places``, dispatched by the group's tier), stats and the life cycle.
 Its own state: the cache's lock (``OwnerLock``: it creates it; the cache's facade and parts take
 it from here, ``Residency.lock``), the lower tiers, the room maker, the leases and whether the
 cache is closed; the pools and the group index are given to it. It sits in ``tiers/`` beside
@@ -27,13 +28,11 @@ from ..core.key_checks import spec_of_key
 from ..core.locking import OwnerLock
 from ..errors import CapacityError, ClosedError, CorruptDataError, ShapeError
 from ..eviction import EvictionPolicy
-from ..pages.copies import check_out_kv, pages_into_kv, view_runs
+from ..pages.copies import check_out_kv, pages_into_kv
 from ..pages.pool import PagePool
 from ..stats import CacheStats, Counters, TierUsage
 from ..storage import HostTier
-from ..storage.dest_pages import DestTokens, usable_tokens
 from ..storage.host_slabs import HostEntry
-from ..storage.page_digests import copy_out_verified
 from .leases import Lease, LeaseTable
 from .lower import WAIT_S, LowerTiers
 from .placement import PutPlacement
@@ -82,7 +81,8 @@ class Residency:
         self.policy, self.counters = policy, counters
         self.sequences: SequenceHolder | None = None
         self.leases = LeaseTable(ttl=30.0, clock=policy.clock)
-        self.lower = LowerTiers(cfg, maker, counters, policy, owner=self)
+        self.lower = LowerTiers(cfg, maker, counters, policy, owner=self, pools=pools)
+        self.places = self.lower.places        # Tier -> that tier's read, copy out, release
         self.room = Room(self.lock, policy, self.lower, self.live_groups, self.drop, pools)
         self.placement = PutPlacement(cfg.put_placement, self.lower.host is not None, self.live_groups)
         self.closed = False
@@ -172,9 +172,7 @@ class Residency:
         at the free, or at the unpin that dropped the last pin)."""
         if not group.freed or group.pins > 0:
             return
-        if group.tier == Tier.DEVICE and group.pages:
-            self.pools[group.modality].free(group.pages)
-            group.pages = []
+        self.places[group.tier].release(group)
         if self.lower.enabled:
             self.lower.forget(group)
 
@@ -259,14 +257,11 @@ class Residency:
             reads: dict[int, tuple] = {}
             try:
                 for i in on_disk:
-                    reads[i] = self.start_disk_read(groups[i], dests[i])
+                    reads[i] = self.places[Tier.DISK].start_read(groups[i], dests[i])
                 for i, g in enumerate(groups):           # the lock is held throughout: in place
                     if i in reads:
                         continue
-                    if g.tier == Tier.DEVICE:
-                        pages_into_kv(view_runs(self.pools[g.modality].view, g.pages), *dests[i])
-                    else:
-                        self.copy_host_checked(g, *dests[i])
+                    self.places[g.tier].copy_out(g, *dests[i])
                 for i in on_disk:
                     buf, pages, fut = reads[i]
                     if self.wait(fut) is None:           # lets go of the lock while it waits
@@ -294,60 +289,6 @@ class Residency:
                 self.policy.on_access(g)
                 self.counters.add("exports", key.modality)
         return dests
-
-    def copy_host_checked(self, group: ModalityGroup, k: torch.Tensor, v: torch.Tensor) -> None:
-        """A host group's tokens into ``k, v``, run by run (up to ``host.CHECK_BYTES`` of pages),
-        each run's pages checked against their digests just before the run is copied
-        (``HostEntry.checked_pages``: the copy reads them from the CPU's cache). On a mismatch
-        the group is a miss from now on (``host_corrupt``) and ``CorruptDataError`` is raised;
-        ``k, v`` then hold only verified runs before it, never a byte of the bad page's run.
-        (Measured in one process at load 3.5-5: one page at a time 1.15-1.26x the bare copy,
-        two pages 1.10-1.23x, the whole group checked first 1.27x.) Where the native helper is
-        built, the copy checks each page itself (``page_digests.copy_out_verified``: the pages
-        before the bad one land, the bad one's destination is poisoned, nothing after it)."""
-        try:
-            if not copy_out_verified(group.location, k, v):     # checked by the copy itself
-                pages_into_kv(group.location.checked_pages(), k, v)
-        except CorruptDataError:
-            self.host_corrupt(group)
-            raise
-
-    def verified_host(self, group: ModalityGroup):
-        """The group's host entry after checking every page against its digest; on a
-        mismatch the group is a miss from now on (``host_corrupt``) and ``CorruptDataError``
-        is raised, never wrong KV."""
-        entry = group.location
-        try:
-            entry.verify()
-        except CorruptDataError:
-            self.host_corrupt(group)
-            raise
-        return entry
-
-    def host_corrupt(self, group: ModalityGroup) -> None:
-        """The host copy failed its checksums: counted, dropped, the group forgotten."""
-        self.counters.add("corrupt_reads", group.modality)
-        self.counters.add("host_corrupt_reads", group.modality)
-        if self.lower.host is not None:
-            self.lower.host.remove(self.lower.storage_key(group))
-        self.forget_corrupt(group)
-
-    def start_disk_read(self, group: ModalityGroup, dest: tuple) -> tuple:
-        """Start reading a (pinned) disk group's verified pages: straight into ``dest`` where it
-        is token-major K and V on the CPU (``DestTokens``: one copy, from the file's bytes),
-        ``(None, None, future)``; else into a staging buffer, ``(buffer, pages view, future)``,
-        whose pages the caller copies into ``dest``. The future resolves to ``None`` on a miss."""
-        spec, n = group.spec, group.num_pages
-        tokens = token_dest(spec, n, *dest)
-        if tokens is not None:
-            return None, None, self.lower.read_disk_async(group, out=tokens)
-        buf = self.lower.staging.take(n * spec.page_bytes)
-        pages = self.lower.staging.pages(buf, n, tuple(spec.page_shape), spec.torch_dtype)
-        try:
-            return buf, pages, self.lower.read_disk_async(group, out=pages)
-        except BaseException:
-            self.lower.staging.give(buf)
-            raise
 
     def inventory(self) -> list[tuple[ContentKey, str, int]]:
         """``TieredKVCache.inventory`` (its contract is documented there)."""
@@ -410,14 +351,11 @@ class Residency:
             if need > pool.num_free or group.pins or group.busy or group.freed or group.tier == Tier.DEVICE:
                 return False
         pages = pool.allocate(need)
-        src = None
+        tier = group.tier
         try:
-            if group.tier == Tier.HOST:
-                self.verified_host(group)
-            if group.tier == Tier.DISK:
-                src = self.read_pinned(group)
-                if group.pins or group.busy or group.freed or group.tier != Tier.DISK:
-                    raise _Moved()         # changed while it was read: it stays where it is now
+            src = self.places[tier].promotion_source(group)     # a disk read lets go of the lock
+            if group.pins or group.busy or group.freed or group.tier != tier:
+                raise _Moved()             # changed while it was read: it stays where it is now
         except (_Moved, CorruptDataError):
             pool.free(pages)
             return False
@@ -428,47 +366,10 @@ class Residency:
         return True
 
     def read_pages(self, group: ModalityGroup) -> torch.Tensor:
-        """A copy of the group's pages ``[n, *page_shape]`` from whichever tier holds it (a
-        disk read lets go of the lock)."""
-        if group.tier == Tier.DEVICE:
-            runs = view_runs(self.pools[group.modality].view, group.pages)
-            return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
-        if group.tier == Tier.HOST:
-            runs = self.verified_host(group).runs()
-            return runs[0].clone() if len(runs) == 1 else torch.cat(runs)
-        return self.read_pinned(group)
+        """A copy of the group's pages ``[n, *page_shape]`` from whichever tier holds it,
+        verified (``tiers.places``; a disk read lets go of the lock)."""
+        return self.places[group.tier].read_pages(group)
 
-    def read_pinned(self, group: ModalityGroup) -> torch.Tensor:
-        """The disk group's verified pages, read with the lock let go and the group pinned
-        (so nothing removes its file meanwhile); ``CorruptDataError`` (the group dropped) when
-        the copy is missing or fails verification."""
-        group.pins += 1
-        try:
-            pages = self.wait(self.lower.read_disk_async(group))
-        finally:
-            group.pins -= 1
-            self.settle(group)
-        if pages is None:
-            self.counters.add("corrupt_reads", group.modality)
-            self.forget_corrupt(group)
-            raise CorruptDataError(f"{group!r}: stored copy missing or failed verification (a miss)")
-        return pages
 
 class _Moved(Exception):
     """A group changed tier while the lock was let go (internal to ``promote``)."""
-
-
-def token_dest(spec: ModalitySpec, n: int, k: object, v: object) -> DestTokens | None:
-    """``k, v`` as the direct destination of a disk read of ``n`` pages, where they can be one:
-    CPU tensors ``[L, T, H, D]`` (or block-split ``[L, T / P, P, H, D]`` over the same memory)
-    with each layer's tokens contiguous; else ``None`` (staged)."""
-    if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor) or k is v:
-        return None
-    if k.dim() == 5:
-        try:
-            k, v = k.view(k.shape[0], -1, *k.shape[3:]), v.view(v.shape[0], -1, *v.shape[3:])
-        except RuntimeError:              # strides a flat token view cannot take
-            return None
-    if not (usable_tokens(k, spec) and usable_tokens(v, spec)):
-        return None
-    return DestTokens(spec, k, v, n)
