@@ -214,6 +214,20 @@ def test_attach_after_home_pool_died_is_typed(cc):
             cc.refresh()
 
 
+def _wait_dead(handle, limit_s: float = 30.0) -> None:
+    """Until ``handle``'s actor no longer answers (it was killed), at most ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(handle.__ray_ready__.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
+
+
 def test_sequence_whose_home_died_leaves_no_proxy_behind(cc):
     head, b = node_of("node_head"), node_of("node_b")
     key = cc.content_key("vision", b"proxy-orphan", tenant="acme")
@@ -224,7 +238,9 @@ def test_sequence_whose_home_died_leaves_no_proxy_behind(cc):
     cc.append(seq, "text", *kv(8, 4))
     cc.attach(seq, key, transfer="remote")                 # a proxy sequence on B's pool
     assert cc.leak_report()[holder]["sequences"] == before + 1
-    ray.kill(ray.get_actor(cc.where(seq), namespace="mmtier"))
+    home = ray.get_actor(cc.where(seq), namespace="mmtier")
+    ray.kill(home)
+    _wait_dead(home)                  # a kill lands asynchronously: under load a call may still reach it
     try:
         with pytest.raises(MMTierError):                   # HolderLostError: home gone
             cc.attention(seq, 0, torch.randn(1, HQ, D))
