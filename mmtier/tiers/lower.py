@@ -165,11 +165,7 @@ class LowerTiers:
         it left the host meanwhile, left the cache, or is read right now (then the file goes)."""
         exc = fut.exception()
         if isinstance(exc, CorruptDataError) and not group.freed and group.tier == Tier.HOST:
-            self.counters.add("corrupt_reads", group.modality)   # the host copy failed its checksums
-            self.counters.add("host_corrupt_reads", group.modality)
-            if self.host is not None:
-                self.host.remove(key)
-            self.owner.forget_corrupt(group)
+            self.places[Tier.HOST].corrupt(group)   # the host copy failed its checksums
             return
         if exc is not None:
             self.counters.add("spill_failures", group.modality)

@@ -370,6 +370,39 @@ def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
         assert cache.stats().counters["host_corrupt_reads"] == 1
 
 
+def test_cache_spill_of_a_corrupted_host_copy_forgets_the_group_and_writes_no_file(tmp_path):
+    """A host copy damaged before its background spill: the spill's verified read refuses it,
+    the completion counts it, drops the host copy and forgets the group (a miss from now on);
+    no file for it reaches the disk tier and the other groups come back bitwise."""
+    with TieredKVCache(cfg(tmp_path, device_groups=2, host_groups=2)) as cache:
+        keys = [cache.content_key("text", b"g%d" % i) for i in range(8)]
+        src = {key: kv() for key in keys}
+        for key in keys[:4]:
+            cache.put(key, *src[key])
+        cache.flush()
+        damaged = [k for k in keys[:4] if cache.index.groups[k].tier == Tier.HOST]
+        assert damaged
+        for key in damaged:
+            _flip_slab_byte(cache.index.groups[key].location)
+        for key in keys[4:]:                               # pushes the host groups to disk
+            cache.put(key, *src[key])
+        cache.flush()
+        c = cache.stats().counters
+        assert c["host_corrupt_reads"] == len(damaged) == c["corrupt_reads"]
+        assert c.get("spill_failures", 0) == 0
+        on_disk = {p.name for p in (tmp_path / "spill").rglob("*.arrow")}
+        spilled = [k for k in keys if k not in damaged and cache.index.groups[k].tier == Tier.DISK]
+        assert spilled and len(on_disk) == len(spilled)     # one file per group on disk, by key
+        assert all(any(k.hex in name for name in on_disk) for k in spilled)
+        for key in damaged:
+            assert not cache.contains(key) and cache.lower.host.get(key) is None
+            assert not any(key.hex in name for name in on_disk)
+        for key in keys:
+            if key not in damaged:
+                k, v = cache.read_group(key)
+                assert torch.equal(k, src[key][0]) and torch.equal(v, src[key][1])
+
+
 # ---------------------------------------------------------------------------- verified transfers
 def test_transfer_checksum_mismatch_is_refused_and_counted(tmp_path):
     """A group exported (meta with one xxh3 per page) and imported elsewhere; one byte of the
