@@ -31,3 +31,29 @@ def test_no_reference_to_files_outside_the_repository():
             if OUTSIDE.search(line):
                 hits.append(f"{name}:{n}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+REPO_PATH = re.compile(r"`((?:mmtier|tests|benchmarks|configs|docs|\.ci)/[\w./-]+)`")
+MODULE_RUN = re.compile(r"-m ((?:benchmarks|mmtier)(?:\.\w+)+)")
+
+
+def test_the_paths_and_modules_the_readme_and_design_name_exist():
+    """Every repository path the README and the design doc name in backticks, and every module
+    they run with ``python -m``, exists (files move: the house moved 250 of them); names with a
+    placeholder in capitals (``benchmarks/results/NAME.json``) are patterns, not paths."""
+    missing = []
+    for doc in ("README.md", "docs/design.md"):
+        text = (ROOT / doc).read_text()
+        for path in REPO_PATH.findall(text):
+            path = path.rstrip("/.")
+            if re.search(r"[A-Z]{3,}", path) or "*" in path:
+                continue
+            if not (ROOT / path).exists():
+                missing.append(f"{doc}: {path}")
+        for module in MODULE_RUN.findall(text):
+            if re.search(r"\.[A-Z]+(\.|$)", module):
+                continue
+            base = ROOT / module.replace(".", "/")
+            if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+                missing.append(f"{doc}: -m {module}")
+    assert not missing, "\n".join(missing)
