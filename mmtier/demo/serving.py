@@ -159,10 +159,12 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
     midway), stop them. Engine and HTTP logs go to ``out/demo_engines.log``."""
     import openai
     from tqdm import tqdm
+    from transformers.utils import logging as hf_logging
 
     from .engines import EngineServer, EngineSpec, mmtier_sizes
     from .model import ensure_demo_llava
 
+    hf_logging.disable_progress_bar()      # the models' "Writing model shards": one bar, the demo's
     out.mkdir(parents=True, exist_ok=True)
     log_path = out / "demo_engines.log"
     log_path.write_text("")

@@ -31,14 +31,27 @@ fi
 if [[ ! -x $ENG/bin/python ]]; then
     "$PY" -m venv "$ENG"
 fi
-"$ENG/bin/python" -m pip install -q --upgrade pip >&2
-"$ENG/bin/python" -m pip install -q "${VLLM[@]}" >&2
+LOG=$ENG/install.log
+: > "$LOG"
+echo "[engines] installing ${VLLM[*]} and sglang==0.5.23 into $ENG (a few minutes; pip's output: $LOG)" >&2
+pip_in() {
+    # pip into the engines venv, its output into the log; on a failure the log's end is shown
+    if ! "$ENG/bin/python" -m pip "$@" >>"$LOG" 2>&1; then
+        echo "[engines] pip $* failed; the end of $LOG:" >&2
+        tail -n 40 "$LOG" >&2
+        exit 1
+    fi
+}
+pip_in install -q --upgrade pip
+pip_in install -q "${VLLM[@]}"
 if ! has_gpu; then
-    "$ENG/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+    "$ENG/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
 fi
-"$ENG/bin/python" -m pip install -q -e ".[dev,hf]" >&2
-"$ENG/bin/python" -m pip install -q --no-deps sglang==0.5.23 >&2
-"$ENG/bin/python" -m pip install -q orjson==3.13.0 ipython==9.18.1 >&2    # what it imports (with theirs)
+pip_in install -q -e ".[dev,hf]"
+# SGLang without its dependencies (CUDA-only ones among them): pip's report of those it lacks is
+# expected, so it is not printed
+pip_in install -q --no-warn-conflicts --no-deps sglang==0.5.23
+pip_in install -q --no-warn-conflicts orjson==3.13.0 ipython==9.18.1    # what it imports (with theirs)
 "$ENG/bin/python" - <<'PY'
 import importlib
 for m in ("torch", "mmtier", "vllm", "vllm.distributed.kv_transfer.kv_connector.factory",
