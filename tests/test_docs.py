@@ -7,6 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from tests.support.repo_paths import missing_modules
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = re.compile(r"\.\./shared|shared/DESIGN|DESIGN\.md|(?<![\w/])seed/")
 
@@ -34,7 +36,6 @@ def test_no_reference_to_files_outside_the_repository():
 
 
 REPO_PATH = re.compile(r"`((?:mmtier|tests|benchmarks|configs|docs|\.ci)/[\w./-]+)`")
-MODULE_RUN = re.compile(r"-m ((?:benchmarks|mmtier)(?:\.\w+)+)")
 
 
 def test_the_paths_and_modules_the_readme_and_design_name_exist():
@@ -50,10 +51,5 @@ def test_the_paths_and_modules_the_readme_and_design_name_exist():
                 continue
             if not (ROOT / path).exists():
                 missing.append(f"{doc}: {path}")
-        for module in MODULE_RUN.findall(text):
-            if re.search(r"\.[A-Z]+(\.|$)", module):
-                continue
-            base = ROOT / module.replace(".", "/")
-            if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
-                missing.append(f"{doc}: -m {module}")
+        missing += [f"{doc}: -m {module}" for module in missing_modules(text)]
     assert not missing, "\n".join(missing)

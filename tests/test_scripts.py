@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.repo_paths import missing_modules, modules_run
+
 ROOT = Path(__file__).resolve().parents[1]
 CD_TO_OWN_FOLDER = re.compile(r'^cd "\$\(dirname "\$0"\)(?P<rel>(?:/\.\.)*)"', re.M)
 
@@ -46,10 +48,8 @@ def test_the_paths_run_calls_exist():
     assert "tests/support/engines_env.sh" in paths
     missing = sorted(p for p in paths if not (ROOT / p).is_file())
     assert not missing, missing
-    modules = set(re.findall(r"-m (benchmarks(?:\.\w+)+)", text))
-    assert modules, "run names no benchmark module"
-    for mod in modules:
-        assert (ROOT / (mod.replace(".", "/") + ".py")).is_file(), mod
+    assert any(m.startswith("benchmarks.") for m in modules_run(text)), "run names no benchmark module"
+    assert not missing_modules(text), missing_modules(text)
 
 
 def test_the_engines_env_script_runs_from_any_folder(tmp_path):
