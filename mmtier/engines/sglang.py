@@ -9,10 +9,13 @@
 One SGLang page (``page_size`` tokens, every layer, K and V) is one group of the configured
 text modality; its key is SHA-256 of SGLang's page hash (which already chains the prefix)
 under the server-side tenant and the tensor-parallel rank, so ranks holding different heads
-never share. Pages move through the flat page API (``get`` / ``set`` and batches, a page in
-the host pool's own layout) or zero-copy (``batch_get_v1`` / ``batch_set_v1``), which reads
-from and writes into the registered host pool's pages in place. A page that fails
-verification is a miss (``None`` / ``False``), never wrong KV.
+never share. A request's ``cache_salt`` (and ``extra_key``) is already in that page hash:
+SGLang seeds its storage hash chains with them (``mem_cache.utils.storage_namespace_seed``);
+its storage API passes nothing else per request. Pages move through the flat page API
+(``get`` / ``set`` and batches, a page in the host pool's own layout) or zero-copy
+(``batch_get_v1`` / ``batch_set_v1``), which reads from and writes into the registered host
+pool's pages in place. A page that fails verification is a miss (``None`` / ``False``), never
+wrong KV.
 
 Across instances (``"mmtier_cluster": {...}`` in the extra config, see ``connector_cache``):
 ``exists`` / ``batch_exists`` (SGLang asks them from its prefetch thread) look the pages not

@@ -12,7 +12,8 @@ Every route needs an API key (``Authorization: Bearer <key>`` or ``X-API-Key``) 
 server's key table maps to a tenant; a missing or unknown key is a 401. On
 ``/v1/chat/completions`` and ``/v1/completions`` the ingress reads the body itself (so bad
 JSON, missing fields, bad media and unknown models are OpenAI-shaped 4xx, never a 500), refuses
-a client's ``cache_salt``, sets the tenant's own (``llm_tenants.TenantSalts``) and forwards the
+a client's ``cache_salt``, sets the tenant's own (``llm_tenants.TenantSalts``) and each media
+part's ``uuid`` from it (``llm_requests.tenant_media_ids``), and forwards the
 request to the model's ``LLMServer`` without the caller's key. Answers, streams (SSE) and
 ``usage`` (with ``prompt_tokens_details.cached_tokens`` where the engine has
 ``enable_prompt_tokens_details``) are Ray's and vLLM's. Imports Ray Serve LLM (so vLLM): load
@@ -36,6 +37,7 @@ from .llm_requests import (
     check_messages,
     parse_body,
     refuse_client_salt,
+    tenant_media_ids,
     validation_error,
 )
 from .llm_tenants import IngressArgs
@@ -103,7 +105,9 @@ class MMTierIngress(OpenAiIngress):
             refuse_client_salt(body)
             if method == CHAT:
                 check_messages(body, model, self._accepts[get_base_model_id(model)], self._limits)
-            body["cache_salt"] = self._salts.salt(tenant)
+            body["cache_salt"] = salt = self._salts.salt(tenant)
+            if method == CHAT:
+                tenant_media_ids(body, salt)          # vLLM's own encoder cache: per tenant too
             try:
                 parsed = model_cls.model_validate(body)
             except ValidationError as exc:

@@ -2,7 +2,10 @@
 OpenAI-shaped errors it answers with: ``{"error": {"message", "type", "param", "code"}}``.
 
 - the body is a JSON object of at most ``max_body_bytes``;
-- a client never sends ``cache_salt`` (the server sets it from the caller's tenant);
+- a client never sends ``cache_salt`` (the server sets it from the caller's tenant), and each
+  media part's ``uuid`` (vLLM's name for the item) is the server's: an HMAC of the part under
+  the tenant's salt (``tenant_media_ids``; a client's own is replaced), so vLLM's own encoder
+  and processor caches, keyed by that name, are per tenant too;
 - media in chat messages: ``image_url`` only as a ``data:`` URL of ``image/png`` or
   ``image/jpeg``, base64, whose bytes are the type it declares and decode in full
   (``serve.media.check_image``; a remote URL is refused: the server fetches nothing);
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import dataclass
@@ -78,6 +83,22 @@ def refuse_client_salt(body: dict[str, Any]) -> None:
     if "cache_salt" in body:
         raise RequestError(400, "cache_salt is set by the server from your API key's tenant; do not send it",
                            param="cache_salt", code="unsupported_parameter")
+
+
+def tenant_media_ids(body: dict[str, Any], salt: str) -> None:
+    """Set each media part's ``uuid`` to an HMAC-SHA256 of its type and payload under the
+    tenant's ``cache_salt``. vLLM names an item by its ``uuid`` where one is given, else by a
+    hash of its content alone, and its in-engine encoder cache answers any request with that
+    name whatever its ``cache_salt``: under this name the same item of two tenants is two items
+    (and of one tenant still one). Parts are those ``check_messages`` passed."""
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in PART_MODALITY:
+                payload = json.dumps(part.get(kind), sort_keys=True, separators=(",", ":"))
+                part["uuid"] = "mmtier-" + hmac.new(salt.encode(), f"{kind}\x00{payload}".encode(),
+                                                    hashlib.sha256).hexdigest()
 
 
 def check_messages(body: dict[str, Any], model: str, accepts: frozenset[str], limits: RequestLimits) -> None:

@@ -135,7 +135,7 @@ class RequestKeyer:
     async def _keys(self, request: Any) -> RequestKeys:
         from vllm.sampling_params import SamplingParams
 
-        from ..engines.vllm.keys import embedding_key
+        from ..engines.vllm.keys import embedding_key, embedding_scope
 
         if not self.ready.done():
             await asyncio.wrap_future(self.ready)
@@ -158,7 +158,8 @@ class RequestKeyer:
         if self._ec_cache is not None:
             for f in core.mm_features or []:
                 pool = self._ec_pools.get(f.modality)
-                key = pool and embedding_key(self._ec_cache, f, modality=pool, tenant=self._ec_tenant)
+                key = pool and embedding_key(self._ec_cache, f, modality=pool,
+                                             tenant=embedding_scope(self._ec_tenant, core, f))
                 if key is not None:
                     media.append(key)
         return RequestKeys(tuple(dict.fromkeys(media)), tuple((s.key, s.end - s.start) for s in plan.segments))

@@ -67,6 +67,28 @@ def test_flat_pages_round_trip_and_tenants_and_ranks_stay_apart(tmp_path):
     assert not other_tenant.exists("a") and not other_rank.exists("a")
 
 
+
+def test_a_requests_cache_salt_reaches_the_backend_in_sglangs_page_keys(tmp_path):
+    """SGLang's storage API passes no per-request salt (``HiCacheStorageExtraInfo`` holds prefix
+    keys only); its page hashes are chained from a seed of the request's ``extra_key`` and
+    ``cache_salt`` (``get_storage_hash_str``, ``storage_namespace_seed``; SGLang's ``RadixKey``
+    cannot be imported without torchvision), so one tenant's pages are not found under another's
+    salt, nor without one, while the same salt finds them."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str, storage_namespace_seed
+
+    tokens = list(range(3 * P))
+
+    def keys(salt):          # what get_storage_hash_str does for a RadixKey carrying the salt
+        return get_storage_hash_str(tokens, storage_namespace_seed(None, salt), page_size=P)
+
+    store = backend(tmp_path)
+    pool = HostPool("page_first")
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape))
+    store.register_mem_pool_host(pool)
+    assert store.batch_set_v1(keys("tenant-a"), torch.arange(3 * P)) == [True] * 3
+    assert store.batch_exists(keys("tenant-a")) == 3
+    assert store.batch_exists(keys("tenant-b")) == 0 and store.batch_exists(keys(None)) == 0
+
 def test_a_corrupt_page_is_a_miss_and_bad_pools_are_refused(tmp_path):
     store = backend(tmp_path, device_pages=2)
     pool = HostPool("layer_first")

@@ -63,15 +63,15 @@ def pixels(seed: int) -> torch.Tensor:
     return torch.randn(3, 28, 28, generator=torch.Generator().manual_seed(seed))
 
 
-def request(rid: str, identifier: str, picture: torch.Tensor | None) -> Request:
+def request(rid: str, identifier: str, picture: torch.Tensor | None, salt: str | None = None) -> Request:
     """A request with one image item: vLLM's identifier, and its processed inputs (``None``:
-    the scheduler was not given them)."""
+    the scheduler was not given them); ``salt``: its ``cache_salt`` (the tenant's)."""
     data = None if picture is None else MultiModalKwargsItem(
         {"pixel_values": MultiModalFieldElem(data=picture, field=MultiModalSharedField(batch_size=1))})
     tokens = list(range(100, 100 + h.PROMPT))
     mm = [MultiModalFeatureSpec(data=data, modality="image", identifier=identifier,
                                 mm_position=PlaceholderRange(offset=h.IMAGE_AT, length=h.IMAGE_LEN))]
-    return Request(rid, tokens, SamplingParams(max_tokens=4), None, mm_features=mm)
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None, mm_features=mm, cache_salt=salt)
 
 
 def schedule(sched, req) -> tuple[bool, object]:
@@ -113,6 +113,30 @@ def test_encoder_outputs_round_trip_between_instances_keyed_by_content(roles):
     assert not schedule(other, request("r3", "img-A", pixels(1)))[0]
 
 
+def test_each_cache_salt_is_a_scope_of_its_own_and_no_salt_is_the_server_tenants(roles):
+    """Two tenants (two ``cache_salt``s, as the Serve ingress sets them) send the same picture:
+    each one's encoder runs once and saves under its own key; the same salt hits again on
+    another identifier; a request without a salt is the server tenant's, apart from both. The
+    worker saves and loads under the keys the scheduler sent (the metadata carries the scope)."""
+    sched, worker, _ = roles
+    xa, xb, xn = (torch.randn(h.IMAGE_LEN, WIDTH) for _ in range(3))
+    assert not run(sched, worker, request("a1", "img", pixels(1), salt="salt-a"), {}, computed=xa)
+    assert not run(sched, worker, request("b1", "img", pixels(1), salt="salt-b"), {}, computed=xb)
+    assert not run(sched, worker, request("n1", "img", pixels(1)), {}, computed=xn)
+    got = {}
+    for rid, salt in (("a2", "salt-a"), ("b2", "salt-b"), ("n2", None)):
+        cache = {}
+        assert run(sched, worker, request(rid, f"id-{rid}", pixels(1), salt=salt), cache)
+        got[salt] = cache[f"id-{rid}"]
+    assert torch.equal(got["salt-a"], xa) and torch.equal(got["salt-b"], xb) and torch.equal(got[None], xn)
+    assert not schedule(sched, request("c1", "img", pixels(1), salt="salt-c"))[0]    # a third: nothing
+    keys = {s: sched.item_key(r, r.mm_features[0]) for s, r in
+            (("a", request("k", "img", pixels(1), salt="salt-a")), ("b", request("k", "img", pixels(1), salt="salt-b")),
+             ("n", request("k", "img", pixels(1))))}
+    assert len({*keys.values()}) == 3 and len({k.scope for k in keys.values()}) == 3
+    assert worker.cache.stats().by_modality["vision_embed"]["puts"] == 3
+
+
 def test_two_images_under_one_identifier_never_share_an_encoder_output(roles):
     """A client's uuid names image A, then image B: B's encoder runs (vLLM's identifier, which
     the old key was made of, is the same)."""
@@ -149,7 +173,8 @@ def test_a_corrupt_copy_fails_the_request_never_wrong_outputs(tmp_path):
         run(sched, worker, request("r0", "img-A", pixels(1)), {}, computed=torch.randn(h.IMAGE_LEN, WIDTH))
         for i in range(4):                      # push img-A down to disk
             run(sched, worker, request(f"f{i}", f"f{i}", pixels(10 + i)), {}, computed=torch.randn(16, WIDTH))
-        key = worker.item_key(request("probe", "img-A", pixels(1)).mm_features[0])
+        probe = request("probe", "img-A", pixels(1))
+        key = worker.item_key(probe, probe.mm_features[0])
         worker.cache.flush()
         assert worker.cache.index.groups[key].tier == Tier.DISK
         path = next((tmp_path / "spill").glob(f"vision_embed-{key.hex}*.arrow"))

@@ -147,3 +147,13 @@ def test_both_connectors_given_only_sizes_read_the_llavas_shape_and_share_one_ca
     assert cached(rows)[2] == 0 and encoded(rows)[2] == 0 and encoded(r["plain_fresh"]) == [1]
     assert tokens(r["plain_fresh"]) == tokens(plain)[2:]
     assert encoded(rows)[0] == 1 and cached(plain) == [0, 0, 0]
+
+
+def test_each_tenants_encoder_output_is_its_own_across_engines(llava, tmp_path):
+    """The same image under two ``cache_salt``s (two tenants) in fresh engines over one mmtier
+    cache: each tenant's vision tower runs once and later hits in another engine; the other
+    tenant's (and a request without a salt) never gets it: its tower runs. Every answer is the
+    first one's (greedy, the same picture and prompt)."""
+    r = scenario("tenants", tmp_path, model=llava)
+    assert {k: v["encoded"] for k, v in r.items()} == {"a1": 1, "a2": 0, "b1": 1, "b2": 0, "none": 1}
+    assert all(v["tokens"] == r["a1"]["tokens"] for v in r.values())

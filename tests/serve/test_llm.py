@@ -268,6 +268,17 @@ def test_one_tenant_never_hits_anothers_content(app):
     assert tb1.choices[0].text == ta1.choices[0].text
 
 
+def test_two_tenants_each_encode_an_image_once_and_never_get_the_others_output(app):
+    """The same picture from two API keys: each tenant's vision tower runs once (its encoder
+    output published once), the other's first request runs its own (it neither loads the first
+    tenant's from any mmtier tier nor takes it from vLLM's own encoder cache: the ingress names
+    the item per tenant), and repeats hit."""
+    from tests.support.serve_llm_app import assert_tenants_apart, two_tenants
+
+    msgs = image_messages(data_url(image(63), "PNG"), text(63, 60))
+    assert_tenants_apart(two_tenants(app, MODEL, (KEY_A, KEY_B), msgs, "vision_embed"))
+
+
 # ---------------------------------------------------------------------------- the cluster
 def test_the_engines_saves_are_published_to_mmtiers_cluster(app):
     """``mmtier_cluster`` in the config: ``start_llm_app`` started mmtier's registry and node

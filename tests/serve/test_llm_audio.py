@@ -143,3 +143,11 @@ def test_bad_audio_gets_openai_shaped_400s_never_a_500(app):
     ok = c.chat.completions.create(model=MODEL, messages=messages(audio_part(wav, "wav"), BAD_WORDS), max_tokens=2)
     assert ok.usage.completion_tokens == 2 and full_blocks(ok.usage.prompt_tokens) >= 64
     assert cached(ok.usage) == 0
+
+
+def test_two_tenants_each_encode_a_clip_once_and_never_get_the_others_output(app):
+    """The same clip from two API keys: each tenant's audio tower runs once, never the other's
+    output from mmtier or vLLM's own encoder cache; repeats hit (``serve_llm_app.two_tenants``)."""
+    msgs = messages(audio_part(wav_bytes(clip(13)), "wav"), text(13, 60))
+    serve_llm_app.assert_tenants_apart(serve_llm_app.two_tenants(
+        app, MODEL, (KEY, "sk-local-globex"), msgs, "audio_embed"))

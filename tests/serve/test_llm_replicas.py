@@ -134,6 +134,28 @@ def test_replicas_share_and_route_by_holder(app):
     long_keys = keys(long_conv)
     assert _wait_held(app, long_keys.prefix[-1][0].hex) == {a_node}   # the long turn ran on A
 
+    # 4. another tenant (its cache_salt and item names, as mmtier's ingress sets them) sends the
+    #    first chat: its encoder runs wherever it lands, it pulls nothing of A's from the other
+    #    node, and the router's keys for it (salted) are the ones its engine saved
+    import copy
+
+    from mmtier.serve.llm_requests import tenant_media_ids
+
+    body = {"messages": copy.deepcopy(first)}
+    tenant_media_ids(body, "salt-b")
+    pulled = {n: c["pulled"] for n, c in app.encoded().items()}
+    other, other_tokens, other_cached = ask(body["messages"], extra_body={"cache_salt": "salt-b"})
+    enc = app.encoded()
+    assert (other, other_tokens, other_cached) == (first_answer, first_tokens, 0)
+    assert sorted(c["encoded"] for c in enc.values()) == [0, 1], enc       # its own tower run, once
+    assert {n: c["pulled"] for n, c in enc.items()} == pulled, enc         # nothing read from elsewhere
+    ran_on = next(n for n, c in enc.items() if c["encoded"] == 1)
+    kb = keyer.submit(ChatCompletionRequest(model=MODEL_ID, messages=body["messages"], max_tokens=8,
+                                            cache_salt="salt-b")).result(120)
+    assert kb.media[0] != k1.media[0] and kb.media[0].scope != k1.media[0].scope
+    assert _wait_held(app, kb.media[0].hex) == {ran_on}
+    assert _wait_held(app, kb.prefix[-1][0].hex) == {ran_on}
+
 
 def test_best_node_prefers_media_then_the_longest_held_prefix():
     """The router's policy over a registry answer (no cluster): media held count first, then

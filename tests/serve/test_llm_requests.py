@@ -19,6 +19,7 @@ from mmtier.serve.llm_requests import (
     check_messages,
     parse_body,
     refuse_client_salt,
+    tenant_media_ids,
 )
 from mmtier.serve.llm_tenants import SALT_DOMAIN, IngressArgs, TenantSalts
 from mmtier.serve.tiny_models import image
@@ -181,3 +182,24 @@ def test_key_table_from_the_config_digests_and_the_environment(monkeypatch):
         IngressArgs.parse({"media": {"m": ["smell"]}})
     with pytest.raises(ConfigError):
         IngressArgs.parse({"tenant": "a"})                           # unknown field
+
+
+def test_each_media_part_gets_a_uuid_of_its_tenant_and_content():
+    """vLLM names an item by its ``uuid``: the same picture is one name within a tenant and two
+    across tenants; another picture is another name; a client's uuid is replaced; text is left."""
+    def named(salt: str, seed: int, client_uuid: str | None = None) -> str:
+        part = {"type": "image_url", "image_url": {"url": url_of("PNG", seed=seed)}}
+        if client_uuid is not None:
+            part["uuid"] = client_uuid
+        body = chat_with(part, {"type": "text", "text": "w1"})
+        tenant_media_ids(body, salt)
+        assert "uuid" not in body["messages"][1]["content"][1] and body["messages"][0]["content"] == "w1"
+        return body["messages"][1]["content"][0]["uuid"]
+
+    a = named("salt-a", 1)
+    assert a.startswith("mmtier-") and named("salt-a", 1) == a == named("salt-a", 1, client_uuid="mine")
+    assert named("salt-b", 1) != a and named("salt-a", 2) != a
+    clip = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+    body = chat_with(clip)
+    tenant_media_ids(body, "salt-a")
+    assert body["messages"][1]["content"][0]["uuid"].startswith("mmtier-")

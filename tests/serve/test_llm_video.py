@@ -128,3 +128,12 @@ def test_bad_videos_get_openai_shaped_400s_never_a_500(app):
     ok = c.chat.completions.create(model=MODEL, messages=messages(video_part(video(31)), BAD_WORDS), max_tokens=2)
     assert ok.usage.completion_tokens == 2 and full_blocks(ok.usage.prompt_tokens) >= 64
     assert cached(ok.usage) == 0
+
+
+def test_two_tenants_each_encode_a_video_once_and_never_get_the_others_output(app):
+    """The same video from two API keys: each tenant's vision tower runs once on it, never the
+    other's output from mmtier or vLLM's own encoder cache; repeats hit
+    (``serve_llm_app.two_tenants``)."""
+    msgs = messages(video_part(video(13)), text(13, 60))
+    serve_llm_app.assert_tenants_apart(serve_llm_app.two_tenants(
+        app, MODEL, (KEY, "sk-local-globex"), msgs, "vision_embed"))

@@ -59,3 +59,58 @@ def refused(app: LLMApp, key: str, body: dict, name: str) -> dict:
     err = r.json()["error"]
     assert set(err) == ERROR_FIELDS and err["message"], (name, err)
     return err
+
+
+def groups_of(modality: str) -> set[str]:
+    """The digests of the ``modality`` groups the cluster's holders (node stores, pools) hold,
+    from each holder the registry lists: an encoder output is there once its worker ran the
+    encoder and saved it (written through to its node's store)."""
+    import ray
+
+    from mmtier.cluster import ClusterSettings
+
+    reg = ray.get_actor(ClusterSettings().registry_name, namespace="mmtier")
+    out: set[str] = set()
+    for holder in ray.get(reg.holders.remote(), timeout=60):
+        inventory = ray.get(ray.get_actor(holder.name, namespace="mmtier").inventory.remote(), timeout=60)
+        out |= {item["key"]["digest"] for item in inventory if item["key"]["modality"] == modality}
+    return out
+
+
+def _published(before: set[str], modality: str, at_least: int, settle_s: float) -> set[str]:
+    """The new ``modality`` groups once at least ``at_least`` are listed (30 s at most), after
+    ``settle_s`` more for any stray publish."""
+    deadline = time.monotonic() + 30
+    while len(groups_of(modality) - before) < at_least and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(settle_s)
+    return groups_of(modality) - before
+
+
+def two_tenants(app: LLMApp, model: str, keys: tuple[str, str], messages: list[dict], modality: str) -> dict:
+    """Tenant a (``keys[0]``) sends ``messages`` twice, then tenant b (``keys[1]``) twice, through
+    mmtier's ingress (which sets each one's ``cache_salt`` and item names): the answers, cached
+    tokens, and the encoder-output groups (``modality``) published after a's pair and after b's.
+    A group appears only where a worker ran the encoder and saved its output: b's first request
+    publishes its own only if it neither loaded a's from mmtier nor took it from vLLM's cache."""
+    greedy = dict(max_tokens=8, temperature=0.0)
+    before = groups_of(modality)
+    out: dict = {"answers": [], "cached": []}
+    for i, key in enumerate((keys[0], keys[0], keys[1], keys[1])):
+        r = client(app, key).chat.completions.create(model=model, messages=messages, **greedy)
+        out["answers"].append(r.choices[0].message.content)
+        out["cached"].append(r.usage.prompt_tokens_details.cached_tokens)
+        if i == 1:
+            out["after_a"] = _published(before, modality, 1, 2.0)
+    out["after_b"] = _published(before, modality, len(out["after_a"]) + 1, 2.0)
+    return out
+
+
+def assert_tenants_apart(r: dict) -> None:
+    """Each tenant's encoder ran once (its output published once, a's repeat and b's repeat
+    publish nothing new: they hit), b never got a's (b's first publishes as many groups again and
+    hits no KV), and every answer is the first one's."""
+    a = r["after_a"]
+    assert a and len(r["after_b"]) == 2 * len(a) and a < r["after_b"], r
+    assert r["cached"][0] == 0 and r["cached"][1] > 0 and r["cached"][2] == 0 and r["cached"][3] > 0, r
+    assert len(set(r["answers"])) == 1, r

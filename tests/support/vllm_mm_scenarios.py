@@ -94,10 +94,12 @@ class EncoderCalls:
         return sum(self.llm.collective_rpc(_take_encoded))
 
 
-def request(prompt: str, picture, uuid: str | None = None) -> dict:
+def request(prompt: str, picture, uuid: str | None = None, salt: str | None = None) -> dict:
     req = {"prompt": prompt, "multi_modal_data": {"image": picture}}
     if uuid is not None:
         req["multi_modal_uuids"] = {"image": [uuid]}
+    if salt is not None:
+        req["cache_salt"] = salt                 # a tenant's, as the Serve ingress sets it
     return req
 
 
@@ -196,6 +198,22 @@ def across_instances(model: str, tmp: str) -> dict:
     return out
 
 
+def tenants(model: str, tmp: str) -> dict:
+    """In-process engines with the encoder-cache connector, one after the other over one mmtier
+    cache, each starting with vLLM's own encoder cache empty (which, keyed by the item's hash and
+    not by the salt, would answer any request inside one engine): image A under tenant a's
+    ``cache_salt`` (encoded), then in a fresh engine under a's salt (mmtier's: not encoded), in a
+    fresh one under b's salt (never a's output: encoded), in a fresh one under b's again
+    (b's own: not encoded), and in a fresh one with no salt (the server tenant: encoded)."""
+    p = prompts()["same"]
+    out: dict = {}
+    for name, salt in (("a1", "salt-a"), ("a2", "salt-a"), ("b1", "salt-b"), ("b2", "salt-b"), ("none", None)):
+        llm = mm_engine(model, ec=True)
+        out[name] = run(llm, [request(p, image(1), salt=salt)], EncoderCalls(llm))[0]
+        _keep_cache(llm)
+    return out
+
+
 def sizes_only(model: str, tmp: str) -> dict:
     """Both connectors given only sizes, as a vLLM user turns them on: each reads the LLaVA's
     shape from vLLM (its text and vision KV, its projector's output width) and the two share one
@@ -232,7 +250,7 @@ def sizes_only(model: str, tmp: str) -> dict:
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (default_executor, across_instances, sizes_only)}
+SCENARIOS = {f.__name__: f for f in (default_executor, across_instances, tenants, sizes_only)}
 
 
 def main(argv: list[str]) -> int:

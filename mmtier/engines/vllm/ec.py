@@ -10,9 +10,13 @@ Each item's encoder output goes to the embedding pool of its medium (``embed_poo
 and a video's to ``vision_embed``, a clip's to ``audio_embed``), or every item to the one
 ``mmtier_embed_modality`` names. An item's key is the digest mmtier computes over the item's processed inputs
 (``keys.inputs_digest`` of ``mm_features[i].data``: the pixels as the model sees them) under the
-server-side tenant (``mmtier_tenant``), never vLLM's identifier, which a client may choose
+request's scope (``keys.embedding_scope``: the server-side tenant ``mmtier_tenant`` and the
+request's ``cache_salt``, as the KV connector's keys; an item of a request without a salt is
+under the server tenant alone), never vLLM's identifier, which a client may choose
 (``multi_modal_uuids``): two images sent under one uuid never share an encoder output. The group
-is content-only, so every request and every instance sharing the cache reuses it. vLLM's
+is content-only, so every request of that scope and every instance sharing the cache reuses it;
+another salt (tenant) never does. The scheduler computes the keys and sends them to the worker
+in the step's metadata, which loads and saves under those keys only. vLLM's
 ``has_cache_item`` passes the identifier alone; the scheduler answers it only for an identifier
 of the request it is scheduling (``ensure_cache_available``, which vLLM calls just before, gives
 the request; its items' keys are computed once per request), and ``False`` for one it has no
@@ -57,7 +61,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from ...content import ContentKey
 from ...errors import MMTierError
 from ..connector_cache import open_shared, release_shared, report_for, tenant_from_extra
-from .keys import embed_pools, embedding_key
+from .keys import embed_pools, embedding_key, embedding_scope
 from .lookup_channel import LookupChannel
 from .metrics import MMTierECPromMetrics, MMTierECStats
 from .setup import SPLIT_BACKENDS
@@ -128,13 +132,15 @@ class MMTierECConnector(ECConnectorBase):
         self._waits: dict[str, _Wait] = {}         # scheduler: request id -> its cluster lookup
         self._located: OrderedDict[ContentKey, None] = OrderedDict()   # split scheduler: held elsewhere
 
-    def item_key(self, feature: Any) -> ContentKey | None:
-        """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of
-        its processed inputs; ``None`` when they are not at hand (nothing cached for it)."""
+    def item_key(self, request: Any, feature: Any) -> ContentKey | None:
+        """The key of a request's media item's encoder output (a ``MultiModalFeatureSpec``): the
+        digest of its processed inputs under the request's scope; ``None`` when they are not at
+        hand (nothing cached for it)."""
         pool = self.pools.get(feature.modality)
         if pool is None:                         # a medium with no pool of its own: not cached
             return None
-        return embedding_key(self.cache, feature, modality=pool, tenant=self.tenant)
+        return embedding_key(self.cache, feature, modality=pool,
+                             tenant=embedding_scope(self.tenant, request, feature))
 
     # ------------------------------------------------------------------ scheduler side
     def _request_keys(self, request: Request) -> dict[str, ContentKey | None]:
@@ -144,7 +150,7 @@ class MMTierECConnector(ECConnectorBase):
         if keys is None:
             keys = {}
             for f in request.mm_features or []:
-                key = self.item_key(f)
+                key = self.item_key(request, f)
                 keys[f.identifier] = key if keys.get(f.identifier, key) == key else None
             self._req_keys[request.request_id] = keys
         return keys

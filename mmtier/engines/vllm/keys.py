@@ -98,6 +98,23 @@ def lora_scope(request: Any) -> str | None:
     return f"lora:{lora.lora_name}:{getattr(lora, 'lora_path', '')}"
 
 
+def request_scope(tenant: str | None, request: Any, *, lora: bool = True) -> str | None:
+    """The scope of every key a vLLM request makes (KV groups, their recurrent states, encoder
+    outputs): the server-side tenant (``mmtier_tenant``), then the request's ``cache_salt``,
+    then (``lora``) its LoRA adapter; only the server tenant when the request has neither.
+    The cache turns it into the key's salt with its secret (``content_key``: HMAC under
+    ``key_secret``), so a client's ``cache_salt`` alone names no scope. Every key made for a
+    request takes its scope from here (``tests/engines/test_request_scope.py`` checks)."""
+    parts = [tenant or ""]
+    salt = getattr(request, "cache_salt", None)
+    if salt:
+        parts.append(f"salt/{salt}")
+    adapter = lora_scope(request) if lora else None
+    if adapter:
+        parts.append(adapter)
+    return "/".join(parts) if len(parts) > 1 else tenant
+
+
 @dataclass(frozen=True)
 class KeyScheme:
     """How the connector keys a request's prompt, from its extra config: the server-side tenant
@@ -119,21 +136,21 @@ class KeyScheme:
                    int(extra.get("mmtier_chunk_blocks", 16)), dict(extra.get("mmtier_modalities", {})))
 
     def scope(self, request: Any) -> str | None:
-        """The key scope: the server-side tenant, vLLM's ``cache_salt``, the LoRA adapter."""
-        parts = [self.tenant or ""]
-        salt = getattr(request, "cache_salt", None)
-        if salt:
-            parts.append(f"salt/{salt}")
-        lora = lora_scope(request)
-        if lora:
-            parts.append(lora)
-        return "/".join(parts) if len(parts) > 1 else self.tenant
+        """The key scope of the request's KV groups (``request_scope``, with its LoRA adapter)."""
+        return request_scope(self.tenant, request)
 
     def plan(self, cache: TieredKVCache, request: Any, cuts: Sequence[int] = ()) -> RequestPlan:
         """The chained segments of a vLLM request (``prompt_token_ids``, ``mm_features``,
         ``cache_salt``, ``lora_request``: a scheduler's ``Request`` or an ``EngineCoreRequest``),
         its text also cut at ``cuts`` (``plan``: where an earlier prompt's part ended)."""
-        return plan_request(cache, list(request.prompt_token_ids or []), media_of(request),
+        return self.plan_tokens(cache, request, list(request.prompt_token_ids or []), cuts)
+
+    def plan_tokens(self, cache: TieredKVCache, request: Any, token_ids: Sequence[int],
+                    cuts: Sequence[int] = ()) -> RequestPlan:
+        """The chained segments of ``token_ids`` under the request's media and scope: its prompt
+        (``plan``), or its prompt and the tokens it generated (the connector's decode saves,
+        which are then keyed as the next turn's prompt repeating them will be)."""
+        return plan_request(cache, list(token_ids), media_of(request),
                             block_size=self.block_size, tenant=self.scope(request),
                             chunk_blocks=self.chunk_blocks, text_modality=self.text_modality,
                             modality_map=self.modality_map, cuts=cuts)
@@ -145,11 +162,25 @@ class KeyScheme:
                          tenant=self.scope(request), text_modality=self.text_modality)
 
 
+def tower_lora(feature: Any) -> bool:
+    """Whether vLLM runs the item's encoder under the request's LoRA adapter: vLLM then names
+    the item ``"<adapter>:<mm_hash>"`` (``enable_tower_connector_lora``), else by ``mm_hash``."""
+    mm_hash = getattr(feature, "mm_hash", None)
+    return mm_hash is not None and feature.identifier != mm_hash
+
+
+def embedding_scope(tenant: str | None, request: Any, feature: Any) -> str | None:
+    """The scope of a request's item's encoder output: ``request_scope`` (the server tenant and
+    the request's ``cache_salt``), with the LoRA adapter only where it runs in the encoder."""
+    return request_scope(tenant, request, lora=tower_lora(feature))
+
+
 def embedding_key(cache: TieredKVCache, feature: Any, *, modality: str, tenant: str | None
                   ) -> ContentKey | None:
     """The key of a media item's encoder output (a ``MultiModalFeatureSpec``): the digest of its
-    processed inputs under the server-side tenant, content-only (no prefix); ``None`` when the
-    inputs are not at hand. The connector and a router locating the item both call it."""
+    processed inputs under ``tenant`` (the request's ``embedding_scope``), content-only (no
+    prefix: every request of that scope shares it); ``None`` when the inputs are not at hand.
+    The connector and a router locating the item both call it."""
     digest = inputs_digest(feature.data)
     if digest is None:
         return None
