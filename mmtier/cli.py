@@ -40,6 +40,7 @@ BENCHMARK_MODULES = {"alloc": "benchmarks.pages.alloc", "kernels": "benchmarks.k
                      "connector_copy": "benchmarks.engines.connector_copy"}
 BENCHMARKS = tuple(BENCHMARK_MODULES)
 DEFAULT_OUT = Path("benchmarks") / "results"
+DEMO_RUNS = Path("runs")                       # each demo's report, chart and logs (git-ignored)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -54,8 +55,10 @@ def main() -> None:
                    "connectors (the engines environment); transformers: mmtier's own chat engine actor "
                    "(Qwen2-VL + Whisper).")
 @click.option("--quick", is_flag=True, help="A smaller workload with the same checks.")
-@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=DEFAULT_OUT,
-              show_default=True, help="Directory of the JSON report, the PNG chart (and, for vllm, the engines' log).")
+@click.option("--out", "out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Directory of the JSON report, the PNG chart (and, for vllm, the engines' log and requests); "
+                   "default runs/demo-<UTC time>/ (git-ignored). The committed figures are refreshed only "
+                   "with --out benchmarks/results.")
 @click.option("--tenants", type=click.IntRange(1, 16), help="transformers: tenants (default 3; --quick 2).")
 @click.option("--conversations", type=click.IntRange(1, 64),
               help="Conversations (vllm: in all, default 10, --quick 4; transformers: per tenant, default 3, --quick 2).")
@@ -81,6 +84,7 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
     disk and to the node store, checked against DynamicCache recomputing each conversation."""
     kw = {k: v for k, v in {"tenants": tenants, "conversations": conversations, "turns": turns}.items()
           if v is not None}
+    out = out if out is not None else demo_run_dir()
     if engine == "vllm":
         from .demo.chart import plot_serving
         from .demo.serving import ServingDemoSpec, format_serving_report, run_serving_demo
@@ -108,6 +112,17 @@ def demo(engine: str, quick: bool, out: Path, tenants: int | None, conversations
     if not report.passed:
         click.echo("check FAILED: an answer differs from the engine without mmtier", err=True)
         sys.exit(1)
+
+
+def demo_run_dir(root: Path = DEMO_RUNS) -> Path:
+    """A fresh run folder for one demo (``runs/demo-<UTC time>``): a demo never rewrites the
+    committed figures unless told to."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path, n = root / f"demo-{stamp}", 1
+    while path.exists():
+        n += 1
+        path = root / f"demo-{stamp}-{n}"
+    return path
 
 
 # ---------------------------------------------------------------------- start / status

@@ -13,7 +13,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from mmtier.cli import format_status, load_start_config, main
+from mmtier.cli import demo_run_dir, format_status, load_start_config, main
 from mmtier.config import DEFAULT_KEY_SECRET
 from mmtier.errors import ConfigError
 
@@ -29,6 +29,16 @@ def test_help(command):
     assert "Usage:" in result.output
     if command is None:
         assert all(c in result.output for c in COMMANDS)
+
+
+def test_demo_run_dirs_are_fresh_and_ignored(tmp_path):
+    first = demo_run_dir(tmp_path / "runs")
+    first.mkdir(parents=True)
+    second = demo_run_dir(tmp_path / "runs")
+    assert first.parent == second.parent == tmp_path / "runs" and first.name.startswith("demo-")
+    assert second != first and not second.exists()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "runs/demo-x/demo_serving.json"], cwd=ROOT)
+    assert ignored.returncode == 0, "runs/ must be git-ignored: a demo leaves the clone clean"
 
 
 def test_bench_rejects_unknown_names():
@@ -121,10 +131,16 @@ def test_format_status_table():
 def test_demo_quick_end_to_end(tmp_path):
     """The transformers demo (``--engine transformers``; the default, vLLM's, runs in the engines
     environment: ``tests/demo/test_serving.py``)."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    committed = {p: p.read_bytes() for p in (ROOT / "benchmarks" / "results").glob("demo.*")}
+    # no --out, run from a scratch folder: the report lands in its runs/demo-<time>/, nothing committed moves
     proc = subprocess.run([sys.executable, "-m", "mmtier.cli", "demo", "--engine", "transformers", "--quick",
-                           "--out", str(tmp_path), "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                           "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p: p.read_bytes() for p in committed} == committed
+    (run_dir,) = (tmp_path / "runs").glob("demo-*")
+    tmp_path = run_dir
     out = proc.stdout
     for heading in ("media by modality", "bytes per tier", "spills", "restores",
                     "time per turn", "with cache", "without cache"):

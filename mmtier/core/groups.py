@@ -41,6 +41,8 @@ class ModalityGroup:
     freed: bool = False                              # gone from the cache; its storage goes
                                                      # when the last pin is dropped
     parent: ModalityGroup | None = None              # the group its key chains (prefix-dependent)
+    generated: bool = False                          # KV of tokens a model generated (an answer):
+                                                     # admitted on probation, counted apart
 
     @property
     def modality(self) -> str:

@@ -39,7 +39,9 @@ class EngineSpec:
     mmtier: dict | None = None      # the connectors' extra config (sizes only), None: plain vLLM
     encoder_cache: bool = True      # with mmtier: its encoder-cache connector beside the KV one
     max_num_seqs: int = 8
-    shutdown_timeout_s: int = 120   # SIGTERM drains, and the engine's processes exit (caches close)
+    # SIGTERM drains for this long and the engine's processes exit (caches close); None: vLLM's
+    # defaults (no drain; its workers are killed, the caches' write-behind made them durable)
+    shutdown_timeout_s: int | None = 120
     python: str = sys.executable    # the engines environment's interpreter
     extra_env: dict = field(default_factory=dict)
 
@@ -51,8 +53,9 @@ class EngineSpec:
                 "--kv-cache-memory-bytes", str(self.kv_blocks * BLOCK * self.token_kv_bytes),
                 "--limit-mm-per-prompt", json.dumps(self.mm_limits or {"image": self.images_per_prompt}),
                 "--max-num-seqs", str(self.max_num_seqs), "--seed", "0", "--disable-uvicorn-access-log",
-                "--shutdown-timeout", str(self.shutdown_timeout_s),
                 "--worker-extension-cls", "mmtier.demo.worker_ext.DemoWorker"]
+        if self.shutdown_timeout_s is not None:
+            args += ["--shutdown-timeout", str(self.shutdown_timeout_s)]
         if self.mmtier is not None:
             args += ["--kv-transfer-config", json.dumps({
                 "kv_connector": "MMTierConnector", "kv_connector_module_path": "mmtier.engines.vllm.connector",
@@ -112,8 +115,11 @@ class EngineServer:
 
     def start(self) -> EngineServer:
         env = {**same_cores_env(), **os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "INFO",
-               "TOKENIZERS_PARALLELISM": "false",
-               "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS": str(self.spec.shutdown_timeout_s), **self.spec.extra_env}
+               "TOKENIZERS_PARALLELISM": "false", **self.spec.extra_env}
+        if self.spec.shutdown_timeout_s is not None:
+            env["VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"] = str(self.spec.shutdown_timeout_s)
+        else:
+            env.pop("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", None)
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)          # the pool is --kv-cache-memory-bytes
         with open(self.log_path, "a") as log:
             log.write(f"\n==== {time.strftime('%H:%M:%S')} start {self.spec.name}: "

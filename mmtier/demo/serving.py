@@ -18,9 +18,12 @@ What it does, in order:
    through vLLM's pool; the working set is several times vLLM's KV pool;
 3. sends every turn to both servers, streamed, in alternating order (paired): time to first
    token is the first content chunk; greedy answers (temperature 0) must be equal;
-4. midway, restarts the mmtier server (SIGTERM: its caches write what they hold to the disk
-   tier; a new server over the same disk folder) and carries on: the conversations continue
-   from mmtier's disk tier;
+4. midway, restarts the mmtier server the way servers are stopped: SIGTERM to its main process
+   with vLLM's default shutdown (which kills the workers: no cache is closed), more than the
+   write-behind's lag after the last answer (every saved group is on disk by then,
+   ``mmtier.tiers.durability``); ``flush_at_restart`` closes the caches first through
+   ``/collective_rpc`` instead (a faster flush). A new server over the same disk folder: the
+   conversations continue from mmtier's disk tier;
 5. then audio and video turns (``mmtier.demo.media``: the tiny Qwen2-Audio and Qwen2-VL, a pair
    of servers each, ``input_audio`` WAV clips and ``video_url`` MP4 data URLs reused across
    turns and users; answers equal, no times);
@@ -46,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import CacheConfig
 from ..stats.machine import machine
 from .media import MEDIA, MediaDemoSpec, media_figures, run_media, token_counts
 from .streaming import stream_chat
@@ -72,6 +76,9 @@ class ServingDemoSpec:
     host_bytes: int = 1 << 30           # mmtier's host tier
     chunk_blocks: int | None = None     # the KV connector's blocks per text group (None: its default)
     encoder_cache: bool = True          # mmtier's encoder-cache connector beside its KV connector
+    # close the mmtier workers' caches (/collective_rpc) before the restart's stop: a faster
+    # flush; off, the stop is a plain SIGTERM and the write-behind made every save durable
+    flush_at_restart: bool = False
     # the pause before each request: vLLM's worker busy-waits 1 s on its shared-memory queue
     # after each step (shm_broadcast.SpinCondition, not configurable), on a core the other
     # engine then lacks; without the pause whichever engine answered second in a pair took up
@@ -185,7 +192,7 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
         mm_spec = EngineSpec("mmtier", mmtier=mmtier_sizes(disk, device_bytes=spec.device_bytes,
                                                             host_bytes=spec.host_bytes,
                                                             chunk_blocks=spec.chunk_blocks),
-                              encoder_cache=spec.encoder_cache, **common)
+                              encoder_cache=spec.encoder_cache, shutdown_timeout_s=None, **common)
         servers = {"plain": EngineServer(EngineSpec("plain", **common), log_path),
                    "mmtier": EngineServer(mm_spec, log_path)}
         try:
@@ -208,7 +215,11 @@ def run_serving_demo(spec: ServingDemoSpec, out: Path, progress: bool = True) ->
                         encoded[name][_prev(spec, i)] += s.encoded()
                     bar.set_description_str("demo: restarting mmtier's engine")
                     t0 = time.perf_counter()
-                    timings["caches_closed_at_restart"] = servers["mmtier"].close_caches()
+                    if spec.flush_at_restart:
+                        timings["caches_closed_at_restart"] = servers["mmtier"].close_caches()
+                    else:                # a plain stop, past the write-behind's lag bound
+                        timings["caches_closed_at_restart"] = 0
+                        time.sleep(CacheConfig.model_fields["durable_lag_s"].default + 1.0)
                     servers["mmtier"].stop()
                     files = sorted(Path(disk).rglob("*.arrow"))
                     timings["disk_files_at_restart"] = len(files)

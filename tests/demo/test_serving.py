@@ -42,7 +42,8 @@ def test_demo_quick_answers_equal_through_a_restart(tmp_path):
         assert report[f"answers_equal__{phase}"] == report[f"requests__{phase}"]
     # vLLM's pool holds a fraction of the conversations; the restart found mmtier's disk tier
     assert report["working_set_tokens"] > 2 * report["vllm_kv_tokens"]
-    assert report["caches_closed_at_restart"] >= 1 and report["disk_files_at_restart"] > 0
+    # a plain stop (SIGTERM, vLLM's default shutdown: no cache closed): the write-behind's files
+    assert report["caches_closed_at_restart"] == 0 and report["disk_files_at_restart"] > 0
     assert report["cached_tokens_mmtier__later_after_restart"] > report["cached_tokens_plain__later_after_restart"]
     # the four modalities: audio and video on their own tiny models, items reused, answers equal
     assert report["text__requests"] > 0 and report["image__requests"] > 0

@@ -52,7 +52,9 @@ pip_in install -q -e ".[dev,hf]"
 # expected, so it is not printed
 pip_in install -q --no-warn-conflicts --no-deps sglang==0.5.23
 pip_in install -q --no-warn-conflicts orjson==3.13.0 ipython==9.18.1    # what it imports (with theirs)
-"$ENG/bin/python" - <<'PY'
+# the import check's stderr goes to the log (vLLM's CPU build warns at import that Triton has no
+# CPU backend: not the newcomer's business); a failed import shows the log's end
+if ! "$ENG/bin/python" - 2>>"$LOG" <<'PY'
 import importlib
 for m in ("torch", "mmtier", "vllm", "vllm.distributed.kv_transfer.kv_connector.factory",
           "vllm.distributed.ec_transfer.ec_connector.factory", "transformers",
@@ -62,4 +64,9 @@ import torch
 import vllm
 print(f"[engines] ready: vLLM {vllm.__version__}, torch {torch.__version__}, SGLang importable")
 PY
+then
+    echo "[engines] the engines environment does not import; the end of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+fi
 echo "$want" > "$STAMP"

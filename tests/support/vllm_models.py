@@ -105,9 +105,14 @@ def build_gemma3(path: str | Path, *, seed: int = 0) -> Path:
     return path
 
 
+QWEN3_NEXT_TYPES = ["linear_attention"] * 3 + ["full_attention"]     # full_attention_interval 4
+
+
 def build_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
-    """A 4-layer Qwen3-Next (Gated DeltaNet layers, then full attention, twice; head_dim 64, a
-    2-expert MoE) in bfloat16, the dtype vLLM's CPU build runs its GDN kernels in."""
+    """An 8-layer Qwen3-Next at the released family's pattern (Qwen3-Next-80B-A3B, Qwen3.5: three
+    Gated DeltaNet layers, then full attention; twice), head_dim 64, a 2-expert MoE, in bfloat16
+    (the dtype vLLM's CPU build runs its GDN kernels in). vLLM's hybrid allocator gives it three
+    recurrent KV cache groups and one attention group."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -115,18 +120,95 @@ def build_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
     if (path / "config.json").exists():
         return path
     torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=8,
                           num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=64,
                           linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=64,
                           linear_value_head_dim=64, num_experts=2, num_experts_per_tok=1,
                           moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                          layer_types=["linear_attention", "full_attention"] * 2, max_position_embeddings=4096,
-                          tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+                          full_attention_interval=4, layer_types=QWEN3_NEXT_TYPES * 2,
+                          max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)
     _randomized(Qwen3NextForCausalLM(cfg).to(torch.bfloat16), 0.1).save_pretrained(path)
     return path
 
 
-def gemma3_fields(disk_dir: str | Path | None, *, device_pages: int = 256) -> dict:
-    """mmtier's cache for the Gemma 3's KV (all four layers, sliding ones included)."""
-    return {**cache_fields(disk_dir, device_pages=device_pages), "model": "tiny-gemma3-vllm", "num_layers": 4,
-            "device_bytes": device_pages * BLOCK * 2 * 4 * KV_HEADS * HEAD_DIM * 4}
+# Gemma 3's own pattern (every size: five sliding-window layers, then one full; window 1024 of
+# a 128k context at 4B and up), scaled: window 64 (2 blocks), hidden 160 with 4 query / 2 KV
+# heads of 32 (GQA 2:1 and heads x head_dim = 0.8 x hidden, as Gemma 3 4B's 8 x 256 / 2560)
+GEMMA3_TYPES = ["sliding_attention"] * 5 + ["full_attention"]
+
+
+def build_gemma3_family(path: str | Path, *, layers: int = 6, seed: int = 0) -> Path:
+    """A Gemma 3 at the family's 5:1 sliding / full pattern (``layers`` a multiple of 6),
+    float32: vLLM's hybrid allocator gives it five sliding-window groups and one full one."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=160, intermediate_size=320, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                           query_pre_attn_scalar=HEAD_DIM, max_position_embeddings=4096,
+                           sliding_window=GEMMA_WINDOW, layer_types=GEMMA3_TYPES * (layers // 6),
+                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    _randomized(Gemma3ForCausalLM(cfg).to(torch.float32), 0.1).save_pretrained(path)
+    return path
+
+
+def gemma3_fields(disk_dir: str | Path | None, *, device_pages: int = 256, layers: int = 4) -> dict:
+    """mmtier's cache for a Gemma 3's KV (all ``layers`` layers, sliding ones included)."""
+    return {**cache_fields(disk_dir, device_pages=device_pages), "model": "tiny-gemma3-vllm", "num_layers": layers,
+            "device_bytes": device_pages * BLOCK * 2 * layers * KV_HEADS * HEAD_DIM * 4}
+
+
+# gpt-oss's own pattern (gpt-oss-20b / 120b: sliding-window layers of 128 tokens and full ones,
+# alternating), scaled: window 64 (2 blocks), hidden 128, 8 query heads to 1 KV head of 32 (its
+# GQA 8:1; heads x head_dim = 2 x hidden, as 64 x 64 over 2880 is 1.4x), 4 experts, 2 per token
+GPT_OSS_TYPES = ["sliding_attention", "full_attention"]
+
+
+def build_gpt_oss(path: str | Path, *, layers: int = 4, seed: int = 0) -> Path:
+    """A gpt-oss at the family's 1:1 sliding / full pattern, unquantized bfloat16 (vLLM's CPU
+    build runs attention sinks in bf16): two KV cache groups."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = GptOssConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                       num_attention_heads=8, num_key_value_heads=1, head_dim=HEAD_DIM, sliding_window=GEMMA_WINDOW,
+                       layer_types=GPT_OSS_TYPES * (layers // 2), num_local_experts=4, num_experts_per_tok=2,
+                       max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                       pad_token_id=0)
+    # N(0, 0.5): at 0.1 or 0.2 this tiny gpt-oss repeats one token at near-uniform logprobs
+    _randomized(GptOssForCausalLM(cfg).to(torch.bfloat16), 0.5).save_pretrained(path)
+    return path
+
+
+# Granite-4.0-H's own pattern (Mamba-2 layers with one attention layer in ten: H-Tiny / H-Small
+# have attention at layers 5, 15, 25, 35 of 40), scaled: 10 layers, attention at layer 5
+GRANITE_H_TYPES = ["mamba"] * 5 + ["attention"] + ["mamba"] * 4
+
+
+def build_granite_h(path: str | Path, *, seed: int = 0) -> Path:
+    """A Granite-4.0-H (Mamba-2 and attention, 9:1) in bfloat16, a 2-expert MoE."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(seed)
+    cfg = GraniteMoeHybridConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=128, num_hidden_layers=10,
+                                 num_attention_heads=4, num_key_value_heads=KV_HEADS, layer_types=GRANITE_H_TYPES,
+                                 num_local_experts=2, num_experts_per_tok=1, shared_intermediate_size=128,
+                                 mamba_n_heads=8, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1,
+                                 mamba_expand=2, mamba_chunk_size=256, position_embedding_type="nope",
+                                 max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                                 eos_token_id=2, pad_token_id=0)
+    _randomized(GraniteMoeHybridForCausalLM(cfg).to(torch.bfloat16), 0.1).save_pretrained(path)
+    return path

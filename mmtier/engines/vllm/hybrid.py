@@ -25,12 +25,15 @@ of the prompt, every layer's K and V); what differs is where each layer's positi
 Recurrent layers (Mamba, Gated DeltaNet in Qwen3-Next / Qwen3.5) keep a state per request, not
 KV per position. With vLLM's prefix caching on, vLLM runs them in its ``align`` mode: prefill
 steps end on block boundaries and the state after position ``e`` (a multiple of the block size)
-lies in the layer's block ``e // block_size - 1`` of that group's table. mmtier keeps such a
-state as groups of their own (``StateCopy``; one embedding pool per state tensor, keyed by the
-group that ends at ``e``: ``KeyMaker.state``), saved where a step ends on a group's end, and a
-hit ends only where a state is held: the KV of every attention layer up to ``e`` and the state
-at ``e`` restore the request exactly. Without prefix caching (vLLM's ``none`` mode a request's
-state moves between blocks as it runs) the connector is refused with that reason.
+lies in the layer's block ``e // block_size - 1`` of that group's table. vLLM's allocator puts
+as many layers in each group as the smallest kind has (Qwen3-Next's 3 linear : 1 full makes
+three recurrent groups and one attention group), so there may be several recurrent groups, each
+with its own table. mmtier keeps the state of all recurrent layers together (``StateCopy``; one
+embedding pool per state tensor, keyed by the group that ends at ``e``: ``KeyMaker.state``),
+each layer's rows read from, and written to, its own group's block; saved where a step ends on a
+group's end, and a hit ends only where a state is held: the KV of every attention layer up to
+``e`` and the state at ``e`` restore the request exactly. Other modes are refused with the
+setting to change (``kv_groups``).
 """
 
 from __future__ import annotations
@@ -55,55 +58,90 @@ NULL_BLOCK = 0          # vLLM's BlockPool hands out block 0 as the null block, 
 @dataclass(frozen=True)
 class StateCopy:
     """The recurrent state after positions ``[0, end)`` of a request, the state after ``key``'s
-    group, in vLLM's state block ``block`` (``-1``: vLLM gave none, the load fails)."""
+    group: ``blocks`` holds vLLM's state block of each recurrent KV cache group
+    (``KVGroups.state_groups`` order; ``-1``: vLLM gave none, the load fails)."""
 
     req_id: str
     key: Any
     end: int
-    block: int
+    blocks: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        """Every recurrent group has its block."""
+        return bool(self.blocks) and min(self.blocks) >= 0
 
 
 @dataclass(frozen=True)
 class KVGroups:
     """The KV cache groups of a hybrid engine: which group each attention layer is in, each
-    group's sliding window (``None``: full attention), and the layers holding a recurrent state
-    (and their group)."""
+    group's sliding window (``None``: full attention or a recurrent group), the recurrent
+    groups, and their layers (group by group) with each one's place in ``state_groups``."""
 
     layer_group: dict[str, int]
     windows: tuple[int | None, ...]
     state_layers: tuple[str, ...] = ()
-    state_group: int | None = None
+    state_groups: tuple[int, ...] = ()
+    state_layer_group: tuple[int, ...] = ()      # per state layer: its index in state_groups
 
     @property
     def count(self) -> int:
         return len(self.windows)
 
     def describe(self) -> str:
-        kinds = ["full" if w is None else f"sliding {w}" for w in self.windows]
+        kinds = ["recurrent" if i in self.state_groups else "full" if w is None else f"sliding {w}"
+                 for i, w in enumerate(self.windows)]
         return ", ".join(f"group {i}: {k}" for i, k in enumerate(kinds))
 
+    def layer_blocks(self, op: StateCopy) -> list[int]:
+        """vLLM's block of each state layer (``state_layers`` order) for ``op``."""
+        return [op.blocks[g] for g in self.state_layer_group]
 
-def kv_groups(kv_cache_config: Any) -> KVGroups | None:
+
+def _refuse_state(spec: Any, layers: int, mode: Any, prefix_caching: bool | None) -> ConfigError:
+    """Why a recurrent group in ``mode`` cannot be served, with the setting that fixes it."""
+    what = (f"this model's recurrent layers ({type(spec).__name__}, {layers} in this KV cache group) run in "
+            f"vLLM's mamba_cache_mode {mode!r}")
+    if prefix_caching is not True and mode in (None, "none"):
+        return ConfigError(f"{what}: a request's state moves between blocks as it runs, so mmtier cannot find "
+                           "it by position; turn vLLM's prefix caching on (enable_prefix_caching=True: vLLM "
+                           "then runs them in mamba_cache_mode 'align', the state after each block in a block "
+                           "of its own), or serve the model without the connector",
+                           ("kv_connector", "enable_prefix_caching"))
+    return ConfigError(f"{what}, prefix caching on; mmtier's connector reads states laid out by mode 'align' "
+                       "(the state after each block in a block of its own): set mamba_cache_mode='align' "
+                       "(--mamba-cache-mode align), or serve the model without the connector",
+                       ("kv_connector", "mamba_cache_mode"))
+
+
+def kv_groups(kv_cache_config: Any, prefix_caching: bool | None = None) -> KVGroups | None:
     """The groups of ``kv_cache_config`` where there are several (vLLM's hybrid allocator on);
     ``None`` for one group (every layer shares one block table: the connector's plain path).
-    A group of recurrent state (Mamba, linear attention) raises ``ConfigError``."""
+    Recurrent groups (Mamba, linear attention) in any number are state groups where vLLM runs
+    them in mode ``align``; another mode, recurrent groups whose states differ in shape, or a
+    group of another kind raise ``ConfigError`` naming the group's kind and the setting
+    (``prefix_caching``: vLLM's ``enable_prefix_caching``, ``None`` where not known)."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) <= 1:
         return None
-    layer_group, windows, state_layers, state_group = {}, [], [], None
+    layer_group, windows, state_layers, state_groups, state_layer_group = {}, [], [], [], []
+    first_state = None
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         if hasattr(spec, "shapes") and hasattr(spec, "dtypes"):        # Mamba / linear attention
             mode = getattr(spec, "mamba_cache_mode", None)
-            if mode != "align" or state_group is not None:
-                raise ConfigError(
-                    f"this model's {len(group.layer_names)} recurrent layers ({type(spec).__name__}, "
-                    f"vLLM's mamba_cache_mode {mode!r}) keep their state where mmtier cannot find it "
-                    "by position: turn vLLM's prefix caching on (its 'align' mode puts the state "
-                    "after each block in a block of its own), or serve the model without the connector",
-                    ("kv_connector", "enable_prefix_caching"))
+            if mode != "align":
+                raise _refuse_state(spec, len(group.layer_names), mode, prefix_caching)
+            shape = (type(spec).__name__, tuple(map(tuple, spec.shapes)), tuple(map(str, spec.dtypes)))
+            if first_state is None:
+                first_state = shape
+            elif shape != first_state:      # one pool per state tensor holds every layer's rows
+                raise ConfigError(f"this model's recurrent KV cache groups hold states of different shapes "
+                                  f"({first_state} and {shape}): mmtier's connector keeps one shape per state "
+                                  "tensor; serve the model without the connector", ("kv_connector", "model"))
             state_layers += list(group.layer_names)
-            state_group = index
+            state_layer_group += [len(state_groups)] * len(group.layer_names)
+            state_groups.append(index)
             windows.append(None)
             continue
         if not (hasattr(spec, "head_size") and hasattr(spec, "num_kv_heads")):
@@ -113,20 +151,23 @@ def kv_groups(kv_cache_config: Any) -> KVGroups | None:
         windows.append(getattr(spec, "sliding_window", None))
         for name in group.layer_names:
             layer_group[name] = index
-    return KVGroups(layer_group, tuple(windows), tuple(state_layers), state_group)
+    return KVGroups(layer_group, tuple(windows), tuple(state_layers), tuple(state_groups),
+                    tuple(state_layer_group))
 
 
-def state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int) -> torch.Tensor:
-    """State tensor ``index`` of every recurrent layer at vLLM's block ``block``, as
-    ``[layers * rows, width]`` (a copy: vLLM's block is written again later)."""
-    return torch.cat([layer[index][block].reshape(-1, layer[index].shape[-1]) for layer in views])
+def state_rows(views: list[tuple[torch.Tensor, ...]], blocks: list[int], index: int) -> torch.Tensor:
+    """State tensor ``index`` of every recurrent layer, each at its own group's block
+    (``blocks[i]`` for ``views[i]``), as ``[layers * rows, width]`` (a copy: vLLM's block is
+    written again later)."""
+    return torch.cat([layer[index][b].reshape(-1, layer[index].shape[-1]) for layer, b in zip(views, blocks)])
 
 
-def put_state_rows(views: list[tuple[torch.Tensor, ...]], block: int, index: int, rows: torch.Tensor) -> None:
-    """The inverse of ``state_rows``: ``rows`` into every recurrent layer's block ``block``."""
+def put_state_rows(views: list[tuple[torch.Tensor, ...]], blocks: list[int], index: int,
+                   rows: torch.Tensor) -> None:
+    """The inverse of ``state_rows``: ``rows`` into every recurrent layer's block ``blocks[i]``."""
     per_layer = rows.shape[0] // len(views)
-    for i, layer in enumerate(views):
-        dst = layer[index][block]
+    for i, (layer, b) in enumerate(zip(views, blocks)):
+        dst = layer[index][b]
         dst.copy_(rows[i * per_layer:(i + 1) * per_layer].reshape(dst.shape).to(dst.device))
 
 
@@ -159,8 +200,9 @@ class AsyncLoads:
     ``get_finished`` / ``failed_recving``)."""
 
     def __init__(self, reader: Executor, read: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
-                 head_dim: int, read_state: Callable[[Any, int], torch.Tensor] | None = None):
-        self._reader, self._read, self._head_dim = reader, read, head_dim
+                 head_dim: int, read_state: Callable[[Any, int], torch.Tensor] | None = None,
+                 groups: KVGroups | None = None):
+        self._reader, self._read, self._head_dim, self._groups = reader, read, head_dim, groups
         self._read_state = read_state             # (state op's key, state index) -> rows
         self._lock = threading.Lock()
         self._pending: dict[str, int] = {}        # request -> groups still loading
@@ -187,12 +229,13 @@ class AsyncLoads:
     def _load_state(self, op: StateCopy, views: list[tuple[torch.Tensor, ...]]) -> None:
         ok = True
         try:
-            if op.block < 0 or not views or self._read_state is None:
+            if not op.whole or not views or self._read_state is None or self._groups is None:
                 raise MMTierError(f"no state block for the hit ending at {op.end}")
             rows = [self._read_state(op.key, i) for i in range(len(views[0]))]   # all read, then written
+            blocks = self._groups.layer_blocks(op)
             with torch.inference_mode():
                 for i, r in enumerate(rows):
-                    put_state_rows(views, op.block, i, r)
+                    put_state_rows(views, blocks, i, r)
         except (MMTierError, OSError, RuntimeError) as exc:
             log.warning("mmtier: load of the state after %r failed (%s); vLLM recomputes the request", op.key, exc)
             ok = False

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from typing import Any
 
 from ...content import ContentKey
 from ...errors import ConfigError
@@ -22,6 +24,23 @@ from .shape import engine_shape, engine_shard
 
 log = logging.getLogger(__name__)
 SPLIT_BACKENDS = ("ray", "mp")       # vLLM executors whose workers run in processes of their own
+SAVE_DECODE_ENV = "MMTIER_SAVE_DECODE"
+
+
+def save_decode_setting(extra: dict[str, Any], env: dict[str, str] | None = None) -> bool:
+    """Whether the KV of generated tokens is saved (``mmtier_save_decode`` in the extra config,
+    else ``MMTIER_SAVE_DECODE``; on by default). A value that is no boolean is a ``ConfigError``."""
+    env = os.environ if env is None else env
+    raw = extra.get("mmtier_save_decode", env.get(SAVE_DECODE_ENV))
+    if raw is None or isinstance(raw, bool):
+        return raw is not False
+    text = str(raw).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"mmtier_save_decode must be a boolean (or {SAVE_DECODE_ENV} 0 / 1), got {raw!r}",
+                      ("mmtier_save_decode",))
 
 
 class ConnectorSetup:
@@ -37,9 +56,10 @@ class ConnectorSetup:
         self.split = par.distributed_executor_backend in SPLIT_BACKENDS or self.shard.count > 1
         # the shape is vLLM's, this rank's (any shape the extra config gives is checked against it)
         self.shape = engine_shape(vllm_config, kv_cache_config)
-        # vLLM's hybrid allocator: several KV cache groups (full and sliding-window attention),
+        # vLLM's hybrid allocator: several KV cache groups (full, sliding-window, recurrent),
         # each with its own block table; loads then run asynchronously (vllm_hybrid)
-        self.hybrid = vllm_hybrid.kv_groups(kv_cache_config)
+        self.hybrid = vllm_hybrid.kv_groups(kv_cache_config,
+                                            getattr(vllm_config.cache_config, "enable_prefix_caching", None))
         if extra.get("mmtier_cluster") is not None and self.shard.count > 1:
             # refused before anything opens: the registry would have to be asked for every
             # worker's shard keys; not built yet
@@ -79,6 +99,17 @@ class ConnectorSetup:
                      "text chunks of %d blocks", self.hybrid.describe(), self.scheme.chunk_blocks)
         if self.cache.cfg.spec(self.scheme.text_modality).kind != "kv":
             raise ConfigError(f"{self.scheme.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
+        # the KV of generated tokens, saved as their blocks fill (scheduler._decode_saves)
+        self.save_decode = save_decode_setting(extra)
+        if self.save_decode and self.hybrid is not None:
+            self.save_decode = False
+            log.info("mmtier: generated tokens' KV is not saved with vLLM's hybrid allocator (%s): a decode "
+                     "group would need each KV cache group's blocks and the recurrent state at its end; "
+                     "prompts are saved as before", self.hybrid.describe())
+        if self.save_decode and vllm_config.speculative_config is not None:
+            self.save_decode = False
+            log.info("mmtier: generated tokens' KV is not saved with speculative decoding (rejected draft "
+                     "tokens' positions are rewritten after the scheduler counted them); prompts are saved")
 
     def key(self, key: ContentKey) -> ContentKey:
         """The key this worker's cache holds ``key``'s group under: its shard's, where the
