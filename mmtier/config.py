@@ -221,6 +221,14 @@ class CacheConfig(BaseModel):
         True, description="On close, write the shared groups still on the device and host tiers to the disk tier "
                           "(when there is one and its budget takes them), so a cache restarted over disk_dir finds "
                           "what this one held, not only what it had spilled.")
+    write_behind: bool = Field(
+        True, description="With a disk tier: every shared group saved into the cache is also written to disk in the "
+                          "background, once (mmtier.tiers.durability), so a server stopped by a signal or killed "
+                          "loses at most the last durable_lag_s of saves; off: only evictions and close write.")
+    durable_lag_s: float = Field(
+        1.0, gt=0, le=3600, description="The write-behind's bound on the lag from a save to its file being durable: "
+                                        "a save is queued only while the queued bytes drain within it at the rate "
+                                        "the disk was measured to take (else dropped, counted: durable_dropped).")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("adaptive_slru", description=f"Eviction policy, one of {POLICIES}.")

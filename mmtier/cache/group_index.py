@@ -7,7 +7,7 @@ Called with the cache's lock held.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ..config import ModalitySpec
 from ..content import ContentKey
@@ -27,6 +27,8 @@ class GroupIndex:
         self.groups: dict[ContentKey, ModalityGroup] = {}
         self.lineage = Lineage()
         self._gids = itertools.count(1)
+        # told of each new shared group (a put, an import, a sealed run): the write-behind's queue
+        self.on_saved: Callable[[ModalityGroup], None] | None = None
 
     def new_gid(self) -> int:
         return next(self._gids)
@@ -50,15 +52,20 @@ class GroupIndex:
         return group
 
     def insert(self, key: ContentKey, spec: ModalitySpec, n: int, pages: list[int], *,
-               tier: Tier = Tier.DEVICE, location: object = None) -> ModalityGroup:
+               tier: Tier = Tier.DEVICE, location: object = None, generated: bool = False) -> ModalityGroup:
         """A new shared group of ``n`` tokens on device ``pages`` (or in a lower ``tier`` at
-        ``location``: a put written around the device), filed under its lineage parent."""
+        ``location``: a put written around the device), filed under its lineage parent;
+        ``generated``: KV of generated tokens (``ModalityGroup.generated``)."""
         group = ModalityGroup(self.new_gid(), key, spec, n, tier=tier, pages=pages, location=location,
-                              parent=self.lineage.parent_of(key, self.groups))
+                              parent=self.lineage.parent_of(key, self.groups), generated=generated)
         self.groups[key] = group
         self.policy.on_insert(group)
         self.counters.add("puts", key.modality)
+        if generated:
+            self.counters.add("decode_puts", key.modality)
         self.counters.add("stored_tokens", key.modality, n)
+        if self.on_saved is not None:
+            self.on_saved(group)
         return group
 
     def adopt(self, groups: Iterable[ModalityGroup]) -> None:
@@ -77,6 +84,8 @@ class GroupIndex:
             self.policy.on_insert(group)      # it before the parent (leaf-first)
         self.counters.add("puts", key.modality)
         self.counters.add("stored_tokens", key.modality, group.num_tokens)
+        if self.on_saved is not None:
+            self.on_saved(group)
 
     def unindex(self, group: ModalityGroup) -> None:
         """The group's key no longer names it (a later group under the key stays)."""

@@ -36,9 +36,11 @@ class SharedGroups:
             self.counters.add("hits" if group is not None else "misses", key.modality)
             if group is not None:
                 group.hits += 1          # a lookup hit; recency moves on use (attach, read)
+                if group.generated:
+                    self.counters.add("decode_hits", key.modality)
             return group is not None
 
-    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor, *, generated: bool = False) -> bool:
         self.residency.check_open()
         spec = self.keyer.check_key(key, "kv")
         n = check_kv(spec, k, v, block_split=True, finite=False)
@@ -48,7 +50,8 @@ class SharedGroups:
         try:
             stored = self.store(key, spec, n, lambda pool, pages: write_fresh_pages(
                 pool, k, v, pages, backend, finite.tally), ready=finite.wait,
-                write_host=lambda host, entry: write_host_slots(host, entry, k, v, finite.tally))
+                write_host=lambda host, entry: write_host_slots(host, entry, k, v, finite.tally),
+                generated=generated)
             finite.wait()                     # a key already held: the payload is still checked
             return stored
         finally:
@@ -63,7 +66,8 @@ class SharedGroups:
         check_payload(spec, x)
         return self.store(key, spec, x.shape[0], lambda pool, pages: write_embedding(pool, x, pages))
 
-    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write, ready=None, write_host=None) -> bool:
+    def store(self, key: ContentKey, spec: ModalitySpec, n: int, write, ready=None, write_host=None, *,
+              generated: bool = False) -> bool:
         """A new shared group of ``n`` tokens: pages (making room), ``write(pool, pages)``, then
         ``ready()`` (a check of the payload that ran beside the write: it raises to refuse it),
         index. A refusal frees the pages and records nothing; room made for them by moving
@@ -77,7 +81,7 @@ class SharedGroups:
                 return False
             pool = self.residency.pools[key.modality]
             if write_host is not None and self.residency.placement.around(pool, spec.pages_for(n)):
-                stored = self.residency.store_host(key, spec, n, write_host, ready)
+                stored = self.residency.store_host(key, spec, n, write_host, ready, generated=generated)
                 if stored is not None:
                     return stored
                 if key in self.index:            # put by another thread while room was made
@@ -93,7 +97,7 @@ class SharedGroups:
             except BaseException:            # nothing recorded: the call changes nothing
                 pool.free(pages)
                 raise
-            self.index.insert(key, spec, n, pages)
+            self.index.insert(key, spec, n, pages, generated=generated)
             return True
 
     def get_embedding(self, key: ContentKey) -> torch.Tensor:

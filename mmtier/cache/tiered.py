@@ -18,8 +18,10 @@ lower tiers, room, promotion, leases, export, stats and the life cycle; the lowe
 (``engine_surface.py``: per-layer writes, seal, batched attention through
 ``attention/batch_planner.py``), ``PageIO``
 (``page_io.py``: a group as page bytes and back) and ``Holdings`` (``holdings.py``: group
-snapshots, explicit drops, page usage: what a pool serving the cache asks). This file builds
-them and delegates; it holds no bookkeeping of its own.
+snapshots, explicit drops, page usage: what a pool serving the cache asks), and, with a disk
+tier, ``WriteBehind`` (``tiers/durability.py``: every saved group also written to disk in the
+background, the index telling it of each, ``GroupIndex.on_saved``). This file builds them and
+delegates; it holds no bookkeeping of its own.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..eviction import EvictionPolicy, make_policy
 from ..pages.layer_writes import Reservation
 from ..pages.pool import DeviceArena, PagePool
 from ..stats import CacheStats, Counters
+from ..tiers.durability import WriteBehind
 from ..tiers.leases import Lease, LeaseTable
 from ..tiers.lower import LowerTiers
 from ..tiers.residency import Residency
@@ -66,6 +69,10 @@ class TieredKVCache:
         self.index = GroupIndex(self.policy, self.counters)
         self.residency = Residency(cfg, self.pools, self.keys, self.index, self.policy, self.counters)
         self.lock: OwnerLock = self.residency.lock     # residency owns the lock; the parts take it there
+        # every saved group also written to disk in the background (with a disk tier)
+        self.durable = (WriteBehind(cfg, self.residency, self.index, self.counters)
+                        if cfg.disk_dir is not None and cfg.write_behind else None)
+        self.index.on_saved = self.durable.saved if self.durable is not None else None
         self.keyer = CacheKeys(cfg, self.keys, self.index.lineage, self.lock)
         self.seqs = Sequences(cfg, self.keyer, self.index, self.residency, self.policy, self.counters)
         self.shared = SharedGroups(cfg, self.keyer, self.index, self.residency, self.policy, self.counters)
@@ -190,12 +197,15 @@ class TieredKVCache:
     def contains(self, key: ContentKey) -> bool:
         return self.shared.contains(key)
 
-    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor) -> bool:
+    def put(self, key: ContentKey, k: torch.Tensor, v: torch.Tensor, *, generated: bool = False) -> bool:
         """Store a group's K/V once; ``False`` (and nothing written) when it is already held.
         ``k, v``: ``[num_layers, n, num_kv_heads, head_dim]``, or block-split ``[num_layers,
         blocks, page_size, num_kv_heads, head_dim]`` (an engine's blocks staged as it lays them,
-        any strides): each run of pages is then one strided copy from its run of blocks."""
-        return self.shared.put(key, k, v)
+        any strides): each run of pages is then one strided copy from its run of blocks.
+        ``generated``: the KV of tokens a model generated (an answer a next turn may repeat):
+        the eviction policy admits it on probation, and its puts and hits are counted apart
+        (``decode_puts``, ``decode_hits``)."""
+        return self.shared.put(key, k, v, generated=generated)
 
     def put_embedding(self, key: ContentKey, x: torch.Tensor) -> bool:
         """Store encoder outputs ``[n_tokens, width]`` under a content-only key."""
@@ -318,8 +328,10 @@ class TieredKVCache:
         return self.residency.holds(keys)
 
     def flush(self) -> None:
-        """Wait for the copies in flight (background spills, prefetches) and apply them; the
-        wait is outside the lock, bounded in time."""
+        """Wait for the copies in flight (background spills, prefetches, the write-behind's
+        queue) and apply them; the wait is outside the lock, bounded in time."""
+        if self.durable is not None:
+            self.durable.drain()
         self.residency.flush()
 
     def prefetch(self, key: ContentKey) -> bool:
@@ -374,10 +386,16 @@ class TieredKVCache:
 
     # ------------------------------------------------------------------ stats and life cycle
     def stats(self) -> CacheStats:
-        return self.residency.stats()
+        stats = self.residency.stats()
+        if self.durable is not None:
+            stats.counters.update(self.durable.gauges())
+        return stats
 
     def close(self) -> None:
-        """Wait for in-flight copies, then close the lower tiers (files stay for a restart)."""
+        """Wait for in-flight copies (the write-behind's queue first), then close the lower tiers
+        (files stay for a restart)."""
+        if self.durable is not None:
+            self.durable.close()
         self.residency.close()
 
     def __enter__(self) -> TieredKVCache:

@@ -13,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 EVENTS = ("hits", "misses", "puts", "attaches", "shared_attaches", "evictions", "spills",
-          "restores", "corrupt_reads", "embedding_reads", "appended_tokens")
+          "restores", "corrupt_reads", "embedding_reads", "appended_tokens", "decode_puts", "decode_hits",
+          # the write-behind to the disk tier (``tiers.durability``): groups and bytes made
+          # durable, saves it dropped (the disk behind or full), writes that failed
+          "durable_writes", "durable_bytes", "durable_dropped", "durable_write_errors")
 
 
 def increments(seen: dict[tuple[str, str], int], by_modality: Mapping[str, Mapping[str, int]]

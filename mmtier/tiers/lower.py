@@ -83,6 +83,7 @@ class StagedCopy:
     key: ContentKey
     tier: Tier
     location: object
+    existing: bool = False            # a disk copy written before (write-behind): undo keeps it
 
 
 class LowerTiers:
@@ -100,13 +101,27 @@ class LowerTiers:
         self._done: collections.deque = collections.deque()
         self._spilling: dict[int, Future] = {}
         self._spill_bytes: dict[int, int] = {}  # gid -> bytes of a host -> disk spill not yet applied
+        self._durable_bytes: dict[int, int] = {}  # gid -> bytes of a write-behind copy in flight
         self._private_keys: dict[int, ContentKey] = {}
         self._lock = threading.Lock()
+        self.owner_pools = pools
         self.places = tier_places(pools, self, owner)   # Tier -> how a group there is read, freed
 
     @property
     def enabled(self) -> bool:
         return self.host is not None or self.disk is not None
+
+    @property
+    def keeps_disk_copies(self) -> bool:
+        """Whether a group's disk file stays while the group lives above it (write-behind on: a
+        promotion keeps the file, so the group stays durable)."""
+        return self.disk is not None and self.cfg.write_behind
+
+    def disk_copy(self, group: ModalityGroup):
+        """The group's durable file (``DiskEntry``) when it has one, else ``None``."""
+        if self.disk is None or group.key is None:
+            return None
+        return self.disk.info(group.key)
 
     # ------------------------------------------------------------------ keys of private runs
     def storage_key(self, group: ModalityGroup) -> ContentKey:
@@ -172,7 +187,8 @@ class LowerTiers:
             return
         entry = fut.result()
         if group.freed or group.tier != Tier.HOST or group.pins > 0:
-            if self.disk is not None and group.tier != Tier.DISK:
+            # the file goes unless it is the live group's durable copy (write-behind keeps it)
+            if self.disk is not None and group.tier != Tier.DISK and (group.freed or not self.keeps_disk_copies):
                 self.disk.remove(key)
             if group.pins > 0 and not group.freed:
                 self.counters.add("spills_undone_for_readers", group.modality)
@@ -225,6 +241,9 @@ class LowerTiers:
             if entry is not None:
                 entry.wait()                              # the device pages are read
                 return StagedCopy(key, Tier.HOST, entry)
+        written = self.disk_copy(group)
+        if written is not None and not group.freed:        # already durable: no second write
+            return StagedCopy(key, Tier.DISK, written, existing=True)
         if self.mover is not None and not group.freed and self._disk_room(group.nbytes):
             pages = view_runs(pool.view, group.pages)     # written from the pool's own memory
             try:
@@ -258,7 +277,8 @@ class LowerTiers:
             self.maybe_background_spill()
 
     def undo_demotion(self, staged: StagedCopy) -> None:
-        self.places[staged.tier].remove(staged.key)
+        if not staged.existing:
+            self.places[staged.tier].remove(staged.key)
 
     def _host_room(self, nbytes: int, *, wait: bool = True) -> bool:
         """Make room in the host tier for ``nbytes`` by spilling its unreferenced groups to
@@ -293,7 +313,8 @@ class LowerTiers:
         disk = self.disk
         if disk is None or nbytes > disk.capacity_bytes:
             return False
-        need = disk.used_bytes + sum(self._spill_bytes.values()) + nbytes - disk.capacity_bytes
+        need = (disk.used_bytes + sum(self._spill_bytes.values()) + sum(self._durable_bytes.values())
+                + nbytes - disk.capacity_bytes)
         if need > 0:
             victims = self.policy.victims(Tier.DISK, need)
             if sum(g.nbytes for g in victims) < need:
@@ -304,6 +325,15 @@ class LowerTiers:
 
     def _spill_host_group(self, group: ModalityGroup) -> Future | None:
         if group.gid in self._spilling or self.mover is None:
+            return None
+        written = self.disk_copy(group)
+        if written is not None and group.pins == 0 and not group.freed:
+            if self.host is not None:                     # already durable: the host copy just goes
+                self.host.remove(self.storage_key(group))
+            self._move(group, Tier.DISK, written)
+            self.counters.add("spills", group.modality)
+            self.counters.add("spills_to_disk", group.modality)
+            self.counters.add("spills_already_on_disk", group.modality)
             return None
         if not self._disk_room(group.nbytes):
             return None
@@ -324,15 +354,47 @@ class LowerTiers:
         for g in self.policy.victims(Tier.HOST, excess):
             self._spill_host_group(g)
 
-    def forget(self, group: ModalityGroup) -> None:
+    def forget(self, group: ModalityGroup, *, keep_file: bool = False) -> None:
         """The group is freed: drop its lower-tier copies (a spill in flight finishes first and
-        its completion removes the file)."""
+        its completion removes the file). ``keep_file``: another group now holds the key (its
+        file is that group's)."""
         key = self.storage_key(group)
         self.places[group.tier].forget(key)
-        if self.disk is not None and group.gid not in self._spilling:
+        if self.disk is not None and group.gid not in self._spilling and not keep_file:
             self.disk.remove(key)
         self._private_keys.pop(group.gid, None)
         group.location = None
+
+    # ------------------------------------------------------------------ write-behind copies
+    def start_durable_copy(self, group: ModalityGroup) -> Future | None:
+        """Start writing a shared device or host group's copy to disk, leaving the group where
+        it is (``durability.WriteBehind``, which calls ``end_durable_copy`` once it is done).
+        A device group's pages are snapshot here, in host memory (lock held): nothing is pinned
+        while the disk writes, so eviction goes on in its own order; a host group is written
+        from its slots, held by the mover until written (they never change). ``None``: nothing
+        to write (no disk tier, on disk already, no room in the budget)."""
+        if self.mover is None or group.key is None or group.freed or group.tier == Tier.DISK:
+            return None
+        if self.disk_copy(group) is not None or not self._disk_room(group.nbytes) or group.freed:
+            return None
+        pages = None
+        if group.tier == Tier.DEVICE:
+            spec = group.spec
+            pages = torch.empty((group.num_pages, *spec.page_shape), dtype=spec.torch_dtype)
+            at = 0
+            for run in view_runs(self.owner_pools[group.modality].view, group.pages):
+                pages[at:at + run.shape[0]].copy_(run)
+                at += run.shape[0]
+        fut = self.mover.spill(group.key, group.spec, group.num_tokens, pages)
+        self._durable_bytes[group.gid] = group.nbytes
+        return fut
+
+    def end_durable_copy(self, group: ModalityGroup, *, orphan: bool) -> None:
+        """A write-behind copy finished; ``orphan``: its group left the cache while it was
+        written (and no other group holds the key): the file goes."""
+        self._durable_bytes.pop(group.gid, None)
+        if orphan and self.disk is not None and group.key is not None and group.gid not in self._spilling:
+            self.disk.remove(group.key)
 
     # ------------------------------------------------------------------ promotion
     def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | DestTokens | None = None) -> Future:

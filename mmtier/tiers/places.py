@@ -36,6 +36,9 @@ class Stores(Protocol):
     staging: StagingPool
     counters: Counters
 
+    @property
+    def keeps_disk_copies(self) -> bool: ...
+
     def storage_key(self, group: ModalityGroup) -> ContentKey: ...
 
     def read_disk_async(self, group: ModalityGroup, out: torch.Tensor | DestTokens | None = None) -> Future: ...
@@ -214,13 +217,15 @@ class DiskPlace:
 
     def copy_in(self, group: ModalityGroup, pool: PagePool, pages: list[int], src: torch.Tensor | None,
                 key: ContentKey) -> None:
-        """``src`` (read from disk) into device ``pages``; the file is removed."""
+        """``src`` (read from disk) into device ``pages``; the file is removed, unless the
+        write-behind keeps it (the group stays durable)."""
         assert src is not None and self.stores.disk is not None
         at = 0
         for run in view_runs(pool.view, pages):
             run.copy_(src[at:at + run.shape[0]])
             at += run.shape[0]
-        self.stores.disk.remove(key)
+        if not self.stores.keeps_disk_copies:
+            self.stores.disk.remove(key)
 
     def release(self, group: ModalityGroup) -> None:
         """Nothing to release here (``LowerTiers.forget`` removes the file)."""

@@ -173,12 +173,12 @@ class Residency:
         if not group.freed or group.pins > 0:
             return
         self.places[group.tier].release(group)
-        if self.lower.enabled:
-            self.lower.forget(group)
+        if self.lower.enabled:          # a later group under the key owns the file now
+            self.lower.forget(group, keep_file=self.index.groups.get(group.key) not in (None, group))
 
     def store_host(self, key: ContentKey, spec: ModalitySpec, n: int,
                    write_host: Callable[[HostTier, HostEntry], None],
-                   ready: Callable[[], None] | None) -> bool | None:
+                   ready: Callable[[], None] | None, *, generated: bool = False) -> bool | None:
         """A put written around the device (``tiers.placement``): host slots (room made below as
         for a demotion; may let go of the lock), ``write_host(host tier, entry)``, ``ready()``,
         commit, index. ``None``: the host tier could not take it (the caller takes the device
@@ -199,7 +199,7 @@ class Residency:
         except BaseException:
             lower.host.abort(entry)
             raise
-        self.index.insert(key, spec, n, [], tier=Tier.HOST, location=entry)
+        self.index.insert(key, spec, n, [], tier=Tier.HOST, location=entry, generated=generated)
         self.counters.add("puts_written_around", key.modality)
         lower.maybe_background_spill()
         return True

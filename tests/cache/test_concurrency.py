@@ -155,7 +155,7 @@ def test_attention_over_disk_runs_outside_the_lock_and_changes_no_thread_setting
 
 
 def test_a_spill_that_makes_room_is_awaited_outside_the_lock(tmp_path, monkeypatch):
-    with TieredKVCache(make_cfg(tmp_path, host_pages=0)) as cache:
+    with TieredKVCache(make_cfg(tmp_path, host_pages=0, write_behind=False)) as cache:   # the spill's own write is held
         keys = cascade(cache, 2)                          # the device is full
         seq, logical = cache.create_sequence(), Logical()
         cache.attach(seq, keys[1])

@@ -242,9 +242,10 @@ def test_a_long_disk_read_takes_fewer_larger_batches(tmp_path, monkeypatch, back
 def test_warm_restart_knows_every_group_on_disk(tmp_path, backend, persist):
     """Three groups spilled to disk; the fourth is on the device when the cache closes:
     ``persist_on_close`` writes it too (a restart then knows all four), without it only the
-    spilled three come back."""
+    spilled three come back (write-behind off: with it, every put is on disk anyway,
+    tests/cache/test_write_behind.py)."""
     cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(
-        update={"host_bytes": 0, "persist_on_close": persist})
+        update={"host_bytes": 0, "persist_on_close": persist, "write_behind": False})
     data = {}
     with TieredKVCache(cfg) as cache:
         for i in range(4):
@@ -304,10 +305,10 @@ def test_warm_restart_removes_private_runs_and_keeps_shared_groups(tmp_path, bac
 
 def test_writing_at_close_takes_only_what_the_disk_budget_holds_and_drops_nothing(tmp_path, backend):
     """A disk budget of three vision groups: the three spilled stay, the one on the device at
-    close is not written: nothing on disk is dropped for it."""
+    close is not written: nothing on disk is dropped for it (write-behind off)."""
     group_bytes = 2 * VISION_PAGE                          # a 50-token group: two vision pages
     cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=0).model_copy(
-        update={"host_bytes": 0, "disk_bytes": 3 * group_bytes + group_bytes // 2})
+        update={"host_bytes": 0, "disk_bytes": 3 * group_bytes + group_bytes // 2, "write_behind": False})
     with TieredKVCache(cfg) as cache:
         keys = [cache.content_key("vision", f"b{i}".encode(), tenant="acme") for i in range(4)]
         for key in keys:

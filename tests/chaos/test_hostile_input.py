@@ -71,6 +71,7 @@ def test_forged_keys_and_bad_payloads_are_rejected_and_change_nothing(tmp_path, 
         k, v = seeded_kv(1, 40)
         assert cache.put(good, k, v)
         seq = cache.create_sequence("acme")
+        cache.flush()                       # the put's write-behind lands before the snapshot
         before = _snapshot(cache)
         # forged or foreign ids: the tag authenticates digest, modality, sharing and scope
         other_digest = hashlib.sha256(b"other image bytes").digest()
@@ -138,8 +139,10 @@ def _arrow_with_meta(path, meta: dict, page_bytes: int, layers: int, good_sum: b
 def test_crafted_files_in_disk_dir_are_quarantined_never_executed(tmp_path, figures):
     spill = tmp_path / "spill"
     marker = tmp_path / "PWNED"
-    # the group still on the device at close stays off disk: this test counts the spilled two
-    cfg = make_cfg(spill, device_pages=2, host_pages=0).model_copy(update={"persist_on_close": False})
+    # the group still on the device at close stays off disk (nor written behind): this test
+    # counts the spilled two
+    cfg = make_cfg(spill, device_pages=2, host_pages=0).model_copy(
+        update={"persist_on_close": False, "write_behind": False})
     data = {}
     with TieredKVCache(cfg) as cache:                      # a real group on disk to tamper with
         for i in range(3):

@@ -373,8 +373,10 @@ def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
 def test_cache_spill_of_a_corrupted_host_copy_forgets_the_group_and_writes_no_file(tmp_path):
     """A host copy damaged before its background spill: the spill's verified read refuses it,
     the completion counts it, drops the host copy and forgets the group (a miss from now on);
-    no file for it reaches the disk tier and the other groups come back bitwise."""
-    with TieredKVCache(cfg(tmp_path, device_groups=2, host_groups=2)) as cache:
+    no file for it reaches the disk tier and the other groups come back bitwise. (Write-behind
+    off: with it each group is on disk before its host copy is damaged, and its spill only drops
+    the host copy, tests/cache/test_write_behind.py.)"""
+    with TieredKVCache(cfg(tmp_path, device_groups=2, host_groups=2, write_behind=False)) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(8)]
         src = {key: kv() for key in keys}
         for key in keys[:4]:

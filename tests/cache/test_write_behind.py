@@ -1,0 +1,167 @@
+"""The write-behind to the disk tier (``mmtier.tiers.durability``): every shared group saved is
+on disk within the lag, written once (an eviction or a promotion of a group already on disk
+writes nothing more), found by a new cache over the same directory; a disk that is behind, full
+or failing drops or fails writes, counted, and serving goes on; with no disk tier (or it turned
+off) nothing changes. Real pools, the real disk writer (Arrow IPC, xxh3 per page)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from mmtier import TieredKVCache
+from mmtier.core.groups import Tier
+from tests.cache.test_tiers import VISION_PAGE, kv, make_cfg
+
+
+@pytest.fixture
+def torch_backend():
+    class Torch:
+        def cfg(self):
+            return {"attention_backend": "torch"}
+    return Torch()
+
+
+def cfg_of(tmp_path, torch_backend, **over):
+    return make_cfg(torch_backend, tmp_path, **over)
+
+
+def put_all(cache, n, tokens=50, tag="g"):
+    data = {}
+    for i in range(n):
+        key = cache.content_key("vision", f"{tag}{i}".encode(), tenant="acme")
+        data[key] = kv(tokens)
+        assert cache.put(key, *data[key])
+    return data
+
+
+def spills(cache):
+    """Writes the mover started (reads are jobs of their own)."""
+    return sum(1 for op, _, _ in cache.lower.mover.started_log if op == "spill")
+
+
+def files(tmp_path):
+    return sorted((tmp_path / "spill").glob("*.arrow"))
+
+
+def test_every_put_is_on_disk_once_within_the_lag_and_a_new_cache_finds_it(tmp_path, torch_backend):
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=16, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False})
+    cache = TieredKVCache(cfg)
+    data = put_all(cache, 4)
+    emb = cache.content_key("vision_embed", b"e0", tenant="acme")
+    cache.put_embedding(emb, torch.randn(40, 16))
+    assert cache.durable is not None and cache.durable.drain(30)
+    c = cache.stats().counters
+    assert c["durable_writes"] == 5 and c.get("durable_dropped", 0) == 0
+    assert c["durable_bytes"] == 4 * 2 * VISION_PAGE + cache.cfg.spec("vision_embed").pages_for(40) * \
+        cache.cfg.spec("vision_embed").page_bytes
+    assert c["durable_queued"] == 0 and 0 < c["durable_lag_p50_ms"] <= c["durable_lag_p99_ms"]
+    assert all(cache.index.groups[k].tier == Tier.DEVICE for k in data)        # left where they were
+    assert len(files(tmp_path)) == 5
+    # a second cache over the directory, the first never closed (a killed process): all there
+    with TieredKVCache(cfg) as again:
+        assert again.stats().counters["adopted_from_disk"] == 5
+        for key, (k, v) in data.items():
+            got_k, got_v = again.read_group(key)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+    cache.close()
+
+
+def test_a_group_already_on_disk_is_evicted_and_promoted_without_a_second_write(tmp_path, torch_backend):
+    """Device of 4 pages, no host tier: each put evicts an earlier group to disk. Each group
+    was made durable first: the evictions only drop device pages (the mover takes one write a
+    group, no more); a promotion back to the device keeps the file."""
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=4, host_pages=0).model_copy(update={"host_bytes": 0})
+    with TieredKVCache(cfg) as cache:
+        data = {}
+        for i in range(5):
+            data.update(put_all(cache, 1, tag=f"e{i}-"))
+            assert cache.durable.drain(30)
+        tiers = [cache.index.groups[k].tier for k in data]
+        assert tiers.count(Tier.DISK) == 3 and tiers.count(Tier.DEVICE) == 2
+        c = cache.stats().counters
+        assert c["durable_writes"] == 5 and c["spills_to_disk"] == 3
+        assert spills(cache) == 5                   # one write a group
+        assert len(files(tmp_path)) == 5
+        first = next(iter(data))
+        with cache.lock:
+            assert cache.residency.promote(cache.index.groups[first])
+        assert cache.index.groups[first].tier == Tier.DEVICE
+        assert cache.lower.disk.contains(first) and len(files(tmp_path)) == 5   # still durable
+        for key, (k, v) in data.items():
+            got_k, got_v = cache.read_group(key)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+        assert spills(cache) == 5
+
+
+def test_host_groups_already_on_disk_are_spilled_by_dropping_the_host_copy(tmp_path, torch_backend):
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=2, host_pages=2)
+    with TieredKVCache(cfg) as cache:
+        data = {}
+        for i in range(4):
+            data.update(put_all(cache, 1, tag=f"h{i}-"))
+            assert cache.durable.drain(30)
+            cache.flush()
+        assert [cache.index.groups[k].tier for k in data].count(Tier.DISK) >= 1
+        c = cache.stats().counters
+        assert c["durable_writes"] == 4 and c.get("spills_already_on_disk", 0) >= 1
+        assert spills(cache) == 4
+        for key, (k, v) in data.items():
+            got_k, got_v = cache.read_group(key)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_disk_that_cannot_keep_up_drops_saves_counted_and_never_blocks(tmp_path, torch_backend):
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=64, host_pages=0).model_copy(
+        update={"host_bytes": 0, "durable_lag_s": 1e-6})
+    with TieredKVCache(cfg) as cache:
+        t0 = time.monotonic()
+        data = put_all(cache, 24)
+        put_s = time.monotonic() - t0
+        assert cache.durable.drain(30)
+        c = cache.stats().counters
+        assert c["durable_dropped"] > 0
+        assert c["durable_writes"] + c["durable_dropped"] + c.get("durable_skipped", 0) == 24
+        assert len(files(tmp_path)) == c["durable_writes"]
+        assert put_s < 10                                     # the puts did not wait for the disk
+        for key, (k, _) in data.items():                      # serving goes on from memory
+            assert torch.equal(cache.read_group(key)[0], k)
+
+
+def test_a_failing_disk_is_counted_logged_once_and_serving_goes_on(tmp_path, torch_backend, caplog):
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=16, host_pages=0).model_copy(
+        update={"host_bytes": 0, "disk_free_floor_bytes": 1 << 62})         # every write refused
+    with caplog.at_level(logging.WARNING, logger="mmtier.tiers.durability"), TieredKVCache(cfg) as cache:
+        data = put_all(cache, 3)
+        assert cache.durable.drain(30)
+        c = cache.stats().counters
+        assert c["durable_write_errors"] == 3 and c.get("durable_writes", 0) == 0
+        assert files(tmp_path) == []
+        for key, (_, v) in data.items():
+            assert torch.equal(cache.read_group(key)[1], v)
+    warnings = [r for r in caplog.records if "write-behind" in r.getMessage()]
+    assert len(warnings) == 1 and "StorageFullError" in warnings[0].getMessage()
+
+
+@pytest.mark.parametrize("over", [{"disk": False}, {"write_behind": False}])
+def test_without_a_disk_tier_or_with_it_off_nothing_is_written_in_the_background(tmp_path, torch_backend, over):
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=16, host_pages=0, **over).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False})
+    with TieredKVCache(cfg) as cache:
+        put_all(cache, 3)
+        cache.flush()
+        assert cache.durable is None and cache.index.on_saved is None
+        assert "durable_writes" not in cache.stats().counters
+    assert files(tmp_path) == []
+
+
+def test_durable_lag_is_validated(tmp_path, torch_backend):
+    from mmtier.errors import ConfigError
+
+    for bad in (0, -1.0, "soon"):
+        with pytest.raises(ConfigError, match="durable_lag_s"):
+            cfg_of(tmp_path, torch_backend, durable_lag_s=bad)
