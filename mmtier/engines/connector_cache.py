@@ -27,7 +27,9 @@ Each connector that opened a cache gives it back when its engine shuts down
 last one has, a cache with a disk tier closes, which writes what its device and host tiers
 still hold to disk (``persist_on_close``): an engine restarted over the same ``disk_dir``
 finds what this one held. (Not at interpreter exit: Python then refuses new work to the
-threads the disk tier writes with.) A cache without one stays open for a later engine of the
+threads the disk tier writes with.) vLLM's own shutdown kills its workers without calling the
+connectors' ``shutdown``, and a crash calls nothing: there the cache's write-behind
+(``tiers.durability``) has already written every saved group, up to its lag. A cache without one stays open for a later engine of the
 same process, as closing it would only lose what it holds.
 
 ``report_for`` gives each cache one ``StatsReport``: the connectors export its statistics

@@ -19,7 +19,9 @@ class AdaptiveSLRUPolicy(EvictionPolicy):
     (``group.hits`` grows) moves it to *protected*, as does coming back while its digest is in a
     ghost, and so does a new group whose recompute cost per byte is at least ``dense`` times the
     cheapest modality's (``lanes.density``: an image or an audio clip is worth its bytes from the
-    start). Both lanes are ordered by recency. While probation holds more than the share
+    start), except the KV of generated tokens (``group.generated``: an answer, which most traffic
+never repeats), which always starts in probation and teaches the share nothing when it comes
+back. Both lanes are ordered by recency. While probation holds more than the share
     ``share[modality]`` of the pool's bytes, its least recent groups go first (the one-hit blocks
     of production prefix traces pass through without pushing out what was reused, as S3-FIFO's
     small queue does); otherwise the two lanes are merged by recency: plain LRU. At share 1 the
@@ -59,6 +61,8 @@ class AdaptiveSLRUPolicy(EvictionPolicy):
         m = group.modality
         held = sum(self.lane_bytes.of(t, m, lane) for t in Tier for lane in (PROBATION, PROTECTED))
         self.peak[m] = peak = max(self.peak[m], held + group.nbytes)
+        if group.generated:                   # an answer: reused only if a next turn repeats it
+            return PROBATION
         lane = PROTECTED if density(self.cfg, group) >= self.dense else PROBATION
         if group.key is None:
             return lane

@@ -239,7 +239,8 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
         item = f"img-slow-{os.urandom(4).hex()}"
         mm = [MultiModalFeatureSpec(data=image_inputs(item), modality="image", identifier=item,
                                     mm_position=PlaceholderRange(offset=2, length=16))]
-        key, x = sched.item_key(mm[0]), torch.randn(16, EMBED_WIDTH)    # keyed by the pixels
+        req = Request("slow-1", [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
+        key, x = sched.item_key(req, mm[0]), torch.randn(16, EMBED_WIDTH)    # keyed by the pixels
         cluster_cfg = sched.cache.cfg.model_copy(update={"disk_dir": None, "host_bytes": 1 << 20})
         with TieredKVCache(cluster_cfg) as elsewhere:           # the item, computed elsewhere
             elsewhere.put_embedding(key, x)
@@ -253,7 +254,6 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
         registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
         ray.get(registry.add.remote(name, [held], ray.get(slow.ping.remote(), timeout=30)), timeout=30)
 
-        req = Request("slow-1", [1] * 20, SamplingParams(max_tokens=1), None, mm_features=mm)
         t0 = time.monotonic()
         ready = sched.ensure_cache_available(req, 0)
         has = sched.has_cache_item(item)

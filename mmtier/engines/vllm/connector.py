@@ -163,8 +163,11 @@ class MMTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         # Called at the start of every step, before vLLM updates its batch (where it may zero
-        # new blocks or copy blocks): the saves still reading vLLM's blocks end first.
+        # new blocks or copy blocks): the saves still reading vLLM's blocks end first, then
+        # the groups of generated tokens are handed over (freed blocks among them are read now)
         self.worker.wait_direct_saves()
+        if isinstance(kv_connector_metadata, MMTierConnectorMetadata):
+            self.worker.flush(kv_connector_metadata)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         # Called before every forward. vLLM 0.32 calls start_load_kv *after* the forward on

@@ -11,7 +11,11 @@ process's cache counted since its last report (``engine_cache.report_for``: once
 most every second):
 
 - ``vllm:mmtier_cache_events_total{event, modality}``: hits, misses, puts, evictions, spills,
-  restores, corrupt reads, ... (``stats.report.EVENTS``);
+  restores, corrupt reads, the write-behind's durable writes, bytes, dropped saves and failed
+  writes, ... (``stats.report.EVENTS``);
+- ``vllm:mmtier_phase_events_total{event, phase, modality}``: the puts and hits of the KV of
+  prompts (``phase="prompt"``) and of generated tokens (``phase="decode"``, the connector's
+  decode saves and the later turns that found them) apart;
 - ``vllm:mmtier_tier_bytes{tier, modality}`` and ``vllm:mmtier_tier_groups{tier, modality}``:
   what the engine's caches hold in each tier now (summed over its processes' caches).
 
@@ -87,6 +91,7 @@ class MMTierECStats(ECConnectorStats):
         return not self.data.get("events") and not self.data.get("usage")
 
 
+PHASED = ("puts", "hits")          # events counted per phase too (vllm:mmtier_phase_events)
 _SHARED: dict[tuple[type, type, tuple[str, ...]], CacheMetrics] = {}
 
 
@@ -99,6 +104,10 @@ class CacheMetrics:
             name="vllm:mmtier_cache_events", documentation="mmtier cache events (hits, misses, puts, "
             "evictions, spills, restores, corrupt reads, ...) per modality.",
             labelnames=labelnames + ["event", "modality"])
+        self.phases = counter_cls(
+            name="vllm:mmtier_phase_events", documentation="mmtier puts and hits of the KV of prompts "
+            "(phase prompt) and of generated tokens (phase decode) per modality.",
+            labelnames=labelnames + ["event", "phase", "modality"])
         self.bytes = gauge_cls(
             name="vllm:mmtier_tier_bytes", documentation="Bytes the mmtier cache holds per tier and modality.",
             labelnames=labelnames + ["tier", "modality"], multiprocess_mode="mostrecent")
@@ -115,9 +124,15 @@ class CacheMetrics:
         return _SHARED[key]
 
     def observe(self, data: dict[str, Any], engine_idx: int, labels: list[object]) -> None:
-        for name, n in data.get("events", {}).items():
+        events = data.get("events", {})
+        for name, n in events.items():
             event, modality = name.split("|", 1)
             self.events.labels(*labels, event, modality).inc(n)
+            if event in PHASED:               # decode_<event> counts the generated tokens' share
+                decode = min(n, events.get(f"decode_{event}|{modality}", 0))
+                for phase, m in (("prompt", n - decode), ("decode", decode)):
+                    if m:
+                        self.phases.labels(*labels, event, phase, modality).inc(m)
         usage = self.usage.setdefault(engine_idx, {})
         usage.update(data.get("usage", {}))
         totals: dict[str, list[int]] = {}

@@ -12,10 +12,22 @@ up (and pulled, or located for the worker to pull) once per request, off vLLM's 
 per step, the groups to load (the hit) and to save (groups whose positions this step
 completes): the metadata of ``meta`` that the worker side (``worker``) acts on. Its
 state is per request (``_ReqState``), and the counts of what it told vLLM it would load.
+
+Generated tokens (``setup.save_decode``, on by default): as a request's KV fills past its
+prompt, its prompt and generated tokens are planned again as one sequence, cut where its prompt's
+full blocks end (``_decode_saves``): the groups of its prompt are the same, and the groups after
+them are those a next turn repeating the conversation looks up (the part of a chunk up to where
+the answer's whole blocks end is found by ``_fork``, as a prompt's part is). Each whole chunk is
+flushed as its last block's KV is written; the last part when the request finishes, is aborted
+or is preempted (vLLM frees its blocks then: the worker reads them at the next step's start,
+before any is written, ``MMTierConnectorMetadata.flush_wait``). Only positions whose KV is
+written are saved: vLLM computes a sampled token's KV in the next step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,10 +35,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ...content import ContentKey
+from ...errors import ShapeError
 from . import hybrid as vllm_hybrid
 from .meta import GroupCopy, MMTierConnectorMetadata
 from .plan import RequestPlan, Segment, slots_for
 from .setup import ConnectorSetup
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -46,6 +61,9 @@ class _ReqState:
     saved: int = 0                 # segments [0, saved) are held or queued for saving
     cuts: tuple[int, ...] = ()     # where the plan forks off to an earlier prompt's part (_fork)
     pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
+    request: Request | None = None  # vLLM's request (its token ids grow as it generates)
+    done: int = 0                  # positions whose KV vLLM wrote by the end of its latest step
+    decode: bool = True            # its generated tokens are still planned (_decode_saves)
 
 
 class MMTierConnectorScheduler:
@@ -63,12 +81,15 @@ class MMTierConnectorScheduler:
         self._async_ops: list[GroupCopy] = []     # hybrid: loads issued at allocation, sent next
         self._async_states: list[vllm_hybrid.StateCopy] = []
         self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
+        self.save_decode = setup.save_decode
+        self._flushes: list[GroupCopy] = []       # finished requests' last groups, sent next step
 
     def plan(self, request: Request) -> _ReqState:
         """The request's state, its prompt planned on first sight."""
         state = self._reqs.get(request.request_id)
         if state is None:
-            state = self._reqs[request.request_id] = _ReqState(self.scheme.plan(self.cache, request))
+            state = self._reqs[request.request_id] = _ReqState(self.scheme.plan(self.cache, request),
+                                                               request=request)
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -115,14 +136,17 @@ class MMTierConnectorScheduler:
         return 0
 
     def _state_at(self, req_id: str, state: _ReqState, end: int) -> vllm_hybrid.StateCopy | None:
-        """The state after ``[0, end)``: the group ending there and vLLM's state block of it."""
+        """The state after ``[0, end)``: the group ending there and vLLM's state block of it in
+        each recurrent group's own table."""
         seg = next((s for s in state.plan.segments if s.end == end), None)
         if seg is None:
             return None
-        table = state.block_ids[self.hybrid.state_group] if self.hybrid.state_group < len(state.block_ids) else []
-        index = end // self.block_size - 1
-        block = table[index] if 0 <= index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK else -1
-        return vllm_hybrid.StateCopy(req_id, seg.key, end, block)
+        index, blocks = end // self.block_size - 1, []
+        for g in self.hybrid.state_groups:
+            table = state.block_ids[g] if g < len(state.block_ids) else []
+            ok = 0 <= index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK
+            blocks.append(table[index] if ok else -1)
+        return vllm_hybrid.StateCopy(req_id, seg.key, end, tuple(blocks))
 
     def _held(self, keys: list[ContentKey]) -> list[bool]:
         """Which of ``keys`` are held, as a leading run: the worker's cache through the lookup
@@ -144,6 +168,8 @@ class MMTierConnectorScheduler:
         prompt stored (its full blocks ended there: a conversation's last turn): the request
         is planned again with a cut there and looked up again (``plan``). Two lookups per
         fork (the chunk's parts at once, then the new plan), and a few forks per request."""
+        if state.plan.prompt_len > len(request.prompt_token_ids or ()):
+            return held                # planned past its prompt (resumed): forks are the prompt's
         for _ in range(MAX_FORKS):
             n = held.index(False) if False in held else len(held)
             forks = self.scheme.forks(self.cache, request, state.plan, n)
@@ -179,11 +205,16 @@ class MMTierConnectorScheduler:
                     self._async_reqs.add(request.request_id)
                     if self.states:
                         at = self._state_at(request.request_id, state, state.hit)
-                        self._async_states.append(at or vllm_hybrid.StateCopy(request.request_id, None, state.hit, -1))
+                        self._async_states.append(at or vllm_hybrid.StateCopy(request.request_id, None, state.hit, ()))
 
     def build_connector_meta(self, scheduler_output) -> MMTierConnectorMetadata:
         meta = MMTierConnectorMetadata(loads=self._async_ops, state_loads=self._async_states)
         self._async_ops, self._async_states = [], []
+        meta.flushes, self._flushes = self._flushes, []
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = self._reqs.get(req_id)        # its blocks were freed in this schedule
+            if state is not None and state.block_ids:
+                meta.flushes += self._decode_saves(req_id, state, state.done, final=True)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._reqs.get(new.req_id)
             if state is None:
@@ -195,6 +226,7 @@ class MMTierConnectorScheduler:
             saves = self._saves(new.req_id, state, max(done, state.hit))
             meta.saves += saves
             self._state_save(meta, new.req_id, state, saves, done)
+            state.done = done
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -213,7 +245,57 @@ class MMTierConnectorScheduler:
             saves = self._saves(req_id, state, max(done, state.hit))
             meta.saves += saves
             self._state_save(meta, req_id, state, saves, done)
+            state.done = done
+            # earlier steps wrote the KV of positions [0, num_computed_tokens)
+            meta.flushes += self._decode_saves(req_id, state, cached.num_computed_tokens[i], final=False)
+        if meta.flushes:
+            handed = _blocks_handed_out(scheduler_output)
+            meta.flush_wait = any(b in handed for op in meta.flushes for b in op.block_ids)
         return meta
+
+    def _decode_saves(self, req_id: str, state: _ReqState, written: int, *, final: bool) -> list[GroupCopy]:
+        """The groups past the prompt whose KV vLLM wrote (positions below ``written`` whose
+        tokens are known), chained after the prompt's as the next turn's prompt chains them (see
+        the module docstring): whole chunks, and with ``final`` (the request finished or was
+        preempted) the part of a chunk its last whole block ends. They join the plan."""
+        request = state.request
+        if not self.save_decode or not state.decode or request is None:
+            return []
+        bs, chunk = self.block_size, self.scheme.chunk_blocks * self.block_size
+        known = len(request.all_token_ids)
+        end = min(written, known) // bs * bs
+        segs = state.plan.segments
+        last = segs[-1].end if segs else 0
+        if end <= last or (not final and end < (last // chunk + 1) * chunk):
+            return []                  # no new whole chunk (and not the last part) yet
+        prompt_full = len(request.prompt_token_ids or ()) // bs * bs
+        cuts = tuple(sorted({*state.cuts, prompt_full} - {0}))
+        plan = self.scheme.plan_tokens(self.cache, request, request.all_token_ids[:end], cuts)
+        if [s.key for s in plan.segments[:len(segs)]] != [s.key for s in segs] or len(plan.segments) == len(segs):
+            state.decode = False       # the prompt's plan ended early (an item not cacheable)
+            return []
+        new = list(plan.segments[len(segs):])
+        if not final and new[-1].end % chunk:
+            new.pop()                  # a part of a chunk: saved when the request ends
+        if not new:
+            return []
+        state.plan = RequestPlan(known, (*segs, *new))
+        out = []
+        while state.saved < len(state.plan.segments) and state.plan.segments[state.saved].end <= end:
+            seg = state.plan.segments[state.saved]
+            try:
+                out.append(dataclasses.replace(self._copy(req_id, state, seg, seg.start, seg.end), decode=True))
+            except ShapeError as exc:  # its blocks are not all in the table the scheduler saw
+                log.warning("mmtier: decode save of %s [%d, %d) skipped: %s", req_id, seg.start, seg.end, exc)
+                state.decode = False
+                break
+            state.saved += 1
+        if final and new[-1].end % chunk and state.saved == len(state.plan.segments):
+            # the part stays out of the plan: a preempted request that resumes goes on to
+            # save the whole chunk (a finished one's state goes with it)
+            state.plan = RequestPlan(known, state.plan.segments[:-1])
+            state.saved -= 1
+        return out
 
     def _state_save(self, meta: MMTierConnectorMetadata, req_id: str, state: _ReqState,
                     saves: list[GroupCopy], done: int) -> None:
@@ -221,7 +303,7 @@ class MMTierConnectorScheduler:
         at the end of a group it saves (vLLM's state of that position is then in its block)."""
         if self.states and saves and saves[-1].end == done and done % self.block_size == 0:
             at = self._state_at(req_id, state, done)
-            if at is not None and at.block >= 0:
+            if at is not None and at.whole:
                 meta.state_saves.append(at)
 
     def _loads(self, req_id: str, state: _ReqState) -> list[GroupCopy]:
@@ -256,15 +338,34 @@ class MMTierConnectorScheduler:
         return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, torch.from_numpy(slots), blocks)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's hybrid allocator's ``request_finished``: a request that had a load keeps its
-        blocks until the worker says the load no longer writes them (``finished_sending``)."""
-        self._reqs.pop(request.request_id, None)
+        blocks until the worker says the load no longer writes them (``finished_sending``).
+        The last groups of its generated tokens are flushed at the next step (vLLM calls this
+        before it frees the blocks, and writes none of them before that step's flush)."""
+        state = self._reqs.pop(request.request_id, None)
+        if state is not None and block_ids and block_ids[0]:
+            state.block_ids = [list(ids) for ids in block_ids]
+            self._flushes += self._decode_saves(request.request_id, state, request.num_computed_tokens, final=True)
         if request.request_id in self._async_reqs:
             self._async_reqs.discard(request.request_id)
             return True, None
         return False, None
+
+
+def _blocks_handed_out(scheduler_output) -> set[int]:
+    """vLLM's blocks this step hands to requests (new, grown, resumed, copied into): a flush
+    reading a freed block must end before the step writes them (the worker waits for it)."""
+    out: set[int] = set()
+    for new in scheduler_output.scheduled_new_reqs:
+        for ids in new.block_ids:
+            out.update(ids)
+    for tables in scheduler_output.scheduled_cached_reqs.new_block_ids:
+        for ids in tables or ():
+            out.update(ids)
+    for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+        out.add(copy.dst_block_id)
+    return out

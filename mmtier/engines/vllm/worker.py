@@ -18,6 +18,7 @@ docstring for the whole data path.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -66,12 +67,16 @@ class MMTierConnectorWorker:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mmtier-save")
         self._saving: set[Future] = set()
         self.reading_blocks: list[Future] = []  # direct saves still reading vLLM's blocks
+        self._flushing: list[Future] = []       # this step's flushes: reading_blocks from its end
+        # the generated tokens' groups this worker saved: groups, tokens, bytes, seconds the
+        # writer spent storing them, seconds this thread spent handing them over (flush)
+        self.decode_saves = {"groups": 0, "tokens": 0, "bytes": 0, "store_s": 0.0, "flush_s": 0.0}
         self._loading: list[tuple[GroupCopy, _Staged | None, Future]] = []
         self._staged: dict[ContentKey, _Staged] = {}
         self._stages = vllm_copy.StagePool()     # stages reused: a fresh one costs its first touch
         self._failed_blocks: set[int] = set()
         self._async = (vllm_hybrid.AsyncLoads(self._reader, lambda key: self.cache.read_group(key),
-                                              self.cache.cfg.head_dim, self._read_state)
+                                              self.cache.cfg.head_dim, self._read_state, self.hybrid)
                        if self.hybrid is not None else None)
         self._state_views: list[tuple[torch.Tensor, ...]] = []     # the recurrent layers' state tensors
 
@@ -263,6 +268,41 @@ class MMTierConnectorWorker:
             return None
         return _Staged(op, engine, engine, direct=True)
 
+    def flush(self, meta: MMTierConnectorMetadata) -> None:
+        """Save ``meta.flushes`` (groups whose KV earlier steps wrote: a request's generated
+        tokens) off the forward: on the CPU the writer thread reads them from vLLM's blocks,
+        elsewhere they are copied to a stage here, on vLLM's stream. Called as the step starts,
+        before vLLM writes any block; with ``flush_wait`` (some of those blocks go to another
+        request this step) the reads end before this returns, else before the next step's."""
+        if not meta.flushes or not self.layers:
+            return
+        t0 = time.perf_counter()
+        cfg, first = self.cache.cfg, next(iter(self.layers.values()))
+        staged = []
+        for op in meta.flushes:
+            st = self._direct_save(op, first) or self._stage_for(op, first, whole_group=False)
+            if st is None:
+                shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
+                st = _Staged(op, first.new_empty(shape), first.new_empty(shape))
+            if not st.direct and first.device.type == "cpu":
+                st.deferred = True
+            elif not st.direct:
+                self._copy_out(st)
+            staged.append(st)
+        event = None
+        if first.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        fut = self._writer.submit(self._store, staged, event)
+        self._saving.add(fut)
+        fut.add_done_callback(self._saving.discard)
+        if meta.flush_wait:
+            self.reading_blocks.append(fut)
+            self.wait_direct_saves()
+        else:
+            self._flushing.append(fut)
+        self.decode_saves["flush_s"] += time.perf_counter() - t0
+
     def wait_direct_saves(self) -> None:
         """Wait until no save reads vLLM's blocks any more (see the module docstring)."""
         pending, self.reading_blocks = self.reading_blocks, []
@@ -281,6 +321,8 @@ class MMTierConnectorWorker:
         connector's own, so vLLM may reuse those blocks at once; direct and deferred saves (on
         the CPU) read vLLM's blocks until the next step's ``handle_preemptions`` or
         ``bind_connector_metadata``, which wait for them."""
+        self.reading_blocks += self._flushing     # the next step waits for this step's flushes
+        self._flushing = []
         staged, self._staged = self._staged, {}
         layers = self.cache.cfg.num_layers
         done = [st for st in staged.values() if len(st.layers) == layers]
@@ -309,7 +351,8 @@ class MMTierConnectorWorker:
         if not saves or not self._state_views:
             return []
         n = len(self._state_views[0])
-        return [(op.key, [vllm_hybrid.state_rows(self._state_views, op.block, i) for i in range(n)])
+        return [(op.key, [vllm_hybrid.state_rows(self._state_views, self.hybrid.layer_blocks(op), i)
+                          for i in range(n)])
                 for op in saves if op.key in saved]
 
     def _store_states(self, states: list[tuple[ContentKey, list[torch.Tensor]]]) -> None:
@@ -330,10 +373,18 @@ class MMTierConnectorWorker:
         for st in done:
             try:
                 key = self._key(st.op.key)
+                t0 = time.perf_counter()
                 if st.deferred:
                     self._copy_out(st)
-                if self.cache.put(key, st.k, st.v):
+                if self.cache.put(key, st.k, st.v, generated=st.op.decode):
                     stored.append(key)
+                    if st.op.decode:
+                        n = st.op.hi - st.op.lo
+                        self.decode_saves["groups"] += 1
+                        self.decode_saves["tokens"] += n
+                        self.decode_saves["bytes"] += n * self.cache.cfg.spec(key.modality).token_bytes
+                if st.op.decode:
+                    self.decode_saves["store_s"] += time.perf_counter() - t0
             except MMTierError as exc:           # best effort: a dropped save is a later miss
                 log.warning("mmtier: save of %r skipped: %s", st.op.key, exc)
             finally:
