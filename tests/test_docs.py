@@ -53,3 +53,49 @@ def test_the_paths_and_modules_the_readme_and_design_name_exist():
                 missing.append(f"{doc}: {path}")
         missing += [f"{doc}: -m {module}" for module in missing_modules(text)]
     assert not missing, "\n".join(missing)
+
+
+def _json(name: str) -> dict:
+    import json
+
+    return json.loads((ROOT / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def test_the_figures_the_readme_quotes_are_the_committed_results():
+    """The demo's and the load benchmark's figures in the README, each against the key of the
+    committed JSON it comes from (rounded as the README prints it), with their conditions
+    (answer length, pool sizes, working set) beside them."""
+    readme = (ROOT / "README.md").read_text()
+    demo, load = _json("demo_serving"), _json("serving_load")
+    quoted = {
+        f"**{demo['ttft_mmtier_over_plain__later_turns']:.2f}x** plain's time": "demo later turns",
+        f"| {demo['ttft_mmtier_over_plain__later_before_restart']:.2f}x |": "demo before restart",
+        f"| {demo['ttft_mmtier_over_plain__later_after_restart']:.2f}x |": "demo after restart",
+        f"{demo['working_set_over_vllm_kv']:.1f}x vLLM's KV pool": "demo working set",
+        f"(**{load['sustainable_mmtier_over_plain']:.0f}x**": "load sustainable ratio",
+        f"completed {load['peak_completed_mmtier_over_plain']:.2f}x plain's": "load peak ratio",
+        f"plain vLLM sustains {load['sustainable_rate_plain']:.0f} req/s and vLLM + mmtier "
+        f"{load['sustainable_rate_mmtier']:.0f}": "load sustainable rates",
+        f"{demo['working_set_tokens']:,} tokens": "demo working set tokens",
+        f"({demo['vllm_kv_tokens']:,} tokens of 16 KiB)": "demo vLLM pool",
+        f"56 MiB ({load['vllm_kv_tokens']:,} tokens)": "load vLLM pool",
+    }
+    missing = [f"{what}: README lacks {text!r}" for text, what in quoted.items() if text not in readme]
+    assert not missing, "\n".join(missing)
+    # the load run's JSON has no max_tokens: its spec's default (the run took the defaults: --rates only)
+    load_spec = (ROOT / "benchmarks" / "engines" / "serving_load.py").read_text()
+    assert demo["max_tokens"] == 8 and "    max_tokens: int = 8\n" in load_spec and "answers of 8 tokens" in readme
+    for data in (demo, load):
+        assert data["mmtier_device_bytes"] == 512 << 20 and data["mmtier_host_bytes"] == 1 << 30
+    assert readme.count("512 MiB page pool and") >= 2 and "1 GiB host tier" in readme
+    assert demo["vllm_kv_tokens"] * 16 << 10 == 40 << 20 and load["vllm_kv_tokens"] * 16 << 10 == 56 << 20
+
+
+def test_the_retokenization_table_is_the_committed_result():
+    """The README's re-tokenization rows against ``benchmarks/results/retokenize.json``."""
+    readme, r = (ROOT / "README.md").read_text(), _json("retokenize")
+    for key in ("tiny_llava", "tiny_qwen2_vl", "tiny_qwen2_audio", "llama_sp_llama2"):
+        row = f"| {r[key + '_answers']} | {r[key + '_median_share']:.2f} | {r[key + '_whole']} |"
+        assert row in readme, (key, row)
+    mistral = [r[f"mistral_{k}_{f}"] for k in ("v1", "v3", "tekken") for f in ("median_share", "whole")]
+    assert mistral == [1.0, 8] * 3 and "| 8 each | 1.00 | 8 | never |" in readme

@@ -4,6 +4,7 @@ writes its own ``DIR/RESULTS.md`` and ``DIR/pages/``, leaving the committed page
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import re
@@ -99,3 +100,17 @@ def test_main_with_results_dir(tmp_path):
     assert "Reproduce: `python -m benchmarks.pages.alloc`" in page and "| `x_pairs` | 1.0/2.0 |" in page
     assert "Not yet run here:" in out.read_text()
     assert _committed() == before
+
+
+def test_the_report_reads_config_defaults_without_importing_mmtier():
+    """kernel_compile writes its page through this module in .venv-triton, which has no yaml or
+    pydantic: the report reads CacheConfig's defaults from the source, and imports no mmtier."""
+    from mmtier.config import CacheConfig
+
+    for field in ("eviction_policy", "put_placement", "durable_lag_s"):
+        assert report._config_default(field) == CacheConfig.model_fields[field].default
+    tree = ast.parse(Path(report.__file__).read_text())
+    top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [n for n in names if n.split(".")[0] == "mmtier"], names
