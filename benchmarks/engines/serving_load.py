@@ -26,6 +26,11 @@ The sustainable rate at a p99 bound is the highest rate tried whose p99 TTFT is 
 
 Run it from the base environment (the engines start from ``.venv-engines``):
 ``.venv/bin/python -m benchmarks.engines.serving_load [--rates 1,2,4,6,8] [--quick]``.
+
+``--durability`` compares mmtier with its write-behind to the disk tier off (``mmtier_wb_off``)
+and on (``mmtier``, the default) on the same trace instead (``serving_load_durability.json``):
+the cost of being durable, with each engine's durable writes, bytes per request and the
+save-to-durable lag read from its workers' caches (``/collective_rpc``).
 """
 
 from __future__ import annotations
@@ -117,7 +122,8 @@ async def one_request(client, url: str, model: str, messages: list[dict], max_to
     done = time.perf_counter()
     details = (usage or {}).get("prompt_tokens_details") or {}
     return {"ttft_s": first if first is not None else done - t_send, "done": done,
-            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens") or 0}
+            "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens") or 0,
+            "output_tokens": (usage or {}).get("completion_tokens", 0)}
 
 
 async def run_rate(base_url: str, model: str, requests: list[list[dict]], rate: float, spec: LoadSpec,
@@ -156,18 +162,19 @@ async def run_rate(base_url: str, model: str, requests: list[list[dict]], rate: 
     prompt = sum(r["prompt_tokens"] for r in ok)
     return {"rate": rate, "sent": len(requests), "completed": len(ok), "errors": errors[:3],
             "completed_per_s": len(ok) / span if ok else 0.0, "prompt_tokens_per_s": prompt / span if ok else 0.0,
+            "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / span if ok else 0.0,
             "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
             "hit_ratio": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
             "prompt_tokens": prompt, "offered_span_s": times[-1] if times else 0.0}
 
 
-def peak_throughput(per_engine: dict[str, list[dict]]) -> dict:
+def peak_throughput(per_engine: dict[str, list[dict]], ref: str = "plain", test: str = "mmtier") -> dict:
     """The most requests/s each engine completed at any rate (where the offered load outran
-    it: its capacity on this machine), and mmtier's over plain's: a figure that does not hang on
-    the grid of rates tried, as the sustainable rate does."""
+    it: its capacity on this machine), and ``test``'s over ``ref``'s: a figure that does not hang
+    on the grid of rates tried, as the sustainable rate does."""
     peak = {name: max((r["completed_per_s"] for r in rows), default=0.0) for name, rows in per_engine.items()}
-    return {"peak_completed_per_s_plain": peak["plain"], "peak_completed_per_s_mmtier": peak["mmtier"],
-            "peak_completed_mmtier_over_plain": peak["mmtier"] / peak["plain"] if peak["plain"] else math.nan}
+    return {f"peak_completed_per_s_{ref}": peak[ref], f"peak_completed_per_s_{test}": peak[test],
+            f"peak_completed_{test}_over_{ref}": peak[test] / peak[ref] if peak[ref] else math.nan}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -212,6 +219,23 @@ def plot(per_engine: dict[str, list[dict]], bound: float, path: Path) -> Path | 
     return path
 
 
+# the engine pairs a run compares: (reference, measured); ``durability`` is mmtier with its
+# write-behind to the disk tier off vs on (the default), the cost of being durable
+PAIRS = {"plain": ("plain", "mmtier"), "durability": ("mmtier_wb_off", "mmtier")}
+
+
+def durable_figures(counters: list[dict], completed: int) -> dict:
+    """The write-behind's figures over one engine's caches: writes, bytes per completed request,
+    drops, and the save-to-durable lag (p50 of the busiest cache, p99 and max over all)."""
+    total = {k: sum(c.get(k, 0) for c in counters) for k in ("durable_writes", "durable_bytes", "durable_dropped",
+                                                                 "durable_write_errors")}
+    busiest = max(counters, key=lambda c: c.get("durable_writes", 0), default={})
+    return {**total, "durable_bytes_per_request": total["durable_bytes"] / completed if completed else math.nan,
+            "durable_lag_p50_ms": busiest.get("durable_lag_p50_ms", 0),
+            "durable_lag_p99_ms": max((c.get("durable_lag_p99_ms", 0) for c in counters), default=0),
+            "durable_lag_max_ms": max((c.get("durable_lag_max_ms", 0) for c in counters), default=0)}
+
+
 def main(argv: list[str] | None = None) -> dict:
     from mmtier.demo.engines import EngineServer, EngineSpec, mmtier_sizes
     from mmtier.demo.model import ensure_demo_llava
@@ -222,6 +246,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-seconds", type=float, help="time bound per rate and engine")
     ap.add_argument("--p99-bound", type=float, help="p99 TTFT bound of the sustainable rate, seconds")
     ap.add_argument("--quick", action="store_true", help="one rate, a few requests (a check that it runs)")
+    ap.add_argument("--durability", action="store_true",
+                    help="compare mmtier with its write-behind off and on (serving_load_durability.json) "
+                         "instead of plain vLLM and mmtier")
     ap.add_argument("--engines-python", default=str(ROOT / ".venv-engines" / "bin" / "python"),
                     help="the engines environment's interpreter (vLLM)")
     ap.add_argument("--log", type=Path, help="the engines' log (default OUT/serving_load_engines.log)")
@@ -231,20 +258,30 @@ def main(argv: list[str] | None = None) -> dict:
     over = {"rates": tuple(float(x) for x in args.rates.split(",")) if args.rates else None,
             "requests": args.requests, "max_seconds": args.max_seconds, "p99_bound_s": args.p99_bound}
     spec = LoadSpec(**{**spec.__dict__, **{k: v for k, v in over.items() if v is not None}})
+    ref, test = PAIRS["durability" if args.durability else "plain"]
+    result_name = "serving_load_durability" if args.durability else "serving_load"
     engines_python = args.engines_python if Path(args.engines_python).exists() else sys.executable
-    log = args.log or args.out / "serving_load_engines.log"
+    log = args.log or args.out / f"{result_name}_engines.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     model = str(ensure_demo_llava())
-    per_engine: dict[str, list[dict]] = {"plain": [], "mmtier": []}
+    per_engine: dict[str, list[dict]] = {ref: [], test: []}
+    durable: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="mmtier-load-disk-") as disk:
         common = dict(model=model, kv_blocks=spec.kv_blocks, max_model_len=spec.kv_blocks * 32 - 64,
                       images_per_prompt=spec.turns, max_num_seqs=16, python=engines_python)
-        servers = {"plain": EngineServer(EngineSpec("plain", **common), log),
-                   "mmtier": EngineServer(EngineSpec("mmtier", mmtier=mmtier_sizes(
-                       disk, device_bytes=spec.device_bytes, host_bytes=spec.host_bytes), **common), log)}
+
+        def sizes(name: str, **extra) -> dict:
+            return {**mmtier_sizes(Path(disk) / name, device_bytes=spec.device_bytes, host_bytes=spec.host_bytes),
+                    **extra}
+
+        specs = {"plain": EngineSpec("plain", **common),
+                 "mmtier": EngineSpec("mmtier", mmtier=sizes("mmtier"), **common),
+                 "mmtier_wb_off": EngineSpec("mmtier_wb_off", mmtier=sizes("mmtier_wb_off", mmtier_write_behind=False),
+                                             **common)}
+        servers = {name: EngineServer(specs[name], log) for name in (ref, test)}
         try:
             for s in servers.values():
                 s.start()
@@ -254,51 +291,71 @@ def main(argv: list[str] | None = None) -> dict:
                                    "rates": (1.0,)})          # first-request costs off the clock
                 asyncio.run(run_rate(s.base_url, name, trace(warm, seed=999), 1.0, warm, seed=0))
             started_s = time.perf_counter() - t_start
+            # the warm-up's writes are not the trace's
+            before = {name: durable_figures(s.cache_counters(), 1) for name, s in servers.items()} \
+                if args.durability else {}
             for k, rate in enumerate(spec.rates):
                 requests = trace(spec, seed=k + 1)
-                names = ("plain", "mmtier") if k % 2 == 0 else ("mmtier", "plain")
+                names = (ref, test) if k % 2 == 0 else (test, ref)
                 for name in names:
                     row = asyncio.run(run_rate(servers[name].base_url, name, requests, rate, spec, seed=k))
                     per_engine[name].append(row)
-                    print(f"[serving_load] {name:6s} rate {rate:5.2f}/s: {row['completed']}/{row['sent']} done, "
+                    print(f"[{result_name}] {name:13s} rate {rate:5.2f}/s: {row['completed']}/{row['sent']} done, "
                           f"{row['completed_per_s']:.2f} req/s, {row['prompt_tokens_per_s']:.0f} prompt tok/s, "
                           f"TTFT p50 {row['ttft_p50_s']:.2f} s p99 {row['ttft_p99_s']:.2f} s, "
                           f"hit {row['hit_ratio']:.2f}", flush=True)
+            if args.durability:
+                for name, s in servers.items():
+                    done = sum(r["completed"] for r in per_engine[name])
+                    after = durable_figures(s.cache_counters(), done)
+                    for k in ("durable_writes", "durable_bytes", "durable_dropped", "durable_write_errors"):
+                        after[k] -= before[name][k]
+                    after["durable_bytes_per_request"] = after["durable_bytes"] / done if done else math.nan
+                    durable[name] = after
         finally:
             for s in servers.values():
                 s.stop()
     for rows in per_engine.values():
         rows.sort(key=lambda r: r["rate"])
     sus = {name: sustainable(rows, spec.p99_bound_s) for name, rows in per_engine.items()}
-    png = plot(per_engine, spec.p99_bound_s, args.out / "serving_load.png")
+    png = plot(per_engine, spec.p99_bound_s, args.out / f"{result_name}.png")
     figures: dict = {
         "rates": ",".join(f"{r:g}" for r in spec.rates), "conversations_per_rate": spec.conversations,
         "turns": spec.turns, "requests_per_rate": min(spec.requests, spec.conversations * spec.turns),
         "max_seconds_per_rate": spec.max_seconds, "p99_bound_s": spec.p99_bound_s,
         "vllm_kv_tokens": spec.kv_blocks * 32, "mmtier_device_bytes": spec.device_bytes,
-        "mmtier_host_bytes": spec.host_bytes, "engines_start_s": started_s,
+        "mmtier_host_bytes": spec.host_bytes, "answer_tokens": spec.max_tokens, "engines_start_s": started_s,
         "load_1min_before": load_before[0], "load_1min_after": os.getloadavg()[0],
-        "sustainable_rate_plain": sus["plain"], "sustainable_rate_mmtier": sus["mmtier"],
-        "sustainable_mmtier_over_plain": (sus["mmtier"] / sus["plain"]) if sus["plain"] else math.nan,
+        f"sustainable_rate_{ref}": sus[ref], f"sustainable_rate_{test}": sus[test],
+        f"sustainable_{test}_over_{ref}": (sus[test] / sus[ref]) if sus[ref] else math.nan,
         "plot": str(png) if png is not None else "(matplotlib not in this environment)",
         "engines_log": str(log),
     }
     for name, rows in per_engine.items():
         for r in rows:
             tag = f"{name}__r{r['rate']:g}"
-            for key in ("completed_per_s", "prompt_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "hit_ratio"):
+            for key in ("completed_per_s", "prompt_tokens_per_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                        "hit_ratio"):
                 figures[f"{key}_{tag}"] = r[key]
             figures[f"completed_{tag}"] = f"{r['completed']}/{r['sent']}"
             if r["errors"]:
                 figures[f"errors_{tag}"] = "; ".join(r["errors"])
-    p50 = [(a["ttft_p50_s"] / b["ttft_p50_s"]) for a, b in zip(per_engine["mmtier"], per_engine["plain"])
-           if b["ttft_p50_s"] > 0 and math.isfinite(a["ttft_p50_s"]) and math.isfinite(b["ttft_p50_s"])]
-    figures["ttft_p50_mmtier_over_plain_median"] = statistics.median(p50) if p50 else math.nan
-    figures.update(peak_throughput(per_engine))
+    pairs = list(zip(per_engine[test], per_engine[ref]))
+    for q in ("p50", "p99"):
+        ratios = [a[f"ttft_{q}_s"] / b[f"ttft_{q}_s"] for a, b in pairs
+                  if b[f"ttft_{q}_s"] > 0 and math.isfinite(a[f"ttft_{q}_s"]) and math.isfinite(b[f"ttft_{q}_s"])]
+        if q == "p50" or args.durability:
+            figures[f"ttft_{q}_{test}_over_{ref}_median"] = statistics.median(ratios) if ratios else math.nan
+    if args.durability:
+        out_ratio = [a["output_tokens_per_s"] / b["output_tokens_per_s"] for a, b in pairs if b["output_tokens_per_s"] > 0]
+        figures[f"output_tokens_per_s_{test}_over_{ref}_median"] = statistics.median(out_ratio) if out_ratio else math.nan
+        for name, d in durable.items():
+            figures.update({f"{k}_{name}": v for k, v in d.items()})
+    figures.update(peak_throughput(per_engine, ref, test))
     figures["wall_s"] = time.perf_counter() - t_start
     for k, v in figures.items():
-        print(f"{k:44s} {v:.4f}" if isinstance(v, float) else f"{k:44s} {v}")
-    write_results("serving_load", figures, args.out)
+        print(f"{k:52s} {v:.4f}" if isinstance(v, float) else f"{k:52s} {v}")
+    write_results(result_name, figures, args.out)
     return figures
 
 

@@ -162,6 +162,10 @@ class EngineServer:
         r.raise_for_status()
         return r.json()["results"]
 
+    def cache_counters(self) -> list[dict]:
+        """The counters of every mmtier cache the workers have open (one dict per cache)."""
+        return [c for per_worker in self._rpc("mmtier_counters") for c in per_worker]
+
     def close_caches(self) -> int:
         """Close the workers' mmtier caches (written to the disk tier); the caches opened."""
         return sum(int(x) for x in self._rpc("mmtier_close", 300.0))

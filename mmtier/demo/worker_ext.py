@@ -10,6 +10,8 @@ server's ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``; the servers bind 
   what its device and host tiers hold is written to the disk tier while the process is whole,
   before the server is stopped (at ``atexit`` the interpreter refuses new thread-pool work, and
   the disk tier's writer runs on one);
+- ``mmtier_counters``: the counters of the worker's open mmtier caches (one dict per cache: the
+  write-behind's durable writes, bytes, drops and lag quantiles among them);
 - ``mmtier_threads``: the worker's OpenMP threads and the CPUs it may run on (what vLLM's CPU
   build bound it to: ``mmtier.engines.vllm.threads``)."""
 
@@ -50,6 +52,11 @@ class DemoWorker:
         n = connector_cache.open_count()
         connector_cache.close_shared()
         return n
+
+    def mmtier_counters(self) -> list[dict]:
+        from mmtier.engines import connector_cache
+
+        return connector_cache.open_counters()
 
     def mmtier_threads(self) -> dict:
         import os

@@ -224,6 +224,14 @@ def open_count() -> int:
         return len(_CACHES)
 
 
+def open_counters() -> list[dict[str, int]]:
+    """The counters of each cache this process has open through ``shared_cache`` (a benchmark
+    reads the write-behind's writes, bytes and lag quantiles from outside the engine)."""
+    with _LOCK:
+        caches = list(_CACHES.values())
+    return [dict(cache.stats().counters) for cache in caches]
+
+
 def close_shared() -> None:
     """Close every cache this process opened through ``shared_cache`` (tests, shutdown)."""
     with _LOCK:
