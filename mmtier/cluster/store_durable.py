@@ -32,6 +32,7 @@ from ..storage import Mover
 from ..tiers.durability import FIRST_RATE, HEADROOM, LAG_WINDOW, RATE_WEIGHT
 
 log = logging.getLogger(__name__)
+SETTLE_S = 60.0        # bound of a wait for one group's copy in flight (a spill or drop of it)
 
 
 @dataclass
@@ -96,7 +97,7 @@ class StoreWriteBehind:
         if w is None:
             return False
         try:
-            w.future.result(timeout=60.0)
+            w.future.result(timeout=SETTLE_S)
         except Exception:  # noqa: BLE001 - counted in _done
             pass
         with self._lock:
