@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from typing import Any
 
@@ -73,6 +74,10 @@ class PagePoolActor(PoolService):
             self.metrics.publish(self.stats())
         return super().ping()
 
+    def pid(self) -> int:
+        """This actor's OS process (what an operator, or a crash test, signals)."""
+        return os.getpid()
+
     def export(self, wire: dict[str, str]) -> tuple[dict, np.ndarray]:
         return export_to_object_store(self, wire)
 
@@ -92,6 +97,10 @@ class NodeStoreActor(NodeStoreService):
         if self.metrics.due():
             self.metrics.publish(self.tier_stats())
         return super().ping()
+
+    def pid(self) -> int:
+        """This actor's OS process (what an operator, or a crash test, signals)."""
+        return os.getpid()
 
 
 class ContentRegistryActor:

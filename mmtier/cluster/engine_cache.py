@@ -291,7 +291,7 @@ class HostedCache:
     def _land(self, key: ContentKey, pending: tuple[str, object]) -> bool:
         holder, refs = pending
         try:
-            meta, buf = self.transport.land(refs)
+            meta, buf = self.transport.land(refs, holder)
             item, evicted = self.host.import_group(key.to_wire(), meta, buf)
         except MMTierError as exc:       # gone meanwhile, holder lost, no room, bad data: a miss
             self.counters["fetch_failed"] += 1

@@ -107,16 +107,17 @@ class RayTransport:
         self._puller.submit(ray.wait, list(refs), num_returns=len(refs), fetch_local=True,
                             timeout=self.settings.call_timeout_s)
 
-    def land(self, refs) -> tuple[dict, np.ndarray]:
-        """Wait for a fetch: ``(meta, page buffer)``, one ``ray.get`` of both returns (the
-        buffer pulled to this node's object store and read there zero-copy)."""
-        meta, buf = self.result(list(refs), "a fetch's holder")
+    def land(self, refs, holder: str | None = None) -> tuple[dict, np.ndarray]:
+        """Wait for a fetch from ``holder``: ``(meta, page buffer)``, one ``ray.get`` of both
+        returns (the buffer pulled to this node's object store and read there zero-copy)."""
+        meta, buf = self.result(list(refs), holder)
         return meta, buf
 
     def result(self, ref, holder: str | None = None):
         """Wait for a call's answer within ``call_timeout_s``: an ``MMTierError`` raised remotely
         comes back as itself, a dead or silent actor (``holder``, when named) as
-        ``HolderLostError``."""
+        ``HolderLostError``, and its handle is forgotten: a holder restarted under the same
+        name (a store or engine killed and started again) is looked up afresh."""
         try:
             return ray.get(ref, timeout=self.settings.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:
@@ -125,6 +126,8 @@ class RayTransport:
             raise
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError,
                 ray.exceptions.ObjectLostError, ray.exceptions.GetTimeoutError) as exc:
+            if holder is not None:
+                self._handles.pop(holder, None)
             raise HolderLostError(f"{holder or 'a call'} failed ({type(exc).__name__})") from None
 
     def publish(self, holder: str, items: list[dict], removed: list[str], info: dict):

@@ -208,7 +208,7 @@ class EngineLink:
         for key, loc in where.items():
             holder = placement.nearest_by_name([h for h, _tier in loc.holders], self.node)
             try:
-                fetches[key] = self.transport.fetch(holder, key.to_wire())
+                fetches[key] = holder, self.transport.fetch(holder, key.to_wire())
             except HolderLostError:
                 self.counters["pull_failed"] += 1
                 if leading:
@@ -216,15 +216,15 @@ class EngineLink:
         for i, key in enumerate(keys):
             if held[i]:
                 continue
-            refs = fetches.get(key)
-            held[i] = refs is not None and self._land(key, refs)
+            pending = fetches.get(key)
+            held[i] = pending is not None and self._land(key, *pending)
             if leading and not held[i]:
                 return i
         return sum(held)
 
-    def _land(self, key: ContentKey, refs) -> bool:
+    def _land(self, key: ContentKey, holder: str, refs) -> bool:
         try:
-            meta, buf = self.transport.land(refs)
+            meta, buf = self.transport.land(refs, holder)     # a dead holder's handle is forgotten
             self.cache.import_pages(key, GroupPages.from_wire(meta, buf))
         except (MMTierError, ray.exceptions.RayError) as exc:
             log.warning("mmtier: pull of %r failed (%s: %s); a miss", key, type(exc).__name__, exc)
@@ -259,7 +259,7 @@ class EngineLink:
         items, removed = [], []
         for key, ref in sent:
             try:
-                item, evicted = self.transport.result(ref)
+                item, evicted = self.transport.result(ref, self.store)   # a restarted store: found again
             except (MMTierError, ray.exceptions.RayError) as exc:
                 log.warning("mmtier: the node store did not take %r (%s)", key, exc)
                 self.counters["share_failed"] += 1

@@ -14,7 +14,11 @@ export over a disk group stream its verified pages (no promotion); a copy that f
 verification is a miss: the group leaves the store, ``on_lost`` tells the registry and the
 call raises ``CorruptDataError`` (the caller recomputes). A store recreated on the same node
 adopts the groups in its directory (warm restart; keys checked with ``KeyMaker.is_authentic``,
-foreign files left alone) and reports them in ``inventory`` (tier ``"disk"``).
+foreign files left alone) and reports them in ``inventory`` (tier ``"disk"``). With
+``cfg.write_behind`` each group taken into the host tier is also written to disk in the
+background (``store_durable.StoreWriteBehind``), so a store killed outright (SIGKILL, node loss)
+comes back with every group saved more than ``durable_lag_s`` before; a host group already on
+disk costs no second write when it is spilled.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from ..errors import CapacityError, CorruptDataError, MMTierError, ShapeError, U
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
 from .pool import group_item
+from .store_durable import StoreWriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +76,8 @@ class NodeStoreService:
         self.on_lost: Callable[[list[str]], None] | None = None     # the actor tells the registry
         self.disk: DiskTier | None = None
         self.mover: Mover | None = None
+        self.durable: StoreWriteBehind | None = None
+        self._durable: set[ContentKey] = set()       # host groups whose file is on disk too
         directory = store_dir(cfg, node)
         if directory is not None:
             self.disk = DiskTier(directory, model=cfg.model, capacity_bytes=cfg.disk_bytes,
@@ -78,6 +85,8 @@ class NodeStoreService:
             self.mover = Mover(self.host, self.disk, model=cfg.model,
                                max_inflight_bytes=cfg.max_inflight_bytes, name="mmtier-store-mover")
             self._adopt()
+            if cfg.write_behind:
+                self.durable = StoreWriteBehind(cfg, self.mover, self.counters)
 
     def _adopt(self) -> None:
         """Warm restart: index the verified groups already in the disk directory."""
@@ -131,6 +140,7 @@ class NodeStoreService:
             pages = torch.from_numpy(buf).view(spec.torch_dtype).view(n_pages, *spec.page_shape)
         evicted: list[str] = []
         with self._lock:
+            self._reap()
             if key in self._lru:
                 self._lru.move_to_end(key)
                 return None, evicted
@@ -153,9 +163,30 @@ class NodeStoreService:
                     self._make_host_room(nbytes, evicted)
             self._lru[key] = n
             self.counters["puts"] += 1
+            if self.durable is not None:
+                self.durable.saved(key, spec, n, nbytes)
             return group_item(key, n, nbytes, "host"), evicted
 
     # ---- the cascade (lock held) ----
+    def _reap(self) -> None:
+        """Take the write-behind's finished copies: a host group's file is its durable copy; a
+        file of a group dropped while it was written goes again."""
+        if self.durable is None:
+            return
+        for key, written in self.durable.take_done():
+            if written and key in self._lru:
+                self._durable.add(key)
+            elif written and key not in self._disk:
+                self.disk.remove(key)
+
+    def _on_disk_already(self, key: ContentKey) -> bool:
+        """Whether a host group's write-behind copy is on disk (waiting for one in flight)."""
+        if self.durable is None:
+            return False
+        written = key in self._durable or self.durable.settle(key)
+        self._durable.discard(key)
+        return written and self.disk.contains(key)
+
     def _make_host_room(self, nbytes: int, evicted: list[str]) -> None:
         """Move least recently used host groups down until ``nbytes`` are free (at least one)."""
         victims, freed = [], self.host.free_bytes
@@ -170,6 +201,11 @@ class NodeStoreService:
     def _demote_host(self, key: ContentKey, n: int, evicted: list[str]) -> None:
         """Spill a host group to disk whole; without a disk tier (or when that fails) drop it."""
         del self._lru[key]
+        if self._on_disk_already(key):             # the write-behind wrote it: no second write
+            self.host.remove(key)
+            self._disk[key] = n
+            self.counters["spills"] += 1
+            return
         if self.disk is not None and self._write_disk(key, self.cfg.spec(key.modality), n, None, evicted):
             self.counters["spills"] += 1
             return
@@ -288,6 +324,8 @@ class NodeStoreService:
                 key = ContentKey.from_wire(w)
                 if self._lru.pop(key, None) is not None:
                     self.host.remove(key)
+                    if self._on_disk_already(key):
+                        self.disk.remove(key)
                     out.append(key.hex)
                 elif self._disk.pop(key, None) is not None:
                     self.disk.remove(key)
@@ -296,10 +334,13 @@ class NodeStoreService:
 
     def stats(self) -> dict:
         with self._lock:
+            self._reap()
             out = {"groups": len(self._lru) + len(self._disk), "host_groups": len(self._lru),
                    "disk_groups": len(self._disk), **self.counters, **self.host.stats()}
             if self.disk is not None:
                 out["disk"] = self.disk.stats()
+            if self.durable is not None:
+                out.update(self.durable.gauges())
             return out
 
     def tier_stats(self) -> dict:

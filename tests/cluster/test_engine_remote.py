@@ -156,7 +156,7 @@ class Clustered(InProcess):
         self.calls["fetch"] += 1
         return self.holders[holder].export(wire)
 
-    def land(self, pending):
+    def land(self, pending, holder=None):
         return pending
 
     def publish_later(self, holder, items, removed, info):

@@ -1,0 +1,244 @@
+"""A node's holder killed outright, on a real two-node Ray cluster on loopback (issue 50, item 3).
+
+Node A holds groups (its node store, or an engine's embedded pool); its process is killed with
+SIGKILL (``os.kill`` of the actor's worker process, as the OOM killer or a lost node would: no
+close runs). Meanwhile an engine on node B looks the groups up: a miss, never an error and never
+a dead holder's bytes, and the registry's liveness sweep drops the dead holder. Then the holder
+is started again over the same ``disk_dir``: it re-registers every group its disk holds (the
+write-behind put them there) and B finds each again, bytes equal to those of the tensors saved
+(fresh random inputs); a torn file is quarantined at the restart, not registered: a miss.
+
+Not here: removing and re-adding the whole node (``cluster.remove_node`` / ``add_node``). Ray
+gives the re-added node a new node id, and a store's directory is ``store-<node id>``, so the
+new node's store starts empty; the old directory is adopted by nobody (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import signal  # noqa: E402
+import time  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+import mmtier.cluster as mma  # noqa: E402
+from mmtier import CacheConfig, ModalitySpec, TieredKVCache  # noqa: E402
+from mmtier.cluster import ClusterSettings  # noqa: E402
+from mmtier.cluster.actors import store_name  # noqa: E402
+from mmtier.cluster.engine_pool import PoolHost, host_name  # noqa: E402
+from mmtier.cluster.pool import PoolService  # noqa: E402
+from mmtier.cluster.store import store_dir  # noqa: E402
+from mmtier.content import ContentKey  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+L, H, D = 2, 2, 16
+CFG = CacheConfig(
+    model="tiny-mm", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
+    modalities={"text": ModalitySpec(page_size=4), "vision": ModalitySpec(page_size=8)},
+    device="cpu", device_bytes=2 << 20, key_secret="restart-secret")
+SETTINGS = ClusterSettings(namespace="mmtier-restart-test", device_resource="no_such_device",
+                           sweep_interval_s=0.5, ping_timeout_s=1.0, sweep_misses=2, call_timeout_s=20.0)
+WAIT_S = 30.0          # bound of every wait for the cluster to settle
+
+
+class Probe(PoolHost):
+    """A model-less engine: its embedded pool and a turn's lookups and fetches, nothing else."""
+
+    def __init__(self, settings_json: dict):
+        super().__init__(ClusterSettings(**settings_json), device="cpu")
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def save(self, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> int:
+        """Put groups into this engine's pool and publish them (a turn's end)."""
+        n = sum(bool(self.local.put(ContentKey.from_wire(w), k, v)) for w, k, v in items)
+        self.local.end_turn()
+        return n
+
+    def durable_writes(self) -> int:
+        return self.cache.stats().counters.get("durable_writes", 0)
+
+    def find(self, wires: list[dict]) -> tuple[list[bytes | None], dict[str, str], dict[str, int]]:
+        """One turn over these groups: each one's page bytes as found (``None``: a miss), the
+        turn's plan, and its counters. What was fetched is dropped again after, so the next
+        turn asks the cluster once more."""
+        keys = [ContentKey.from_wire(w) for w in wires]
+        self.local.begin_turn(keys)
+        found = []
+        for key in keys:
+            if self.local.contains(key):
+                found.append(PoolService.export(self, key.to_wire())[1].tobytes())
+            else:
+                found.append(None)
+        self.local.end_turn()
+        plan, stats = dict(self.local.plan), self.local.turn_stats()
+        self.local.drop(keys)
+        self.local.end_turn()
+        return found, plan, stats
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    global CFG
+    CFG = CFG.model_copy(update={"disk_dir": tmp_path_factory.mktemp("mmtier-restart")})
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"node_b": 1}, "object_store_memory": 80 << 20,
+        "include_dashboard": False})
+    c.add_node(num_cpus=1, resources={"node_a": 1}, object_store_memory=80 << 20)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace=SETTINGS.namespace, include_dashboard=False)
+    try:
+        mma.start(CFG, SETTINGS)
+        nodes = {r: n["NodeID"] for n in ray.nodes() if n["Alive"]
+                 for r in ("node_a", "node_b") if r in n["Resources"]}
+        probe_b = _probe(nodes["node_b"])
+        yield nodes, probe_b
+    finally:
+        mma.shutdown(SETTINGS)
+        ray.shutdown()
+        c.shutdown()
+
+
+def _probe(node: str, **options):
+    """An engine on ``node`` (detached: a serving process outlives whoever started it, and Ray
+    lets its name go when it dies)."""
+    return ray.remote(Probe).options(
+        name=host_name(node), namespace=SETTINGS.namespace, num_cpus=0, max_concurrency=2, **options,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(SETTINGS.model_dump(mode="json"))
+
+
+def _get(ref):
+    return ray.get(ref, timeout=WAIT_S)
+
+
+def _wait_until(pred, timeout=WAIT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.2)
+    return pred()
+
+
+def _named(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=SETTINGS.namespace)
+    except ValueError:
+        return False
+    return True
+
+
+def _registry():
+    return ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
+
+
+def _holders(digests: list[str]) -> list[set[str]]:
+    """Each digest's holders as the registry sees them now."""
+    return [set() if loc is None else {h for h, _ in loc.holders}
+            for loc in _get(_registry().lookup.remote(digests))]
+
+
+def _groups(tag: str, sizes: tuple[int, ...]) -> list[tuple[ContentKey, torch.Tensor, torch.Tensor, bytes]]:
+    """Fresh random groups (whole pages), each with the page bytes a cache holds for it."""
+    out = []
+    with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as maker:
+        for i, n in enumerate(sizes):
+            key = maker.content_key("vision", f"{tag}-{i}-{time.time_ns()}".encode(), tenant="acme")
+            k, v = torch.randn(L, n, H, D), torch.randn(L, n, H, D)
+            assert maker.put(key, k, v)
+            out.append((key, k, v, maker.export_pages(key).to_wire()[1].tobytes()))
+    return out
+
+
+def _sigkill(actor) -> None:
+    """Kill the actor's worker process as a crash would: no close, no flush, no goodbye."""
+    os.kill(_get(actor.pid.remote()), signal.SIGKILL)
+
+
+def _check_outage(probe_b, wires, digests, dead: str) -> None:
+    """Right after the kill, and once the sweep has dropped ``dead``: each group a miss on B."""
+    found, _, stats = _get(probe_b.find.remote(wires))
+    assert found == [None] * len(wires)                 # a miss: no error, no bytes
+    assert _wait_until(lambda: all(dead not in h for h in _holders(digests)))
+    found, plan, _ = _get(probe_b.find.remote(wires))
+    assert found == [None] * len(wires) and set(plan.values()) == {"miss"}
+    assert dead not in {h.name for h in _get(_registry().holders.remote())}
+
+
+def test_sigkilled_store_re_registers_its_disk_and_other_nodes_find_it(cluster):
+    nodes, probe_b = cluster
+    a = nodes["node_a"]
+    store = ray.get_actor(store_name(a), namespace=SETTINGS.namespace)
+    groups = _groups("store", (16, 24, 32, 8))
+    wires, digests = [g[0].to_wire() for g in groups], [g[0].hex for g in groups]
+    info = {"name": store_name(a), "node": a, "kind": "store"}
+    for key, k, v, _ in groups:          # as a pool offloads: import, then tell the registry
+        item, _ = _get(store.import_group.remote(key.to_wire(), *_exported(key, k, v)))
+        assert item is not None and item["tier"] == "host"
+        _get(_registry().publish.remote(info["name"], [item], [], info))
+    assert _holders(digests) == [{store_name(a)}] * len(groups)
+    # the write-behind has put every host group on disk (a wait, not a timing)
+    assert _wait_until(lambda: _get(store.stats.remote())["durable_writes"] == len(groups))
+    found, plan, _ = _get(probe_b.find.remote(wires))
+    assert found == [g[3] for g in groups] and set(plan.values()) == {"fetch"}
+
+    _sigkill(store)
+    _check_outage(probe_b, wires, digests, store_name(a))
+    torn_key = groups[-1][0]                    # a file torn by the crash: half of it is left
+    for path in store_dir(CFG, a).glob(f"vision-{torn_key.hex}-*.arrow"):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    assert store_name(a) in mma.start(CFG, SETTINGS).created      # restarted over the same dir
+    store = ray.get_actor(store_name(a), namespace=SETTINGS.namespace)
+    good = digests[:-1]
+    assert _wait_until(lambda: _holders(good) == [{store_name(a)}] * len(good))
+    assert _holders([torn_key.hex]) == [set()]                 # quarantined: never registered
+    disk = _get(store.stats.remote())
+    assert disk["adopted_from_disk"] == len(good) and disk["disk"]["quarantined_at_start"] >= 1
+    found, plan, _ = _get(probe_b.find.remote(wires))
+    assert found[:-1] == [g[3] for g in groups[:-1]]           # bit-equal, from the restarted store
+    assert found[-1] is None and plan[torn_key.hex] == "miss"
+
+
+def test_sigkilled_engine_re_registers_its_disk_and_other_nodes_find_it(cluster):
+    nodes, probe_b = cluster
+    a = nodes["node_a"]
+    name = host_name(a)
+    engine = _probe(a, lifetime="detached")
+    groups = _groups("engine", (16, 40, 8))
+    wires, digests = [g[0].to_wire() for g in groups], [g[0].hex for g in groups]
+    assert _get(engine.save.remote([(w, g[1], g[2]) for w, g in zip(wires, groups)])) == len(groups)
+    assert _wait_until(lambda: _holders(digests) == [{name}] * len(groups))
+    assert _wait_until(lambda: _get(engine.durable_writes.remote()) == len(groups))
+
+    _sigkill(engine)
+    _check_outage(probe_b, wires, digests, name)
+
+    assert _wait_until(lambda: not _named(name))        # Ray has let the dead actor's name go
+    engine = _probe(a, lifetime="detached")             # the engine started again on node A
+    assert _wait_until(lambda: _holders(digests) == [{name}] * len(groups))
+    tiers = {it["key"]["digest"]: it["tier"] for it in _get(engine.inventory.remote())}
+    assert tiers == {d: "disk" for d in digests}        # re-registered from its disk
+    found, plan, _ = _get(probe_b.find.remote(wires))
+    assert found == [g[3] for g in groups] and set(plan.values()) == {"fetch"}
+    ray.kill(engine)
+
+
+def _exported(key: ContentKey, k: torch.Tensor, v: torch.Tensor):
+    """A group as a pool exports it: ``(meta, page-major uint8 buffer)``."""
+    with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as c:
+        c.put(key, k, v)
+        return c.export_pages(key).to_wire()
+
