@@ -129,15 +129,23 @@ def test_claim_placeholder_is_filled_by_first_holder():
     assert loc.num_tokens == 20 and loc.modality == "vision"
 
 
-def test_batched_lookup_is_fast():
-    import time
+def test_a_large_batched_lookup_answers_every_key_in_order():
+    """Thousands of keys in one call (an engine's step asks so; its speed is in the cluster
+    benchmark, not here): each known key's own location, unknown ones ``None``, in order."""
+    import random
 
     r = ContentRegistry()
-    items = [item(str(i).encode()) for i in range(2000)]
-    r.add("p1", items, pool("p1"))
-    digests = [i["key"]["digest"] for i in items]
-    t0 = time.perf_counter()
-    for _ in range(10):
-        assert all(loc is not None for loc in r.lookup(digests))
-    rate = 10 * len(digests) / (time.perf_counter() - t0)
-    assert rate > 200_000, rate
+    items = [item(str(i).encode(), tokens=1 + i % 7) for i in range(2000)]
+    r.add("p1", items[:1200], pool("p1"))
+    r.add("p2", items[800:], pool("p2", "n2"))
+    unknown = [item(f"x{i}".encode())["key"]["digest"] for i in range(300)]
+    asked = [i["key"]["digest"] for i in items] + unknown
+    random.Random(7).shuffle(asked)
+    want = {i["key"]["digest"]: (k, i["num_tokens"]) for k, i in enumerate(items)}
+    for digest, loc in zip(asked, r.lookup(asked), strict=True):
+        if digest not in want:
+            assert loc is None
+            continue
+        k, tokens = want[digest]
+        holders = {"p1"} if k < 800 else {"p1", "p2"} if k < 1200 else {"p2"}
+        assert loc is not None and loc.num_tokens == tokens and {h for h, _ in loc.holders} == holders
