@@ -37,7 +37,10 @@ def shard_of(digest: str, shards: int) -> int:
     """The shard of a digest: stable across processes and runs (not Python's salted ``hash``)."""
     if shards == 1:
         return 0
-    return int.from_bytes(hashlib.blake2b(digest.encode(), digest_size=8).digest(), "little") % shards
+    try:            # a content digest is SHA-256 hex: its leading 60 bits are already uniform
+        return int(digest[:15], 16) % shards
+    except ValueError:                  # any other name: hashed (blake2b is 4x slower)
+        return int.from_bytes(hashlib.blake2b(digest.encode(), digest_size=8).digest(), "little") % shards
 
 
 def shard_name(settings: ClusterSettings, index: int) -> str:

@@ -68,8 +68,11 @@ def test_routing_is_stable_and_total():
         # every shard gets a share near 1/n (a binomial's 6 sigma: fails only if routing is skewed)
         sigma = (len(digests) * (1 / n) * (1 - 1 / n)) ** 0.5
         assert all(abs(len(p) - len(digests) / n) <= 6 * sigma + 1 for p in parts), [len(p) for p in parts]
+    names = [f"not-hex-{i}" for i in range(2000)]           # any other name: hashed, as total
+    assert sorted(i for p in split(names, 4) for i in p) == list(range(len(names)))
+    assert all(len(p) > 300 for p in split(names, 4))
     # the same shard in another interpreter with another hash seed (not Python's salted hash)
-    sample = digests[:50]
+    sample = digests[:50] + names[:50]
     code = ("import sys; from mmtier.cluster.registry_shards import shard_of; "
             "print(' '.join(str(shard_of(d, 8)) for d in sys.argv[1:]))")
     env = {**os.environ, "PYTHONHASHSEED": str(rng.randrange(1, 1 << 30))}
