@@ -61,8 +61,9 @@ class Pending:
 
     def __init__(self, refs: list, combine: Callable[[list], Any], lenient: bool = False,
                  fallback: Callable[[int], Any] | None = None, on_fail: Callable[[int], None] | None = None,
-                 shards: list[int] | None = None):
+                 shards: list[int] | None = None, timeout: float | None = None):
         self.refs, self._combine, self._lenient = refs, combine, lenient
+        self._timeout = timeout              # awaited: a lenient shard's bound, inside the caller's
         self._fallback, self._on_fail = fallback, on_fail
         self._shards = shards if shards is not None else list(range(len(refs)))
         self.failed = 0                              # shards that did not answer
@@ -83,7 +84,8 @@ class Pending:
         return self._wait().__await__()
 
     async def _wait(self) -> Any:
-        got = await asyncio.gather(*(_awaitable(r) for r in self.refs), return_exceptions=self._lenient)
+        got = await asyncio.gather(*(_awaitable(r, self._timeout) for r in self.refs),
+                                   return_exceptions=self._lenient)
         if self._lenient:
             got = [self._failed(j) if isinstance(a, _SHARD_ERRORS) else _raise_if(a)
                    for j, a in enumerate(got)]
@@ -102,8 +104,8 @@ def _up(ref):
     return ref
 
 
-async def _awaitable(ref):
-    return await _up(ref)
+async def _awaitable(ref, timeout: float | None):
+    return await asyncio.wait_for(_up(ref), timeout)
 
 
 def _raise_if(answer: Any) -> Any:
@@ -190,7 +192,8 @@ class RegistryShards:
             return out
 
         return Pending(refs, combine, lenient=True, shards=shards, on_fail=self._shard_failed,
-                       fallback=lambda j: [None] * len(parts[shards[j]]))
+                       fallback=lambda j: [None] * len(parts[shards[j]]),
+                       timeout=0.9 * self.settings.call_timeout_s)   # a silent shard: misses, in time
 
     def forget(self, digests: Sequence[str]) -> None:
         """Drop cached locations a holder contradicted (it did not hold the group)."""
