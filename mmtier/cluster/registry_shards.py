@@ -125,6 +125,7 @@ class RegistryShards:
         if not any(h is not None for h in self._handles):
             raise ValueError(f"no registry shard {settings.registry_name!r} in namespace {settings.namespace!r}")
         self._cache: dict[str, tuple[Location, float]] = {}
+        self._bound = 0.9 * settings.call_timeout_s      # awaited: a silent shard fails inside the caller's wait
         self._lock = threading.Lock()
         self.cache_hits = 0
 
@@ -193,7 +194,7 @@ class RegistryShards:
 
         return Pending(refs, combine, lenient=True, shards=shards, on_fail=self._shard_failed,
                        fallback=lambda j: [None] * len(parts[shards[j]]),
-                       timeout=0.9 * self.settings.call_timeout_s)   # a silent shard: misses, in time
+                       timeout=self._bound)
 
     def forget(self, digests: Sequence[str]) -> None:
         """Drop cached locations a holder contradicted (it did not hold the group)."""
@@ -210,11 +211,14 @@ class RegistryShards:
         """A (re)started holder: each shard gets its part (possibly none) and forgets the rest."""
         parts = self._items_by_shard(inventory)
         return Pending([self.call(i, "sync_holder", info, parts[i]) for i in range(self.n)],
-                       lambda a: None)
+                       lambda a: None, lenient=True, on_fail=self._shard_failed,
+                       timeout=self._bound)                   # a shard down rebuilds its part later
 
     def drop_holder(self, name: str) -> Pending:
         self.forget_holder(name)
-        return Pending(self._every("drop_holder", name), lambda a: sorted(d for part in a for d in part))
+        # lenient: a shard down now rebuilds from the live holders' inventories, without this one
+        return Pending(self._every("drop_holder", name), lambda a: sorted(d for part in a for d in part or []),
+                       lenient=True, on_fail=self._shard_failed, timeout=self._bound)
 
     def forget_holder(self, name: str) -> None:
         with self._lock:
@@ -249,7 +253,7 @@ class RegistryShards:
                 for h in part or []:
                     seen.setdefault(h.name, h)
             return list(seen.values())
-        return Pending(self._every("holders"), union, lenient=True, on_fail=self._shard_failed)
+        return Pending(self._every("holders"), union, lenient=True, on_fail=self._shard_failed, timeout=self._bound)
 
     # ------------------------------------------------------------------ references and claims
     def ref(self, digests: list[str], delta: int) -> Pending:
@@ -281,7 +285,7 @@ class RegistryShards:
             out["holders"] = len({h.name for part in answers[self.n:] for h in part or []})
             return out
         return Pending(refs, total, lenient=True, on_fail=self._shard_failed,
-                       shards=list(range(self.n)) * 2)
+                       shards=list(range(self.n)) * 2, timeout=self._bound)
 
     def _items_by_shard(self, items: list[dict]) -> list[list[dict]]:
         parts: list[list[dict]] = [[] for _ in range(self.n)]

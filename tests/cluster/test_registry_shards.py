@@ -202,6 +202,8 @@ def test_killed_shard_misses_its_keys_until_rebuilt(started):
         assert [loc is None for loc in got] == [shard_of(k.hex, SHARDS) == lost for k in keys]
         assert transport.calls["lookup_failed"] == 1
         assert cc.registry_stats()["keys"] == len(keys) - len(by_shard[lost])
+        # what goes to every shard still reaches the live ones (the lost one rebuilds later)
+        assert RegistryShards(SETTINGS).drop_holder("mmtier-pool:gone:cpu0").get(30) == []
 
         # start() recreates the shard; it rebuilds its part from the holders' inventories
         report = mma.start(CFG, SETTINGS)
