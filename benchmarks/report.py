@@ -35,6 +35,8 @@ COMMANDS = {
     "spill": "python -m benchmarks.storage.spill  (6 paired rounds, the writers in turn first)",
     "eviction": "python -m benchmarks.eviction.eviction",
     "cluster": "python -m benchmarks.cluster.cluster",
+    "registry_scale": "python -m benchmarks.cluster.registry_scale  (3 s per cell; shards 1, 2, 4, 8 x 1, 2, 4 client "
+                      "processes)",
     "long_context": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
                     "(all 28 layers, what the disk held at --tokens max --reserve-gib 20)",
     "long_context_fp8": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 2097152 --dtype float8_e4m3fn "
@@ -116,6 +118,10 @@ HEADLINES = [
     ("cluster", "registry_lookups_per_s", ">= 50,000 (batched)", lambda v: v >= 5e4),
     ("cluster", "registry_single_lookups_per_s", "(reported)", None),
     ("cluster", "remote_fetch_over_object_store", ">= 0.9", lambda v: v >= 0.9),
+    *(("registry_scale", f"{m}_s{s}_c4_{unit}", f"(reported; 4 client processes, {s} shard(s))", None)
+      for m, unit in (("single", "calls_per_s"), ("batched", "keys_per_s")) for s in (1, 2, 4, 8)),
+    ("registry_scale", "single_s1_c4_p99_ms", "(reported; one key per call, 1 shard, 4 clients)", None),
+    ("registry_scale", "single_s4_c4_p99_ms", "(reported; one key per call, 4 shards, 4 clients)", None),
     ("demo", "later_turns_cached_over_dense", "<= 0.5", lambda v: v <= 0.5),
     ("demo_serving", "check_mismatches", "0 (every answer equals the engine without mmtier)", lambda v: v == 0),
     ("demo_serving", "ttft_mmtier_over_plain__later_turns", "<= 0.5 (paired median; vLLM's prefix cache on in both)",

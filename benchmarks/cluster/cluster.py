@@ -44,7 +44,7 @@ from benchmarks._common import (  # noqa: E402
     write_results,
 )
 from mmtier import CacheConfig, ModalitySpec  # noqa: E402
-from mmtier.cluster import ClusterSettings, PoolHost, host_name  # noqa: E402
+from mmtier.cluster import ClusterSettings, PoolHost, RegistryShards, host_name  # noqa: E402
 from mmtier.content import ContentKey, KeyMaker, media_digest, tenant_salt  # noqa: E402
 
 
@@ -132,7 +132,7 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
     nodes = {r: n["NodeID"] for n in ray.nodes() for r in ("node_a", "node_b") if r in n["Resources"]}
     a, b = nodes["node_a"], nodes["node_b"]
     pool_a, pool_b = cc.pools(a)[0], cc.pools(b)[0]
-    reg = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+    reg = RegistryShards(settings)                  # as engines reach it (one call per shard)
     figures: dict[str, object] = {"quick": quick}
 
     # ---- registry lookups
@@ -144,24 +144,24 @@ def _run(cfg: CacheConfig, settings: ClusterSettings, group_mb: int, quick: bool
                          tenant_salt=salt) for i in range(n_keys)]
     items = [{"key": k.to_wire(), "tier": "device", "num_tokens": 64, "nbytes": 1 << 20} for k in keys]
     for i in range(0, n_keys, 5000):      # recorded at a live pool, so the liveness sweep keeps them
-        ray.get(reg.add.remote(pool_a, items[i:i + 5000]), timeout=120)
+        reg.add(pool_a, items[i:i + 5000]).get(120)
     digests = [k.hex for k in keys]
     batch = 1000
     batches = [digests[i:i + batch] for i in range(0, n_keys, batch)]
-    ray.get(reg.lookup.remote(batches[0]), timeout=60)
+    reg.lookup(batches[0]).get(60)
     t0 = time.perf_counter()
     rounds = 2 if quick else 5
     for _ in range(rounds):
-        refs = [reg.lookup.remote(bt) for bt in batches]
-        for r in ray.get(refs, timeout=120):
-            assert r[0] is not None
+        pending = [reg.lookup(bt) for bt in batches]
+        for p in pending:
+            assert p.get(120)[0] is not None
     figures["registry_lookups_per_s"] = rounds * n_keys / (time.perf_counter() - t0)
     singles = 100 if quick else 2000
     t0 = time.perf_counter()
     for d in digests[:singles]:
-        ray.get(reg.lookup.remote([d]), timeout=60)
+        reg.lookup([d]).get(60)
     figures["registry_single_lookups_per_s"] = singles / (time.perf_counter() - t0)
-    ray.get(reg.remove.remote(pool_a, digests), timeout=60)
+    reg.remove(pool_a, digests).get(60)
 
     # ---- local vs remote partial attention
     n_img = 256 if quick else 4096

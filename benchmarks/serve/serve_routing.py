@@ -65,14 +65,13 @@ def conversations(seed: int, n: int, turns: int) -> list[list[list[dict]]]:
 def decision_s(keyer, registry, messages: list[dict]) -> float:
     """Seconds the affinity router's own work takes for a request, measured here (not on the
     serving path): its keys (``RequestKeyer``) and the one registry lookup."""
-    import ray
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
     from tests.support.serve_llm_cluster import MODEL_ID
 
     t0 = time.perf_counter()
     keys = keyer.submit(ChatCompletionRequest(model=MODEL_ID, messages=messages, max_tokens=1)).result(60)
-    ray.get(registry.lookup.remote(keys.digests()), timeout=30)
+    registry.lookup(keys.digests()).get(30)
     return time.perf_counter() - t0
 
 

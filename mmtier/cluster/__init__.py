@@ -1,4 +1,5 @@
 """The cluster layer on Ray, its modules named by role: ``registry`` (content key -> holders),
+``registry_shards`` (the registry split over actors by key, routed client side),
 ``pool`` (a device's cache served to the cluster), ``store`` (a node's host and disk tiers),
 ``client`` and its ``client_*`` parts (``ClusterCache``), ``transfer`` / ``transfer_copies``
 (groups through the object store), ``engine_pool`` / ``engine_cache`` / ``engine_remote`` (an
@@ -19,6 +20,7 @@ _EXPORTS = {
     "ClusterCache": "client", "HolderLostError": "client", "connect": "client",
     "StartReport": "launch", "start": "launch", "shutdown": "launch",
     "ContentRegistry": "registry", "HolderInfo": "registry", "Location": "registry",
+    "RegistryShards": "registry_shards",
     "ClusterSettings": "settings",
     "PoolHost": "engine_pool", "RayTransport": "engine_pool", "host_name": "engine_pool",
     "HostedCache": "engine_cache",

@@ -26,6 +26,7 @@ from ..pages.gpu_memory import free_bytes
 from .metrics import ActorMetrics
 from .pool import PoolService
 from .registry import ContentRegistry, HolderInfo
+from .registry_shards import RegistryShards, shard_of
 from .settings import ClusterSettings
 from .store import NodeStoreService
 from .transfer import export_to_object_store
@@ -106,9 +107,10 @@ class NodeStoreActor(NodeStoreService):
 class ContentRegistryActor:
     """Async actor around ``ContentRegistry``: liveness sweep, rebuild after restart, waits."""
 
-    def __init__(self, cfg_json: dict, settings_json: dict):
+    def __init__(self, cfg_json: dict, settings_json: dict, shard: int = 0):
         self.cfg_json = cfg_json
         self.settings = ClusterSettings(**settings_json)
+        self.shard = shard                       # this actor's part of the index (``shard_of``)
         self.reg = ContentRegistry(sweep_misses=self.settings.sweep_misses)
         self._ready: asyncio.Future | None = None
         self._sweeper: asyncio.Task | None = None
@@ -137,6 +139,8 @@ class ContentRegistryActor:
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
                 log.warning("registry rebuild: %s did not answer (%s)", name, type(exc).__name__)
                 return
+            n = self.settings.registry_shards
+            inv = [it for it in inv if shard_of(it["key"]["digest"], n) == self.shard]
             self.reg.sync_holder(HolderInfo(**info), inv)
             self._wake(item["key"]["digest"] for item in inv)
 
@@ -256,10 +260,11 @@ class ContentRegistryActor:
         return "ok"
 
 
-def _registry(settings: ClusterSettings):
-    """The registry actor, or ``None`` when it is not up (the callers' messages are hints)."""
+def _registry(settings: ClusterSettings) -> RegistryShards | None:
+    """The registry's shards, or ``None`` when one is not up (the callers' messages are hints;
+    a shard that starts later rebuilds itself from the inventories)."""
     try:
-        return ray.get_actor(settings.registry_name, namespace=settings.namespace)
+        return RegistryShards(settings)
     except ValueError:
         return None
 
@@ -268,14 +273,14 @@ def _announce(settings: ClusterSettings, info: dict, inventory: list[dict]) -> N
     """Tell the registry this holder (re)started with this inventory; fire and forget."""
     reg = _registry(settings)
     if reg is not None:
-        reg.sync_holder.remote(info, inventory)
+        reg.sync_holder(info, inventory)
 
 
 def report_lost(settings: ClusterSettings, holder: str, digests: list[str]) -> None:
     """Tell the registry ``holder`` lost these groups (a corrupt disk copy); fire and forget."""
     reg = _registry(settings)
     if reg is not None:
-        reg.remove.remote(holder, digests)
+        reg.remove(holder, digests)
 
 
 def _sanitize(name: str) -> str:

@@ -57,6 +57,7 @@ from .client_sequences import SequenceBook
 from .client_shared import SharedGroups
 from .metrics import ClientMetrics
 from .registry import Location
+from .registry_shards import RegistryShards
 from .settings import ClusterSettings
 from .transfer_copies import GroupCopier
 
@@ -67,8 +68,8 @@ class ClusterCache:
     def __init__(self, settings: ClusterSettings | None = None):
         self.settings = settings or ClusterSettings()
         s = self.settings
-        registry = ray.get_actor(s.registry_name, namespace=s.namespace)
-        self.cfg = CacheConfig(**ray.get(registry.config.remote(), timeout=s.call_timeout_s))
+        registry = RegistryShards(s)
+        self.cfg = CacheConfig(**registry.config().get(s.call_timeout_s))
         self._keys = ClusterKeys(self.cfg)
         self.keys = self._keys.maker
         self.metrics = ClientMetrics()
@@ -219,7 +220,7 @@ class ClusterCache:
         return {n: r for n, r in zip(names, res) if not isinstance(r, BaseException)}
 
     async def registry_stats_async(self) -> dict[str, int]:
-        return await self.holders.call(self.holders.registry.stats.remote())
+        return await self.holders.call(self.holders.registry.stats())
 
     def close(self) -> None:
         """Release every sequence this client holds and stop its event loop."""

@@ -68,7 +68,7 @@ class Attacher:
                 if names is not None:
                     st.named[st.chain] = names
                 st.tail_modality = key.modality
-                h.registry.ref.remote([key.hex], 1)
+                h.registry.ref([key.hex], 1)
                 return
             raise HolderLostError(f"{key!r}: its holders kept failing")
 

@@ -103,7 +103,7 @@ class Holders:
                 self.actors[holder] = new
                 self.info[holder] = info or _holder_info(holder)
             return
-        await asyncio.wait_for(self.registry.drop_holder.remote(holder), self.settings.call_timeout_s)
+        await asyncio.wait_for(self.registry.drop_holder(holder), self.settings.call_timeout_s)
 
     def actor(self, name: str):
         a = self.actors.get(name)
@@ -116,15 +116,15 @@ class Holders:
         return [n for n in names if n in self.actors]
 
     async def lookup(self, keys: Sequence[ContentKey]) -> list[Location | None]:
-        return await self.call(self.registry.lookup.remote([k.hex for k in keys]))
+        return await self.call(self.registry.lookup([k.hex for k in keys]))
 
     async def announce(self, holder: str, items: list) -> None:
         """Record in the registry that ``holder`` now holds ``items``."""
-        await self.call(self.registry.add.remote(holder, items, info_dict(self.info[holder])))
+        await self.call(self.registry.add(holder, items, info_dict(self.info[holder])))
 
     def forget_evicted(self, holder: str, digests: list[str]) -> None:
-        if digests:
-            self.registry.remove.remote(holder, digests)     # ordered after our earlier calls
+        if digests:                         # also drops them from the client's lookup cache
+            self.registry.remove(holder, digests)     # ordered after our earlier calls
 
 
 def _holder_info(name: str) -> HolderInfo:

@@ -294,6 +294,7 @@ class HostedCache:
             meta, buf = self.transport.land(refs, holder)
             item, evicted = self.host.import_group(key.to_wire(), meta, buf)
         except MMTierError as exc:       # gone meanwhile, holder lost, no room, bad data: a miss
+            self.transport.forget([key.hex])     # a cached location it contradicted: dropped
             self.counters["fetch_failed"] += 1
             self.counters[f"fetch_failed_{type(exc).__name__}"] += 1
             return False

@@ -37,6 +37,7 @@ from .actors import POOL_PREFIX, pool_config, pool_name, report_lost
 from .metrics import ActorMetrics
 from .pool import PoolService
 from .registry import Location
+from .registry_shards import Pending, RegistryShards
 from .settings import ClusterSettings
 from .transfer import export_to_object_store
 
@@ -56,7 +57,7 @@ class RayTransport:
         self.settings = settings
         self.calls: Counter[str] = Counter()
         self._handles: dict[str, Any] = {}
-        self.registry = ray.get_actor(settings.registry_name, namespace=settings.namespace)
+        self.registry = RegistryShards(settings)
         # one thread that waits for fetched buffers to be local: Ray pulls an object to a node
         # only once someone there waits for it, so this starts the transfer at the fetch
         self._puller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mmtier-pull")
@@ -67,29 +68,31 @@ class RayTransport:
 
     def config(self) -> dict:
         self.calls["config"] += 1
-        return ray.get(self.registry.config.remote(), timeout=self.settings.call_timeout_s)
+        return self.registry.config().get(self.settings.call_timeout_s)
 
     def announce(self, info: dict, inventory: list[dict]) -> None:
         """Fire and forget: this holder (re)started with this inventory."""
         self.calls["announce"] += 1
-        self.registry.sync_holder.remote(info, inventory)
+        self.registry.sync_holder(info, inventory)
 
     def lookup_async(self, digests: list[str]):
         """One batched registry lookup, sent now (after what the sender thread still has to
         send, so it never overtakes a publish); ``wait`` reads its answer."""
         self.calls["lookup"] += 1
         self._sent()
-        return self.registry.lookup.remote(digests)
+        return self.registry.lookup(digests)
 
     def wait(self, ref, n: int) -> list[Location | None]:
         """The lookup's answer; all misses when the registry did not answer in time (the
         turn recomputes what it lacks rather than fail)."""
-        try:
-            return ray.get(ref, timeout=self.settings.call_timeout_s)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
-                ray.exceptions.ActorUnavailableError):
+        locs = ref.get(self.settings.call_timeout_s)    # a shard down or silent: misses
+        if ref.failed:
             self.calls["lookup_failed"] += 1
-            return [None] * n
+        return locs if len(locs) == n else [None] * n
+
+    def forget(self, digests: list[str]) -> None:
+        """A holder did not have what a (cached) lookup said it had: ask the registry next time."""
+        self.registry.forget(digests)
 
     def fetch(self, holder: str, wire: dict[str, str]):
         """Start pulling a whole group from ``holder``: ``(meta ref, buffer ref)``; nothing waits.
@@ -119,6 +122,8 @@ class RayTransport:
         ``HolderLostError``, and its handle is forgotten: a holder restarted under the same
         name (a store or engine killed and started again) is looked up afresh."""
         try:
+            if isinstance(ref, Pending):                 # a registry call (one per shard)
+                return ref.get(self.settings.call_timeout_s)
             return ray.get(ref, timeout=self.settings.call_timeout_s)
         except ray.exceptions.RayTaskError as exc:
             if isinstance(exc.cause, MMTierError):
@@ -135,14 +140,14 @@ class RayTransport:
         the call's ref for a caller that wants the registry's acknowledgement (``result``)."""
         self.calls["publish"] += 1
         self._sent()
-        return self.registry.publish.remote(holder, items, removed, info)
+        return self.registry.publish(holder, items, removed, info)
 
     def publish_later(self, holder: str, items: list[dict], removed: list[str], info: dict) -> None:
         """``publish``, submitted on the sender thread after every call handed to it before
         (a turn's publish, off the turn's path; the caller hands the lists over and does not
         change them)."""
         self.calls["publish"] += 1
-        self._last_sent = self._sender.submit(self.registry.publish.remote, holder, items, removed, info)
+        self._last_sent = self._sender.submit(self.registry.publish, holder, items, removed, info)
 
     def offload(self, store: str, wire: dict[str, str], meta: dict, buf: np.ndarray):
         """Hand a group to the node store and wait for its answer (``offload_async``)."""

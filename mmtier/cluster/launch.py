@@ -4,8 +4,10 @@ actor classes, each wrapping one plain class, and their names are ``actors``).
 ``start(cfg)`` is idempotent. It creates what is missing, by deterministic name in namespace
 ``mmtier``:
 
-- ``mmtier-registry``: the ContentRegistry (detached, ``max_restarts=-1``, calls retried across
-  restarts; rebuilds its state from the holders' inventories after a restart);
+- ``mmtier-registry`` (and ``mmtier-registry:shard<i>`` for ``registry_shards`` > 1): the
+  ContentRegistry's shards (detached, ``max_restarts=-1``, calls retried across restarts; each
+  rebuilds its part from the holders' inventories after a restart, or after ``start()``
+  recreated one that was killed);
 - per alive node, ``mmtier-store:<node id>``: the NodeStoreActor (pinned to the node);
 - per unit of ``settings.device_resource`` on a node, ``mmtier-pool:<node id>:gpu<i>`` (or
   ``dev<i>`` for a custom resource standing in for GPUs): a PagePoolActor pinned to the node;
@@ -37,6 +39,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..config import CacheConfig
 from ..errors import ConfigError
 from .actors import ContentRegistryActor, NodeStoreActor, PagePoolActor, pool_name, store_name
+from .registry_shards import shard_name
 from .settings import ClusterSettings
 
 
@@ -85,18 +88,19 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
     made: list[Any] = []
 
     common = {"namespace": ns, "lifetime": "detached", "num_cpus": settings.actor_num_cpus}
-    if settings.registry_name in have:
-        report.existing.append(settings.registry_name)
-        reg = ray.get_actor(settings.registry_name, namespace=ns)
-        running = ray.get(reg.config.remote(), timeout=settings.call_timeout_s)
-        if CacheConfig(**running) != CacheConfig(**cfg_json):
-            raise ConfigError("mmtier is already running with another CacheConfig; shut it down first")
-    else:
-        reg = ray.remote(ContentRegistryActor).options(
-            name=settings.registry_name, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
-            max_concurrency=1000, **common).remote(cfg_json, s_json)
-        report.created.append(settings.registry_name)
-        made.append(reg)
+    for i in range(settings.registry_shards):
+        name = shard_name(settings, i)
+        if name in have:
+            report.existing.append(name)
+            reg = ray.get_actor(name, namespace=ns)
+            running = ray.get(reg.config.remote(), timeout=settings.call_timeout_s)
+            if CacheConfig(**running) != CacheConfig(**cfg_json):
+                raise ConfigError("mmtier is already running with another CacheConfig; shut it down first")
+        else:       # a shard lost (killed, its node gone) comes back here and rebuilds its part
+            made.append(ray.remote(ContentRegistryActor).options(
+                name=name, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
+                max_concurrency=1000, **common).remote(cfg_json, s_json, i))
+            report.created.append(name)
 
     for node in ray.nodes():
         if not node.get("Alive"):

@@ -228,6 +228,7 @@ class EngineLink:
             self.cache.import_pages(key, GroupPages.from_wire(meta, buf))
         except (MMTierError, ray.exceptions.RayError) as exc:
             log.warning("mmtier: pull of %r failed (%s: %s); a miss", key, type(exc).__name__, exc)
+            self.transport.forget([key.hex])     # a cached location it contradicted: dropped
             self.counters["pull_failed"] += 1
             return False
         self.counters["pulled"] += 1

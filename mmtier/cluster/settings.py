@@ -14,6 +14,13 @@ class ClusterSettings(BaseModel):
 
     namespace: str = Field("mmtier", min_length=1, description="Ray namespace of every mmtier actor.")
     registry_name: str = Field("mmtier-registry", min_length=1, description="Name of the ContentRegistry actor.")
+    registry_shards: int = Field(
+        2, ge=1, description="Registry actors the content index is split over by key (shard 0 is "
+                             "registry_name, shard i registry_name:shard<i>); 2: the most that helped "
+                             "on the 2-core machine (benchmarks/results/registry_scale.json).")
+    registry_cache_s: float = Field(
+        0.0, ge=0, description="Seconds a client trusts a location a lookup found (0: ask every time). A stale "
+                               "one costs a miss, never a wrong hit: the holder exports only the exact key.")
     device_resource: str = Field(
         "GPU", min_length=1,
         description="Node resource counted as devices. 'GPU': see gpu_pools; any other name (tests: a "

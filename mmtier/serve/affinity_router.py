@@ -121,10 +121,10 @@ class MMTierAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if not digests:
             return None
         registry = self._keyer.transport.registry
-        found = await registry.lookup.remote(digests)
+        found = await registry.lookup(digests)
         holders = {h for loc in found if loc is not None for h, _ in loc.holders}
         if holders - self._node_of.keys() or time.monotonic() - self._node_of_at > HOLDERS_TTL_S:
-            self._node_of = {h.name: h.node for h in await registry.holders.remote()}
+            self._node_of = {h.name: h.node for h in await registry.holders()}
             self._node_of_at = time.monotonic()
         return best_node(keys, found, self._node_of)
 

@@ -145,6 +145,9 @@ class Clustered(InProcess):
         for name, h in holders.items():
             self.registry.register_holder(HolderInfo(name, h.node, "pool"))
 
+    def forget(self, digests):
+        pass                                    # no lookup cache here: the registry answers afresh
+
     def lookup_async(self, digests):
         self.calls["lookup"] += 1
         return self.registry.lookup(digests)

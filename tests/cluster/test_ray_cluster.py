@@ -24,6 +24,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import mmtier.cluster as mma  # noqa: E402
 from mmtier import CacheConfig, ForeignKeyError, ModalitySpec, PrefixMismatchError, UnknownKeyError  # noqa: E402
 from mmtier.cluster import ClusterSettings, HolderLostError  # noqa: E402
+from mmtier.cluster.registry_shards import shard_name  # noqa: E402
 from tests.support.composed import check_facade  # noqa: E402
 from tests.support.oracle import Logical as OracleLog  # noqa: E402
 from tests.support.oracle import oracle_attention, rel_err  # noqa: E402
@@ -77,7 +78,7 @@ def node_of(resource: str) -> str:
 @pytest.fixture(scope="module")
 def cc(cluster):
     report = mma.start(CFG, SETTINGS)
-    assert len(report.created) == 1 + 3 + 4
+    assert len(report.created) == SETTINGS.registry_shards + 3 + 4
     client = mma.connect(SETTINGS)
     yield client
     client.close()
@@ -133,7 +134,7 @@ def test_the_client_is_a_facade_over_parts_that_do_not_import_it():
 
 def test_start_is_idempotent_and_pins_by_node(cc):
     again = mma.start(CFG, SETTINGS)
-    assert again.created == [] and len(again.existing) == 8
+    assert again.created == [] and len(again.existing) == SETTINGS.registry_shards + 7
     a, b, head = node_of("node_a"), node_of("node_b"), node_of("node_head")
     assert cc.pools(a) == [f"mmtier-pool:{a}:dev0", f"mmtier-pool:{a}:dev1"]
     assert cc.pools(b) == [f"mmtier-pool:{b}:cpu0"] and cc.pools(head) == [f"mmtier-pool:{head}:cpu0"]
@@ -399,8 +400,8 @@ def test_registry_restart_keeps_serving(cc):
     img = cc.content_key("vision", b"survives-registry", tenant="acme")
     k, v = kv(11)
     cc.put(img, k, v, node=a)
-    reg = ray.get_actor(SETTINGS.registry_name, namespace="mmtier")
-    ray.kill(reg, no_restart=False)
+    for i in range(SETTINGS.registry_shards):              # every shard restarts
+        ray.kill(ray.get_actor(shard_name(SETTINGS, i), namespace="mmtier"), no_restart=False)
     assert _wait_until(lambda: cc.contains(img), timeout=60)     # rebuilt from inventories
     seq = cc.create_sequence("acme", node=node_of("node_b"))
     cc.attach(seq, img)

@@ -38,6 +38,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 import mmtier.cluster as mma  # noqa: E402
 from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.cluster.actors import NodeStoreActor, store_name  # noqa: E402
+from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
 from mmtier.config import CacheConfig  # noqa: E402
 from tests.support.engine_shapes import EMBED_WIDTH, cache_fields, with_embeddings  # noqa: E402
 from tests.support.vllm_instance import VllmInstance  # noqa: E402
@@ -94,8 +95,7 @@ def test_a_second_instance_loads_what_the_first_saved_and_outlives_it(cluster):
     # the registry shows every group of the request, held by A's node store
     digests = ray.get(a.digests.remote("r1", seed), timeout=60)
     assert len(digests) == 3                                   # text [0, 10), image [10, 26), text [26, 40)
-    registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
-    locs = ray.get(registry.lookup.remote(digests), timeout=30)
+    locs = RegistryShards(SETTINGS).lookup(digests).get(30)
     assert all(loc is not None for loc in locs)
     assert {loc.holders for loc in locs} == {((store_name(nodes["node_a"]), "host"),)}
 
@@ -251,8 +251,7 @@ def test_the_ec_scheduler_never_waits_on_a_slow_pull(cluster):
             scheduling_strategy=NodeAffinitySchedulingStrategy(nodes["node_b"], soft=False),
         ).remote(cluster_cfg.model_dump(mode="json"), name, nodes["node_b"], SETTINGS.model_dump(mode="json"))
         held, _ = ray.get(slow.import_group.remote(key.to_wire(), meta, buf), timeout=60)
-        registry = ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
-        ray.get(registry.add.remote(name, [held], ray.get(slow.ping.remote(), timeout=30)), timeout=30)
+        RegistryShards(SETTINGS).add(name, [held], ray.get(slow.ping.remote(), timeout=30)).get(30)
 
         t0 = time.monotonic()
         ready = sched.ensure_cache_available(req, 0)

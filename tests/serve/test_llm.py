@@ -284,18 +284,17 @@ def test_the_engines_saves_are_published_to_mmtiers_cluster(app):
     """``mmtier_cluster`` in the config: ``start_llm_app`` started mmtier's registry and node
     stores on this Ray, and the engine's worker process (a child of the replica) joined it:
     what it saves is written through to the node's store and published."""
-    import ray
 
-    from mmtier.cluster import ClusterSettings
+    from mmtier.cluster import ClusterSettings, RegistryShards
 
-    registry = ray.get_actor(ClusterSettings().registry_name, namespace="mmtier")
-    before = ray.get(registry.stats.remote(), timeout=60)
+    registry = RegistryShards(ClusterSettings())
+    before = registry.stats().get(60)
     c = client(app)
     prompt = text(71, 200)
     c.completions.create(model=MODEL, prompt=prompt, **GREEDY)
     deadline = time.monotonic() + 30
     while True:
-        now = ray.get(registry.stats.remote(), timeout=60)
+        now = registry.stats().get(60)
         if now["keys"] >= before["keys"] + 6 or time.monotonic() > deadline:  # 6 full blocks of 32
             break
         time.sleep(0.5)

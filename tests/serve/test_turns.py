@@ -156,6 +156,9 @@ class InProcessCluster:
         self.registry, self.holders = registry, holders
         self.calls: Counter[str] = Counter()
 
+    def forget(self, digests):
+        pass                                    # no lookup cache here: the registry answers afresh
+
     def lookup_async(self, digests):
         self.calls["lookup"] += 1
         return self.registry.lookup(digests)

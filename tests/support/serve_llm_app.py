@@ -67,11 +67,10 @@ def groups_of(modality: str) -> set[str]:
     encoder and saved it (written through to its node's store)."""
     import ray
 
-    from mmtier.cluster import ClusterSettings
+    from mmtier.cluster import ClusterSettings, RegistryShards
 
-    reg = ray.get_actor(ClusterSettings().registry_name, namespace="mmtier")
     out: set[str] = set()
-    for holder in ray.get(reg.holders.remote(), timeout=60):
+    for holder in RegistryShards(ClusterSettings()).holders().get(60):
         inventory = ray.get(ray.get_actor(holder.name, namespace="mmtier").inventory.remote(), timeout=60)
         out |= {item["key"]["digest"] for item in inventory if item["key"]["modality"] == modality}
     return out

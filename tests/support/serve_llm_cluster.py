@@ -177,18 +177,17 @@ class ServeCluster:
         return out
 
     def registry(self):
-        import ray
+        """The registry's shards as a client sees them (``RegistryShards``)."""
+        from mmtier.cluster import RegistryShards
 
-        return ray.get_actor(self.settings.registry_name, namespace=NAMESPACE)
+        return RegistryShards(self.settings)
 
     def holder_nodes(self, digests: list[str]) -> list[set[str]]:
         """The nodes whose holders hold each digest (the registry's answer)."""
-        import ray
-
         reg = self.registry()
-        node_of = {h.name: h.node for h in ray.get(reg.holders.remote())}
+        node_of = {h.name: h.node for h in reg.holders().get(60)}
         return [set() if loc is None else {node_of[h] for h, _ in loc.holders if h in node_of}
-                for loc in ray.get(reg.lookup.remote(digests))]
+                for loc in reg.lookup(digests).get(60)]
 
     def close(self) -> None:
         if not self._up:
