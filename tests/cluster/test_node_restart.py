@@ -36,6 +36,7 @@ from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.cluster.actors import store_name  # noqa: E402
 from mmtier.cluster.engine_pool import PoolHost, host_name  # noqa: E402
 from mmtier.cluster.pool import PoolService  # noqa: E402
+from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
 from mmtier.cluster.store import store_dir  # noqa: E402
 from mmtier.content import ContentKey  # noqa: E402
 
@@ -140,14 +141,15 @@ def _named(name: str) -> bool:
     return True
 
 
-def _registry():
-    return ray.get_actor(SETTINGS.registry_name, namespace=SETTINGS.namespace)
+def _registry() -> RegistryShards:
+    """The registry as every client sees it: its shards behind one router."""
+    return RegistryShards(SETTINGS)
 
 
 def _holders(digests: list[str]) -> list[set[str]]:
     """Each digest's holders as the registry sees them now."""
     return [set() if loc is None else {h for h, _ in loc.holders}
-            for loc in _get(_registry().lookup.remote(digests))]
+            for loc in _registry().lookup(digests).get(WAIT_S)]
 
 
 def _groups(tag: str, sizes: tuple[int, ...]) -> list[tuple[ContentKey, torch.Tensor, torch.Tensor, bytes]]:
@@ -174,7 +176,7 @@ def _check_outage(probe_b, wires, digests, dead: str) -> None:
     assert _wait_until(lambda: all(dead not in h for h in _holders(digests)))
     found, plan, _ = _get(probe_b.find.remote(wires))
     assert found == [None] * len(wires) and set(plan.values()) == {"miss"}
-    assert dead not in {h.name for h in _get(_registry().holders.remote())}
+    assert dead not in {h.name for h in _registry().holders().get(WAIT_S)}
 
 
 def test_sigkilled_store_re_registers_its_disk_and_other_nodes_find_it(cluster):
@@ -187,7 +189,7 @@ def test_sigkilled_store_re_registers_its_disk_and_other_nodes_find_it(cluster):
     for key, k, v, _ in groups:          # as a pool offloads: import, then tell the registry
         item, _ = _get(store.import_group.remote(key.to_wire(), *_exported(key, k, v)))
         assert item is not None and item["tier"] == "host"
-        _get(_registry().publish.remote(info["name"], [item], [], info))
+        _registry().publish(info["name"], [item], [], info).get(WAIT_S)
     assert _holders(digests) == [{store_name(a)}] * len(groups)
     # the write-behind has put every host group on disk (a wait, not a timing)
     assert _wait_until(lambda: _get(store.stats.remote())["durable_writes"] == len(groups))
