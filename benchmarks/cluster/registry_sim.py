@@ -258,14 +258,16 @@ class Inputs:
     backlog_bound_s: float = 0.1    # work left on a server at the window's end beyond this: saturated
     util_bound: float = 0.9         # the busiest server busier than this: saturated
     warmup_s: float = 0.1
-    steps_per_run: int = 8000       # engine steps simulated per run (sets the window: 0.25-10 s)
+    steps_per_run: int = 8000       # engine steps simulated per run (sets the window: 0.25-10 s) ...
+    requests_per_run: int = 1000    # ... or requests, whichever is longer (a p99 of enough lookups; up to 30 s)
     window_s: float | None = None   # a fixed window instead (the tests)
     seed: int = 0
 
-    def window(self, engines: int) -> float:
+    def window(self, engines: int, rate: float) -> float:
         if self.window_s is not None:
             return self.window_s
-        return min(10.0, max(0.25, self.steps_per_run * self.step_s / engines))
+        steps = min(10.0, max(0.25, self.steps_per_run * self.step_s / engines))
+        return max(steps, min(30.0, self.requests_per_run / rate))
 
 
 @dataclass(frozen=True)
@@ -336,7 +338,7 @@ def simulate(design: str, engines: int, rate: float, cal: Calibration, inp: Inpu
     n_servers = {"a": 1, "b": 1, "c": shards, "e": shards, "d": max(1, math.ceil(engines / inp.engines_per_node))}[design]
     rng = np.random.default_rng(inp.seed)
     w0 = inp.warmup_s
-    w1 = w0 + inp.window(engines)
+    w1 = w0 + inp.window(engines, rate)
     prep = work.prepare(rate / engines, inp.registry_cache_s)
     srv = _Servers(n_servers, cal, w0, w1, rng)
     half = cal.client_s / 2
