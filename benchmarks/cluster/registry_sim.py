@@ -31,7 +31,7 @@ DESIGNS = ("a", "b", "c", "d", "e")
 DESIGN_NAMES = {
     "a": "one actor, a call per key",
     "b": "one actor, batched per step",
-    "c": "N shards, batched per step",
+    "c": "N shards by key hash, batched per step",
     "d": "a replica per node, fed by events",
     "e": "N shards by chain, batched per step",
 }
