@@ -70,13 +70,15 @@ COMMANDS = {
     "kernel_compile": "./run kernels-compile  (python -m benchmarks.kernels.kernel_compile in .venv-triton: triton 3.6, "
                       "CPU torch; every variant the launch code makes, compiled with no GPU; a row is "
                       "registers, spilled bytes, shared KiB per arch)",
+    "registry_model": "python -m benchmarks.cluster.registry_model  (a discrete-event model, not a measurement: "
+                      "calibrated from registry_scale.json when present, else cluster.json)",
     "peer_lmcache": "./run peers  (python -m benchmarks.peers.peer_lmcache --groups 16 --rounds 5 --put-placement auto; "
                     "LMCache 0.5.6 in .venv-lmcache from benchmarks/peers/peers_env.sh)",
 }
 
 RUNS_MODULE = re.compile(r"-m benchmarks\.(\w+(?:\.\w+)*)(.*)")    # -m benchmarks.GROUP.NAME ARGS
 
-OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load"}   # they draw their own PNG
+OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load", "registry_model"}   # they draw their own PNG
 
 # (benchmark, figure, target as text, predicate on the value)
 def _config_default(field: str) -> object:
@@ -122,6 +124,12 @@ HEADLINES = [
       for m, unit in (("single", "calls_per_s"), ("batched", "keys_per_s")) for s in (1, 2, 4, 8)),
     ("registry_scale", "single_s1_c4_p99_ms", "(reported; one key per call, 1 shard, 4 clients)", None),
     ("registry_scale", "single_s4_c4_p99_ms", "(reported; one key per call, 4 shards, 4 clients)", None),
+    ("registry_model", "saturation_rps__e__e1024", ">= 20,000 (modelled; 256 shards by chain, 1,024 engines)",
+     lambda v: v >= 2e4),
+    ("registry_model", "saturation_rps__c__e1024", ">= 20,000 (modelled; 256 shards by key hash, 1,024 engines)",
+     lambda v: v >= 2e4),
+    ("registry_model", "saturation_rps__b__e1024", "(modelled; one actor, batched per step)", None),
+    ("registry_model", "saturation_rps__d__e1024", "(modelled; a replica per node, fed by events)", None),
     ("demo", "later_turns_cached_over_dense", "<= 0.5", lambda v: v <= 0.5),
     ("demo_serving", "check_mismatches", "0 (every answer equals the engine without mmtier)", lambda v: v == 0),
     ("demo_serving", "ttft_mmtier_over_plain__later_turns", "<= 0.5 (paired median; vLLM's prefix cache on in both)",
@@ -351,6 +359,8 @@ def render(results: dict[str, dict], folder: Path = RESULTS) -> str:
     missing = sorted({b for b, *_ in HEADLINES} - set(results))
     if missing:
         lines += ["", "Not yet run here: " + ", ".join(f"`{m}`" for m in missing) + "."]
+    if "registry_model" in results:
+        lines += registry_model_section(results["registry_model"], link["registry_model"])
     lines += ["", "## Pages", ""]
     for name, data in results.items():
         lines.append(f"- [{name}]({link[name]}): {describe(name)} "
@@ -359,6 +369,44 @@ def render(results: dict[str, dict], folder: Path = RESULTS) -> str:
         lines.append(f"- [Notes on these figures]({_link(page_path(folder, NOTES_PAGE), index)}): "
                      "written by hand, run by run (`benchmarks/RESULTS_NOTES.md`).")
     return "\n".join(lines) + "\n"
+
+
+def registry_model_section(data: dict, link: str) -> list[str]:
+    """The registry model's table: where each design saturates (requests/s, cluster-wide) per
+    engine count; the model's assumptions are in the notes."""
+    engines = [int(e) for e in str(data.get("engines", "")).split(",") if e]
+    designs = [d.split(": ", 1) for d in str(data.get("designs", "")).split("; ") if ": " in d]
+    lines = ["", "## Where the registry saturates (a model)", "",
+             f"[registry_model]({link}): a discrete-event simulation, not a measurement, calibrated from "
+             f"{data.get('calibration_source', '?')}; the workload {data.get('workload', '?')} (an engine's "
+             f"location cache {data.get('registry_cache_s', '?')} s, a scheduler step {data.get('step_s', '?')} s). "
+             "Requests/s cluster-wide at which the busiest registry server passes "
+             f"{data.get('util_bound', '?')} busy or the p99 lookup passes {fmt(data.get('p99_bound_s', 0) * 1e3)} ms "
+             "(`p99`: the latency bound gave out first); target: not the bottleneck below "
+             f"min(20,000, {fmt(data.get('engine_max_rps', '?'))} requests/s an engine). "
+             "Assumptions and reading: the notes page.", "",
+             "| design | " + " | ".join(f"{e} engines" for e in engines) + " | target met |",
+             "| --- | " + " | ".join("---" for _ in engines) + " | --- |"]
+    for d, name in designs:
+        cells = []
+        for e in engines:
+            v = data.get(f"saturation_rps__{d}__e{e}")
+            if v is None:
+                cells.append("")
+                continue
+            n = data.get(f"servers__{d}__e{e}", 1)
+            by = data.get(f"saturated_by__{d}__e{e}", "")
+            capped = data.get(f"saturation_rps__{d}__e{e}_capped")
+            util_only = data.get(f"saturation_rps__{d}__e{e}_util_only")
+            if v == 0 and util_only is not None:
+                cells.append(f"none: p99 at any rate; actor full at {util_only:,.0f}")
+                continue
+            cells.append((f">= {v:,.0f}" if capped else f"{v:,.0f}") + (f" ({n})" if n != 1 else "")
+                         + (" p99" if by == "p99" else ""))
+        met = data.get(f"target_met__{d}")
+        lines.append(f"| ({d}) {name} | " + " | ".join(cells) + f" | {'yes' if met else '**no**'} |")
+    lines += ["", "(N): the servers (shards or replicas) at that size."]
+    return lines
 
 
 def render_page(name: str, results: dict[str, dict], folder: Path = RESULTS) -> str:
