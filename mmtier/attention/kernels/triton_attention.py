@@ -419,8 +419,9 @@ def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int, fp8: bool = Fals
     compiles every one; what the choices replaced is in parentheses):
 
     - float32 tiles (an FMA dot, "ieee"): ``16 x 16`` tiles (``BLOCK_M`` <= 16 from the plan),
-      8 warps, 3 stages: 64-115 registers (4 warps spilled 8-16 B at head dims 128-256 on
-      sm_80 / sm_100, and 150 B with ``maxnreg`` 255; 32-key tiles 0.4-2 KB);
+      3 stages, 4 warps at head dims up to 64, else 8 (4 warps spilled 8-16 B at head dims
+      128-256 on sm_80 / sm_100, and 150 B with ``maxnreg`` 255; 8 warps 8 B at head dim 64 on
+      sm_80; 32-key tiles 0.4-2 KB);
     - 16-bit tiles (fp8 pages widened to 16 bits too): ``maxnreg`` 255, else ptxas aims at
       128 registers (8 warps) or 168 (4 warps) for occupancy and spills 8-56 B to get there
       (measured over every head dim, group and page size; 101-209 registers with it);
@@ -432,7 +433,7 @@ def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int, fp8: bool = Fals
       128: 16-key tiles on 8 warps, 2 stages (32-key tiles spilled 8 B on sm_90 in prefill).
     """
     if kv_dtype == torch.float32:
-        return 16, {"num_warps": 8, "num_stages": 3}
+        return 16, {"num_warps": 4 if d_pad <= 64 else 8, "num_stages": 3}
     wide = {"maxnreg": 255}
     if fp8 and d_pad > 128:     # the bytes' widening: 32-key tiles spilled 8 B on sm_90 at head dim 256
         return 16, {"num_warps": 8, "num_stages": 2, **wide}
