@@ -192,8 +192,13 @@ HEADLINES = [
     ("serve_routing", "ttft_later_affinity_over_default", "(reported; turns after the first)", None),
     ("serve_routing", "pulled_groups_default", "(reported; groups read from the other node, affinity: "
      "pulled_groups_affinity)", None),
+    ("kernel_compile", "launches_driven", "(reported; the whole space: head dims 64-256, 1-8 query heads per KV "
+     "head, page sizes 16-256, every mode, split or not, fp16 / bf16 / fp32 / fp8 pools)", None),
+    ("kernel_compile", "variants", "(reported; distinct compiles of those launches)", None),
+    ("kernel_compile", "refused_scenarios", "(reported; shapes the launch code refuses)", None),
     ("kernel_compile", "failures", "0 (compile errors, shared memory over the limit, spills)", lambda v: v == 0),
     *(("kernel_compile", f"sm{a}_spilling_variants", "0", lambda v: v == 0) for a in (80, 90, 100)),
+    *(("kernel_compile", f"sm{a}_max_regs", "(reported; <= 255)", lambda v: v <= 255) for a in (80, 90, 100)),
     *(("kernel_compile", f"sm{a}_max_shared_kib", "(reported; limit 163 KiB sm_80, 227 KiB sm_90 / sm_100)",
        None) for a in (80, 90, 100)),
     ("connector_copy", "save_over_plain_copy", ">= 0.5", lambda v: v >= 0.5),

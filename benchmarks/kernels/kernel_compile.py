@@ -6,13 +6,18 @@ kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's,
 1. **Record.** The project's own launch code runs on meta tensors inside ``as_on_gpu()``
    (``mmtier/pages/kernels/launch.py``), so it makes a GPU's choices: ``paged_attention_triton`` (a
    real ``plan_paged_attention`` over host tables, ``_launch``, ``merge_partials``),
-   ``merge_attention_states_triton`` and ``write_kv_triton`` over pools of fp16 / bf16 / fp32,
-   head dims 64-256, page sizes 16-256, GQA 1-8, decode / prefill / chunked prefill /
-   non-causal, one output and split partials. ``JITFunction.run`` is replaced by a recorder:
-   each launch keeps its kernel, arguments and options, and nothing runs. What is compiled is
-   what the launch code passed, so a new constexpr, option or kernel it launches is covered
-   without editing this file; a ``@triton.jit`` function of the kernel modules that no recorded
-   launch reaches (launched, or called by one) fails the check.
+   ``merge_attention_states_triton`` and ``write_kv_triton`` over the whole space users can
+   configure: every product of pool (fp16 / bf16 / fp32, a float32 query over a 16-bit pool,
+   fp8 e4m3fn / e5m2 pages under a float16, bfloat16 or float32 query), head dim (64, 80, 96,
+   112, 128, 160, 192, 256), query heads per KV head (1-8), page size (16-256), mode (decode /
+   prefill / chunked prefill / non-causal) and one output or split partials (``--sample N``:
+   every N-th, a quick look). ``JITFunction.run`` is replaced by a recorder: nothing runs, and
+   each launch is keyed by what Triton compiles for it (kernel, constexprs, signature and
+   specialization, options); the first launch of a key is kept, the others counted. What is
+   compiled is what the launch code passed, so a new constexpr, option or kernel it launches
+   is covered without editing this file; a ``@triton.jit`` function of the kernel modules that
+   no recorded launch reaches (launched, or called by one) fails the check. A shape the launch
+   code refuses (``UnsupportedError``) is listed in the report, not compiled.
 2. **Compile.** Each distinct launch is bound the way ``JITFunction.run`` binds it
    (``create_function_from_signature`` over the target's backend, then ``_pack_args``: the
    same signature, constexprs, alignment and divisibility attributes) and compiled with
@@ -23,8 +28,8 @@ kernels-compile`` runs it in ``.venv-triton``: triton 3.6, the device machine's,
    only once loaded on a GPU); shared memory from the compiled metadata. The check fails (exit 1) on a compile error, on shared memory
    over the arch's per-block limit, or on any spill.
 
-Writes ``OUT/kernel_compile.json`` (default ``benchmarks/results/``): the summary figures and
-one row per variant, ``regs / spill bytes / shared KiB`` per arch; then regenerates that
+Writes ``OUT/kernel_compile.json`` (default ``benchmarks/results/``): the summary figures (launches
+driven, variants compiled, refused shapes) and one row per variant, ``regs / spill bytes / shared KiB`` per arch; then regenerates that
 folder's results pages (``benchmarks/RESULTS.md`` and ``benchmarks/results/pages/`` for the default).
 """
 
@@ -49,13 +54,21 @@ ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90, 100)
 # the most dynamic shared memory one block may use (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 101376}
+# the space users can configure: every head dim from 64 to 256 a model has, every query heads per
+# KV head from 1 to 8, page sizes 16-256; decode / prefill / chunked / cross, one output or KV
+# splits; pools of fp16 / bf16 / fp32 (a float32 query over a 16-bit pool too) and fp8 pages
+# (e4m3fn, e5m2) under a float16, bfloat16 or float32 query
 PAGE_SIZES = (16, 32, 64, 128, 256)
-GROUPS = (1, 2, 4, 7, 8)
-HEAD_DIMS = (64, 80, 96, 112, 128, 256)
+GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
+HEAD_DIMS = (64, 80, 96, 112, 128, 160, 192, 256)
 MODES = ("decode", "prefill", "chunked", "cross")
 # one output written directly, or KV splits (float32 partials, then the merge): split-KV is
 # what long decodes and chunks take; prefill and cross-attention have work items enough
 SPLITS = {"decode": (False, True), "chunked": (False, True), "prefill": (False,), "cross": (False,)}
+POOLS = (("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"),
+         ("float16", "float32"), ("bfloat16", "float32"),            # pool dtype, query dtype
+         *((f8, q) for f8 in ("float8_e4m3fn", "float8_e5m2") for q in ("float16", "bfloat16", "float32")))
+WRITE_HEADS = (1, 2, 3, 4, 5, 6, 7, 8)     # KV heads of the written tokens
 
 
 def _import_kernels():
@@ -93,8 +106,15 @@ class Launch:
 
 @dataclass
 class Recorder:
-    launches: list[Launch] = field(default_factory=list)
+    """Replaces ``JITFunction.run``: each launch is keyed by what Triton compiles for it
+    (``variant_key``); the first launch of each key is kept with every scenario that made one
+    like it, the rest are only counted."""
+    launches: list[Launch] = field(default_factory=list)     # one per compile variant
+    scenarios: list[list[str]] = field(default_factory=list)
+    driven: int = 0           # launches the launch code made
+    refused: list[str] = field(default_factory=list)    # scenarios the launch code refused
     scenario: str = ""
+    _index: dict = field(default_factory=dict)
 
     def __enter__(self):
         from triton.runtime.jit import JITFunction
@@ -103,13 +123,22 @@ class Recorder:
         rec = self
 
         def run(fn, *args, grid, warmup, **kwargs):
-            rec.launches.append(Launch(fn, args, dict(kwargs), rec.scenario))
+            rec.add(Launch(fn, args, dict(kwargs), rec.scenario))
 
         JITFunction.run = run
         return self
 
     def __exit__(self, *exc):
         self._cls.run = self._run
+
+    def add(self, launch: Launch) -> None:
+        self.driven += 1
+        key = variant_key(launch)
+        i = self._index.setdefault(key, len(self.launches))
+        if i == len(self.launches):
+            self.launches.append(launch)
+            self.scenarios.append([])
+        self.scenarios[i].append(launch.scenario)
 
 
 def _seqs(mode: str, page_size: int):
@@ -151,56 +180,52 @@ def _attention(ta, dtype, q_dtype, head_dim, mode, page_size, group, split, kv_h
                               host_q_indptr=host_q)
 
 
-def record_launches(modules) -> list[Launch]:
-    """Drive the launch code over the scenarios; every launch it makes, recorded."""
+def _scenarios(sample: int):
+    """The attention scenarios of the whole space (every ``sample``-th: a quick look)."""
+    import itertools
+
+    space = itertools.product(POOLS, HEAD_DIMS, GROUPS, PAGE_SIZES,
+                              [(m, sp) for m in MODES for sp in SPLITS[m]])
+    return itertools.islice(space, 0, None, sample)
+
+
+def record_launches(modules, sample: int = 1) -> Recorder:
+    """Drive the launch code over the whole space (``sample``: every n-th attention scenario);
+    every launch it makes, recorded by compile variant. A shape the launch code refuses
+    (``UnsupportedError``, before anything launches) is listed, not compiled."""
     import torch
+
+    from mmtier.errors import UnsupportedError
 
     launch, ta, tm, tw = modules
     dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    torch.set_num_threads(1)          # the planner's small host tensors: threads only add waiting
     rec = Recorder()
     with rec, launch.as_on_gpu():
-        i = 0
-        for dtype in dtypes:
-            for head_dim in HEAD_DIMS:
-                for mode in MODES:
-                    for split in SPLITS[mode]:
-                        ps, g = PAGE_SIZES[i % len(PAGE_SIZES)], GROUPS[(i // 2) % len(GROUPS)]
-                        i += 1
-                        rec.scenario = (f"attention {str(dtype)[6:]} D{head_dim} {mode} page {ps} "
-                                        f"G{g} {'split' if split else 'single'}")
-                        _attention(ta, dtype, dtype, head_dim, mode, ps, g, split)
-        for dtype in dtypes[:2]:          # a float32 query over a 16-bit pool
-            for head_dim in (128, 256):
-                for mode in ("decode", "prefill"):
-                    rec.scenario = f"attention {str(dtype)[6:]} pool, float32 q, D{head_dim} {mode}"
-                    _attention(ta, dtype, torch.float32, head_dim, mode, 16, 4, False)
-        for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):   # fp8 pages (as bytes), widened to the query's
-            for q_dtype in (torch.float32, torch.bfloat16):         # float32: a scaled operand's folded query
-                for head_dim in (128, 256):
-                    for mode in ("decode", "prefill"):
-                        rec.scenario = f"attention {str(dtype)[6:]} pool, {str(q_dtype)[6:]} q, D{head_dim} {mode}"
-                        _attention(ta, dtype, q_dtype, head_dim, mode, 16, 4, False)
+        for (pool, q_dtype), head_dim, g, ps, (mode, split) in _scenarios(sample):
+            rec.scenario = (f"attention {pool} pool {q_dtype} q D{head_dim} G{g} page {ps} {mode} "
+                            f"{'split' if split else 'single'}")
+            try:
+                _attention(ta, getattr(torch, pool), getattr(torch, q_dtype), head_dim, mode, ps, g, split)
+            except UnsupportedError as e:
+                rec.refused.append(f"{rec.scenario}: {e}")
         for dtype in dtypes:              # merges of 16-bit or float32 partial states
-            for head_dim, n in ((64, 2), (128, 5), (256, 70), (80, 3)):
-                rec.scenario = f"merge {str(dtype)[6:]} D{head_dim} {n} states"
-                outs = [torch.empty((9, 28, head_dim), dtype=dtype, device="meta")] * n
-                lses = [torch.empty((9, 28), dtype=torch.float32, device="meta")] * n
-                tm.merge_attention_states_triton(outs, lses)
-        for dtype in dtypes:              # writes: sources of the pool's dtype, or float32
-            for src in {dtype, torch.float32}:
-                for heads, head_dim in ((8, 128), (4, 80), (1, 256), (2, 64)):
-                    rec.scenario = f"write {str(dtype)[6:]} pool from {str(src)[6:]} H{heads} D{head_dim}"
-                    kv = torch.empty((4, 2, 2, 16, heads, head_dim), dtype=dtype, device="meta")
-                    k = torch.empty((2, 5, heads, head_dim), dtype=src, device="meta")
-                    ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
-                    tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
-        for heads, head_dim in ((8, 128), (4, 128)):   # fp8 pages written as bytes (``pages.kernels.write_kv``)
-            rec.scenario = f"write fp8 pool (uint8) H{heads} D{head_dim}"
-            kv = torch.empty((4, 2, 2, 16, heads, head_dim), dtype=torch.uint8, device="meta")
-            k = torch.empty((2, 5, heads, head_dim), dtype=torch.uint8, device="meta")
-            ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
-            tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
-    return rec.launches
+            for head_dim in HEAD_DIMS:
+                for n in (2, 5, 70):
+                    rec.scenario = f"merge {str(dtype)[6:]} D{head_dim} {n} states"
+                    outs = [torch.empty((9, 28, head_dim), dtype=dtype, device="meta")] * n
+                    lses = [torch.empty((9, 28), dtype=torch.float32, device="meta")] * n
+                    tm.merge_attention_states_triton(outs, lses)
+        for dtype in (*dtypes, torch.uint8):   # writes: sources of the pool's dtype, or float32; fp8 pages as bytes
+            for src in {dtype, torch.float32} if dtype != torch.uint8 else {dtype}:
+                for heads in WRITE_HEADS:
+                    for head_dim in HEAD_DIMS:
+                        rec.scenario = f"write {str(dtype)[6:]} pool from {str(src)[6:]} H{heads} D{head_dim}"
+                        kv = torch.empty((4, 2, 2, 16, heads, head_dim), dtype=dtype, device="meta")
+                        k = torch.empty((2, 5, heads, head_dim), dtype=src, device="meta")
+                        ids = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32)
+                        tw.write_kv_triton(kv, k, k, ids, torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32))
+    return rec
 
 
 def unreached(modules, launches: list[Launch]) -> list[str]:
@@ -388,23 +413,18 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
                     help="folder for kernel_compile.json (default benchmarks/results)")
     ap.add_argument("--limit", type=int, default=None, help="compile only the first N variants (a quick look)")
+    ap.add_argument("--sample", type=int, default=1,
+                    help="drive every N-th attention scenario only (a quick look; default 1: the whole space)")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
     modules = _import_kernels()
     import triton
 
-    launches = record_launches(modules)
-    missing = unreached(modules, launches)
-    unique: dict[tuple, int] = {}
-    scenarios: list[list[str]] = []
-    for launch in launches:
-        key = variant_key(launch)
-        if key not in unique:
-            unique[key] = len(_LAUNCHES)
-            _LAUNCHES.append(launch)
-            scenarios.append([])
-        scenarios[unique[key]].append(launch.scenario)
+    rec = record_launches(modules, args.sample)
+    missing = unreached(modules, rec.launches)
+    _LAUNCHES[:] = rec.launches
+    scenarios = rec.scenarios
     if args.limit:
         del _LAUNCHES[args.limit:], scenarios[args.limit:]
     labels = [variant_label(x) for x in _LAUNCHES]
@@ -414,7 +434,7 @@ def main(argv=None) -> int:
             seen[label] = seen.get(label, 0) + 1
             labels[i] = label if seen[label] == 1 else f"{label} #{seen[label]}"
     archs = supported_archs(args.arch)
-    print(f"[kernel_compile] triton {triton.__version__}: {len(launches)} launches recorded, "
+    print(f"[kernel_compile] triton {triton.__version__}: {rec.driven} launches driven, "
           f"{len(_LAUNCHES)} distinct variants, compiling for {', '.join(f'sm_{a}' for a in archs)} "
           f"with {args.jobs} processes", flush=True)
     jobs = [(i, a) for i in range(len(_LAUNCHES)) for a in archs]
@@ -427,7 +447,10 @@ def main(argv=None) -> int:
                       f"{res['error'] or str(res['spill']) + ' B spilled'}", flush=True)
     figures, failures = summarize(labels, scenarios, results, archs)
     failures += [f"never launched by the recorded scenarios: {name}" for name in missing]
-    figures.update({"triton": triton.__version__, "failures": len(failures),
+    figures.update({"launches_driven": rec.driven, "sampled_every": args.sample,
+                    "refused_scenarios": len(rec.refused),
+                    **{f"refused {i}": line for i, line in enumerate(rec.refused[:50])},
+                    "triton": triton.__version__, "failures": len(failures),
                     "seconds": round(time.perf_counter() - t0, 1)})
     sys.path.insert(0, str(ROOT))
     from benchmarks._common import write_results

@@ -89,26 +89,27 @@ def _tile(q, q_pos, row_ok, kv_head, page, slot, k_pos, k_ok, d64, d_ok,
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["layer", "pages_per_split", "part_base"])
+# lse strides and the group: scalars per row, no vector access to align (fewer variants)
+@triton.jit(do_not_specialize=["layer", "pages_per_split", "part_base", "group", "s_lp", "s_lt"])
 def _kernel(
     q_ptr, q_indptr_ptr, q_pos_ptr,
     kv_ptr, page_ids_ptr, page_pos_ptr, page_len_ptr, batch_page_ptr,
     work_b_ptr, work_qb_ptr,
     out_ptr, lse_ptr,
-    layer, pages_per_split, part_base, qk_scale,
+    layer, pages_per_split, part_base, group, page_size, head_dim, qk_scale,
     s_qt, s_qh, s_qd,
     s_kp, s_kl, s_kk, s_kt, s_kh, s_kd,
     s_op, s_ot, s_oh, s_od,
     s_lp, s_lt, s_lh,
-    G: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
     SKIP_TILES: tl.constexpr, FP8: tl.constexpr,
 ):
     """Softmax attention of one query tile over one split of one batch item's pages.
 
-    Rows ``r`` of the query tile are (query ``q_lo + r // G``, head ``kvh * G + r % G``). Key
-    token ``t`` (in page-slot space of the batch item's page slice) lives in page
-    ``j = t // PAGE_SIZE`` at slot ``t % PAGE_SIZE``; it exists when ``slot < page_len[j]`` and
+    Rows ``r`` of the query tile are (query ``q_lo + r // G``, head ``kvh * G + r % G``, with
+    ``G = group``). Key token ``t`` (in page-slot space of the split's page slice, from its
+    first page ``p_lo``) lives in page ``j = p_lo + t // page_size`` at slot ``t % page_size``;
+    it exists when ``slot < page_len[j]`` and
     sits at absolute position ``page_pos[j] + slot``. For visible keys (causal:
     ``key_pos <= q_pos``), with ``s = q . k * scale`` kept in base 2, the online softmax is
 
@@ -116,7 +117,9 @@ def _kernel(
         acc' = acc * 2^(m - m') + sum_t 2^(s_t - m') v_t
 
     and the program writes ``out = acc / l`` and ``lse = (m + log2 l) * ln 2`` (natural log),
-    or ``out = 0, lse = -inf`` when it saw no visible key. Every address is int64. ``FP8``:
+    or ``out = 0, lse = -inf`` when it saw no visible key. Every address is int64. ``group``,
+    ``page_size`` and ``head_dim`` are runtime ints (Triton specializes the multiples of 16 of
+    the last two), so one compiled variant serves every model shape of its dtypes and tiles. ``FP8``:
     0 for a float pool; 1 (e4m3fn) or 2 (e5m2) for fp8 pages passed as their bytes, widened
     exactly to the query's dtype in ``_tile`` (their scales are the caller's: ``scales.py``).
     """
@@ -125,15 +128,15 @@ def _kernel(
     split = tl.program_id(2)
     b = tl.load(work_b_ptr + w)
     qb = tl.load(work_qb_ptr + w)
-    q_lo = tl.load(q_indptr_ptr + b) + qb * (BLOCK_M // G)  # BLOCK_M // G queries per tile
+    q_lo = tl.load(q_indptr_ptr + b) + qb * (BLOCK_M // group)  # BLOCK_M // G queries per tile
     q_end = tl.load(q_indptr_ptr + b + 1)
 
     rows = tl.arange(0, BLOCK_M)
-    qi = q_lo + rows // G
-    head = kvh * G + rows % G
-    row_ok = (rows < (BLOCK_M // G) * G) & (qi < q_end)
+    qi = q_lo + rows // group
+    head = kvh * group + rows % group
+    row_ok = (rows < (BLOCK_M // group) * group) & (qi < q_end)
     d = tl.arange(0, D_PAD)
-    d_ok = d < HEAD_DIM
+    d_ok = d < head_dim
     qi64 = qi.to(tl.int64)
     head64 = head.to(tl.int64)
     d64 = d.to(tl.int64)
@@ -150,18 +153,18 @@ def _kernel(
     p_first = tl.load(batch_page_ptr + b).to(tl.int64)
     p_lo = p_first + split.to(tl.int64) * pages_per_split
     p_hi = tl.minimum(tl.load(batch_page_ptr + b + 1).to(tl.int64), p_lo + pages_per_split)
-    t_lo = p_lo * PAGE_SIZE
-    t_hi = p_hi * PAGE_SIZE
+    n_tok = ((p_hi - p_lo) * page_size).to(tl.int32)     # the split's page slots (< 0: none)
 
     kv_head = kv_ptr + layer.to(tl.int64) * s_kl + kvh.to(tl.int64) * s_kh
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for t0 in range(t_lo, t_hi, BLOCK_N):
-        t = t0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        t_ok = t < t_hi
-        j = t // PAGE_SIZE
-        slot = (t % PAGE_SIZE).to(tl.int32)
+    for t0 in range(0, n_tok, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < n_tok
+        jt = t // page_size      # int32 division by a runtime page size: once per key per tile
+        slot = t - jt * page_size
+        j = p_lo + jt.to(tl.int64)
         page = tl.load(page_ids_ptr + j, mask=t_ok, other=0)
         k_pos = tl.load(page_pos_ptr + j, mask=t_ok, other=0) + slot
         k_ok = t_ok & (slot < tl.load(page_len_ptr + j, mask=t_ok, other=0))
@@ -411,29 +414,32 @@ def tile_dtype(kv_dtype: torch.dtype, q_dtype: torch.dtype) -> torch.dtype:
 
 
 def _gpu_tiles(kv_dtype: torch.dtype, block_m: int, d_pad: int, fp8: bool = False) -> tuple[int, dict]:
-    """``BLOCK_N`` and the launch options on a GPU, chosen so that no variant spills a
-    register on sm_80 / sm_90 / sm_100 (``./run kernels-compile`` compiles every one; what the
-    choices replaced is in parentheses):
+    """``BLOCK_N`` and the launch options on a GPU, chosen so that no variant over the whole
+    space users configure spills a register on sm_80 / sm_90 / sm_100 (``./run kernels-compile``
+    compiles every one; what the choices replaced is in parentheses):
 
     - float32 tiles (an FMA dot, "ieee"): ``16 x 16`` tiles (``BLOCK_M`` <= 16 from the plan),
-      4 warps, 3 stages: 64-130 registers (32-key tiles spilled 0.4-2 KB at 16 rows and 10-45 KB
-      at 64 rows; 2 stages left 8-16 B on sm_80);
-    - 16-bit, one query tile of <= 16 rows (decode, small chunks): 32-key tiles; 4 warps and 3
-      stages, 8 warps and 2 stages at head dims over 128 (64-key tiles at 2 stages left 4-16 B
-      on sm_90; at head dim 256, 4 warps and 3 stages 8-16 B on sm_80, 8 warps and 3 stages
-      16 B on sm_90 / sm_100);
-    - 16-bit, 32-64 rows (prefill, chunked prefill): 64-key tiles (32 at head dims over 128)
-      on 8 warps, 2 stages (4 warps spilled 4-8 B at 168-255 registers on sm_80 / sm_90);
+      3 stages, 4 warps at head dims up to 64, else 8 (4 warps spilled 8-16 B at head dims
+      128-256 on sm_80 / sm_100, and 150 B with ``maxnreg`` 255; 8 warps 8 B at head dim 64 on
+      sm_80; 32-key tiles 0.4-2 KB);
+    - 16-bit tiles (fp8 pages widened to 16 bits too): ``maxnreg`` 255, else ptxas aims at
+      128 registers (8 warps) or 168 (4 warps) for occupancy and spills 8-56 B to get there
+      (measured over every head dim, group and page size; 101-209 registers with it);
+    - one query tile of <= 16 rows (decode, small chunks): 32-key tiles; 4 warps and 3 stages,
+      8 warps and 2 stages at head dims over 128;
+    - 32-64 rows (prefill, chunked prefill): 64-key tiles (32 at head dims over 128) on 8
+      warps, 2 stages;
     - fp8 pages (``fp8``; bfloat16 or float16 tiles widened from the bytes) at head dims over
       128: 16-key tiles on 8 warps, 2 stages (32-key tiles spilled 8 B on sm_90 in prefill).
     """
     if kv_dtype == torch.float32:
-        return 16, {"num_warps": 4, "num_stages": 3}
+        return 16, {"num_warps": 4 if d_pad <= 64 else 8, "num_stages": 3}
+    wide = {"maxnreg": 255}
     if fp8 and d_pad > 128:     # the bytes' widening: 32-key tiles spilled 8 B on sm_90 at head dim 256
-        return 16, {"num_warps": 8, "num_stages": 2}
+        return 16, {"num_warps": 8, "num_stages": 2, **wide}
     if block_m <= 16:
-        return 32, {"num_warps": 4, "num_stages": 3} if d_pad <= 128 else {"num_warps": 8, "num_stages": 2}
-    return (64 if d_pad <= 128 else 32), {"num_warps": 8, "num_stages": 2}
+        return 32, ({"num_warps": 4, "num_stages": 3} if d_pad <= 128 else {"num_warps": 8, "num_stages": 2}) | wide
+    return (64 if d_pad <= 128 else 32), {"num_warps": 8, "num_stages": 2, **wide}
 
 
 def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: LaunchPlan,
@@ -455,10 +461,10 @@ def _launch(q, q_indptr, q_pos, op: PagedKV, op_plan: OperandPlan, plan: LaunchP
             kv.view(torch.uint8) if fp8 else kv, op.page_ids, op_plan.page_pos, op_plan.page_len, op_plan.batch_page,
             plan.work_b, plan.work_qb,
             out, lse,
-            op.layer, op_plan.pages_per_split, op_plan.part_base, scale * LOG2E,
+            op.layer, op_plan.pages_per_split, op_plan.part_base, plan.group, op.page_size, head_dim,
+            scale * LOG2E,
             *q.stride(), *kv.stride(), *out.stride(), *lse.stride(),
-            G=plan.group, PAGE_SIZE=op.page_size, HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
+            D_PAD=d_pad, BLOCK_M=plan.block_m, BLOCK_N=block_n, CAUSAL=causal,
             SKIP_TILES=causal and plan.max_q > 1, FP8=fp8, **extra,
         )
 

@@ -18,11 +18,11 @@ from .launch import gpu_choices, launch_guard
 
 @triton.jit(do_not_specialize=["n"])
 def _kernel(
-    kv_ptr, k_ptr, v_ptr, page_ids_ptr, offsets_ptr, n,
+    kv_ptr, k_ptr, v_ptr, page_ids_ptr, offsets_ptr, n, heads, head_dim,
     s_kp, s_kl, s_kk, s_kt, s_kh, s_kd,
     s_al, s_at, s_ah, s_ad,
     s_bl, s_bt, s_bh, s_bd,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, HD_PAD: tl.constexpr,
+    D_PAD: tl.constexpr, HD_PAD: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """For every token ``i`` of the block and the program's layer ``l``:
@@ -40,7 +40,7 @@ def _kernel(
     hd = tl.arange(0, HD_PAD).to(tl.int64)
     h = hd // D_PAD
     d = hd % D_PAD
-    ok = i_ok[:, None] & ((h < HEADS) & (d < HEAD_DIM))[None, :]
+    ok = i_ok[:, None] & ((h < heads) & (d < head_dim))[None, :]
     dst = (kv_ptr + layer * s_kl + (page * s_kp + slot * s_kt)[:, None]
            + (h * s_kh + d * s_kd)[None, :])
     src_k = k_ptr + layer * s_al + (i * s_at)[:, None] + (h * s_ah + d * s_ad)[None, :]
@@ -107,7 +107,7 @@ def write_kv_triton(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, page_ids
     grid = (triton.cdiv(n, block_t), num_layers)
     with launch_guard(kv.device.type):
         _kernel[grid](
-            kv, k, v, page_ids, offsets, n,
+            kv, k, v, page_ids, offsets, n, heads, head_dim,
             *kv.stride(), *k.stride(), *v.stride(),
-            HEADS=heads, HEAD_DIM=head_dim, D_PAD=d_pad, HD_PAD=hd_pad, BLOCK_T=block_t, **extra,
+            D_PAD=d_pad, HD_PAD=hd_pad, BLOCK_T=block_t, **extra,
         )

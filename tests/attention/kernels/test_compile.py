@@ -22,10 +22,12 @@ _HARNESS = r'''
 import json, sys, types
 import benchmarks.kernels.kernel_compile as kc
 modules = kc._import_kernels()
-launches = kc.record_launches(modules)
-out = {"launches": len(launches), "unreached": kc.unreached(modules, launches)}
+rec = kc.record_launches(modules, sample=13)      # every 13th attention scenario of the space
+launches = rec.launches
+out = {"launches": rec.driven, "variants": len(launches), "refused": rec.refused,
+       "unreached": kc.unreached(modules, launches)}
 attn = [x for x in launches if x.fn.fn.__module__ == "mmtier.attention.kernels.triton_attention"]
-fp32 = [x for x in attn if x.scenario.startswith("attention float32")]
+fp32 = [x for x in attn if x.scenario.startswith("attention float32 pool float32 q")]
 out["fp32_tiles"] = sorted({(x.kwargs["BLOCK_M"], x.kwargs["BLOCK_N"]) for x in fp32})
 out["options"] = sorted({(x.kwargs.get("num_warps"), x.kwargs.get("num_stages")) for x in attn})
 out["kinds"] = sorted({x.fn.fn.__module__ for x in launches})
@@ -38,9 +40,17 @@ extra = types.ModuleType("extra")
 extra.orphan = orphan
 out["orphan"] = kc.unreached([extra], launches)
 # one variant compiled for sm_90: the decode of the first fp16 scenario
-kc._LAUNCHES[:] = [next(x for x in attn if "float16 D64 decode" in x.scenario)]
+kc._LAUNCHES[:] = [next(x for x in attn if x.scenario.startswith("attention float16 pool float16 q D64")
+                        and "decode" in x.scenario)]
 out["compiled"] = kc.compile_one(0, 90)
 out["label"] = kc.variant_label(kc._LAUNCHES[0])
+# shapes that differ only in group, page size and head dim (one padded head dim): one variant
+import torch
+one = kc.Recorder()
+with one, modules[0].as_on_gpu():
+    for head_dim, group, page_size in ((80, 3, 16), (96, 5, 64), (128, 7, 256)):
+        kc._attention(modules[1], torch.float32, torch.float32, head_dim, "prefill", page_size, group, False)
+out["one_variant"] = [one.driven, len(one.launches), len(one.scenarios[0])]
 print("RESULT" + json.dumps(out))
 '''
 
@@ -63,12 +73,14 @@ def test_compile_harness_records_the_gpu_launches_and_compiles_one(tmp_path):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     out = json.loads(res.stdout.split("RESULT", 1)[1])
-    assert out["launches"] > 100 and out["unreached"] == []
+    assert out["launches"] > 1000 and out["unreached"] == [] and out["refused"] == []
+    assert 50 < out["variants"] < out["launches"] / 4     # deduplicated by what Triton compiles
     assert out["kinds"] == ["mmtier.attention.kernels.triton_attention", "mmtier.attention.kernels.triton_merge",
                             "mmtier.pages.kernels.triton_write"]
     assert out["fp32_tiles"] == [[16, 16]]            # float32 pools: the spill-free tiles
     assert all(w in (4, 8) and s in (2, 3) for w, s in out["options"])   # a GPU's options, recorded
     assert out["orphan"] == ["extra.orphan"]
+    assert out["one_variant"] == [3, 1, 3]      # group, page size, head dim: runtime ints
     c = out["compiled"]
     assert c["error"] is None, c["error"]
     assert 0 < c["regs"] <= 255 and c["spill"] == 0 and 0 < c["shared"] <= 232448
@@ -115,3 +127,22 @@ def test_check_fails_on_errors_shared_memory_over_the_limit_and_spills():
     assert figures["sm90_compile_errors"] == 1 and figures["sm90_spilling_variants"] == 1
     assert figures["v clean"] == "sm90 96r 0B 19.5K" and figures["v broken"] == "sm90 error"
     assert summarize(labels[:1], scen[:1], results[:1], [90])[1] == []
+
+
+def test_the_whole_space_is_driven():
+    """The attention scenarios are the whole product of the space users configure: each head
+    dim 64-256, 1-8 query heads per KV head, page sizes 16-256, every mode, split or not, and
+    every pool (fp8 ones under each query dtype)."""
+    import benchmarks.kernels.kernel_compile as kc
+
+    space = list(kc._scenarios(1))
+    assert len(space) == len(set(space)) == len(kc.POOLS) * len(kc.HEAD_DIMS) * 8 * len(kc.PAGE_SIZES) * 6
+    assert kc.GROUPS == tuple(range(1, 9)) and kc.PAGE_SIZES == (16, 32, 64, 128, 256)
+    assert kc.HEAD_DIMS == (64, 80, 96, 112, 128, 160, 192, 256)
+    assert {pool for pool, *_ in space} == {
+        ("float16", "float16"), ("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32"),
+        ("bfloat16", "float32"), *((f8, q) for f8 in ("float8_e4m3fn", "float8_e5m2")
+                                   for q in ("float16", "bfloat16", "float32"))}
+    assert (("float32", "float32"), 64, 2, 32, ("prefill", False)) in space     # issue 51's spilling shapes
+    assert (("float32", "float32"), 128, 4, 16, ("chunked", True)) in space
+    assert len(list(kc._scenarios(13))) == -(-len(space) // 13)
