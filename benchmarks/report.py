@@ -57,6 +57,9 @@ COMMANDS = {
                     "mmtier, prefix caching on, vLLM's CPU build)",
     "serving_load": ".venv/bin/python -m benchmarks.engines.serving_load  (open-loop Poisson load against vLLM's OpenAI API "
                     "server with and without mmtier, the engines from .venv-engines)",
+    "serving_load_durability": ".venv/bin/python -m benchmarks.engines.serving_load --durability  (mmtier with its "
+                               "write-behind to the disk tier off, then on, over the same trace at rates 1-8 req/s, "
+                               "80 requests a rate, 8-token answers; each rate's order alternates)",
     "vllm_parallel": ".venv-engines/bin/python -m benchmarks.engines.vllm_parallel  (tensor_parallel_size 2, real vLLM "
                      "engines, CPU build; vLLM's prefix cache on, its pool too small to keep the repeat)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.engines.vllm_engine  (real vLLM engines, CPU build; "
@@ -78,7 +81,8 @@ COMMANDS = {
 
 RUNS_MODULE = re.compile(r"-m benchmarks\.(\w+(?:\.\w+)*)(.*)")    # -m benchmarks.GROUP.NAME ARGS
 
-OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load", "registry_model"}   # they draw their own PNG
+OWN_PLOTS = {"eviction", "multiturn", "demo", "demo_serving", "serving_load", "registry_model",
+             "serving_load_durability"}   # they draw their own PNG
 
 # (benchmark, figure, target as text, predicate on the value)
 def _config_default(field: str) -> object:
@@ -142,6 +146,17 @@ HEADLINES = [
      "audio__cached_fraction_plain)", None),
     ("demo_serving", "video__cached_fraction_mmtier", "(reported: video turns on the tiny Qwen2-VL; plain's is "
      "video__cached_fraction_plain)", None),
+    ("serving_load_durability", "sustainable_mmtier_over_mmtier_wb_off",
+     ">= 0.95 (write-behind on over off: sustainable rate at the p99 TTFT bound)", lambda v: v >= 0.95),
+    ("serving_load_durability", "peak_completed_mmtier_over_mmtier_wb_off", ">= 0.95 (the most requests/s completed)",
+     lambda v: v >= 0.95),
+    ("serving_load_durability", "output_tokens_per_s_mmtier_over_mmtier_wb_off_median",
+     ">= 0.95 (output tokens/s, median over rates)", lambda v: v >= 0.95),
+    ("serving_load_durability", "ttft_p99_mmtier_over_mmtier_wb_off_median", "(reported; p99 TTFT on over off)", None),
+    ("serving_load_durability", "durable_lag_p50_ms_mmtier", "(reported; save to durable, ms)", None),
+    ("serving_load_durability", "durable_lag_p99_ms_mmtier", "<= 1,000 (durable_lag_s 1 s)", lambda v: v <= 1000),
+    ("serving_load_durability", "durable_bytes_per_request_mmtier", "(reported; bytes written per request)", None),
+    ("serving_load_durability", "durable_dropped_mmtier", "(reported; saves the disk could not take in time)", None),
     ("serving_load", "sustainable_mmtier_over_plain", ">= 2 (sustainable rate at the p99 TTFT bound)",
      lambda v: v >= 2),
     ("serving_load", "peak_completed_mmtier_over_plain", "(reported: the most requests/s each completed)", None),
