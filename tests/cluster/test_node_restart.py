@@ -39,6 +39,7 @@ from mmtier.cluster.pool import PoolService  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
 from mmtier.cluster.store import store_dir  # noqa: E402
 from mmtier.content import ContentKey  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -125,12 +126,7 @@ def _get(ref):
 
 
 def _wait_until(pred, timeout=WAIT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return pred()
+    return wait_until(pred, timeout)
 
 
 def _named(name: str) -> bool:

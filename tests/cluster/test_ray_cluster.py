@@ -28,6 +28,7 @@ from mmtier.cluster.registry_shards import shard_name  # noqa: E402
 from tests.support.composed import check_facade  # noqa: E402
 from tests.support.oracle import Logical as OracleLog  # noqa: E402
 from tests.support.oracle import oracle_attention, rel_err  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -341,13 +342,8 @@ def test_offload_to_node_store_serves_remote_and_copy(cc):
 
 
 # ---------------------------------------------------------------------- faults
-def _wait_until(pred, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return pred()
+def _wait_until(pred, timeout=15.0) -> bool:
+    return wait_until(pred, timeout)
 
 
 def test_killed_pool_loses_only_its_own_and_nothing_hangs(cc):
