@@ -67,3 +67,28 @@ def test_the_next_turn_finds_the_previous_answer_and_equals_vllms_own_prefix_cac
         off, oracle = r["off"], r["off_plain"]
         assert [x["cached"] for x in off] == [0, 9 * BLOCK] and oracle[1]["cached"] == 448
         assert all(same(a, b) for a, b in zip(off, oracle, strict=True))
+
+
+def _fp8_runs() -> bool:
+    import torch
+
+    return torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.parametrize("shape", [
+    pytest.param("fp8", id="fp8", marks=pytest.mark.skipif(
+        not _fp8_runs(), reason="vLLM's CPU build runs an fp8 KV cache only on x86 with AVX-512 or AMX")),
+    pytest.param("uni", id="in-process"), pytest.param("tp2", id="tp2"), pytest.param("lora", id="lora")])
+def test_every_engine_shape_saves_the_answer_and_hits_it_as_vllms_own_cache_does(model, tmp_path, shape):
+    r = scenario("shapes", tmp_path, model=model, shape=shape)
+    (first, second), (plain_first, plain_second) = r["mmtier"], r["plain"]
+    # the second turn repeats 300 prompt tokens and the 150-token answer: 448 tokens of whole
+    # blocks, every one found (the answer's 5 blocks from decode saves), as vLLM's own cache does
+    assert second["previous"] == 448 and second["cached"] == 448 == plain_second["cached"]
+    assert same(first, plain_first) and same(second, plain_second)
+    assert r["phases"].get("puts|decode", 0) >= 1 and r["phases"].get("hits|decode", 0) >= 1, r["phases"]
+    if shape == "lora":
+        # the same tokens under another adapter: nothing of adapter a's answer (or prompt) is found
+        other, other_plain = r["other_adapter"], r["other_adapter_plain"]
+        assert other["cached"] == 0 == other_plain["cached"]
+        assert other["tokens"] == other_plain["tokens"]

@@ -36,25 +36,26 @@ def mm(fields: dict, **extra) -> dict:
     return {"mmtier_cache": fields, "mmtier_tenant": "acme", "mmtier_chunk_blocks": CHUNK_BLOCKS, **extra}
 
 
-def turn(llm, p: list[int], max_tokens: int) -> dict:
-    """One greedy turn: the answer's token ids, their log-probabilities, the cached tokens."""
+def turn(llm, p: list[int], max_tokens: int, **kw) -> dict:
+    """One greedy turn: the answer's token ids, their log-probabilities, the cached tokens
+    (``kw``: to ``generate``, e.g. a ``lora_request``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=0)
-    out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0]
+    out = llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False, **kw)[0]
     c = out.outputs[0]
     logprobs = [lp[t].logprob for lp, t in zip(c.logprobs or [], c.token_ids)]
     time.sleep(0.3)                       # the worker's writer thread stores off the step
     return {"tokens": list(c.token_ids), "logprobs": logprobs, "cached": out.num_cached_tokens or 0}
 
 
-def conversation(llm, seed: int, turns: int = 2, answer: int = ANSWER) -> list[dict]:
+def conversation(llm, seed: int, turns: int = 2, answer: int = ANSWER, **kw) -> list[dict]:
     """``turns`` turns of one conversation; each row also says its prompt's length and the
     whole blocks the previous turn had computed (its prompt and answer but the last token)."""
     rows, history = [], prompt(seed, PROMPT)
     for i in range(turns):
-        row = turn(llm, history, answer if i < turns - 1 else 12)
+        row = turn(llm, history, answer if i < turns - 1 else 12, **kw)
         row["prompt_len"] = len(history)
         rows.append(row)
         history = history + row["tokens"] + prompt(seed * 100 + i, MESSAGE)
@@ -137,7 +138,51 @@ def shares(model: str, tmp: str, turns_n: int = 4, answer: int = 96, executor: s
     return out
 
 
-SCENARIOS = {f.__name__: f for f in (turns, shares)}
+def shapes(model: str, tmp: str, shape: str) -> dict:
+    """One conversation (two turns) on an mmtier engine of one shape and on a plain engine of the
+    same shape with vLLM's prefix cache: ``fp8`` (an fp8 KV cache, mmtier's pages fp8 too),
+    ``uni`` (the in-process executor), ``tp2`` (tensor parallel 2: each worker saves its shard of
+    every decode group), ``lora`` (the conversation under adapter a; then its second turn under
+    adapter b, whose scope holds nothing of a's: the answer's groups are keyed by adapter)."""
+    fields, kw, gen = cache_fields(None), {}, {}
+    if shape == "fp8":
+        fields, kw = cache_fields(None, dtype="float8_e4m3fn"), {"kv_cache_dtype": "fp8"}
+    elif shape == "uni":
+        kw = {"executor": "uni"}
+    elif shape == "tp2":
+        from tests.support.vllm_models import KV_HEADS
+
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")   # a rank per core, not pinned
+        fields, kw = dict(fields, num_kv_heads=KV_HEADS // 2), {"tensor_parallel_size": 2}
+    elif shape == "lora":
+        from vllm.lora.request import LoRARequest
+
+        from tests.support.vllm_models import build_lora
+
+        adapters = {n: LoRARequest(n, i + 1, str(build_lora(model, Path(tmp) / f"lora-{n}", seed=i + 1)))
+                    for i, n in enumerate("ab")}
+        kw, gen = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}, {"lora_request": adapters["a"]}
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    out: dict = {}
+    llm = engine(model, mmtier=mm(fields), **kw)
+    out["mmtier"] = conversation(llm, 1, **gen)
+    time.sleep(1.5)                       # a metrics report is taken at most every second
+    turn(llm, prompt(9, 40), 2, **gen)
+    out["phases"] = phase_metrics(llm)
+    second = prompt(1, PROMPT) + out["mmtier"][0]["tokens"] + prompt(100, MESSAGE)
+    if shape == "lora":
+        out["other_adapter"] = turn(llm, second, 12, lora_request=adapters["b"])
+    close(llm)
+    plain = engine(model, enable_prefix_caching=True, **kw)
+    out["plain"] = conversation(plain, 1, **gen)
+    if shape == "lora":
+        out["other_adapter_plain"] = turn(plain, second, 12, lora_request=adapters["b"])
+    close(plain)
+    return out
+
+
+SCENARIOS = {f.__name__: f for f in (turns, shares, shapes)}
 
 if __name__ == "__main__":
     sys.exit(scenario_main(SCENARIOS, sys.argv[1:]))

@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 # forks a lookup follows (``_fork``): one per earlier turn of a conversation that ended inside a
 # chunk, so a conversation's n-th turn takes up to n - 1; past this many the hit stops there
 MAX_FORKS = 64
+# steps a lookup waits for a finished request's last groups, still being flushed, that it would
+# hit (``_awaits_flush``): the flush is sent at the next step and stored by the one after
+FLUSH_WAIT_STEPS = 3
 
 
 @dataclass
@@ -64,6 +67,7 @@ class _ReqState:
     request: Request | None = None  # vLLM's request (its token ids grow as it generates)
     done: int = 0                  # positions whose KV vLLM wrote by the end of its latest step
     decode: bool = True            # its generated tokens are still planned (_decode_saves)
+    flush_waits: int = 0           # steps its lookup waited for a flush it would hit
 
 
 class MMTierConnectorScheduler:
@@ -83,6 +87,8 @@ class MMTierConnectorScheduler:
         self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
         self.save_decode = setup.save_decode
         self._flushes: list[GroupCopy] = []       # finished requests' last groups, sent next step
+        self._step = 0                            # build_connector_meta calls so far
+        self._flushed_at: dict[ContentKey, int] = {}   # flushed group -> the step it was sent in
 
     def plan(self, request: Request) -> _ReqState:
         """The request's state, its prompt planned on first sight."""
@@ -100,6 +106,9 @@ class MMTierConnectorScheduler:
         if not all(held):          # an earlier prompt ended inside the chunk that missed
             held = self._fork(request, state, held)
             keys = [s.key for s in state.plan.segments]
+        if not all(held) and state.flush_waits < FLUSH_WAIT_STEPS and self._awaits_flush(request, state, held):
+            state.flush_waits += 1
+            return None, False                         # asked again once the flush is stored
         if self.link is not None and not all(held):
             if state.pull is None:                     # one lookup (and its pulls) per request
                 ask = self.link.locate_async if self.split else self.link.pull_async
@@ -183,6 +192,20 @@ class MMTierConnectorScheduler:
                 break
         return held
 
+    def _awaits_flush(self, request: Request, state: _ReqState, held: list[bool]) -> bool:
+        """Whether the group this request misses first, or a part of its chunk an earlier
+        prompt would have stored, is a finished request's last group not yet stored: sent to
+        the worker this or the previous step, or still to be sent (a next turn that arrives
+        while the engine was idle meets its previous answer's last part here)."""
+        pending = {op.key for op in self._flushes}
+        pending.update(k for k, at in self._flushed_at.items() if at >= self._step - 1)
+        if not pending:
+            return False
+        n = held.index(False)
+        if state.plan.segments[n].key in pending:
+            return True
+        return any(key in pending for _, key in self.scheme.forks(self.cache, request, state.plan, n))
+
     def _lookup(self, keys: list[ContentKey]) -> list[bool]:
         """Which keys the cache holds, in one pass that stops at the first miss."""
         held: list[bool] = []
@@ -211,6 +234,7 @@ class MMTierConnectorScheduler:
         meta = MMTierConnectorMetadata(loads=self._async_ops, state_loads=self._async_states)
         self._async_ops, self._async_states = [], []
         meta.flushes, self._flushes = self._flushes, []
+        self._step += 1
         for req_id in scheduler_output.preempted_req_ids or ():
             state = self._reqs.get(req_id)        # its blocks were freed in this schedule
             if state is not None and state.block_ids:
@@ -248,6 +272,8 @@ class MMTierConnectorScheduler:
             state.done = done
             # earlier steps wrote the KV of positions [0, num_computed_tokens)
             meta.flushes += self._decode_saves(req_id, state, cached.num_computed_tokens[i], final=False)
+        self._flushed_at = {k: at for k, at in self._flushed_at.items() if at >= self._step - 1}
+        self._flushed_at.update((op.key, self._step) for op in meta.flushes)
         if meta.flushes:
             handed = _blocks_handed_out(scheduler_output)
             meta.flush_wait = any(b in handed for op in meta.flushes for b in op.block_ids)
