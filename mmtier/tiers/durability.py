@@ -16,9 +16,9 @@ page, tmp + fsync + rename + directory fsync) and the cache's lock guards every 
   or at close, as without write-behind. Nothing waits on the disk: a save never blocks.
 - The thread takes what is queued (up to ``max_inflight_bytes`` a batch), pins its device
   groups under the lock, copies their pages into host memory with the lock let go (a copy
-  under the lock held every save and read of the cache behind it: 1.7x the connector's save
-  time on the 2-core machine, ``benchmarks/results/durability_paths.json``), then under the
-  lock unpins them and starts each group's copy to disk: a device group's from its snapshot, a
+  under the lock held every save, read and attention of the cache behind it: 50-120 ms per
+  128 MiB of saves on the 2-core machine, benchmarks/RESULTS_NOTES.md), then under the lock
+  unpins them and starts each group's copy to disk: a device group's from its snapshot, a
   host group's from its slots (held until written; they never change), so nothing stays pinned
   while the disk writes and eviction keeps its order; it waits for the copies with the lock
   let go. A group freed,
