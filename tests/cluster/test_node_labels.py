@@ -166,3 +166,29 @@ def test_a_second_live_node_with_a_label_in_use_is_refused(cluster):
         assert sorted(p.name for p in CFG.disk_dir.iterdir()) == ["node-a", "node-b"]
     finally:
         c.remove_node(twin)
+
+
+def test_folders_follow_the_label_and_fall_back_to_the_node_id(tmp_path):
+    """No cluster: the naming rule itself. A dead node may share its label with a live one (the
+    node it was, added again); two live ones may not; a label that is not a folder-safe
+    Kubernetes label value is refused; a node without a label keeps the folders by node id."""
+    from mmtier.cluster.actors import pool_dir, pool_name
+    from mmtier.cluster.node_labels import check_unique, label_of
+    from mmtier.cluster.store import store_dir
+
+    def node(i, label=None, alive=True):
+        return {"NodeID": f"id{i}", "Alive": alive, "Labels": {LABEL: label} if label else {"ray.io/node-id": f"id{i}"}}
+
+    assert check_unique([node(1, "a", alive=False), node(2, "a"), node(3, "b"), node(4)]) == \
+        {"id2": "a", "id3": "b", "id4": None}
+    with pytest.raises(NodeLabelError, match="'a'"):
+        check_unique([node(1, "a"), node(2, "a"), node(3, "b")])
+    for bad in ("-a", "a/b", "../up", "x" * 64):
+        with pytest.raises(NodeLabelError):
+            label_of(node(1, bad))
+    cfg = CFG.model_copy(update={"disk_dir": tmp_path})
+    assert store_dir(cfg, "id2", "a") == tmp_path / "node-a" / "store"
+    assert store_dir(cfg, "id4") == tmp_path / "store-id4"
+    assert pool_dir(tmp_path, pool_name("id2", "dev", 1), "a") == tmp_path / "node-a" / "pool-dev1"
+    assert pool_dir(tmp_path, pool_name("id4", "cpu", 0)) == tmp_path / "pool-mmtier-pool_id4_cpu0"
+    assert store_dir(CFG.model_copy(update={"disk_dir": None}), "id2", "a") is None
