@@ -20,6 +20,11 @@ class ConfigError(MMTierError, ValueError):
         self.lines: tuple[str, ...] = tuple(f"{f}: {message}" for f in fields)
 
 
+class NodeLabelError(ConfigError):
+    """A node's stable name (the Ray label ``mmtier.io/node``) that is invalid, or that another
+    live node has too: both would write one disk folder. Nothing was created."""
+
+
 class ShapeError(MMTierError, ValueError):
     """A tensor whose shape does not fit the spec it is meant for."""
 

@@ -266,7 +266,10 @@ def _direct_bandwidth(spill: Path, nbytes: int) -> float | None:
 
 
 def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_heads: int,
-        repeats: int, reserve: int, dtype: str | None = None, host_bytes: int = TIER_BYTES) -> dict:
+        repeats: int, reserve: int, dtype: str | None = None, host_bytes: int = TIER_BYTES,
+        write_behind: bool | None = None) -> dict:
+    """One row; ``write_behind``: the cache's write-behind to disk on / off (``None``: the
+    config's default; ``benchmarks.cache.durability_paths`` runs both in turn)."""
     hkv, dim, hq, preset_dtype, model_layers = PRESETS[preset]
     dtype = dtype or preset_dtype
     tdtype = getattr(torch, dtype)
@@ -277,6 +280,8 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
     with tempfile.TemporaryDirectory(prefix="mmtier-long-", dir=base) as tmp:
         spill = Path(tmp) / "spill"
         cfg = build_config(tokens, preset, layers, device, spill, reserve, dtype, host_bytes)
+        if write_behind is not None:
+            cfg = CacheConfig(**{**cfg.model_dump(), "write_behind": write_behind})
         check_disk(base, tokens, preset, layers, reserve, dtype, (cfg.device_bytes or 0) + cfg.host_bytes)
         plan = plan_segments(tokens, seed, tuple(cfg.modalities))
         rng = random.Random(seed)
@@ -362,6 +367,9 @@ def run(tokens: int, preset: str, layers: int, device: str, seed: int, oracle_he
         "ingest_s": ingest_s, "ingest_tokens_per_s": tokens / ingest_s,
         "ingest_over_disk_write": (total_bytes / ingest_s) / bw_write,
         "spills": stats.counters.get("spills", 0),
+        "write_behind": cfg.write_behind, "durable_writes": stats.counters.get("durable_writes", 0),
+        "durable_bytes": stats.counters.get("durable_bytes", 0),
+        "durable_dropped": stats.counters.get("durable_dropped", 0),
     })
     return figures
 

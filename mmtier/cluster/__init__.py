@@ -4,7 +4,8 @@
 ``client`` and its ``client_*`` parts (``ClusterCache``), ``transfer`` / ``transfer_copies``
 (groups through the object store), ``engine_pool`` / ``engine_cache`` / ``engine_remote`` (an
 engine actor that holds its device's pool, ``PoolHost``, and the cache its model sees), ``link``
-(an engine process's embedded cache joined to the cluster), ``actors`` (the Ray edge: each actor
+(an engine process's embedded cache joined to the cluster), ``node_labels`` (a node's stable
+name for its disk folders), ``actors`` (the Ray edge: each actor
 wraps one plain class) and ``launch`` (start and stop).
 
 ``start(cfg)`` creates the actors on a running cluster (idempotent), ``connect()`` returns the
@@ -24,6 +25,7 @@ _EXPORTS = {
     "ClusterSettings": "settings",
     "PoolHost": "engine_pool", "RayTransport": "engine_pool", "host_name": "engine_pool",
     "HostedCache": "engine_cache",
+    "NodeLabelError": "node_labels",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,7 +4,8 @@
 ``NodeStoreActor`` wraps ``store.NodeStoreService`` (a node's host and disk tiers),
 ``ContentRegistryActor`` wraps ``registry.ContentRegistry`` (and adds the liveness sweep, the
 rebuild after a restart and the waits for a claimed group). Holders are named
-``mmtier-pool:<node id>:<kind><i>`` and ``mmtier-store:<node id>`` in the namespace; a holder
+``mmtier-pool:<node id>:<kind><i>`` and ``mmtier-store:<node id>`` in the namespace (their disk
+folders follow the node's stable label when it has one: ``node_labels``); a holder
 tells the registry it (re)started with its inventory and, with ``report_lost``, what it found
 corrupt. ``launch`` creates these actors and removes them; nothing else calls ``ray.remote`` on
 them.
@@ -16,6 +17,7 @@ import asyncio
 import logging
 import os
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ import ray
 from ..config import CacheConfig
 from ..pages.gpu_memory import free_bytes
 from .metrics import ActorMetrics
+from .node_labels import node_folder
 from .pool import PoolService
 from .registry import ContentRegistry, HolderInfo
 from .registry_shards import RegistryShards, shard_of
@@ -45,11 +48,12 @@ def store_name(node_id: str) -> str:
     return f"{STORE_PREFIX}{node_id}"
 
 
-def pool_config(base: CacheConfig, name: str, device: str, settings: ClusterSettings) -> CacheConfig:
+def pool_config(base: CacheConfig, name: str, device: str, settings: ClusterSettings,
+                label: str | None = None) -> CacheConfig:
     """The config of one device's pool (an actor's or an engine's embedded one): no host tier
     (the node store has one); its own disk tier when the config has one, so device pressure
     demotes groups to disk instead of dropping them; the arena on ``device``."""
-    disk = None if base.disk_dir is None else base.disk_dir / f"pool-{_sanitize(name)}"
+    disk = None if base.disk_dir is None else pool_dir(base.disk_dir, name, label)
     update: dict[str, Any] = {"host_bytes": 0, "disk_dir": disk}
     if device == "cuda":
         update.update(device="cuda:0", device_bytes=base.device_bytes or _nvml_free_bytes(base))
@@ -59,13 +63,23 @@ def pool_config(base: CacheConfig, name: str, device: str, settings: ClusterSett
     return CacheConfig(**{**base.model_dump(), **update})
 
 
+def pool_dir(disk_dir: Path, name: str, label: str | None = None) -> Path:
+    """A pool's disk folder: ``node-<label>/pool-<kind><i>`` on a labelled node (found again when
+    the node comes back with a new id), else ``pool-<pool name, sanitized>`` (by node id)."""
+    if label:
+        return node_folder(disk_dir, label) / f"pool-{_sanitize(name.rsplit(':', 1)[-1])}"
+    return Path(disk_dir) / f"pool-{_sanitize(name)}"
+
+
 class PagePoolActor(PoolService):
     """A pool on its node's device: resolves the arena there (NVML sees the physical GPU)."""
 
-    def __init__(self, cfg_json: dict, name: str, node: str, device: str, settings_json: dict):
+    def __init__(self, cfg_json: dict, name: str, node: str, device: str, settings_json: dict,
+                 label: str | None = None):
         settings = ClusterSettings(**settings_json)
         self.settings = settings
-        super().__init__(pool_config(CacheConfig(**cfg_json), name, device, settings), name=name, node=node)
+        super().__init__(pool_config(CacheConfig(**cfg_json), name, device, settings, label),
+                         name=name, node=node)
         self.metrics = ActorMetrics(name)
         self.on_lost = lambda digests: report_lost(settings, name, digests)
         _announce(settings, super().ping(), self.inventory())   # empty, or adopted from disk
@@ -84,11 +98,12 @@ class PagePoolActor(PoolService):
 
 
 class NodeStoreActor(NodeStoreService):
-    def __init__(self, cfg_json: dict, name: str, node: str, settings_json: dict):
+    def __init__(self, cfg_json: dict, name: str, node: str, settings_json: dict,
+                 label: str | None = None):
         settings = ClusterSettings(**settings_json)
         cfg = CacheConfig(**cfg_json)
         super().__init__(cfg, name=name, node=node,
-                         capacity_bytes=cfg.host_bytes or settings.store_bytes)
+                         capacity_bytes=cfg.host_bytes or settings.store_bytes, label=label)
         self.settings = settings
         self.metrics = ActorMetrics(name)
         self.on_lost = lambda digests: report_lost(settings, name, digests)

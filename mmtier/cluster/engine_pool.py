@@ -35,6 +35,7 @@ from ..config import CacheConfig
 from ..errors import ConfigError, HolderLostError, MMTierError
 from .actors import POOL_PREFIX, pool_config, pool_name, report_lost
 from .metrics import ActorMetrics
+from .node_labels import label_of_node
 from .pool import PoolService
 from .registry import Location
 from .registry_shards import Pending, RegistryShards
@@ -218,7 +219,8 @@ class PoolHost(PoolService):
                               f"in namespace {settings.namespace!r}, not {name!r}")
         self.settings = settings
         self.transport = transport or RayTransport(settings)
-        cfg = pool_config(CacheConfig(**self.transport.config()), name, device, settings)
+        label = label_of_node(ctx.get_node_id(), ray.nodes())     # refused if another live node has it
+        cfg = pool_config(CacheConfig(**self.transport.config()), name, device, settings, label)
         if device_bytes is not None:
             cfg = CacheConfig(**{**cfg.model_dump(), "device_bytes": device_bytes})
         super().__init__(cfg, name=name, node=ctx.get_node_id())

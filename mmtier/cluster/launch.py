@@ -22,9 +22,13 @@ Tiers on the cluster (when ``cfg.disk_dir`` is set; without it pools drop under 
 stores keep host memory only, as before): each pool's ``TieredKVCache`` gets a disk tier of its
 own, ``disk_dir / "pool-<pool name, sanitized>"`` (no host tier: ``host_bytes=0``), so device
 pressure moves unreferenced groups to disk whole instead of dropping them; each node store puts
-``disk_dir / "store-<node id>"`` behind its host tier. A pool or store recreated on the same
-node (``start()`` after a kill) adopts the groups in its directory and announces them to the
-registry with its inventory; a holder that finds a corrupt copy tells the registry with
+``disk_dir / "store-<node id>"`` behind its host tier. A node started with the Ray label
+``mmtier.io/node=<name>`` keeps both under ``disk_dir / "node-<name>"`` instead (``store``,
+``pool-<kind><i>``), so a node removed and added again under the same name (a new node id)
+finds its folders; two live nodes with one label are refused (``NodeLabelError``), nothing
+created. A pool or store recreated on the same node (``start()`` after a kill, or on the
+re-added node) adopts the groups in its directory and announces them to the registry with its
+inventory; a holder that finds a corrupt copy tells the registry with
 ``actors.report_lost`` (the pool and store actors, and ``PoolHost``).
 """
 
@@ -39,6 +43,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ..config import CacheConfig
 from ..errors import ConfigError
 from .actors import ContentRegistryActor, NodeStoreActor, PagePoolActor, pool_name, store_name
+from .node_labels import check_unique
 from .registry_shards import shard_name
 from .settings import ClusterSettings
 
@@ -80,6 +85,8 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
     settings = settings or ClusterSettings()
     if not ray.is_initialized():
         ray.init(namespace=settings.namespace)
+    nodes = ray.nodes()
+    labels = check_unique(nodes)        # two live nodes, one label: refused before anything is made
     ns = settings.namespace
     cfg_json = cfg.model_dump(mode="json")
     s_json = settings.model_dump(mode="json")
@@ -102,7 +109,7 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
                 max_concurrency=1000, **common).remote(cfg_json, s_json, i))
             report.created.append(name)
 
-    for node in ray.nodes():
+    for node in nodes:
         if not node.get("Alive"):
             continue
         node_id = node["NodeID"]
@@ -115,14 +122,14 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
             report.existing.append(name)
         else:
             made.append(ray.remote(NodeStoreActor).options(name=name, **pin).remote(
-                cfg_json, name, node_id, s_json))
+                cfg_json, name, node_id, s_json, labels[node_id]))
             report.created.append(name)
         for name, device, res in device_pools(node, settings):
             if name in have:
                 report.existing.append(name)
                 continue
             made.append(ray.remote(PagePoolActor).options(name=name, **pin, **res).remote(
-                cfg_json, name, node_id, device, s_json))
+                cfg_json, name, node_id, device, s_json, labels[node_id]))
             report.created.append(name)
     ray.get([a.ping.remote() for a in made], timeout=settings.start_timeout_s)
     return report

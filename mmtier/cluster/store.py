@@ -6,7 +6,8 @@ pool actor; the store answers partial attention over its pages in place (the CPU
 does, so a pool anywhere restores it with one object-store transfer.
 
 Tiers: a ``HostTier`` (LRU over whole groups within a byte budget) and, when ``cfg.disk_dir``
-is set, a ``DiskTier`` over ``cfg.disk_dir / "store-<node id>"`` behind it, fed by a ``Mover``.
+is set, a ``DiskTier`` over ``store_dir`` (``disk_dir / "node-<label>" / "store"`` on a node
+labelled ``mmtier.io/node``, else ``disk_dir / "store-<node id>"``) behind it, fed by a ``Mover``.
 When the host tier needs room its least recently used groups are spilled to disk whole (the
 host copy goes once the file is durable); a group larger than the host budget goes straight to
 disk; a group is dropped only at the bottom (disk full, or a spill that failed). Attention and
@@ -43,6 +44,7 @@ from ..content import ContentKey, KeyMaker
 from ..errors import CapacityError, CorruptDataError, MMTierError, ShapeError, UnknownKeyError
 from ..storage import DiskTier, Mover
 from ..storage.host import HostTier
+from .node_labels import node_folder
 from .pool import group_item
 from .store_durable import StoreWriteBehind
 
@@ -51,9 +53,12 @@ log = logging.getLogger(__name__)
 WAIT_S = 120.0        # bound of a wait on one disk copy
 
 
-def store_dir(cfg: CacheConfig, node: str) -> Path | None:
-    """The store's disk directory on this node (``None``: no disk tier)."""
-    return None if cfg.disk_dir is None else Path(cfg.disk_dir) / f"store-{node}"
+def store_dir(cfg: CacheConfig, node: str, label: str | None = None) -> Path | None:
+    """The store's disk directory on node ``node`` with stable name ``label`` (``node_labels``;
+    ``None``: named by node id, as before labels); ``None`` when there is no disk tier."""
+    if cfg.disk_dir is None:
+        return None
+    return node_folder(cfg.disk_dir, label) / "store" if label else Path(cfg.disk_dir) / f"store-{node}"
 
 
 class NodeStoreService:
@@ -61,7 +66,8 @@ class NodeStoreService:
 
     kind = "store"
 
-    def __init__(self, cfg: CacheConfig, *, name: str, node: str, capacity_bytes: int):
+    def __init__(self, cfg: CacheConfig, *, name: str, node: str, capacity_bytes: int,
+                 label: str | None = None):
         self.cfg = cfg
         self.name = name
         self.node = node
@@ -78,7 +84,7 @@ class NodeStoreService:
         self.mover: Mover | None = None
         self.durable: StoreWriteBehind | None = None
         self._durable: set[ContentKey] = set()       # host groups whose file is on disk too
-        directory = store_dir(cfg, node)
+        directory = store_dir(cfg, node, label)
         if directory is not None:
             self.disk = DiskTier(directory, model=cfg.model, capacity_bytes=cfg.disk_bytes,
                                  free_floor_bytes=cfg.disk_free_floor_bytes)

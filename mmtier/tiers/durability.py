@@ -14,10 +14,14 @@ page, tmp + fsync + rename + directory fsync) and the cache's lock guards every 
   at the measured rate (``HEADROOM``; an empty queue always takes it); else the save is dropped from the
   write-behind, counted (``durable_dropped``), and the group is written only when it is evicted
   or at close, as without write-behind. Nothing waits on the disk: a save never blocks.
-- The thread takes what is queued (up to ``max_inflight_bytes`` a batch) and, under the lock,
-  starts each group's copy: a device group's pages are snapshot into host memory, a host group
-  is written from its slots (held until written; they never change), so nothing is pinned and
-  eviction keeps its order; it waits for the copies with the lock let go. A group freed,
+- The thread takes what is queued (up to ``max_inflight_bytes`` a batch), pins its device
+  groups under the lock, copies their pages into host memory with the lock let go (a copy
+  under the lock held every save, read and attention of the cache behind it: 50-120 ms per
+  128 MiB of saves on the 2-core machine, benchmarks/RESULTS_NOTES.md), then under the lock
+  unpins them and starts each group's copy to disk: a device group's from its snapshot, a
+  host group's from its slots (held until written; they never change), so nothing stays pinned
+  while the disk writes and eviction keeps its order; it waits for the copies with the lock
+  let go. A group freed,
   re-keyed or already on disk by then (an eviction wrote it) is skipped; one evicted meanwhile
   from the device to the host is written from the host; one freed while its copy was written
   has the file removed again.
@@ -34,6 +38,8 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+
+import torch
 
 from ..config import CacheConfig
 from ..core.groups import ModalityGroup, Tier
@@ -142,22 +148,47 @@ class WriteBehind:
                     self._writing_bytes = 0
                     self._cond.notify_all()
 
+    def _gone(self, g: ModalityGroup) -> bool:
+        """The group needs no write-behind any more (counted): it left the cache, or an eviction
+        wrote it (lock held)."""
+        if (g.freed or g.key is None or self.index.groups.get(g.key) is not g or g.tier == Tier.DISK
+                or self.residency.lower.disk_copy(g) is not None):
+            self.counters.add("durable_skipped", g.modality)
+            return True
+        return False
+
+    def _unpin(self, pinned: list[ModalityGroup]) -> None:
+        with self.residency.lock:            # re-entrant: also called with the lock held
+            for g in pinned:
+                g.pins -= 1
+                self.residency.settle(g)     # one freed meanwhile lets its pages go now
+
     def _write(self, batch: list[_Save]) -> None:
         residency, lower = self.residency, self.residency.lower
         started = []
         t0 = time.monotonic()
         with residency.lock:
             residency.apply_copies()
+            batch = [s for s in batch if not self._gone(s.group)]
+            pinned = [s.group for s in batch if s.group.tier == Tier.DEVICE]
+            for g in pinned:
+                g.pins += 1                  # its pages stay put while copied without the lock
+        snaps: dict[int, torch.Tensor] = {}
+        try:                                 # saves, reads and attention go on meanwhile
+            for g in pinned:
+                snaps[g.gid] = lower.snapshot(g)
+        except BaseException:
+            self._unpin(pinned)
+            raise
+        with residency.lock:
+            self._unpin(pinned)
+            residency.apply_copies()
             for save in batch:
                 g = save.group
-                if g.freed or g.key is None or self.index.groups.get(g.key) is not g:
-                    self.counters.add("durable_skipped", g.modality)      # left the cache meanwhile
+                if self._gone(g):
                     continue
-                if g.tier == Tier.DISK or lower.disk_copy(g) is not None:
-                    self.counters.add("durable_skipped", g.modality)      # an eviction wrote it
-                    continue
-                try:                         # device pages snapshot, host slots held: nothing pinned
-                    fut = lower.start_durable_copy(g)
+                try:                         # from its snapshot, or its host slots (held)
+                    fut = lower.start_durable_copy(g, snaps.get(g.gid) if g.tier == Tier.DEVICE else None)
                 except (MMTierError, OSError) as exc:
                     self._error(exc, g)
                     continue

@@ -366,25 +366,32 @@ class LowerTiers:
         group.location = None
 
     # ------------------------------------------------------------------ write-behind copies
-    def start_durable_copy(self, group: ModalityGroup) -> Future | None:
+    def snapshot(self, group: ModalityGroup) -> torch.Tensor:
+        """A device group's pages copied into host memory. The write-behind calls it with the
+        cache's lock let go, on a group it pinned: its pages neither move nor change meanwhile."""
+        spec = group.spec
+        pages = torch.empty((group.num_pages, *spec.page_shape), dtype=spec.torch_dtype)
+        at = 0
+        for run in view_runs(self.owner_pools[group.modality].view, group.pages):
+            pages[at:at + run.shape[0]].copy_(run)
+            at += run.shape[0]
+        return pages
+
+    def start_durable_copy(self, group: ModalityGroup, snapshot: torch.Tensor | None = None) -> Future | None:
         """Start writing a shared device or host group's copy to disk, leaving the group where
         it is (``durability.WriteBehind``, which calls ``end_durable_copy`` once it is done).
-        A device group's pages are snapshot here, in host memory (lock held): nothing is pinned
-        while the disk writes, so eviction goes on in its own order; a host group is written
-        from its slots, held by the mover until written (they never change). ``None``: nothing
-        to write (no disk tier, on disk already, no room in the budget)."""
+        A device group is written from ``snapshot`` (its pages in host memory, taken by
+        ``snapshot``; taken here, lock held, when not given): nothing is pinned while the disk
+        writes, so eviction goes on in its own order; a host group is written from its slots,
+        held by the mover until written (they never change). ``None``: nothing to write (no
+        disk tier, on disk already, no room in the budget)."""
         if self.mover is None or group.key is None or group.freed or group.tier == Tier.DISK:
             return None
         if self.disk_copy(group) is not None or not self._disk_room(group.nbytes) or group.freed:
             return None
         pages = None
         if group.tier == Tier.DEVICE:
-            spec = group.spec
-            pages = torch.empty((group.num_pages, *spec.page_shape), dtype=spec.torch_dtype)
-            at = 0
-            for run in view_runs(self.owner_pools[group.modality].view, group.pages):
-                pages[at:at + run.shape[0]].copy_(run)
-                at += run.shape[0]
+            pages = snapshot if snapshot is not None else self.snapshot(group)
         fut = self.mover.spill(group.key, group.spec, group.num_tokens, pages)
         self._durable_bytes[group.gid] = group.nbytes
         return fut

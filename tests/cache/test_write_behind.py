@@ -165,3 +165,41 @@ def test_durable_lag_is_validated(tmp_path, torch_backend):
     for bad in (0, -1.0, "soon"):
         with pytest.raises(ConfigError, match="durable_lag_s"):
             cfg_of(tmp_path, torch_backend, durable_lag_s=bad)
+
+
+def test_device_pages_are_copied_without_the_lock_and_the_group_stays_put_meanwhile(tmp_path, torch_backend):
+    """The write-behind copies a device group's pages with the cache's lock let go, so saves and
+    reads go on meanwhile; the group is pinned for that time: not dropped, not evicted, its pages
+    not reused, and the copy is its bytes. Once copied it is an ordinary group again."""
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=4, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False})
+    cache = TieredKVCache(cfg)
+    lower, copies = cache.lower, []
+    real = lower.snapshot
+    key, other = (cache.content_key("vision", t, tenant="acme") for t in (b"first", b"other"))
+    first_kv, other_kv = kv(50), kv(50)
+
+    def in_the_window(group):            # another thread's work, inside the copy's window
+        if group.key != key:
+            return real(group)
+        assert not cache.residency.lock.held()
+        assert cache.drop_unreferenced([key]) == []          # pinned: it stays
+        assert cache.put(other, *other_kv)                   # a save goes on
+        got = cache.read_group(other)                        # and a read
+        assert torch.equal(got[0], other_kv[0]) and torch.equal(got[1], other_kv[1])
+        copies.append(real(group))
+        return copies[-1]
+
+    lower.snapshot = in_the_window
+    assert cache.put(key, *first_kv)
+    assert cache.durable.drain(30)
+    lower.snapshot = real
+    assert len(copies) == 1                     # pages [n, layers, 2, page, heads, dim] -> tokens
+    snap = copies[0].permute(1, 2, 0, 3, 4, 5).flatten(2, 3)[:, :, :50]
+    assert torch.equal(snap[:, 0], first_kv[0]) and torch.equal(snap[:, 1], first_kv[1])
+    c = cache.stats().counters
+    assert c["durable_writes"] == 2 and c.get("durable_write_errors", 0) == 0
+    assert sorted(f.name.split("-")[1] for f in files(tmp_path)) == sorted([key.hex, other.hex])
+    assert cache.drop_unreferenced([key]) == [key]           # unpinned again
+    assert cache.pools["vision"].num_free == 4 - 2          # its pages let go
+    cache.close()

@@ -8,9 +8,8 @@ is started again over the same ``disk_dir``: it re-registers every group its dis
 write-behind put them there) and B finds each again, bytes equal to those of the tensors saved
 (fresh random inputs); a torn file is quarantined at the restart, not registered: a miss.
 
-Not here: removing and re-adding the whole node (``cluster.remove_node`` / ``add_node``). Ray
-gives the re-added node a new node id, and a store's directory is ``store-<node id>``, so the
-new node's store starts empty; the old directory is adopted by nobody (docs/design.md).
+A node removed and added again (a new Ray node id) finds its folders by its stable label:
+tests/cluster/test_node_labels.py.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import signal  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -31,14 +29,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
 import mmtier.cluster as mma  # noqa: E402
-from mmtier import CacheConfig, ModalitySpec, TieredKVCache  # noqa: E402
+from mmtier import CacheConfig, ModalitySpec  # noqa: E402
 from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.cluster.actors import store_name  # noqa: E402
-from mmtier.cluster.engine_pool import PoolHost, host_name  # noqa: E402
-from mmtier.cluster.pool import PoolService  # noqa: E402
+from mmtier.cluster.engine_pool import host_name  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
 from mmtier.cluster.store import store_dir  # noqa: E402
 from mmtier.content import ContentKey  # noqa: E402
+from tests.support.cluster_probe import Probe, exported, groups  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -51,43 +49,6 @@ CFG = CacheConfig(
 SETTINGS = ClusterSettings(namespace="mmtier-restart-test", device_resource="no_such_device",
                            sweep_interval_s=0.5, ping_timeout_s=1.0, sweep_misses=2, call_timeout_s=20.0)
 WAIT_S = 30.0          # bound of every wait for the cluster to settle
-
-
-class Probe(PoolHost):
-    """A model-less engine: its embedded pool and a turn's lookups and fetches, nothing else."""
-
-    def __init__(self, settings_json: dict):
-        super().__init__(ClusterSettings(**settings_json), device="cpu")
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def save(self, items: list[tuple[dict, torch.Tensor, torch.Tensor]]) -> int:
-        """Put groups into this engine's pool and publish them (a turn's end)."""
-        n = sum(bool(self.local.put(ContentKey.from_wire(w), k, v)) for w, k, v in items)
-        self.local.end_turn()
-        return n
-
-    def durable_writes(self) -> int:
-        return self.cache.stats().counters.get("durable_writes", 0)
-
-    def find(self, wires: list[dict]) -> tuple[list[bytes | None], dict[str, str], dict[str, int]]:
-        """One turn over these groups: each one's page bytes as found (``None``: a miss), the
-        turn's plan, and its counters. What was fetched is dropped again after, so the next
-        turn asks the cluster once more."""
-        keys = [ContentKey.from_wire(w) for w in wires]
-        self.local.begin_turn(keys)
-        found = []
-        for key in keys:
-            if self.local.contains(key):
-                found.append(PoolService.export(self, key.to_wire())[1].tobytes())
-            else:
-                found.append(None)
-        self.local.end_turn()
-        plan, stats = dict(self.local.plan), self.local.turn_stats()
-        self.local.drop(keys)
-        self.local.end_turn()
-        return found, plan, stats
 
 
 @pytest.fixture(scope="module")
@@ -148,16 +109,8 @@ def _holders(digests: list[str]) -> list[set[str]]:
             for loc in _registry().lookup(digests).get(WAIT_S)]
 
 
-def _groups(tag: str, sizes: tuple[int, ...]) -> list[tuple[ContentKey, torch.Tensor, torch.Tensor, bytes]]:
-    """Fresh random groups (whole pages), each with the page bytes a cache holds for it."""
-    out = []
-    with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as maker:
-        for i, n in enumerate(sizes):
-            key = maker.content_key("vision", f"{tag}-{i}-{time.time_ns()}".encode(), tenant="acme")
-            k, v = torch.randn(L, n, H, D), torch.randn(L, n, H, D)
-            assert maker.put(key, k, v)
-            out.append((key, k, v, maker.export_pages(key).to_wire()[1].tobytes()))
-    return out
+def _groups(tag: str, sizes: tuple[int, ...]):
+    return groups(CFG, tag, sizes)
 
 
 def _sigkill(actor) -> None:
@@ -235,8 +188,4 @@ def test_sigkilled_engine_re_registers_its_disk_and_other_nodes_find_it(cluster)
 
 
 def _exported(key: ContentKey, k: torch.Tensor, v: torch.Tensor):
-    """A group as a pool exports it: ``(meta, page-major uint8 buffer)``."""
-    with TieredKVCache(CFG.model_copy(update={"disk_dir": None})) as c:
-        c.put(key, k, v)
-        return c.export_pages(key).to_wire()
-
+    return exported(CFG, key, k, v)
