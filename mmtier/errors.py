@@ -77,7 +77,12 @@ class ClosedError(MMTierError):
 
 
 class HolderLostError(UnknownKeyError):
-    """What a call needed lived only on an actor that died (or did not answer): recompute it."""
+    """What a call needed lived only on an actor that died (or did not answer): recompute it.
+    ``lost``: the digests of the groups that went with it, where the caller knows them."""
+
+    def __init__(self, message: str, lost: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.lost = lost
 
 
 class UnsupportedError(MMTierError, NotImplementedError):

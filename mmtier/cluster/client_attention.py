@@ -96,11 +96,16 @@ class ClusterAttention:
             st.proxies.clear()
             self.book.unref_attached(st)
             raise HolderLostError(f"sequence {st.handle.id}: its home pool {st.home} is gone; recompute it")
-        for r in [r for r in st.remotes if r.holder not in h.actors]:
-            loc = (await h.lookup([r.key]))[0]
-            holders = h.alive(name for name, _ in (loc.holders if loc else ()))
-            if not holders:
-                raise HolderLostError(f"{r.key!r} was held only by {r.holder}, which is gone; recompute it")
+        dead = [r for r in st.remotes if r.holder not in h.actors]
+        locs = await h.lookup([r.key for r in dead]) if dead else []
+        alive = [h.alive(name for name, _ in (loc.holders if loc else ())) for loc in locs]
+        lost = [r for r, holders in zip(dead, alive, strict=True) if not holders]
+        if lost:                   # every group the step needs that no live holder has, named
+            raise HolderLostError(
+                f"sequence {st.handle.id}: {len(lost)} group(s) were held only by "
+                f"{', '.join(sorted({r.holder for r in lost}))}, which is gone: "
+                f"{', '.join(r.key.hex for r in lost)}; recompute them", tuple(r.key.hex for r in lost))
+        for r, holders in zip(dead, alive, strict=True):
             holder = self.attacher.nearest(holders, st.home)
             st.proxies.pop(r.holder, None)
             local_start = None
