@@ -9,8 +9,11 @@ replica saw it), this one asks mmtier: the engines' connectors write what they s
 their node's store and publish it in the ContentRegistry, so the registry knows which node
 holds each image's encoder output and each prompt segment's KV. Per request: its keys, made as
 the connectors make them (``request_keys.RequestKeyer``, on its own thread), then **one**
-batched registry lookup of all of them (media first), then ``best_node``: the node holding most
-of the request's media, ties broken by the longest leading run of prompt tokens it holds. A
+batched registry lookup of all of them (media first), followed through the chunks an earlier
+turn ended inside as the connector's scheduler follows them (``held_chain``: a conversation's
+previous prompt or answer, decode saves included; two more lookups per fork), then
+``best_node``: the node holding most of the request's media, ties broken by the longest leading
+run of prompt tokens it holds. A
 replica on that node is ranked first; Serve's default choice (power of two choices over all
 replicas) comes after it, so a full replica still yields. Nothing held, a keying or lookup
 failure, or no answer within ``timeout_s`` (keys and lookup together): the default choice alone.
@@ -31,7 +34,7 @@ from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from ..cluster.registry import Location
-from .request_keys import RequestKeyer, RequestKeys
+from .request_keys import RequestKeyer, RequestKeys, held_chain
 
 log = logging.getLogger(__name__)
 HOLDERS_TTL_S = 5.0        # how long the registry's holder -> node map is trusted
@@ -117,11 +120,10 @@ class MMTierAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     async def _locate(self, request: Any) -> str | None:
         keys = await asyncio.wrap_future(self._keyer.submit(request))
-        digests = keys.digests()
-        if not digests:
+        if not keys.digests():
             return None
         registry = self._keyer.transport.registry
-        found = await registry.lookup(digests)
+        keys, found = await held_chain(keys, registry.lookup)     # through earlier turns' forks
         holders = {h for loc in found if loc is not None for h, _ in loc.holders}
         if holders - self._node_of.keys() or time.monotonic() - self._node_of_at > HOLDERS_TTL_S:
             self._node_of = {h.name: h.node for h in await registry.holders()}

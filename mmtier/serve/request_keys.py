@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..content import ContentKey
@@ -32,7 +34,9 @@ from ..engines.connector_cache import (
     shared_cache,
     tenant_from_extra,
 )
+from ..engines.vllm.keys import KeyScheme
 from ..engines.vllm.names import names_ec_connector, names_kv_connector
+from ..engines.vllm.plan import MAX_FORKS, RequestPlan
 from ..errors import ConfigError, MMTierError
 
 
@@ -44,14 +48,67 @@ class KeyingError(MMTierError):
 class RequestKeys:
     """A request's media (each item's encoder-output key, in prompt order) and its prompt's
     chained KV segments (``(key, tokens)`` in position order; a prefix hits up to the first
-    segment nobody holds)."""
+    segment nobody holds). ``chain``: how to follow the prompt past a chunk an earlier turn
+    ended inside (``PromptChain``; ``None`` where keys were given, not made from a request)."""
 
     media: tuple[ContentKey, ...]
     prefix: tuple[tuple[ContentKey, int], ...]
+    chain: PromptChain | None = field(default=None, compare=False, repr=False)
 
     def digests(self) -> list[str]:
         """Every key's digest, media first: the one batched registry lookup."""
         return [k.hex for k in self.media] + [k.hex for k, _ in self.prefix]
+
+
+@dataclass(frozen=True)
+class PromptChain:
+    """A keyed request's prompt as the connector's scheduler plans it, with the cuts it forked
+    at: the parts of a text chunk an earlier prompt (or answer: decode saves) stored (``forks``)
+    and the keys of the prompt cut at one of them (``cut``), as ``scheduler._fork`` does."""
+
+    scheme: KeyScheme
+    cache: Any
+    request: Any
+    plan: RequestPlan
+    cuts: tuple[int, ...] = ()
+
+    def forks(self, index: int) -> list[tuple[int, ContentKey]]:
+        """``(end, key)`` of the parts of prefix segment ``index``, longest first."""
+        return self.scheme.forks(self.cache, self.request, self.plan, index)
+
+    def cut(self, media: tuple[ContentKey, ...], at: int) -> RequestKeys:
+        """The request's keys with the prompt also cut at ``at``."""
+        cuts = tuple(sorted({*self.cuts, at}))
+        chain = dataclasses.replace(self, plan=self.scheme.plan(self.cache, self.request, cuts), cuts=cuts)
+        return chain.keys(media)
+
+    def keys(self, media: tuple[ContentKey, ...]) -> RequestKeys:
+        return RequestKeys(media, tuple((s.key, s.end - s.start) for s in self.plan.segments), self)
+
+
+async def held_chain(keys: RequestKeys, lookup: Callable[[list[str]], Awaitable[list[Any]]],
+                     max_forks: int = MAX_FORKS) -> tuple[RequestKeys, list[Any]]:
+    """``keys`` followed as far as the cluster holds the prompt's chain, and the registry's
+    answer for them: where the leading run stops inside a text chunk, the longest part of it
+    some holder has (a conversation's previous turn, its prompt or its answer, ended there)
+    cuts the prompt there and the run goes on after it. ``lookup``: digests -> the registry's
+    ``Location`` (or ``None``) of each. Two lookups per fork, at most ``max_forks`` forks."""
+    found = await lookup(keys.digests())
+    for _ in range(max_forks):
+        prefix = found[len(keys.media):]
+        n = next((i for i, loc in enumerate(prefix) if loc is None), None)
+        if n is None or keys.chain is None:
+            break
+        forks = keys.chain.forks(n)
+        if not forks:
+            break
+        parts = await lookup([k.hex for _, k in forks])
+        i = next((j for j, loc in enumerate(parts) if loc is not None), None)
+        if i is None:
+            break
+        keys = keys.chain.cut(keys.media, forks[i][0])
+        found = await lookup(keys.digests())
+    return keys, found
 
 
 def connector_extras(engine_kwargs: dict[str, Any]) -> tuple[dict, dict | None]:
@@ -162,7 +219,7 @@ class RequestKeyer:
                                              tenant=embedding_scope(self._ec_tenant, core, f))
                 if key is not None:
                     media.append(key)
-        return RequestKeys(tuple(dict.fromkeys(media)), tuple((s.key, s.end - s.start) for s in plan.segments))
+        return PromptChain(self.scheme, self._kv_cache, core, plan).keys(tuple(dict.fromkeys(media)))
 
     def close(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -78,6 +78,11 @@ class RequestPlan:
         return end // block_size * block_size
 
 
+# forks a lookup follows (``_fork``): one per earlier turn of a conversation that ended inside a
+# chunk, so a conversation's n-th turn takes up to n - 1; past this many the hit stops there
+MAX_FORKS = 64
+
+
 def plan_request(cache: TieredKVCache, token_ids: Sequence[int], media: Sequence[MediaItem], *,
                  block_size: int, tenant: str | None, chunk_blocks: int = 1,
                  text_modality: str = "text", modality_map: dict[str, str] | None = None,

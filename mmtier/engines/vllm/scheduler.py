@@ -38,7 +38,7 @@ from ...content import ContentKey
 from ...errors import ShapeError
 from . import hybrid as vllm_hybrid
 from .meta import GroupCopy, MMTierConnectorMetadata
-from .plan import RequestPlan, Segment, slots_for
+from .plan import MAX_FORKS, RequestPlan, Segment, slots_for
 from .setup import ConnectorSetup
 
 log = logging.getLogger(__name__)
@@ -46,9 +46,6 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
-# forks a lookup follows (``_fork``): one per earlier turn of a conversation that ended inside a
-# chunk, so a conversation's n-th turn takes up to n - 1; past this many the hit stops there
-MAX_FORKS = 64
 # steps a lookup waits for a finished request's last groups, still being flushed, that it would
 # hit (``_awaits_flush``): the flush is sent at the next step and stored by the one after
 FLUSH_WAIT_STEPS = 3
