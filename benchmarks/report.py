@@ -232,6 +232,9 @@ HEADLINES = [
      lambda v: v <= 1.2),
     ("peer_lmcache", "cache_cold_read_simple_over_cache_cold_read",
      "<= 1.2 (time; read_group(key) one at a time over read_groups)", lambda v: v <= 1.2),
+    ("peer_lmcache", "cache_cold_read_simple_over_storage_read",
+     "<= 1.2 (time; read_group(key) of a disk group over the storage layer's own read of one, cold)",
+     lambda v: v <= 1.2),
     ("peer_lmcache", "cache_get_host_simple_over_lmcache", ">= 1.0 (speed; defaults both sides: read_group(key))",
      lambda v: v >= 1.0),
     ("peer_lmcache", "cache_cold_read_simple_over_lmcache", ">= 1.0 (speed; defaults both sides: read_group(key) "

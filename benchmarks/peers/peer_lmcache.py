@@ -38,7 +38,10 @@ Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of
 - the simple calls a user writes first: ``read_group(key)`` of each host group, and of each disk
   group after dropping the page cache, one at a time, no ``out=`` (the cache allocates the
   results), against LMCache and against the ``out=`` / ``read_groups`` calls of the same round
-  (``*_simple_over_*``: time, target <= 1.2).
+  (``*_simple_over_*``: time, target <= 1.2); and ``read_group(key)`` of each disk group
+  against the storage layer's own read of one group at a time, cold (``DiskTier.get`` into
+  token-major K and V; ``cache_cold_read_simple_over_storage_read``, per group: time, target
+  <= 1.2).
 
 Both sides run with their default settings (``CacheConfig`` and LMCache's ``from_defaults``,
 sized to hold the groups): the put, ``read_group(key)`` and the durable write are the calls a
@@ -86,6 +89,8 @@ PAIRS = [
     # the third slot, against the batched / out= call of the same groups
     ("cache_get_host_simple", "cache_get_host_simple", "cache_get_host", "cache_get_host"),
     ("cache_cold_read_simple", "cache_cold_read_simple", "cache_cold_read", "cache_cold_read"),
+    # read_group(key) of each disk group against the storage layer's own read of a group, cold
+    ("cache_cold_read_one", "cache_cold_read_simple", None, "tier_disk_cold_read_one"),
     ("host_checksums", "checksums", None, None),          # what the verified reads cost
 ]
 SIMPLE = {"cache_get_host_simple": "cache_get_host", "cache_cold_read_simple": "cache_cold_read"}
@@ -244,6 +249,10 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
         fig.update(ratio_figures("host_verified_copy_over_plain_copy", [a["s_verified"] for a in sums],
                                  [a["s_plain"] for a in sums], higher_is_better=False))
     for name, _, l_op, _ in PAIRS:
+        if name == "cache_cold_read_one":        # per group, the cache's call over the storage layer's
+            m, raw = got[name]["mmtier"], got[name]["raw"]
+            fig.update(ratio_figures("cache_cold_read_simple_over_storage_read", [a["s"] / a["groups"] for a in m],
+                                     [a["s"] / a["groups"] for a in raw], higher_is_better=False))
         if l_op is None:
             continue
         m, lm = got[name]["mmtier"], got[name]["lmcache"]

@@ -22,6 +22,7 @@ from mmtier.native import rows as native_rows
 from mmtier.pages.copies import pages_into_kv
 from mmtier.storage import DiskTier, HostTier
 from mmtier.storage.page_digests import copy_out_verified
+from mmtier.tiers.places import token_dest
 
 MODEL = "llama-3-8b-shaped"
 RAW_PATH = "native" if native_rows.available() else "torch"
@@ -132,6 +133,21 @@ class MMTierSide:
         ok = self.disk.get_many(self.tier_keys, self.spec, MODEL, self.out_pages, [self.ppg] * self.n)
         dt = time.perf_counter() - t0
         return {"s": dt, "equal": all(ok) and self._pages_equal(), "drop": how}
+
+    def tier_disk_cold_read_one(self) -> dict:
+        """The storage layer's own read of one group at a time, cold (``DiskTier.get`` of each
+        of the tier's files into token-major K and V, one pair reused: its best case), what
+        ``cache_cold_read_simple``'s ``read_group(key)`` of a disk group is held to."""
+        how = drop_cache([str(p) for p in self.disk_dir.glob("*.arrow")])
+        ok, dt = True, 0.0
+        for i, key in enumerate(self.tier_keys):
+            self.raw_k.fill_(float("nan"))
+            self.raw_v.fill_(float("nan"))
+            t0 = time.perf_counter()
+            got = self.disk.get(key, self.spec, MODEL, out=token_dest(self.spec, self.ppg, self.raw_k, self.raw_v))
+            dt += time.perf_counter() - t0
+            ok = ok and got is not None and torch.equal(self.raw_k, self.kv[i][0]) and torch.equal(self.raw_v, self.kv[i][1])
+        return {"s": dt, "groups": self.n, "equal": ok, "drop": how}
 
     def _pages_equal(self) -> bool:
         return all(torch.equal(self.out_pages[i * self.ppg:(i + 1) * self.ppg], p) for i, p in enumerate(self.pages))
