@@ -233,12 +233,12 @@ class CacheConfig(BaseModel):
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("adaptive_slru", description=f"Eviction policy, one of {POLICIES}.")
     put_placement: Literal["demote", "auto", "write_around"] = Field(
-        "demote", description="Where a put lands when its device pool has no free pages for it: 'demote' pushes the "
-                              "policy's victims one tier down first (two copies: theirs and the put's; the pool "
-                              "holds the newest puts); 'write_around' writes it straight into the host tier (one "
-                              "copy); 'auto' writes around where a demotion buys nothing (a CPU pool: the host tier "
-                              "is the same memory) or would push down groups running sequences hold, else demotes "
-                              "(mmtier.tiers.placement).")
+        "auto", description="Where a put lands when its device pool has no free pages for it: 'auto' (the default) "
+                            "writes it around the pool straight into the host tier (one copy) where a demotion buys "
+                            "nothing (a CPU pool: the host tier is the same memory) or would push down groups "
+                            "running sequences hold, else demotes; 'demote' always pushes the policy's victims one "
+                            "tier down first (two copies: theirs and the put's; the pool holds the newest puts); "
+                            "'write_around' always writes around (mmtier.tiers.placement).")
     key_secret: str = Field(
         DEFAULT_KEY_SECRET, description="Server-side secret that authenticates keys and derives tenant salts "
                                         "(the default is public: `mmtier start` and the Serve app refuse it "

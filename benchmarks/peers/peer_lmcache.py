@@ -21,12 +21,14 @@ Storage level (``HostTier``, ``DiskTier`` against ``LocalCPUBackend``, ``LocalDi
 
 Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of 30 lines):
 - put into host memory: ``put`` of every group into a device pool (here a CPU pool) that holds
-  two; each put past them finds the pool full and, under ``--put-placement`` (default ``auto``:
-  the pool is in host memory, so a demotion would buy nothing), is written around it into the
-  host tier in one copy (``demote``: pushes the oldest group down first, two copies), against
-  ``store`` of the same tokens into LMCache's CPU backend; and against the raw copies the puts
-  must make (K and V into page-major pages, one group's pages into host memory per demotion;
-  the layout change by the same C row copy the cache uses where it is built, ``raw_copy_path``);
+  two; each put past them finds the pool full and, under ``--put-placement`` (default: not
+  named, so ``CacheConfig``'s default, ``auto``: the pool is in host memory, so a demotion would
+  buy nothing), is written around it into the host tier in one copy (``demote``: pushes the
+  oldest group down first, two copies), against ``store`` of the same tokens into LMCache's CPU
+  backend; and against the raw copies the puts must make (K and V into page-major pages in a
+  host buffer of the group's own for a put written around; into one page buffer, then one
+  group's pages into host memory, for a put that demoted; the layout change by the same C row
+  copy the cache uses where it is built, ``raw_copy_path``);
 - get from host memory: ``read_group(key, out=(k, v))`` of the host-resident groups against
   ``retrieve``, and against the raw copy (pages into ``[layers, n, heads, head_dim]``);
 - durable write to disk: ``put`` of every group through a small host tier that spills to
@@ -36,7 +38,14 @@ Cache level (``TieredKVCache`` against ``LMCacheEngine`` with a CPU connector of
 - the simple calls a user writes first: ``read_group(key)`` of each host group, and of each disk
   group after dropping the page cache, one at a time, no ``out=`` (the cache allocates the
   results), against LMCache and against the ``out=`` / ``read_groups`` calls of the same round
-  (``*_simple_over_*``: time, target <= 1.2).
+  (``*_simple_over_*``: time, target <= 1.2); and ``read_group(key)`` of each disk group
+  against the storage layer's own read of one group at a time, cold (``DiskTier.get`` into
+  token-major K and V; ``cache_cold_read_simple_over_storage_read``, per group: time, target
+  <= 1.2).
+
+Both sides run with their default settings (``CacheConfig`` and LMCache's ``from_defaults``,
+sized to hold the groups): the put, ``read_group(key)`` and the durable write are the calls a
+user writes first; ``read_group(key, out=)`` and ``read_groups`` are the tuned forms.
 
 Every pair (and triple, with the raw copies) runs twice per round, in one order and then the
 reverse (A B B A), ``--rounds`` (>= 5) rounds, the first order rotated each round; each ratio is the median of the per-round ratios, best, worst and
@@ -80,6 +89,8 @@ PAIRS = [
     # the third slot, against the batched / out= call of the same groups
     ("cache_get_host_simple", "cache_get_host_simple", "cache_get_host", "cache_get_host"),
     ("cache_cold_read_simple", "cache_cold_read_simple", "cache_cold_read", "cache_cold_read"),
+    # read_group(key) of each disk group against the storage layer's own read of a group, cold
+    ("cache_cold_read_one", "cache_cold_read_simple", None, "tier_disk_cold_read_one"),
     ("host_checksums", "checksums", None, None),          # what the verified reads cost
 ]
 SIMPLE = {"cache_get_host_simple": "cache_get_host", "cache_cold_read_simple": "cache_cold_read"}
@@ -119,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--peer-python", default=str(ROOT / ".venv-lmcache" / "bin" / "python"))
     ap.add_argument("--dir", default=None, help="work directory (default: a temporary one here)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
-    ap.add_argument("--put-placement", default="auto", choices=("auto", "demote", "write_around"),
-                    help="the host cache's put_placement (CacheConfig)")
+    ap.add_argument("--put-placement", default=None, choices=("auto", "demote", "write_around"),
+                    help="the host cache's put_placement (default: CacheConfig's own, not named)")
     add_out_arg(ap)
     args = ap.parse_args(argv)
     if args.rounds < 5:
@@ -238,6 +249,10 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
         fig.update(ratio_figures("host_verified_copy_over_plain_copy", [a["s_verified"] for a in sums],
                                  [a["s_plain"] for a in sums], higher_is_better=False))
     for name, _, l_op, _ in PAIRS:
+        if name == "cache_cold_read_one":        # per group, the cache's call over the storage layer's
+            m, raw = got[name]["mmtier"], got[name]["raw"]
+            fig.update(ratio_figures("cache_cold_read_simple_over_storage_read", [a["s"] / a["groups"] for a in m],
+                                     [a["s"] / a["groups"] for a in raw], higher_is_better=False))
         if l_op is None:
             continue
         m, lm = got[name]["mmtier"], got[name]["lmcache"]
@@ -260,7 +275,8 @@ def figures(got, mine: MMTierSide, args, info: dict, loads: list[float], probes:
             fig.update(ratio_figures(f"{name}_over_raw_{'copies' if 'put' in name else 'copy'}",
                                      [a["s"] for a in m], [a["s"] for a in raw], higher_is_better=False))
     per_run = lambda name, key: (lambda a: a[key] // a["halves"])(got[name]["mmtier"][-1])  # noqa: E731
-    fig["put_placement"] = args.put_placement
+    fig["put_placement"] = mine.cache_host.cfg.put_placement
+    fig["put_placement_is_default"] = args.put_placement is None      # CacheConfig's default, not named
     fig["cache_put_host_demotions_per_round"] = per_run("cache_put_host", "demotions")   # per put
     fig["cache_put_host_written_around_per_round"] = per_run("cache_put_host", "written_around")
     fig["cache_get_host_groups"] = per_run("cache_get_host", "groups")

@@ -22,6 +22,7 @@ from mmtier.native import rows as native_rows
 from mmtier.pages.copies import pages_into_kv
 from mmtier.storage import DiskTier, HostTier
 from mmtier.storage.page_digests import copy_out_verified
+from mmtier.tiers.places import token_dest
 
 MODEL = "llama-3-8b-shaped"
 RAW_PATH = "native" if native_rows.available() else "torch"
@@ -47,7 +48,7 @@ def to_pages(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
 class MMTierSide:
     def __init__(self, groups: int, layers: int, heads: int, head_dim: int, chunk: int, seed: int,
                  workdir: str, page_size: int = 16, device_groups: int = 2, host_groups: int = 2,
-                 put_placement: str = "auto"):
+                 put_placement: str | None = None):
         self.n, self.C, self.P = groups, chunk, page_size
         self.dir = Path(workdir)
         self.kv = [group_kv(seed, i, layers, chunk, heads, head_dim) for i in range(groups)]
@@ -70,12 +71,14 @@ class MMTierSide:
         self.disk = DiskTier(self.disk_dir, model=MODEL, capacity_bytes=100 << 30)
         slack = min(1 << 20, self.group_bytes // 2)   # room for no extra group (small groups in tests)
         # the cache over host memory: the device pool holds ``device_groups``; each put past them
-        # finds it full and, under ``put_placement`` ("auto": the pool is in host memory, so a
-        # demotion would buy nothing), writes around it into the host tier in one copy ("demote":
-        # pushes the oldest group down first, two copies). Room for every group of a round.
+        # finds it full and, under ``put_placement`` (None: CacheConfig's default, "auto": the pool
+        # is in host memory, so a demotion would buy nothing), writes around it into the host tier
+        # in one copy ("demote": pushes the oldest group down first, two copies). Room for every
+        # group of a round.
+        placement = {} if put_placement is None else {"put_placement": put_placement}
         self.cache_host = TieredKVCache(CacheConfig(**self.cfg_args, device_bytes=device_groups * self.group_bytes
                                                     + slack, host_bytes=int(groups * self.group_bytes * 1.02),
-                                                    put_placement=put_placement))
+                                                    **placement))
         # the cache over disk: a small host tier, spilling to disk as it fills
         self.cache_disk_dir = self.dir / "mmtier-cache-disk"
         shutil.rmtree(self.cache_disk_dir, ignore_errors=True)
@@ -85,6 +88,7 @@ class MMTierSide:
             disk_bytes=64 << 30))         # never the limit here (each round adds ``groups`` new ones)
         self.round = 0
         self.demotions = 0
+        self.around = 0
         self.host_keys: list = []
         self.disk_keys: list = []
         # raw copies' buffers (made and touched once)
@@ -130,6 +134,21 @@ class MMTierSide:
         dt = time.perf_counter() - t0
         return {"s": dt, "equal": all(ok) and self._pages_equal(), "drop": how}
 
+    def tier_disk_cold_read_one(self) -> dict:
+        """The storage layer's own read of one group at a time, cold (``DiskTier.get`` of each
+        of the tier's files into token-major K and V, one pair reused: its best case), what
+        ``cache_cold_read_simple``'s ``read_group(key)`` of a disk group is held to."""
+        how = drop_cache([str(p) for p in self.disk_dir.glob("*.arrow")])
+        ok, dt = True, 0.0
+        for i, key in enumerate(self.tier_keys):
+            self.raw_k.fill_(float("nan"))
+            self.raw_v.fill_(float("nan"))
+            t0 = time.perf_counter()
+            got = self.disk.get(key, self.spec, MODEL, out=token_dest(self.spec, self.ppg, self.raw_k, self.raw_v))
+            dt += time.perf_counter() - t0
+            ok = ok and got is not None and torch.equal(self.raw_k, self.kv[i][0]) and torch.equal(self.raw_v, self.kv[i][1])
+        return {"s": dt, "groups": self.n, "equal": ok, "drop": how}
+
     def _pages_equal(self) -> bool:
         return all(torch.equal(self.out_pages[i * self.ppg:(i + 1) * self.ppg], p) for i, p in enumerate(self.pages))
 
@@ -151,7 +170,7 @@ class MMTierSide:
         around = counters.get("puts_written_around", 0) - before[1]
         tiers = {key: tier for key, tier, _ in self.cache_host.inventory()}
         self.host_keys = [(i, key) for i, key in enumerate(keys) if tiers.get(key) == "host"]
-        self.demotions = demoted
+        self.demotions, self.around = demoted, around
         return {"s": dt, "demotions": demoted, "written_around": around}
 
     def cache_get_host(self) -> dict:
@@ -221,14 +240,18 @@ class MMTierSide:
     # ------------------------------------------------------------------ the raw copies
     def raw_put_copies(self) -> dict:
         """What a put must copy per group, by the plainest means: K and V into page-major pages
-        (slices, the layout change), and for a put that pushes another group down, one copy of
-        a group's pages into host memory."""
+        (slices, the layout change); for a put written around the pool, into a host buffer of
+        the group's own (as the put lands in a host slot of its own, never a cache-hot one);
+        for a put that pushes another group down, into one page buffer (the pool's pages) and
+        one copy of a group's pages into host memory."""
         L, n, H, D = self.kv[0][0].shape
         p = n // self.P
+        first_around = self.n - self.around      # the round's last puts are the ones that went around
         t0 = time.perf_counter()
         for i, (k, v) in enumerate(self.kv):
-            layout_copy(self.raw_pages[:, :, 0], k.view(L, p, self.P, H, D).transpose(0, 1))
-            layout_copy(self.raw_pages[:, :, 1], v.view(L, p, self.P, H, D).transpose(0, 1))
+            dst = self.raw_host[i] if i >= first_around else self.raw_pages
+            layout_copy(dst[:, :, 0], k.view(L, p, self.P, H, D).transpose(0, 1))
+            layout_copy(dst[:, :, 1], v.view(L, p, self.P, H, D).transpose(0, 1))
             if i < self.demotions:                  # as many demotions as the put made (libc memcpy)
                 np.copyto(self.raw_host[i].view(-1).view(torch.uint8).numpy(),
                           self.raw_pages.view(-1).view(torch.uint8).numpy())

@@ -6,12 +6,12 @@ pages (two copies: the victims' and its own), or write around the device straigh
 tier (one copy) and leave the pool as it is; a group written around comes up to the device when
 it is used (promotion, as for any group below). ``CacheConfig.put_placement``:
 
-- ``demote`` (the default): always make room (the pool holds the newest puts);
-- ``write_around``: never push a group down for a put;
-- ``auto``: write around where a demotion buys nothing or costs the running sequences: the pool
-  is in host memory (a CPU pool: the host tier is the same memory, attended in place the same
-  way), or the pool's unreferenced groups are too few to make the room, so the demotion would
-  take groups that running sequences hold; otherwise demote.
+- ``auto`` (the default): write around where a demotion buys nothing or costs the running
+  sequences: the pool is in host memory (a CPU pool: the host tier is the same memory, attended
+  in place the same way), or the pool's unreferenced groups are too few to make the room, so
+  the demotion would take groups that running sequences hold; otherwise demote;
+- ``demote``: always make room (the pool holds the newest puts);
+- ``write_around``: never push a group down for a put.
 
 A put writes around only where a host tier exists; if the host tier cannot take the group (its
 budget, a spill it waited for failed) the put falls back to the device path.

@@ -35,6 +35,8 @@ def test_every_timed_operation_runs_and_reads_back_the_bytes_stored(side, rnd):
             assert ans.get("equal", True) is True, op
             answers[op] = ans
     put = answers["cache_put_host"]
+    cfg = side.cache_host.cfg                  # the cache as a user makes it: placement not named
+    assert "put_placement" not in cfg.model_fields_set and cfg.put_placement == "auto"
     # the pool held two groups; every later put went around it (round 0) and, with the pool
     # still full of the first round's two, every put of the next round did (no demotion at all)
     assert put["demotions"] == 0

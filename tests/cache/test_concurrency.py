@@ -230,7 +230,8 @@ def test_promote_never_races_a_prefetch_in_flight(tmp_path, monkeypatch):
     """A prefetch has read its group and is held before it lands; meanwhile the group is
     attached (a promotion would read it again and move it up) and attended. The host copy the
     prefetch makes must end as the group's, never as bytes no group accounts for."""
-    with TieredKVCache(make_cfg(tmp_path)) as cache:
+    # demote: the cascade pushes the first image down to disk
+    with TieredKVCache(make_cfg(tmp_path, put_placement="demote")) as cache:
         keys = cascade(cache, 6)
         cache.flush()
         first = keys[0]
@@ -269,7 +270,8 @@ def test_a_background_spill_never_takes_the_host_copy_an_attention_reads(tmp_pat
     held by referenced groups, so attaching image 0 leaves it below. Held: the moment the mover
     would drop the host copy (before the cache learns of the spill). The attention over it must
     still equal the oracle (it failed with "host copy vanished")."""
-    with TieredKVCache(make_cfg(tmp_path)) as cache:
+    # demote: the cascade pushes images 0 and 1 down to the host, 0 on to disk
+    with TieredKVCache(make_cfg(tmp_path, put_placement="demote")) as cache:
         host = cache.lower.host
         removed, go = threading.Event(), threading.Event()
         real_remove = host.remove

@@ -15,12 +15,12 @@ L, H, D, P = 2, 2, 32, 16
 N = 64                                        # tokens per group: 4 pages
 
 
-def cfg(tmp_path, groups_on_device: int) -> CacheConfig:
+def cfg(tmp_path, groups_on_device: int, **over) -> CacheConfig:
     spec = ModalitySpec(page_size=P)
     group_bytes = spec.pages_for(N) * L * 2 * P * H * D * 4
     return CacheConfig(model="put-checks", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
                        modalities={"text": spec}, device="cpu", device_bytes=groups_on_device * group_bytes,
-                       host_bytes=8 * group_bytes)
+                       host_bytes=8 * group_bytes, **over)
 
 
 def kv(gen: torch.Generator):
@@ -60,7 +60,8 @@ def test_a_payload_that_is_not_finite_is_refused_and_changes_nothing(tmp_path, v
 
 def test_a_refused_put_that_made_room_leaves_the_moved_group_intact(tmp_path):
     gen = torch.Generator().manual_seed(7)
-    with TieredKVCache(cfg(tmp_path, groups_on_device=1)) as cache:
+    # demote: the refused put pushes ``first`` down to make room before its check fails
+    with TieredKVCache(cfg(tmp_path, groups_on_device=1, put_placement="demote")) as cache:
         first_key = cache.content_key("text", b"first")
         first = kv(gen)
         assert cache.put(first_key, *first)

@@ -1,6 +1,7 @@
 """Where a put lands when its device pool is full (``CacheConfig.put_placement``,
 ``tiers.placement``): written around the device straight into the host tier in one copy, or
-pushing the policy's victims down first (``demote``, the default). Tiny pools, fresh random
+pushing the policy's victims down first (``demote``); ``auto``, the default, writes around a CPU
+pool. Tiny pools, fresh random
 K/V, exact bytes back, the device pool's bytes compared before and after (a put written around
 never touches them), digests and NaN / Inf checks taken by the one copy, nothing lost when the
 host tier overflows to disk; and ``read_group`` without ``out=`` returns pooled memory."""
@@ -100,13 +101,34 @@ def test_demote_pushes_the_oldest_down_and_auto_writes_around_a_cpu_pool():
     assert placed["auto_spills"] == 0 and placed["auto_around"] == 2
 
 
-def test_the_default_is_demote_and_a_wrong_placement_is_a_config_error():
+def test_the_default_is_auto_and_a_wrong_placement_is_a_config_error():
     c = CacheConfig(model="m", num_layers=1, num_kv_heads=1, head_dim=8, modalities={"text": ModalitySpec(page_size=16)},
                     device="cpu", device_bytes=1 << 20)
-    assert c.put_placement == "demote"
+    assert c.put_placement == "auto"
     with pytest.raises(ConfigError, match="put_placement"):
         CacheConfig(model="m", num_layers=1, num_kv_heads=1, head_dim=8, modalities={"text": ModalitySpec(page_size=16)},
                     device="cpu", device_bytes=1 << 20, put_placement="sideways")
+
+
+def test_a_cache_with_default_settings_writes_around_its_full_cpu_pool():
+    gen = torch.Generator().manual_seed(9)
+    base = cfg("auto").model_dump(exclude={"put_placement"})
+    default = CacheConfig(**base)                   # put_placement not named: the default
+    assert "put_placement" not in default.model_fields_set
+    with TieredKVCache(default) as cache:
+        data = {cache.content_key("text", b"d%d" % i): kv(gen) for i in range(4)}
+        keys = list(data)
+        for key in keys[:2]:
+            assert cache.put(key, *data[key])
+        device_bytes = cache.pools["text"].view.clone()
+        for key in keys[2:]:
+            assert cache.put(key, *data[key])
+        assert [tiers(cache)[k] for k in keys] == ["device", "device", "host", "host"]
+        assert torch.equal(cache.pools["text"].view.view(torch.uint8), device_bytes.view(torch.uint8))
+        c = cache.stats().counters
+        assert c["puts_written_around"] == 2 and c.get("spills_to_host", 0) == 0
+        for key in keys:
+            assert_exact(cache, key, data[key])
 
 
 def test_without_a_host_tier_a_put_still_makes_room_on_the_device():

@@ -41,7 +41,8 @@ def tiers_of(cache, keys):
 
 
 def test_unreferenced_groups_cascade_device_host_disk(tmp_path, backend):
-    with TieredKVCache(make_cfg(backend, tmp_path)) as cache:
+    # the cascade is the demotion's: each put into the full pool pushes the oldest group down
+    with TieredKVCache(make_cfg(backend, tmp_path, put_placement="demote")) as cache:
         assert cache.pools["vision"].num_pages == 4
         keys = [cache.content_key("vision", f"img{i}".encode()) for i in range(6)]
         data = {}
@@ -354,7 +355,8 @@ def test_corrupt_file_is_a_miss_never_wrong_kv(tmp_path, damage, backend):
 
 
 def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path, backend):
-    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=4, disk=False)
+    # demote: each put pushes the pool's oldest group into the host tier, which drops its oldest
+    cfg = make_cfg(backend, tmp_path, device_pages=2, host_pages=4, disk=False, put_placement="demote")
     with TieredKVCache(cfg) as cache:
         keys = [cache.content_key("vision", f"h{i}".encode()) for i in range(4)]
         for key in keys:
@@ -365,7 +367,8 @@ def test_host_only_tier_drops_least_recent_at_the_bottom(tmp_path, backend):
 
 
 def test_attach_promotes_a_host_group_when_room_allows(tmp_path, backend):
-    cfg = make_cfg(backend, tmp_path, device_pages=4, host_pages=4, disk=False)
+    # demote: the third put pushes ``a`` down, so the attach must bring it back up
+    cfg = make_cfg(backend, tmp_path, device_pages=4, host_pages=4, disk=False, put_placement="demote")
     with TieredKVCache(cfg) as cache:
         a, b, c = (cache.content_key("vision", x) for x in (b"a", b"b", b"c"))
         k, v = kv(64)

@@ -99,7 +99,8 @@ def test_a_group_already_on_disk_is_evicted_and_promoted_without_a_second_write(
 
 
 def test_host_groups_already_on_disk_are_spilled_by_dropping_the_host_copy(tmp_path, torch_backend):
-    cfg = cfg_of(tmp_path, torch_backend, device_pages=2, host_pages=2)
+    # demote: each put pushes the device's group to the host, whose full tier spills the oldest
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=2, host_pages=2, put_placement="demote")
     with TieredKVCache(cfg) as cache:
         data = {}
         for i in range(4):

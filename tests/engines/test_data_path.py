@@ -300,7 +300,8 @@ def test_host_entry_checksum_mismatch_is_an_error_never_data(tmp_path):
 
 @pytest.mark.parametrize("page", [0, 3, 4])         # first, middle, last
 def test_cache_host_copy_corrupted_is_a_miss_and_counted(tmp_path, page):
-    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+    # demote: the first groups are pushed down to the host by the later puts
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4, put_placement="demote")) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
         for key in keys:
             cache.put(key, *kv())
@@ -337,7 +338,8 @@ def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per
         monkeypatch.setattr(native_digests, "_fn", lambda: None)
     page_bytes = cfg(tmp_path).spec("text").page_bytes
     monkeypatch.setattr(host_mod, "CHECK_BYTES", per_run * page_bytes)
-    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+    # demote: the first groups are pushed down to the host by the later puts
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4, put_placement="demote")) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(4)]
         src = [kv() for _ in keys]
         for key, (k, v) in zip(keys, src):
@@ -358,7 +360,8 @@ def test_cache_host_read_hands_out_only_verified_runs(tmp_path, monkeypatch, per
 
 
 def test_cache_promotion_of_a_corrupted_host_copy_is_a_miss(tmp_path):
-    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4)) as cache:
+    # demote: the first groups are pushed down to the host by the later puts
+    with TieredKVCache(cfg(tmp_path, disk=False, host_groups=4, put_placement="demote")) as cache:
         keys = [cache.content_key("text", b"g%d" % i) for i in range(3)]
         for key in keys:
             cache.put(key, *kv())

@@ -94,11 +94,12 @@ L, H, D, P = 2, 2, 32, 16          # float32 rows of 128 bytes, pages of 8 KiB
 
 
 def cfg(host_groups=4):
+    # demote: the host entries these tests read are made by the device-to-host copy (a demotion)
     spec = ModalitySpec(page_size=P)
     page = L * 2 * P * H * D * 4
     return CacheConfig(model="digests", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float32",
                        modalities={"text": spec}, device="cpu", device_bytes=2 * 3 * page + 64,
-                       host_bytes=host_groups * 3 * page)
+                       host_bytes=host_groups * 3 * page, put_placement="demote")
 
 
 def on_host(cache, n_tokens=40, groups=3):
