@@ -64,12 +64,12 @@ LAG_WINDOW = 4096            # the latest writes whose lags the percentiles cove
 RATE_WEIGHT = 0.3            # weight of the newest batch in the measured rate
 
 
-def hold_until(oldest_at: float, last_at: float, quiet_s: float, lag_s: float) -> float:
+def hold_until(oldest_at: float, last_at: float, backlog_s: float, quiet_s: float, lag_s: float) -> float:
     """When the next batch starts (monotonic seconds): once saves have been quiet for
-    ``quiet_s`` after the last one, and no later than when the oldest queued save has waited the
-    share of the lag that admission leaves free (1 - ``HEADROOM``): the queue drains within the
-    other share at the measured rate, so the holdback never takes a save past its bound."""
-    return min(last_at + quiet_s, oldest_at + (1 - HEADROOM) * lag_s)
+    ``quiet_s`` after the last one, and no later than the oldest queued save's bound less the
+    queue's estimated drain (``backlog_s``) taken twice (the admission's margin for a disk at
+    half its measured rate), nor than the share of the lag admission leaves free."""
+    return min(last_at + quiet_s, oldest_at + min((1 - HEADROOM) * lag_s, lag_s - backlog_s / HEADROOM))
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class WriteBehind:
             self._queue.append(_Save(group, nbytes, now))
             self._queued_bytes += nbytes
             self._last_save = now
-            if self._wake_at == float("inf"):        # idle or writing; a holding thread looks again itself
+            if self._start_at() < self._wake_at:     # its deadline came closer, or the thread is idle
                 self._cond.notify_all()
 
     # ------------------------------------------------------------------ waiting, stats, close
@@ -155,7 +155,8 @@ class WriteBehind:
         """When the thread may start its next batch (``_cond`` held, the queue not empty)."""
         if self._closed or self._draining:
             return 0.0
-        return hold_until(self._queue[0].at, self._last_save, self.quiet_s, self.lag_s)
+        backlog_s = (self._queued_bytes + self._writing_bytes) * self._s_per_byte
+        return hold_until(self._queue[0].at, self._last_save, backlog_s, self.quiet_s, self.lag_s)
 
     def _run(self) -> None:
         while True:

@@ -181,11 +181,15 @@ def wait_for(cond, timeout=30.0):
 
 def test_the_holdback_waits_for_quiet_and_never_past_its_share_of_the_lag():
     """``hold_until``: a batch starts ``quiet_s`` after the last save, but no later than the
-    oldest save's share of the lag that admission leaves beside the queue's drain."""
-    assert hold_until(oldest_at=10.0, last_at=10.3, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.35)
-    assert hold_until(oldest_at=10.0, last_at=10.6, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.0 + 1 - HEADROOM)
-    assert hold_until(oldest_at=10.0, last_at=10.3, quiet_s=0.0, lag_s=1.0) == pytest.approx(10.3)
-    assert hold_until(oldest_at=10.0, last_at=10.0, quiet_s=5.0, lag_s=1e-6) <= 10.0 + 1e-6
+    oldest save's share of the lag that admission leaves free, nor than leaves the queue's
+    estimated drain room twice over before the oldest save's bound."""
+    assert hold_until(10.0, last_at=10.3, backlog_s=0.0, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.35)
+    assert hold_until(10.0, last_at=10.6, backlog_s=0.0, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.0 + 1 - HEADROOM)
+    assert hold_until(10.0, last_at=10.3, backlog_s=0.0, quiet_s=0.0, lag_s=1.0) == pytest.approx(10.3)
+    assert hold_until(10.0, last_at=10.2, backlog_s=0.4, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.0 + 1 - 0.4 / HEADROOM)
+    for backlog in (0.0, 0.1, 0.3, HEADROOM):             # written by the bound at half the measured rate
+        assert hold_until(10.0, last_at=11.0, backlog_s=backlog, quiet_s=5.0, lag_s=1.0) + 2 * backlog <= 11.0 + 1e-9
+    assert hold_until(10.0, last_at=10.0, backlog_s=0.0, quiet_s=5.0, lag_s=1e-6) <= 10.0 + 1e-6
 
 
 def test_a_burst_of_saves_is_written_only_once_it_goes_quiet(tmp_path, torch_backend):
