@@ -17,8 +17,9 @@ page, tmp + fsync + rename + directory fsync) and the cache's lock guards every 
 - The thread yields to saves: it starts a batch only once no save has come for
   ``durable_quiet_s`` (the holdback: its copy, checksums and writes beside a burst of saves
   slowed the saves on a small machine, benchmarks/RESULTS_NOTES.md), and at the latest when
-  the oldest queued save has waited half of ``durable_lag_s`` (``hold_until``; the queue drains
-  within the other half), so a continuous stream of saves is still written within its bound.
+  the oldest queued save has waited half of ``durable_lag_s`` or what is left of its bound is
+  twice the queue's estimated drain (``hold_until``: the admission's margin for a disk at half
+  its measured rate), so a continuous stream of saves is still written within its bound.
   ``drain`` (a flush) and ``close`` skip the holdback.
 - The thread takes what is queued (up to ``max_inflight_bytes`` a batch), pins its device
   groups under the lock, copies their pages into host memory with the lock let go (a copy
