@@ -60,9 +60,10 @@ COMMANDS = {
     "serving_load_durability": ".venv/bin/python -m benchmarks.engines.serving_load --durability  (mmtier with its "
                                "write-behind to the disk tier off, then on, over the same trace at rates 1-8 req/s, "
                                "80 requests a rate, 8-token answers; each rate's order alternates)",
-    "durability_paths": "python -m benchmarks.cache.durability_paths --pairs 9  (the write-behind to disk on and "
-                        "off in turn: the connector's save / load of 128 MiB with a disk tier, 9 pairs; a long-context "
-                        "row, Qwen2.5-VL-7B's shape with 2 layers, 32,768 tokens, 5 pairs; torch threads 1)",
+    "durability_paths": "python -m benchmarks.cache.durability_paths --pairs 15  (the write-behind to disk on and "
+                        "off in turn: the connector's save / load of 128 MiB with a disk tier, 15 pairs; a long-context "
+                        "row, Qwen2.5-VL-7B's shape with 2 layers, 32,768 tokens, 5 pairs; the lag of two steady "
+                        "streams of saves, 3 s each; torch threads 1)",
     "vllm_parallel": ".venv-engines/bin/python -m benchmarks.engines.vllm_parallel  (tensor_parallel_size 2, real vLLM "
                      "engines, CPU build; vLLM's prefix cache on, its pool too small to keep the repeat)",
     "vllm_engine": ".venv-engines/bin/python -m benchmarks.engines.vllm_engine  (real vLLM engines, CPU build; "
@@ -161,14 +162,18 @@ HEADLINES = [
     ("serving_load_durability", "durable_lag_p99_ms_mmtier", "<= 1,000 (durable_lag_s 1 s)", lambda v: v <= 1000),
     ("serving_load_durability", "durable_bytes_per_request_mmtier", "(reported; bytes written per request)", None),
     ("serving_load_durability", "durable_dropped_mmtier", "(reported; saves the disk could not take in time)", None),
-    ("durability_paths", "save_on_over_off", "(reported; connector save with a disk tier, seconds on over off, "
-     "the write-behind of earlier saves running beside it: see the notes)", None),
+    ("durability_paths", "save_on_over_off", "~1 within the pairs' spread (connector save with a disk tier, seconds "
+     "on over off; the write-behind held back until the saves go quiet, durable_quiet_s)", None),
     ("durability_paths", "load_on_over_off", "~1 within the pairs' spread (connector load: seconds on over off)", None),
     ("durability_paths", "long_context_ingest_on_over_off", "~1 within the pairs' spread (long context: ingestion "
      "tokens/s on over off)", None),
     ("durability_paths", "long_context_decode_on_over_off", "~1 within the pairs' spread (one decode step: wall "
      "seconds on over off)", None),
     ("durability_paths", "long_context_decode_cpu_on_over_off", "(reported; the step's CPU seconds on over off)", None),
+    ("durability_paths", "lag_8mib_100ms_durable_lag_p50_ms", "(reported; save to durable, ms: 8 MiB saves every "
+     "100 ms, each written once quiet)", None),
+    ("durability_paths", "lag_1mib_20ms_durable_lag_p99_ms", "(reported; save to durable p99, ms: 1 MiB saves every "
+     "20 ms, never quiet; durable_lag_s 1 s at the measured disk rate)", None),
     ("serving_load", "sustainable_mmtier_over_plain", ">= 2 (sustainable rate at the p99 TTFT bound)",
      lambda v: v >= 2),
     ("serving_load", "peak_completed_mmtier_over_plain", "(reported: the most requests/s each completed)", None),

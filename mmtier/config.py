@@ -229,6 +229,11 @@ class CacheConfig(BaseModel):
         1.0, gt=0, le=3600, description="The write-behind's bound on the lag from a save to its file being durable: "
                                         "a save is queued only while the queued bytes drain within it at the rate "
                                         "the disk was measured to take (else dropped, counted: durable_dropped).")
+    durable_quiet_s: float = Field(
+        0.05, ge=0, le=60, description="The write-behind's holdback: it starts writing only once saves have been quiet "
+                                       "this long, so its copies, checksums and writes do not take the cores from a "
+                                       "burst of saves; never past durable_lag_s (a queued save is written by its "
+                                       "bound, a continuous stream of saves too); 0: write at once.")
     attention_backend: Literal["auto", "triton", "torch"] = Field(
         "auto", description="'auto': Triton on CUDA tensors, torch on CPU tensors.")
     eviction_policy: str = Field("adaptive_slru", description=f"Eviction policy, one of {POLICIES}.")

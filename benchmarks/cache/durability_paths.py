@@ -27,6 +27,11 @@ the load average at each run beside:
   runs during ingestion), ``long_context_decode_on_over_off`` (wall seconds, > 1: slower on) and
   ``long_context_decode_cpu_on_over_off`` (the step's CPU seconds, which a shared machine's
   load inflates least).
+- **lag** (the write-behind's defaults, on only): the save-to-durable lag of a steady stream of
+  saves, 8 MiB every 100 ms (quiet between saves: each written once the holdback
+  ``durable_quiet_s`` has passed) and 1 MiB every 20 ms (never quiet: written at the latest
+  when the oldest save has waited half of ``durable_lag_s``), 3 s each: p50 / p99 / max ms and
+  the saves dropped.
 
 Writes ``benchmarks/results/durability_paths.json``.
 """
@@ -62,7 +67,7 @@ def _timed(fn) -> float:
 class DataPath:
     """``connector_copy``'s CPU save and load of one prompt, over a cache with a disk tier."""
 
-    def __init__(self, base: Path, quick: bool):
+    def __init__(self, base: Path, quick: bool, quiet_s: float):
         L, H, D, BS = (4, 4, 64, 16) if quick else (16, 8, 128, 16)
         self.D, self.BS, self.tokens = D, BS, 512 if quick else 2048
         self.group = 16 * BS                               # the connector's default chunk
@@ -82,7 +87,8 @@ class DataPath:
         for on in MODES:
             cfg = CacheConfig(model="bench-connector", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16",
                               modalities={"text": {"page_size": BS}}, device="cpu", device_bytes=3 * self.nbytes,
-                              host_bytes=0, disk_dir=base / f"wb-{'on' if on else 'off'}", write_behind=on)
+                              host_bytes=0, disk_dir=base / f"wb-{'on' if on else 'off'}", write_behind=on,
+                              durable_quiet_s=quiet_s)
             self.caches[on] = TieredKVCache(cfg)
             self.caches[on].pools["text"].view.zero_()     # the arena resident (no first-touch faults timed)
         self._made = iter(range(1 << 30))
@@ -127,9 +133,9 @@ class DataPath:
             c.close()
 
 
-def data_path(pairs: int, quick: bool) -> dict:
+def data_path(pairs: int, quick: bool, quiet_s: float = CacheConfig.model_fields["durable_quiet_s"].default) -> dict:
     with tempfile.TemporaryDirectory(prefix="mmtier-wb-", dir=os.environ.get("MMTIER_BENCH_DIR", "/var/tmp")) as tmp:
-        dp = DataPath(Path(tmp), quick)
+        dp = DataPath(Path(tmp), quick, quiet_s)
         try:
             for on in MODES:                               # warm-up: stages, first touch, the thread
                 dp.round(on)
@@ -142,7 +148,8 @@ def data_path(pairs: int, quick: bool) -> dict:
         finally:
             dp.close()
     on, off = runs[True], runs[False]
-    fig: dict = {"data_path_bytes": nbytes, "data_path_tokens": tokens, "data_path_pairs": pairs,
+    fig: dict = {"data_path_bytes": nbytes, "data_path_durable_quiet_s": quiet_s, "data_path_tokens": tokens,
+                 "data_path_pairs": pairs,
                  "data_path_shape": "16 layers x 8 KV heads x 128 fp16, groups of 16 blocks of 16 tokens"
                                     if not quick else "quick: 4 x 4 x 64",
                  "data_path_save_gbs_on": nbytes / statistics.median(r["save"] for r in on) / 1e9,
@@ -156,6 +163,41 @@ def data_path(pairs: int, quick: bool) -> dict:
     # seconds on over seconds off: > 1 means slower with the write-behind on
     fig.update(ratio_figures("save_on_over_off", [r["save"] for r in on], [r["save"] for r in off], False))
     fig.update(ratio_figures("load_on_over_off", [r["load"] for r in on], [r["load"] for r in off], False))
+    return fig
+
+
+def lag_stream(base: Path, nbytes: int, every_s: float, seconds: float,
+               quiet_s: float = CacheConfig.model_fields["durable_quiet_s"].default) -> dict[str, int]:
+    """Saves of ``nbytes`` every ``every_s`` for ``seconds`` into a cache with a disk tier; its
+    write-behind's lag gauges and counts once drained."""
+    L, H, D = 16, 8, 128
+    tokens = nbytes // (L * H * D * 2 * 2)
+    n = int(seconds / every_s)
+    cfg = CacheConfig(model="bench-lag", num_layers=L, num_kv_heads=H, head_dim=D, dtype="float16",
+                      modalities={"text": {"page_size": 16}}, device="cpu", device_bytes=(n + 2) * nbytes,
+                      host_bytes=0, disk_dir=base, persist_on_close=False, durable_quiet_s=quiet_s)
+    k = torch.randn(L, tokens, H, D).to(torch.float16)
+    with TieredKVCache(cfg) as cache:
+        next_at = time.monotonic()
+        for i in range(n):
+            time.sleep(max(0.0, next_at - time.monotonic()))
+            cache.put(cache.content_key("text", f"lag{i}".encode()), k, k)
+            next_at += every_s
+        cache.durable.drain()
+        c = cache.stats().counters
+        return {name: c.get(name, 0) for name in ("durable_lag_p50_ms", "durable_lag_p99_ms", "durable_lag_max_ms",
+                                                  "durable_writes", "durable_dropped")}
+
+
+def lag_streams(quick: bool) -> dict:
+    seconds = 1.0 if quick else 3.0
+    fig: dict = {"lag_durable_lag_s": CacheConfig.model_fields["durable_lag_s"].default,
+                 "lag_durable_quiet_s": CacheConfig.model_fields["durable_quiet_s"].default,
+                 "lag_load_avg": os.getloadavg()[0]}
+    with tempfile.TemporaryDirectory(prefix="mmtier-lag-", dir=os.environ.get("MMTIER_BENCH_DIR", "/var/tmp")) as tmp:
+        for name, nbytes, every in (("8mib_100ms", 8 << 20, 0.1), ("1mib_20ms", 1 << 20, 0.02)):
+            got = lag_stream(Path(tmp) / name, nbytes, every, seconds)
+            fig.update({f"lag_{name}_{k}": v for k, v in got.items()})
     return fig
 
 
@@ -218,12 +260,14 @@ def main(argv: list[str] | None = None) -> dict:
                       "the order alternating",
            **data_path(pairs, args.quick),
            **long_context_pairs(lc_pairs, tokens, args.layers, args.repeats),
+           **lag_streams(args.quick),
            "load_avg_at_start": " / ".join(f"{x:.2f}" for x in load_start),
            "load_avg_at_end": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
            "wall_s": time.perf_counter() - t0,
            "disk_free_gib": shutil.disk_usage(os.environ.get("MMTIER_BENCH_DIR", "/var/tmp")).free / 2**30}
     print_table("write-behind on vs off: data path and long context",
-                [(k, v) for k, v in fig.items() if "_over_" in k or k.endswith(("gbs_on", "gbs_off", "_s_on", "_s_off"))])
+                [(k, v) for k, v in fig.items() if "_over_" in k or k.startswith("lag_")
+                 or k.endswith(("gbs_on", "gbs_off", "_s_on", "_s_off"))])
     write_results("durability_paths", fig, args.out)
     return fig
 

@@ -14,6 +14,13 @@ page, tmp + fsync + rename + directory fsync) and the cache's lock guards every 
   at the measured rate (``HEADROOM``; an empty queue always takes it); else the save is dropped from the
   write-behind, counted (``durable_dropped``), and the group is written only when it is evicted
   or at close, as without write-behind. Nothing waits on the disk: a save never blocks.
+- The thread yields to saves: it starts a batch only once no save has come for
+  ``durable_quiet_s`` (the holdback: its copy, checksums and writes beside a burst of saves
+  slowed the saves on a small machine, benchmarks/RESULTS_NOTES.md), and at the latest when
+  the oldest queued save has waited half of ``durable_lag_s`` or what is left of its bound is
+  twice the queue's estimated drain (``hold_until``: the admission's margin for a disk at half
+  its measured rate), so a continuous stream of saves is still written within its bound.
+  ``drain`` (a flush) and ``close`` skip the holdback.
 - The thread takes what is queued (up to ``max_inflight_bytes`` a batch), pins its device
   groups under the lock, copies their pages into host memory with the lock let go (a copy
   under the lock held every save, read and attention of the cache behind it: 50-120 ms per
@@ -58,6 +65,14 @@ LAG_WINDOW = 4096            # the latest writes whose lags the percentiles cove
 RATE_WEIGHT = 0.3            # weight of the newest batch in the measured rate
 
 
+def hold_until(oldest_at: float, last_at: float, backlog_s: float, quiet_s: float, lag_s: float) -> float:
+    """When the next batch starts (monotonic seconds): once saves have been quiet for
+    ``quiet_s`` after the last one, and no later than the oldest queued save's bound less the
+    queue's estimated drain (``backlog_s``) taken twice (the admission's margin for a disk at
+    half its measured rate), nor than the share of the lag admission leaves free."""
+    return min(last_at + quiet_s, oldest_at + min((1 - HEADROOM) * lag_s, lag_s - backlog_s / HEADROOM))
+
+
 @dataclass(frozen=True)
 class _Save:
     group: ModalityGroup
@@ -69,7 +84,7 @@ class WriteBehind:
     """The background writer of one cache's saves to its disk tier (see the module doc)."""
 
     def __init__(self, cfg: CacheConfig, residency: Residency, index: GroupDirectory, counters: Counters):
-        self.lag_s = cfg.durable_lag_s
+        self.lag_s, self.quiet_s = cfg.durable_lag_s, cfg.durable_quiet_s
         self.batch_bytes = cfg.max_inflight_bytes
         self.residency, self.index, self.counters = residency, index, counters
         self._cond = threading.Condition()
@@ -80,6 +95,9 @@ class WriteBehind:
         self._lags: collections.deque[float] = collections.deque(maxlen=LAG_WINDOW)
         self._logged: set[str] = set()
         self._closed = False
+        self._last_save = 0.0
+        self._wake_at = float("inf")  # when the thread, holding back, looks again
+        self._draining = 0            # drain() callers waiting: no holdback meanwhile
         self._thread = threading.Thread(target=self._run, name="mmtier-write-behind", daemon=True)
         self._thread.start()
 
@@ -97,15 +115,23 @@ class WriteBehind:
             if behind or len(self._queue) >= MAX_QUEUED:
                 self.counters.add("durable_dropped", group.modality)
                 return
-            self._queue.append(_Save(group, nbytes, time.monotonic()))
+            now = time.monotonic()
+            self._queue.append(_Save(group, nbytes, now))
             self._queued_bytes += nbytes
-            self._cond.notify_all()
+            self._last_save = now
+            if self._start_at() < self._wake_at:     # its deadline came closer, or the thread is idle
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ waiting, stats, close
     def drain(self, timeout: float = WAIT_S) -> bool:
         """Wait until every queued save is written (or skipped); ``True`` if so in ``timeout``."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._writing_bytes, timeout)
+            self._draining += 1
+            self._cond.notify_all()
+            try:
+                return self._cond.wait_for(lambda: not self._queue and not self._writing_bytes, timeout)
+            finally:
+                self._draining -= 1
 
     def gauges(self) -> dict[str, int]:
         """The queue now and the lag of the latest writes (ms), for ``CacheStats.counters``."""
@@ -126,13 +152,29 @@ class WriteBehind:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the thread
+    def _start_at(self) -> float:
+        """When the thread may start its next batch (``_cond`` held, the queue not empty)."""
+        if self._closed or self._draining:
+            return 0.0
+        backlog_s = (self._queued_bytes + self._writing_bytes) * self._s_per_byte
+        return hold_until(self._queue[0].at, self._last_save, backlog_s, self.quiet_s, self.lag_s)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
+                while True:                   # wait for saves, then for them to go quiet
+                    if not self._queue:
+                        if self._closed:
+                            return
+                        self._wake_at = float("inf")
+                        self._cond.wait()
+                        continue
+                    self._wake_at = self._start_at()
+                    wait = self._wake_at - time.monotonic()
+                    if wait <= 0:
+                        break
+                    self._cond.wait(wait)
+                self._wake_at = float("inf")
                 batch: list[_Save] = []
                 while self._queue and (not batch or self._writing_bytes + self._queue[0].nbytes <= self.batch_bytes):
                     save = self._queue.popleft()

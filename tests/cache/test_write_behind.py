@@ -2,7 +2,8 @@
 on disk within the lag, written once (an eviction or a promotion of a group already on disk
 writes nothing more), found by a new cache over the same directory; a disk that is behind, full
 or failing drops or fails writes, counted, and serving goes on; with no disk tier (or it turned
-off) nothing changes. Real pools, the real disk writer (Arrow IPC, xxh3 per page)."""
+off) nothing changes; the writes wait for a burst of saves to go quiet, never past half the lag.
+Real pools, the real disk writer (Arrow IPC, xxh3 per page)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 
 from mmtier import TieredKVCache
 from mmtier.core.groups import Tier
+from mmtier.tiers.durability import HEADROOM, hold_until
 from tests.cache.test_tiers import VISION_PAGE, kv, make_cfg
 
 
@@ -160,12 +162,97 @@ def test_without_a_disk_tier_or_with_it_off_nothing_is_written_in_the_background
     assert files(tmp_path) == []
 
 
-def test_durable_lag_is_validated(tmp_path, torch_backend):
+def test_durable_lag_and_quiet_are_validated(tmp_path, torch_backend):
     from mmtier.errors import ConfigError
 
     for bad in (0, -1.0, "soon"):
         with pytest.raises(ConfigError, match="durable_lag_s"):
             cfg_of(tmp_path, torch_backend, durable_lag_s=bad)
+    for bad in (-0.01, 61, "soon"):
+        with pytest.raises(ConfigError, match="durable_quiet_s"):
+            cfg_of(tmp_path, torch_backend, durable_quiet_s=bad)
+
+
+def wait_for(cond, timeout=30.0):
+    end = time.monotonic() + timeout
+    while not cond() and time.monotonic() < end:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_the_holdback_waits_for_quiet_and_never_past_its_share_of_the_lag():
+    """``hold_until``: a batch starts ``quiet_s`` after the last save, but no later than the
+    oldest save's share of the lag that admission leaves free, nor than leaves the queue's
+    estimated drain room twice over before the oldest save's bound."""
+    assert hold_until(10.0, last_at=10.3, backlog_s=0.0, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.35)
+    assert hold_until(10.0, last_at=10.6, backlog_s=0.0, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.0 + 1 - HEADROOM)
+    assert hold_until(10.0, last_at=10.3, backlog_s=0.0, quiet_s=0.0, lag_s=1.0) == pytest.approx(10.3)
+    assert hold_until(10.0, last_at=10.2, backlog_s=0.4, quiet_s=0.05, lag_s=1.0) == pytest.approx(10.0 + 1 - 0.4 / HEADROOM)
+    for backlog in (0.0, 0.1, 0.3, HEADROOM):             # written by the bound at half the measured rate
+        assert hold_until(10.0, last_at=11.0, backlog_s=backlog, quiet_s=5.0, lag_s=1.0) + 2 * backlog <= 11.0 + 1e-9
+    assert hold_until(10.0, last_at=10.0, backlog_s=0.0, quiet_s=5.0, lag_s=1e-6) <= 10.0 + 1e-6
+
+
+def test_a_burst_of_saves_is_written_only_once_it_goes_quiet(tmp_path, torch_backend):
+    """Quiet of 2 s, lag of 60 s: nothing is copied or written while the saves keep coming;
+    every file is written at least the quiet after the last save began, none dropped, without
+    a flush asking for it."""
+    quiet = 2.0
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=16, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False, "durable_lag_s": 60.0, "durable_quiet_s": quiet})
+    with TieredKVCache(cfg) as cache:
+        data = {}
+        for i in range(6):
+            before_last = time.time_ns()
+            data.update(put_all(cache, 1, tag=f"b{i}-"))
+            assert cache.stats().counters.get("durable_writes", 0) == 0 and files(tmp_path) == []
+        assert wait_for(lambda: cache.stats().counters.get("durable_writes", 0) == 6)
+        c = cache.stats().counters
+        assert c.get("durable_dropped", 0) == 0 and c["durable_lag_p50_ms"] >= 1000 * quiet
+        written = files(tmp_path)
+        assert len(written) == 6
+        assert all(f.stat().st_mtime_ns >= before_last + quiet * 1e9 for f in written)
+        for key, (k, v) in data.items():
+            got_k, got_v = cache.read_group(key)
+            assert torch.equal(got_k, k) and torch.equal(got_v, v)
+
+
+def test_a_continuous_stream_of_saves_is_still_written_within_the_lag_bound(tmp_path, torch_backend):
+    """Saves every 50 ms for 3 s never go quiet for the 5 s holdback: the writes start anyway,
+    by half of the 2 s lag after the oldest save waiting, while the saves go on; every save is
+    written, none dropped, none later than the bound."""
+    lag = 2.0
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=128, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False, "durable_lag_s": lag, "durable_quiet_s": 5.0})
+    with TieredKVCache(cfg) as cache:
+        data, gaps, last = {}, [], time.monotonic()
+        end = last + 3.0
+        while time.monotonic() < end:
+            data.update(put_all(cache, 1, tag=f"s{len(data)}-"))
+            time.sleep(0.05)
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+        during = cache.stats().counters.get("durable_writes", 0)
+        assert max(gaps) < 5.0                            # the stream never went quiet
+        assert during > 0 and len(files(tmp_path)) >= during
+        assert cache.durable.drain(30)
+        c = cache.stats().counters
+        assert c["durable_writes"] == len(data) and c.get("durable_dropped", 0) == 0
+        assert c["durable_lag_max_ms"] <= 1000 * lag
+
+
+def test_a_flush_and_a_close_skip_the_holdback(tmp_path, torch_backend):
+    """A holdback of a minute and a lag of an hour: a flush writes the saves at once, and so
+    does a close (the saves after the flush), nothing dropped."""
+    cfg = cfg_of(tmp_path, torch_backend, device_pages=16, host_pages=0).model_copy(
+        update={"host_bytes": 0, "persist_on_close": False, "durable_lag_s": 3600.0, "durable_quiet_s": 60.0})
+    cache = TieredKVCache(cfg)
+    put_all(cache, 2, tag="f")
+    assert cache.durable.drain(10) and cache.stats().counters["durable_writes"] == 2     # flush's wait
+    put_all(cache, 2, tag="c")
+    cache.durable.close(timeout=10)
+    assert len(files(tmp_path)) == 4 and cache.stats().counters["durable_writes"] == 4
+    cache.close()
 
 
 def test_device_pages_are_copied_without_the_lock_and_the_group_stays_put_meanwhile(tmp_path, torch_backend):

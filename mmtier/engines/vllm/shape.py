@@ -36,7 +36,7 @@ from ...errors import ConfigError
 SIZE_FIELDS = ("device", "device_bytes", "device_fraction", "host_bytes", "disk_dir", "disk_bytes",
                "disk_free_floor_bytes", "eviction_policy", "key_secret", "max_inflight_bytes",
                "stream_buffer_bytes", "attention_backend", "persist_on_close", "write_behind",
-               "durable_lag_s")
+               "durable_lag_s", "durable_quiet_s")
 BYTE_FIELDS = {"device_bytes", "host_bytes", "disk_bytes", "disk_free_floor_bytes", "max_inflight_bytes",
                "stream_buffer_bytes"}
 SHAPE_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype")
