@@ -84,11 +84,17 @@ def test_the_figures_the_readme_quotes_are_the_committed_results():
     assert not missing, "\n".join(missing)
     # the load run's JSON has no max_tokens: its spec's default (the run took the defaults: --rates only)
     load_spec = (ROOT / "benchmarks" / "engines" / "serving_load.py").read_text()
-    assert demo["max_tokens"] == 8 and "    max_tokens: int = 8\n" in load_spec and "answers of 8 tokens" in readme
+    assert "    max_tokens: int = 8\n" in load_spec and "answers of 8 tokens" in readme
+    # the demo's answer lengths and the share of the previous turn found, as the README says them
+    answers = (f"answers of {demo['answer_tokens_min']}-{demo['answer_tokens_max']} tokens "
+               f"(median {demo['answer_tokens_median']:.0f};")
+    assert answers in " ".join(readme.split()), answers
+    assert demo["previous_turn_share_mmtier__min"] == 1.0 and "share 1.00 in" in readme
+    assert f"vLLM alone {demo['previous_turn_share_plain__median']:.2f}" in " ".join(readme.split())
     for data in (demo, load):
         assert data["mmtier_device_bytes"] == 512 << 20 and data["mmtier_host_bytes"] == 1 << 30
     assert readme.count("512 MiB page pool and") >= 2 and "1 GiB host tier" in readme
-    assert demo["vllm_kv_tokens"] * 16 << 10 == 40 << 20 and load["vllm_kv_tokens"] * 16 << 10 == 56 << 20
+    assert demo["vllm_kv_tokens"] * 16 << 10 == 56 << 20 and load["vllm_kv_tokens"] * 16 << 10 == 56 << 20
 
 
 def test_the_retokenization_table_is_the_committed_result():
