@@ -105,3 +105,24 @@ def test_the_retokenization_table_is_the_committed_result():
         assert row in readme, (key, row)
     mistral = [r[f"mistral_{k}_{f}"] for k in ("v1", "v3", "tekken") for f in ("median_share", "whole")]
     assert mistral == [1.0, 8] * 3 and "| 8 each | 1.00 | 8 | never |" in readme
+
+
+def test_the_eviction_figures_the_readme_quotes_are_the_committed_results():
+    """The README's eviction claim (the default policy over LRU on both real traces, S3-FIFO and
+    Belady beside it, the worst ratio anywhere) against ``benchmarks/results/eviction.json``."""
+    readme, e = (ROOT / "README.md").read_text(), _json("eviction")
+
+    def over(trace: str, cap: float, name: str) -> str:
+        return f"{e[f'block_hit_over_lru__{trace}__cap{cap}__{name}']:.2f}x"
+
+    quoted = [f"**{over('conversation_2k', 0.05, 'adaptive_slru')}** LRU's block hits at 5% and "
+              f"**{over('conversation_2k', 0.1, 'adaptive_slru')}** at 10%",
+              f"S3-FIFO {over('conversation_2k', 0.05, 's3fifo')} / {over('conversation_2k', 0.1, 's3fifo')}",
+              f"Belady {over('conversation_2k', 0.05, 'belady')} / {over('conversation_2k', 0.1, 'belady')}",
+              f"first 2,000 requests {over('mooncake_2k', 0.05, 'adaptive_slru')} / "
+              f"{over('mooncake_2k', 0.1, 'adaptive_slru')}",
+              f"({e['target_min_over_lru__adaptive_slru']:.3f}x worst)"]
+    missing = [q for q in quoted if q not in readme]
+    assert not missing, missing
+    assert e["default_policy"] == e["target_policy"] == "adaptive_slru"
+    assert e["independent_replay_mismatches"] == e["cache_parity_mismatches"] == 0

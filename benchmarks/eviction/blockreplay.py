@@ -19,6 +19,7 @@ recompute avoided (those blocks' tokens over all tokens: one modality, so second
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -56,7 +57,8 @@ class BlockScore:
 
 def read_records(path: str | Path, limit: int | None = None) -> list[dict]:
     out = []
-    with open(path, encoding="utf-8") as f:
+    opened = gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+    with opened as f:
         for line in f:
             if line.strip():
                 out.append(json.loads(line))

@@ -23,6 +23,7 @@ sealed as an output the cache stores when the turn ends.
 
 from __future__ import annotations
 
+import gzip
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -129,10 +130,15 @@ def parse_record(text: str, line: int, block_tokens: int) -> dict:
     return rec
 
 
+def open_text(path: str | Path):
+    """The file as text, gunzipped when its name ends in ``.gz`` (a committed trace)."""
+    return gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")
+
+
 def read_jsonl(path: str | Path, block_tokens: int = 512) -> list[dict]:
-    """Every record of the file, checked (blank lines skipped)."""
+    """Every record of the file (plain or ``.gz``), checked (blank lines skipped)."""
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for n, text in enumerate(f, 1):
             if text.strip():
                 out.append(parse_record(text, n, block_tokens))
@@ -183,7 +189,7 @@ def load_jsonl(path: str | Path, block_tokens: int = 512, name: str | None = Non
                limit: int | None = None) -> ChainTrace:
     """The file's chain trace; ``limit``: its first ``limit`` requests only (their groups)."""
     records = read_jsonl(path, block_tokens)
-    return from_records(records[:limit], block_tokens, name or Path(path).stem)
+    return from_records(records[:limit], block_tokens, name or Path(path).name.split(".")[0])
 
 
 def write_jsonl(records: Iterable[dict], path: str | Path) -> Path:

@@ -24,6 +24,7 @@ from benchmarks.eviction.eviction import PAGE, SAMPLE, pages_for
 from benchmarks.eviction.heavytail import HeavyTailConfig, generate
 from benchmarks.eviction.policyreplay import replay_policy, trace_keys
 from benchmarks.eviction.recompute import load_costs
+from mmtier.config import CacheConfig
 from mmtier.eviction import POLICIES
 
 COSTS = load_costs()
@@ -104,3 +105,26 @@ def test_mooncake_lines_chain_their_blocks():
     assert b.time == 0.04
     with pytest.raises(TraceFormatError, match="hash_ids"):
         parse_record('{"timestamp": 0, "input_length": 1100, "output_length": 6, "hash_ids": [0, 1]}', 3, 512)
+
+
+@pytest.mark.parametrize("frac", [0.05, 0.1])
+def test_independent_replay_agrees_on_the_conversation_trace(frac):
+    """Mooncake's conversation trace (checked in): the project's replay and the independent one,
+    request by request, for the default policy at the capacities of the lift (the benchmark checks
+    every policy: ``independent_replay_mismatches``)."""
+    from benchmarks.eviction.blockreplay import read_records
+    from benchmarks.eviction.eviction import CONV, CONVERSATION
+
+    records = read_records(CONVERSATION)
+    trace = from_records(records, 512, CONV)
+    cap = capacity_for(records, frac)
+    uid_of = {}
+    for rec, r in zip(records, trace.requests, strict=True):
+        uid_of.update(zip(rec["hash_ids"], r.chain, strict=True))
+    keys = trace_keys(trace, bench_config(trace, {"text": cap}, 512, "lru", COSTS))
+    for policy in (CacheConfig.model_fields["eviction_policy"].default,):
+        a = block_replay(records, policy, cap, key_of=lambda h: keys[uid_of[h]])
+        b = replay_policy(trace, policy, {"text": cap}, COSTS, 512, keys)
+        assert a.evictions == b.evictions > 0, policy
+        assert a.per_request == b.hit_blocks_by_request, policy
+        assert (a.hit_blocks, a.hit_tokens, a.uncached) == (b.hit_blocks, b.hit_tokens, b.uncached), policy

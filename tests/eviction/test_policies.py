@@ -283,11 +283,11 @@ def test_adaptive_slru_learns_its_share_from_three_ghosts():
     assert got == ["a", "b", "c", "d"]
     assert pol.peak["text"] == 4 * PAGE and pol.share["text"] == 0.5
     add(gs, "a2", k=key(0))                      # cut too early: the share grows by a page of 4,
-    assert pol.share["text"] == 0.75             # times max(1, protected 1 / cut 2 pages)
+    assert pol.share["text"] == 0.5625           # times max(1, protected 1 / cut 2 pages), times 0.5**2
     add(gs, "d2", k=key(3))                      # a reused group LRU let go: the share shrinks by
-    assert pol.share["text"] == 0.5              # a page of 4, times max(1, cut 1 / protected 1)
+    assert pol.share["text"] == 0.3125           # a page of 4, times max(1, cut 1 / protected 1)
     add(gs, "c2", k=key(2))                      # aged: any share would have lost it; no change
-    assert pol.share["text"] == 0.5
+    assert pol.share["text"] == 0.3125
     add(gs, "n", k=key(9))                       # new: probation, 1 page of 4, under the share
     # the three that came back are protected; all four in LRU order
     assert gs.order() == ["a2", "d2", "c2", "n"]
