@@ -61,7 +61,8 @@ def test_recompiled_when_a_group_leaves_the_device_and_comes_back(tmp_path, back
     """Group A is attended, pushed off the device (its pages reused by other groups) and
     brought back on other pages before the next attention: the segments are the same, only
     A's page list changed, and the operands are compiled again and stay exact."""
-    with TieredKVCache(make_cfg(backend, tmp_path, device_pages=4, host_pages=8)) as cache:
+    # demote: B's and C's puts push A down (auto would write them around a CPU pool)
+    with TieredKVCache(make_cfg(backend, tmp_path, device_pages=4, host_pages=8, put_placement="demote")) as cache:
         seq, logical = cache.create_sequence(), Logical()
         key_a = cache.content_key("vision", b"A")
         ka, va = kv(64)
