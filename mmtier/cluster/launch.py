@@ -5,7 +5,8 @@ actor classes, each wrapping one plain class, and their names are ``actors``).
 ``mmtier``:
 
 - ``mmtier-registry`` (and ``mmtier-registry:shard<i>`` for ``registry_shards`` > 1): the
-  ContentRegistry's shards (detached, ``max_restarts=-1``, calls retried across restarts; each
+  ContentRegistry's shards (detached, on the node that calls ``start`` while it lives,
+  ``max_restarts=-1``, calls retried across restarts; each
   rebuilds its part from the holders' inventories after a restart, or after ``start()``
   recreated one that was killed);
 - per alive node, ``mmtier-store:<node id>``: the NodeStoreActor (pinned to the node);
@@ -104,9 +105,12 @@ def start(cfg: CacheConfig, settings: ClusterSettings | None = None) -> StartRep
             if CacheConfig(**running) != CacheConfig(**cfg_json):
                 raise ConfigError("mmtier is already running with another CacheConfig; shut it down first")
         else:       # a shard lost (killed, its node gone) comes back here and rebuilds its part
+            # on the node that starts mmtier (the head, as a rule) while it lives: a worker node
+            # leaving would otherwise take shards with it; soft, so a restart goes elsewhere
+            home = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
             made.append(ray.remote(ContentRegistryActor).options(
                 name=name, get_if_exists=True, max_restarts=-1, max_task_retries=-1,
-                max_concurrency=1000, **common).remote(cfg_json, s_json, i))
+                max_concurrency=1000, scheduling_strategy=home, **common).remote(cfg_json, s_json, i))
             report.created.append(name)
 
     for node in nodes:
