@@ -30,7 +30,7 @@ from mmtier.cluster.actors import store_name  # noqa: E402
 from mmtier.cluster.engine_pool import host_name  # noqa: E402
 from mmtier.cluster.node_labels import LABEL  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
-from tests.support.cluster_probe import Probe, exported, groups  # noqa: E402
+from tests.support.cluster_probe import Probe, exported, groups, named  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -83,14 +83,6 @@ def _get(ref):
 
 def _alive(node: str) -> bool:
     return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
-
-
-def _named(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=SETTINGS.namespace)
-    except ValueError:
-        return False
-    return True
 
 
 def _holders(digests: list[str]) -> list[set[str]]:
@@ -159,7 +151,7 @@ def test_a_second_live_node_with_a_label_in_use_is_refused(cluster):
                    and n["Labels"].get(LABEL) == "a")
         with pytest.raises(NodeLabelError, match="mmtier.io/node"):
             mma.start(CFG, SETTINGS)
-        assert not _named(store_name(new))                  # nothing created for it
+        assert not named(store_name(new), SETTINGS.namespace)                  # nothing created for it
         engine = _probe(new)                                # an engine there is refused too
         with pytest.raises(ray.exceptions.RayActorError, match="NodeLabelError"):
             _get(engine.pid.remote())

@@ -36,7 +36,7 @@ from mmtier.cluster.engine_pool import host_name  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards  # noqa: E402
 from mmtier.cluster.store import store_dir  # noqa: E402
 from mmtier.content import ContentKey  # noqa: E402
-from tests.support.cluster_probe import Probe, exported, groups  # noqa: E402
+from tests.support.cluster_probe import Probe, exported, groups, named  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -88,14 +88,6 @@ def _get(ref):
 
 def _wait_until(pred, timeout=WAIT_S) -> bool:
     return wait_until(pred, timeout)
-
-
-def _named(name: str) -> bool:
-    try:
-        ray.get_actor(name, namespace=SETTINGS.namespace)
-    except ValueError:
-        return False
-    return True
 
 
 def _registry() -> RegistryShards:
@@ -177,7 +169,7 @@ def test_sigkilled_engine_re_registers_its_disk_and_other_nodes_find_it(cluster)
     _sigkill(engine)
     _check_outage(probe_b, wires, digests, name)
 
-    assert _wait_until(lambda: not _named(name))        # Ray has let the dead actor's name go
+    assert _wait_until(lambda: not named(name, SETTINGS.namespace))        # Ray has let the dead actor's name go
     engine = _probe(a, lifetime="detached")             # the engine started again on node A
     assert _wait_until(lambda: _holders(digests) == [{name}] * len(groups))
     tiers = {it["key"]["digest"]: it["tier"] for it in _get(engine.inventory.remote())}

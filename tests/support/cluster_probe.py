@@ -71,3 +71,14 @@ def exported(cfg: CacheConfig, key: ContentKey, k: torch.Tensor, v: torch.Tensor
     with TieredKVCache(cfg.model_copy(update={"disk_dir": None})) as c:
         c.put(key, k, v)
         return c.export_pages(key).to_wire()
+
+
+def named(name: str, namespace: str) -> bool:
+    """Whether Ray still knows an actor by ``name`` (a dead detached actor's name goes with it)."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
