@@ -8,16 +8,19 @@ block pool that holds a fraction of the conversations:
   pool, a host tier and a disk tier).
 
 The trace: conversations that open with one shared system prompt, turns of text with images
-from a small catalogue (an image recurs across turns and users), the history's assistant turns
-replayed from the trace (so every request is known up front, as in a trace replay). Requests are
-sent in the interleaved order (every conversation's turn 1, then every turn 2, ...) at Poisson
-arrival times of rate ``r`` (open loop: a request is sent at its time whether or not earlier
-ones finished), bounded in count (``--requests``) and time (``--max-seconds``: what has not
-finished by then counts as not completed). Each rate replays fresh conversations (its own words
-and images), first on one engine and then on the other (the order alternates by rate), both
-servers up throughout.
+from a small catalogue (an image recurs across turns and users) and greedy answers of a length
+drawn per turn (log-normal around ``answer_median`` tokens, clipped to ``answer_range``: chat
+answers run to hundreds of tokens), sampled from the tiny tokenizer's words only so that the
+next turn's prompt, which carries the answer the engine generated, repeats its ids. Requests have
+Poisson arrival times of rate ``r`` in the interleaved order (every conversation's turn 1, then
+every turn 2, ...); a later turn is sent at its arrival time or when its previous answer ends,
+whichever is later (a chat cannot ask before it has the answer), so a rate is an offered rate
+that a slow engine also lowers for itself. Bounded in count (``--requests``) and time
+(``--max-seconds``: what has not finished by then counts as not completed). Each rate replays
+fresh conversations (its own words and images), first on one engine and then on the other (the
+order alternates by rate), both servers up throughout.
 
-Per rate and engine: requests/s completed, prompt tokens/s, p50 / p99 time to first token (a
+Per rate and engine: requests/s completed, prompt and output tokens/s, p50 / p99 time to first token (a
 request not completed counts as infinitely late), hit ratio (cached / prompt tokens, vLLM's
 ``usage.prompt_tokens_details.cached_tokens``: its own prefix cache and mmtier's together).
 The sustainable rate at a p99 bound is the highest rate tried whose p99 TTFT is within the bound
@@ -25,7 +28,7 @@ The sustainable rate at a p99 bound is the highest rate tried whose p99 TTFT is 
 ``benchmarks/results/`` (matplotlib, where it imports).
 
 Run it from the base environment (the engines start from ``.venv-engines``):
-``.venv/bin/python -m benchmarks.engines.serving_load [--rates 1,2,4,6,8] [--quick]``.
+``.venv/bin/python -m benchmarks.engines.serving_load [--rates 0.25,0.5,1,2] [--quick]``.
 
 ``--durability`` compares mmtier with its write-behind to the disk tier off (``mmtier_wb_off``)
 and on (``mmtier``, the default) on the same trace instead (``serving_load_durability.json``):
@@ -41,6 +44,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -55,117 +59,145 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @dataclass(frozen=True)
 class LoadSpec:
-    # 16 conversations of 5 turns: about 6x vLLM's pool (3,584 tokens), later turns carry a
-    # history of 700-1,700 tokens. With 10 x 3 (the first form) plain vLLM kept half of every
-    # prompt in its own pool and, on an idle machine, both engines sustained every rate tried up
-    # to 3 req/s within a 5 s p99: the test said nothing about a cache that outlives the pool
-    rates: tuple[float, ...] = (1.0, 2.0, 4.0, 6.0, 8.0)
-    conversations: int = 16
-    turns: int = 5
-    requests: int = 80                  # per rate and engine, at most (every conversation's turns)
-    max_seconds: float = 150.0          # per rate and engine
+    # 8 conversations of 4 turns with answers of 128-512 tokens (median 192): a working set of
+    # ~3x vLLM's pool (4,096 tokens: two or three chats resident while they decode), later turns
+    # carry a history of 500-1,900 tokens. The rates are low: on this machine's 2 cores the
+    # answers' decode, not the prompts, sets what an engine completes
+    rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0)
+    conversations: int = 8
+    turns: int = 4
+    requests: int = 32                  # per rate and engine, at most (every conversation's turns)
+    max_seconds: float = 180.0          # per rate and engine
     p99_bound_s: float = 2.0
     system_words: int = 200
-    user_words: int = 100
-    answer_words: int = 8
+    user_words: int = 60
+    answer_median: int = 192
+    answer_range: tuple[int, int] = (128, 512)
     p_image: float = 0.5
     images: int = 6
-    max_tokens: int = 8
-    kv_blocks: int = 112                # vLLM's pool: 3584 tokens
+    kv_blocks: int = 128                # vLLM's pool: 4,096 tokens
     device_bytes: int = 512 << 20
     host_bytes: int = 1 << 30
 
     @classmethod
     def quick(cls) -> LoadSpec:
         return cls(rates=(1.0,), conversations=3, turns=2, requests=6, max_seconds=90.0, p99_bound_s=60.0,
-                   system_words=60, user_words=40, images=2, kv_blocks=40)
+                   system_words=60, user_words=40, images=2, kv_blocks=40, answer_median=48, answer_range=(40, 64))
 
 
-def trace(spec: LoadSpec, seed: int) -> list[list[dict]]:
-    """Requests (OpenAI chat messages) in the interleaved order, for one rate's conversations."""
-    from mmtier.demo.serving import data_url
+@dataclass(frozen=True)
+class Turn:
+    user: dict                          # the user's message (text, maybe an image)
+    answer_tokens: int                  # the answer's length, drawn per turn
+
+
+def trace(spec: LoadSpec, seed: int) -> tuple[dict, list[list[Turn]]]:
+    """One rate's conversations: the shared system message and each conversation's turns."""
+    from mmtier.demo.serving import answer_length, data_url
     from mmtier.serve.tiny_models import text
 
     rng = random.Random(seed)
     system = {"role": "system", "content": text(10_000, spec.system_words)}      # shared by every rate
     convs = []
     for _ in range(spec.conversations):
-        msgs, per_turn = [system], []
+        turns = []
         for i in range(spec.turns):
             content: list[dict] = []
             if i == 0 or rng.random() < spec.p_image:
                 img = 1000 * seed + 1 + min(int(rng.expovariate(0.6)), spec.images - 1)
                 content.append({"type": "image_url", "image_url": {"url": data_url(img, "PNG")}})
             content.append({"type": "text", "text": text(rng.randrange(1 << 30), spec.user_words)})
-            msgs = msgs + [{"role": "user", "content": content}]
-            per_turn.append(msgs)
-            msgs = msgs + [{"role": "assistant", "content": text(rng.randrange(1 << 30), spec.answer_words)}]
-        convs.append(per_turn)
-    order = [convs[c][i] for i in range(spec.turns) for c in range(spec.conversations)]
-    return order[: spec.requests]
+            turns.append(Turn({"role": "user", "content": content}, answer_length(spec, rng)))
+        convs.append(turns)
+    return system, convs
+
+
+def interleaved(convs: list[list[Turn]], limit: int) -> list[tuple[int, int]]:
+    """(conversation, turn) in the order requests arrive: every turn 1, then every turn 2, ...,
+    the first ``limit`` of them."""
+    order = [(c, i) for i in range(max((len(t) for t in convs), default=0)) for c in range(len(convs))
+             if i < len(convs[c])]
+    return order[:limit]
 
 
 async def one_request(client, url: str, model: str, messages: list[dict], max_tokens: int, t_send: float) -> dict:
+    from mmtier.demo.serving import WORD_IDS
+
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    first, usage = None, None
+            "stream_options": {"include_usage": True}, "allowed_token_ids": WORD_IDS}
+    first, usage, parts = None, None, []
     async with client.stream("POST", url, json=body) as resp:
         resp.raise_for_status()
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
-                first = time.perf_counter() - t_send
+            delta = chunk["choices"][0].get("delta", {}).get("content") if chunk.get("choices") else None
+            if delta:
+                if first is None:
+                    first = time.perf_counter() - t_send
+                parts.append(delta)
             if chunk.get("usage"):
                 usage = chunk["usage"]
     done = time.perf_counter()
     details = (usage or {}).get("prompt_tokens_details") or {}
-    return {"ttft_s": first if first is not None else done - t_send, "done": done,
+    return {"ttft_s": first if first is not None else done - t_send, "done": done, "text": "".join(parts),
             "prompt_tokens": (usage or {}).get("prompt_tokens", 0), "cached_tokens": details.get("cached_tokens") or 0,
             "output_tokens": (usage or {}).get("completion_tokens", 0)}
 
 
-async def run_rate(base_url: str, model: str, requests: list[list[dict]], rate: float, spec: LoadSpec,
-                   seed: int) -> dict:
-    """Open loop: request k is sent at the k-th Poisson arrival; what has not finished by
-    ``max_seconds`` is cancelled and counts as not completed."""
+async def run_rate(base_url: str, model: str, convs: tuple[dict, list[list[Turn]]], rate: float,
+                   spec: LoadSpec, seed: int) -> dict:
+    """Request k arrives at the k-th Poisson time of ``rate`` and is sent then or when its
+    conversation's previous answer ends (its prompt carries that answer); what has not finished
+    by ``max_seconds`` is cancelled and counts as not completed, with the turns after it."""
     import httpx
 
+    system, turns = convs
+    order = interleaved(turns, spec.requests)
     rng = random.Random(seed)
-    t, times = 0.0, []
-    for _ in requests:
-        times.append(t)
+    t, arrival = 0.0, {}
+    for pos in order:
+        arrival[pos] = t
         t += rng.expovariate(rate)
-    results: list[dict | None] = [None] * len(requests)
-    limits = httpx.Limits(max_connections=len(requests) + 4)
+    results: dict[tuple[int, int], dict] = {}
+    limits = httpx.Limits(max_connections=len(turns) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(spec.max_seconds + 30), limits=limits) as client:
         t0 = time.perf_counter()
 
-        async def fire(k: int) -> None:
-            await asyncio.sleep(max(0.0, t0 + times[k] - time.perf_counter()))
-            try:
-                results[k] = await one_request(client, base_url + "/v1/chat/completions", model, requests[k],
-                                               spec.max_tokens, time.perf_counter())
-            except (httpx.HTTPError, ValueError) as exc:          # counted as not completed
-                results[k] = {"error": repr(exc)}
+        async def chat(c: int) -> None:
+            messages = [system]
+            for i, turn in enumerate(turns[c]):
+                if (c, i) not in arrival:
+                    return
+                await asyncio.sleep(max(0.0, t0 + arrival[(c, i)] - time.perf_counter()))
+                messages = messages + [turn.user]
+                try:
+                    r = await one_request(client, base_url + "/v1/chat/completions", model, messages,
+                                          turn.answer_tokens, time.perf_counter())
+                except (httpx.HTTPError, ValueError) as exc:      # counted as not completed, with the rest
+                    results[(c, i)] = {"error": repr(exc)}
+                    return
+                results[(c, i)] = r
+                messages = messages + [{"role": "assistant", "content": r["text"]}]
 
-        tasks = [asyncio.create_task(fire(k)) for k in range(len(requests))]
+        tasks = [asyncio.create_task(chat(c)) for c in range(len(turns))]
         _, pending = await asyncio.wait(tasks, timeout=spec.max_seconds)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    ok = [r for r in results if r is not None and "error" not in r]
-    errors = [r["error"] for r in results if r is not None and "error" in r]
+    ok = [r for r in results.values() if "error" not in r]
+    errors = [r["error"] for r in results.values() if "error" in r]
     span = (max(r["done"] for r in ok) - t0) if ok else float("nan")
-    ttfts = sorted([r["ttft_s"] for r in ok] + [math.inf] * (len(requests) - len(ok)))
+    ttfts = sorted([r["ttft_s"] for r in ok] + [math.inf] * (len(order) - len(ok)))
     prompt = sum(r["prompt_tokens"] for r in ok)
-    return {"rate": rate, "sent": len(requests), "completed": len(ok), "errors": errors[:3],
+    return {"rate": rate, "sent": len(order), "completed": len(ok), "errors": errors[:3],
             "completed_per_s": len(ok) / span if ok else 0.0, "prompt_tokens_per_s": prompt / span if ok else 0.0,
             "output_tokens_per_s": sum(r["output_tokens"] for r in ok) / span if ok else 0.0,
+            "output_tokens": sum(r["output_tokens"] for r in ok),
             "ttft_p50_s": _quantile(ttfts, 0.5), "ttft_p99_s": _quantile(ttfts, 0.99),
             "hit_ratio": sum(r["cached_tokens"] for r in ok) / prompt if prompt else 0.0,
-            "prompt_tokens": prompt, "offered_span_s": times[-1] if times else 0.0}
+            "prompt_tokens": prompt, "offered_span_s": max(arrival.values(), default=0.0)}
 
 
 def peak_throughput(per_engine: dict[str, list[dict]], ref: str = "plain", test: str = "mmtier") -> dict:
@@ -241,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     from mmtier.demo.model import ensure_demo_llava
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rates", help="offered rates, req/s, comma-separated (default 1,2,4,6,8)")
+    ap.add_argument("--rates", help="offered rates, req/s, comma-separated (default 0.25,0.5,1,2)")
     ap.add_argument("--requests", type=int, help="requests per rate and engine, at most")
     ap.add_argument("--max-seconds", type=float, help="time bound per rate and engine")
     ap.add_argument("--p99-bound", type=float, help="p99 TTFT bound of the sustainable rate, seconds")
@@ -264,6 +296,8 @@ def main(argv: list[str] | None = None) -> dict:
     log = args.log or args.out / f"{result_name}_engines.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
+    # a SIGTERM (timeout, kill) unwinds through the servers' stop: no engine outlives the run
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_start = time.perf_counter()
     load_before = os.getloadavg()
     model = str(ensure_demo_llava())
@@ -324,10 +358,15 @@ def main(argv: list[str] | None = None) -> dict:
         "turns": spec.turns, "requests_per_rate": min(spec.requests, spec.conversations * spec.turns),
         "max_seconds_per_rate": spec.max_seconds, "p99_bound_s": spec.p99_bound_s,
         "vllm_kv_tokens": spec.kv_blocks * 32, "mmtier_device_bytes": spec.device_bytes,
-        "mmtier_host_bytes": spec.host_bytes, "answer_tokens": spec.max_tokens, "engines_start_s": started_s,
+        "mmtier_host_bytes": spec.host_bytes, "answer_tokens_median": spec.answer_median,
+        "answer_tokens_min": spec.answer_range[0], "answer_tokens_max": spec.answer_range[1],
+        "engines_start_s": started_s,
         "load_1min_before": load_before[0], "load_1min_after": os.getloadavg()[0],
         f"sustainable_rate_{ref}": sus[ref], f"sustainable_rate_{test}": sus[test],
         f"sustainable_{test}_over_{ref}": (sus[test] / sus[ref]) if sus[ref] else math.nan,
+        # what each engine generated at its own sustainable rate (0: no rate was sustained)
+        **{f"output_tokens_per_s_at_sustainable_{name}": next(
+            (r["output_tokens_per_s"] for r in rows if r["rate"] == sus[name]), 0.0) for name, rows in per_engine.items()},
         "plot": str(png) if png is not None else "(matplotlib not in this environment)",
         "engines_log": str(log),
     }

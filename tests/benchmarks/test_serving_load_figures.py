@@ -37,3 +37,17 @@ def test_sustainable_needs_every_request_completed_within_the_bound():
             {"rate": 2.0, "ttft_p99_s": 0.9, "completed": 9, "sent": 10},
             {"rate": 4.0, "ttft_p99_s": 3.0, "completed": 10, "sent": 10}]
     assert sustainable(rows, 1.0) == 1.0 and sustainable(rows, 5.0) == 4.0 and sustainable(rows, 0.1) == 0.0
+
+
+def test_requests_arrive_interleaved_and_a_limit_keeps_the_first_turns():
+    from benchmarks.engines.serving_load import LoadSpec, interleaved, trace
+
+    spec = LoadSpec.quick()
+    system, convs = trace(spec, seed=1)
+    assert system["role"] == "system" and len(convs) == spec.conversations
+    assert all(len(turns) == spec.turns for turns in convs)
+    lo, hi = spec.answer_range
+    assert all(lo <= t.answer_tokens <= hi for turns in convs for t in turns)
+    assert interleaved(convs, 100) == [(c, i) for i in range(spec.turns) for c in range(spec.conversations)]
+    assert interleaved(convs, 4) == [(0, 0), (1, 0), (2, 0), (0, 1)]
+    assert interleaved([[], convs[0]], 10) == [(1, 0), (1, 1)]
