@@ -107,7 +107,7 @@ def test_text_and_image_prompts_decode_from_the_prefill_engines_kv(apps):
 
 def test_a_long_prompt(apps):
     _, tokens = _check(apps, [{"role": "user", "content": text(21, 3000)}], "long")
-    assert tokens > 3000
+    assert tokens >= 3000
 
 
 def test_several_requests_in_flight(apps):
