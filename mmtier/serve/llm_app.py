@@ -124,8 +124,8 @@ def start_llm_app(config: str | Path | dict, *, port: int | None = None, host: s
             name = app.get("name", "default")
             serve.run(builder(args), name=name, route_prefix=app.get("route_prefix", "/"), blocking=False)
             names.append(name)
-            models += sorted({m["model_loading_config"]["model_id"] for m in llm_configs(args)
-                              if isinstance(m, dict)})
+            models += list(dict.fromkeys(m["model_loading_config"]["model_id"] for m in llm_configs(args)
+                                         if isinstance(m, dict)))    # P/D: one model id, two engines
         base = f"http://{http['host']}:{http['port']}/v1"
         wait_ready(base, ready_timeout_s)
     except BaseException:
