@@ -85,6 +85,13 @@ def test_a_decoder_that_arrives_before_the_save_waits_for_it_instead_of_missing(
     kv_d = h.paged()
     assert h.step(d_sched, d_worker, d, list(range(10, 16)), kv_d) == WHOLE
     assert torch.equal(h.tokens_kv(kv_d, list(range(10, 16)), WHOLE), h.tokens_kv(kv, list(range(6)), WHOLE))
+    # a decode request aborted while it waits (the client went away): nothing of it stays
+    named = [s.key.hex for s in p_sched._plan(_req("q", dict(PREFILL), seed=8)).plan.segments]   # never saved
+    gone = _req("gone", pd.handoff_params(named, WHOLE), seed=8)
+    assert d_sched.get_num_new_matched_tokens(gone, 0) == (None, False)
+    assert d_sched.request_finished(gone, []) == (False, None)
+    d_sched.request_finished(d, list(range(10, 16)))
+    assert len(d_sched.cache.leases) == 0 and not d_sched.scheduler._reqs
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
