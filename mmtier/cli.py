@@ -185,9 +185,10 @@ def _serve_llm_start_config(app: dict, path: Path):
     from .cluster.settings import ClusterSettings
     from .engines.connector_cache import cluster_from_extra, config_from_extra
     from .errors import ConfigError
+    from .serve.llm_app import llm_configs
 
     try:
-        extra = app["args"]["llm_configs"][0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
+        extra = llm_configs(app["args"])[0]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
     except (KeyError, IndexError, TypeError):
         raise ConfigError(f"{path}: the first LLM config has no engine_kwargs.kv_transfer_config."
                           "kv_connector_extra_config naming mmtier's cache") from None

@@ -57,6 +57,8 @@ def test_start_config_from_serve_yaml_and_presets(monkeypatch):
     cfg, settings = load_start_config(ROOT / "configs" / "serve-llm-vllm.yaml")   # the engines' own cache
     assert cfg.model == "Qwen/Qwen2.5-VL-7B-Instruct" and cfg.key_secret == "s3cret-from-env"
     assert "vision_embed" in cfg.modalities and settings.device_resource == "mmtier_pool"
+    cfg, settings = load_start_config(ROOT / "configs" / "serve-llm-cpu-pd.yaml")   # P/D: prefill_config's
+    assert cfg.model == "tiny-llava-vllm" and settings.device_resource == "mmtier_pool"
 
 
 @pytest.mark.parametrize("name", ["serve.yaml", "tiny-mm.yaml"])

@@ -75,11 +75,19 @@ def is_serve_llm(doc: dict[str, Any]) -> bool:
     return any(str(a.get("import_path", "")).startswith(LLM_IMPORT) for a in doc.get("applications") or [])
 
 
+def llm_configs(args: dict[str, Any]) -> list[Any]:
+    """An application's LLM configs: ``build_openai_app``'s ``llm_configs``, or
+    ``build_pd_openai_app``'s ``prefill_config`` and ``decode_config`` (P/D: prefill and decode
+    on different engines, mmtier carrying the KV, ``mmtier.engines.vllm.pd``)."""
+    return [*(args.get("llm_configs") or []),
+            *(args[k] for k in ("prefill_config", "decode_config") if args.get(k) is not None)]
+
+
 def resolve_models(doc: dict[str, Any]) -> dict[str, Any]:
     """``doc`` with every ``model_source: mmtier://tiny-llava`` (or ``mmtier://tiny-qwen2-audio``,
     ``mmtier://tiny-qwen2-vl``: ``TINY_MODELS``) replaced by the built model's path."""
     for app in doc["applications"]:
-        for llm in (app.get("args") or {}).get("llm_configs") or []:
+        for llm in llm_configs(app.get("args") or {}):
             loading = llm.get("model_loading_config") if isinstance(llm, dict) else None
             tiny = TINY_MODELS.get(loading.get("model_source")) if isinstance(loading, dict) else None
             if tiny is not None:
@@ -116,8 +124,8 @@ def start_llm_app(config: str | Path | dict, *, port: int | None = None, host: s
             name = app.get("name", "default")
             serve.run(builder(args), name=name, route_prefix=app.get("route_prefix", "/"), blocking=False)
             names.append(name)
-            models += [m["model_loading_config"]["model_id"] for m in args.get("llm_configs") or []
-                       if isinstance(m, dict)]
+            models += list(dict.fromkeys(m["model_loading_config"]["model_id"] for m in llm_configs(args)
+                                         if isinstance(m, dict)))    # P/D: one model id, two engines
         base = f"http://{http['host']}:{http['port']}/v1"
         wait_ready(base, ready_timeout_s)
     except BaseException:
@@ -173,7 +181,7 @@ def _start_cluster(doc: dict[str, Any]) -> None:
     for app in doc["applications"]:
         args = app.get("args") or {}
         ingress = ((args.get("ingress_cls_config") or {}).get("ingress_extra_kwargs") or {})
-        for llm in args.get("llm_configs") or []:
+        for llm in llm_configs(args):
             kwargs = (llm.get("engine_kwargs") or {}) if isinstance(llm, dict) else {}
             extras = [(kwargs.get(k) or {}).get(f"{p}_connector_extra_config")
                       for k, p in (("kv_transfer_config", "kv"), ("ec_transfer_config", "ec"))]

@@ -30,8 +30,8 @@ PROMPT = 41                      # 5 full blocks and one token
 IMAGE_AT, IMAGE_LEN = 10, 16     # the image's placeholder positions [10, 26)
 
 
-def vllm_config(fields: dict, **extra) -> VllmConfig:
-    kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role="kv_both",
+def vllm_config(fields: dict, kv_role: str = "kv_both", **extra) -> VllmConfig:
+    kv = KVTransferConfig(kv_connector="MMTierConnector", kv_role=kv_role,
                           kv_connector_module_path="mmtier.engines.vllm.connector",
                           kv_connector_extra_config={"mmtier_cache": fields, "mmtier_tenant": "acme",
                                                      **extra})
@@ -45,8 +45,8 @@ def vllm_config(fields: dict, **extra) -> VllmConfig:
     return cfg
 
 
-def connectors(fields: dict, **extra):
-    cfg = vllm_config(fields, **extra)
+def connectors(fields: dict, kv_role: str = "kv_both", **extra):
+    cfg = vllm_config(fields, kv_role, **extra)
     return (KVConnectorFactory.create_connector(cfg, KVConnectorRole.SCHEDULER, None),
             KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, None))
 

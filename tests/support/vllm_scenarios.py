@@ -37,7 +37,7 @@ def prompt(seed: int, n: int) -> list[int]:
 
 
 def engine(model: str, *, mmtier: dict | None = None, executor: str = "mp", dtype: str = "float32",
-           **kw):
+           kv_role: str = "kv_both", **kw):
     """A real engine. ``executor``: ``"mp"`` (vLLM's default: engine core and worker in
     processes of their own) or ``"uni"`` (everything in this process)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if executor == "mp" else "0"
@@ -47,7 +47,7 @@ def engine(model: str, *, mmtier: dict | None = None, executor: str = "mp", dtyp
     kv = None
     if mmtier is not None:
         kv = KVTransferConfig(kv_connector="MMTierConnector", kv_connector_module_path=CONNECTOR,
-                              kv_role="kv_both", kv_connector_extra_config=mmtier)
+                              kv_role=kv_role, kv_connector_extra_config=mmtier)
     args = dict(skip_tokenizer_init=True, enforce_eager=True, block_size=BLOCK, max_model_len=2048,
                 dtype=dtype, enable_prefix_caching=PREFIX_CACHING, seed=0, max_num_seqs=8, disable_log_stats=False,
                 kv_transfer_config=kv, distributed_executor_backend=executor)

@@ -65,6 +65,11 @@ how many of a request's leading groups it holds, one round trip per lookup. With
 its own cache) and the worker, at load, pulls what its cache lacks (one lookup, one call per
 group; that step's first layer waits for it).
 
+Prefill and decode on different engines (``pd``): ``kv_role`` ``kv_producer`` answers a request
+that asks ``do_remote_decode`` with ``kv_transfer_params`` naming the prompt groups it saved;
+``kv_consumer`` waits for the groups a request's params name to be visible (here or in the
+cluster, ``mmtier_pd_wait_s``), loads them as any hit, and saves no prompt.
+
 A request resumed after preemption is planned again by vLLM (its blocks were freed): its hit
 is loaded into its new blocks like a new request's. Keys carry the tenant (``mmtier_tenant``,
 then vLLM's ``cache_salt``) and the LoRA adapter (its name and path), so neither tenants nor

@@ -37,6 +37,7 @@ import torch
 from ...content import ContentKey
 from ...errors import ShapeError
 from . import hybrid as vllm_hybrid
+from . import pd as vllm_pd
 from .meta import GroupCopy, MMTierConnectorMetadata
 from .plan import MAX_FORKS, RequestPlan, Segment, slots_for
 from .setup import ConnectorSetup
@@ -65,6 +66,7 @@ class _ReqState:
     done: int = 0                  # positions whose KV vLLM wrote by the end of its latest step
     decode: bool = True            # its generated tokens are still planned (_decode_saves)
     flush_waits: int = 0           # steps its lookup waited for a flush it would hit
+    handoff: vllm_pd.PendingHandoff | None = None   # P/D: the groups its prefill engine named
 
 
 class MMTierConnectorScheduler:
@@ -86,6 +88,9 @@ class MMTierConnectorScheduler:
         self._flushes: list[GroupCopy] = []       # finished requests' last groups, sent next step
         self._step = 0                            # build_connector_meta calls so far
         self._flushed_at: dict[ContentKey, int] = {}   # flushed group -> the step it was sent in
+        # P/D (``pd``): a consumer never saves prompts; a producer names what it saved
+        self.role, self.pd_wait_s, self.load_policy = setup.role, setup.pd_wait_s, setup.load_policy
+        self.counts.update(pd_waits=0, pd_timeouts=0, pd_handoffs=0)
 
     def plan(self, request: Request) -> _ReqState:
         """The request's state, its prompt planned on first sight."""
@@ -93,6 +98,8 @@ class MMTierConnectorScheduler:
         if state is None:
             state = self._reqs[request.request_id] = _ReqState(self.scheme.plan(self.cache, request),
                                                                request=request)
+            state.handoff = vllm_pd.PendingHandoff.from_params(getattr(request, "kv_transfer_params", None),
+                                                               self.pd_wait_s)
         return state
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
@@ -103,6 +110,11 @@ class MMTierConnectorScheduler:
         if not all(held):          # an earlier prompt ended inside the chunk that missed
             held = self._fork(request, state, held)
             keys = [s.key for s in state.plan.segments]
+        if state.handoff is not None and not state.handoff.settled:
+            waiting = self._await_handoff(request, state, keys, held)
+            if waiting is not None:
+                return waiting
+            held = self._held(keys)
         if not all(held) and state.flush_waits < FLUSH_WAIT_STEPS and self._awaits_flush(request, state, held):
             state.flush_waits += 1
             return None, False                         # asked again once the flush is stored
@@ -121,8 +133,56 @@ class MMTierConnectorScheduler:
         if self.states:                                # a hit ends where a state is held
             state.hit = self._state_hit(state, held, request.num_tokens)
         state.saved = next((i for i, ok in enumerate(held) if not ok), len(held))
+        if self.role == "kv_consumer":                 # a decode engine saves no prompt
+            state.saved = len(held)
         n = max(0, state.hit - num_computed_tokens)
         return n, self.hybrid is not None and n > 0     # hybrid: loaded while the request waits
+
+    def _await_handoff(self, request: Request, state: _ReqState, keys: list[ContentKey],
+                       held: list[bool]) -> tuple[int | None, bool] | None:
+        """A decode request's wait for the groups its prefill engine named (``pd``): what to
+        answer vLLM while it waits (``(None, False)``: ask again), or ``None`` once they are
+        held here or in the cluster (the normal path then loads them), or the wait is over.
+        Past the wait, ``"recompute"`` goes on with what is held; ``"fail"`` claims the named
+        tokens (their load fails and vLLM fails the request)."""
+        handoff = state.handoff
+        want = handoff.wanted([k.hex for k in keys])
+        have = next((i for i, ok in enumerate(held[:want]) if not ok), want)
+        if have < want and self.link is not None:
+            if state.pull is None:                     # asked again until the groups are visible
+                ask = self.link.locate_async if self.split else self.link.pull_async
+                state.pull = ask(keys[have:])
+            if not state.pull.done():
+                return None, False
+            found = state.pull.result() if state.pull.exception() is None else 0
+            if self.split:
+                have = min(want, have + found)
+            else:
+                have = next((i for i, ok in enumerate(self._lookup(keys)[:want]) if not ok), want)
+            if have < want:
+                state.pull = None                      # not visible yet: a fresh lookup next time
+        if have >= want:
+            handoff.settled = True
+            if self.split:                             # the normal path locates from where it starts
+                state.pull = None
+            self.counts["pd_handoffs"] += 1
+            return None
+        if not handoff.expired():
+            self.counts["pd_waits"] += 1
+            return None, False
+        handoff.settled = handoff.timed_out = True
+        self.counts["pd_timeouts"] += 1
+        end = state.plan.segments[want - 1].end if want else 0
+        log.warning("mmtier: request %s: %d of the %d groups its prefill engine saved ([0, %d)) are not visible "
+                    "after %.1f s; policy %r", request.request_id, have, want, end, self.pd_wait_s,
+                    self.load_policy)
+        if self.load_policy != "fail":
+            return None
+        # claim the named tokens: their load fails and vLLM fails the request ("fail")
+        state.computed = num = request.num_computed_tokens
+        state.hit = state.plan.hit_tokens([i < want for i in range(len(keys))], self.block_size)
+        state.saved = len(keys)
+        return max(0, state.hit - num), self.hybrid is not None and state.hit > num
 
     def _state_hit(self, state: _ReqState, held: list[bool], num_tokens: int) -> int:
         """The longest hit whose end holds a state: the end of a held group on a block
@@ -370,13 +430,24 @@ class MMTierConnectorScheduler:
         The last groups of its generated tokens are flushed at the next step (vLLM calls this
         before it frees the blocks, and writes none of them before that step's flush)."""
         state = self._reqs.pop(request.request_id, None)
+        params = self._handoff(request, state)
         if state is not None and block_ids and block_ids[0]:
             state.block_ids = [list(ids) for ids in block_ids]
             self._flushes += self._decode_saves(request.request_id, state, request.num_computed_tokens, final=True)
         if request.request_id in self._async_reqs:
             self._async_reqs.discard(request.request_id)
-            return True, None
-        return False, None
+            return True, params
+        return False, params
+
+    def _handoff(self, request: Request, state: _ReqState | None) -> dict[str, Any] | None:
+        """A prefill engine's ``kv_transfer_params`` for the decode engine (``pd``): the prompt's
+        groups held or queued for saving, in order; ``None`` unless the request asked for it."""
+        if (state is None or self.role == "kv_consumer"
+                or not vllm_pd.wants_handoff(getattr(request, "kv_transfer_params", None))):
+            return None
+        full = len(request.prompt_token_ids or ()) // self.block_size * self.block_size
+        segs = [s for s in state.plan.segments[:state.saved] if s.end <= full]
+        return vllm_pd.handoff_params([s.key.hex for s in segs], segs[-1].end if segs else 0)
 
 
 def _blocks_handed_out(scheduler_output) -> set[int]:

@@ -18,6 +18,7 @@ from ...content import ContentKey
 from ...errors import ConfigError
 from ..connector_cache import open_shared, release_shared, report_for
 from . import hybrid as vllm_hybrid
+from . import pd as vllm_pd
 from .keys import KeyScheme
 from .lookup_channel import LookupChannel
 from .shape import engine_shape, engine_shard
@@ -82,6 +83,11 @@ class ConnectorSetup:
             raise ConfigError(f"mmtier_load_failure_policy must be 'recompute' or 'fail', got {policy!r}",
                               ("mmtier_load_failure_policy",))
         kv_transfer_config.kv_load_failure_policy = policy
+        self.load_policy = policy
+        # prefill and decode on different engines (``pd``): the role, and how long a decoder
+        # waits for the groups its prefill engine named before the policy decides
+        self.role = vllm_pd.role_setting(kv_transfer_config.kv_role)
+        self.pd_wait_s = vllm_pd.wait_setting(extra)
         self.scheme = KeyScheme.from_extra(extra, self.block_size)
         # recurrent layers' states: one embedding pool per state tensor (vllm_shape.shape_fields)
         self.states: tuple[str, ...] = ()
