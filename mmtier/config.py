@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +39,8 @@ POLICIES = ("lru", "modality_lru", "cost_aware", "bimodal_lru", "s3fifo", "arc",
             "adaptive_slru")
 DEFAULT_KEY_SECRET = "mmtier-default-secret"    # public: fine in-process and in tests, never served
 KEY_SECRET_ENV = "MMTIER_KEY_SECRET"            # where `mmtier start` reads a preset's secret
+# ModalitySpec's size math and torch dtype, taken once per spec (a put reads it a dozen times; frozen fields)
+_SIZE_MATH = ("page_shape", "page_bytes", "torch_dtype")
 _MODEL_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype", "k_scale", "v_scale")
 
 
@@ -88,7 +91,7 @@ class ModalitySpec(BaseModel):
     def itemsize(self) -> int:
         return DTYPES[self._need("dtype")]
 
-    @property
+    @cached_property
     def page_shape(self) -> tuple[int, ...]:
         """Shape of one page: ``[L, 2, P, H, D]`` for kv, ``[P, W]`` for embeddings."""
         if self.kind == "embedding":
@@ -114,7 +117,7 @@ class ModalitySpec(BaseModel):
     def page_elems(self) -> int:
         return math.prod(self.page_shape)
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         return self.page_elems * self.itemsize
 
@@ -122,10 +125,17 @@ class ModalitySpec(BaseModel):
     def token_bytes(self) -> int:
         return self.page_bytes // self.page_size
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModalitySpec:
+        """A copy whose size math is taken afresh (``update`` may change the fields it rests on)."""
+        copied = super().model_copy(update=update, deep=deep)
+        for name in _SIZE_MATH:
+            copied.__dict__.pop(name, None)
+        return copied
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    @property
+    @cached_property
     def torch_dtype(self):
         import torch
 

@@ -22,6 +22,7 @@ from typing import Literal
 
 KEY_FORMAT_VERSION = 1
 _DOMAIN = b"mmtier/content-key"
+_AUTHENTIC_MEMO = 1 << 16        # keys a KeyMaker remembers as checked before it starts afresh
 Sharing = Literal["content", "prefix"]
 
 
@@ -128,6 +129,10 @@ class KeyMaker:
     def __init__(self, model: str, secret: str):
         self.model = model
         self._secret = secret.encode()
+        self._authentic: dict[ContentKey, None] = {}   # keys issued or checked here (bounded)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_authentic": {}}       # a memo, not state: never shipped
 
     def derive(
         self,
@@ -193,12 +198,33 @@ class KeyMaker:
 
     def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes,
               parent: bytes | None = None) -> ContentKey:
-        return ContentKey(digest, modality, sharing, scope,
-                          self._tag(digest, modality, sharing, scope, parent), parent)
+        key = ContentKey(digest, modality, sharing, scope,
+                         self._tag(digest, modality, sharing, scope, parent), parent)
+        self._remember(key)
+        return key
 
     def is_authentic(self, key: ContentKey) -> bool:
-        return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope,
-                                                      key.parent))
+        # a key equal in every field (its tag included) to one issued or checked here is
+        # authentic too: the HMAC is taken once per key, not at every call that names it
+        try:
+            if key in self._authentic:
+                return True
+        except TypeError:        # a field that does not hash (a bytearray): the HMAC alone
+            return hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope,
+                                                          key.parent))
+        ok = hmac.compare_digest(key.tag, self._tag(key.digest, key.modality, key.sharing, key.scope,
+                                                    key.parent))
+        if ok:
+            self._remember(key)
+        return ok
+
+    def _remember(self, key: ContentKey) -> None:
+        if len(self._authentic) >= _AUTHENTIC_MEMO:
+            self._authentic.clear()
+        try:
+            self._authentic[key] = None
+        except TypeError:
+            pass
 
     def verify(self, key: ContentKey) -> None:
         from .errors import ForeignKeyError

@@ -386,3 +386,16 @@ def test_model_copy_revalidation_is_explicit():
     data["device_bytes"] = None
     with pytest.raises(ConfigError):
         CacheConfig(**data)
+
+
+def test_size_math_follows_a_copy_that_changes_its_fields():
+    # the size math is taken once per spec; a copy with other fields takes it afresh
+    s = CacheConfig(**base()).modalities["text"]
+    before = (s.page_shape, s.page_bytes, s.torch_dtype)
+    wider = s.model_copy(update={"page_size": s.page_size * 2, "dtype": "float32"})
+    assert wider.page_shape[2] == 2 * s.page_size
+    assert wider.page_bytes == math.prod(wider.page_shape) * 4
+    import torch
+    assert wider.torch_dtype is torch.float32
+    assert (s.page_shape, s.page_bytes, s.torch_dtype) == before
+    assert s == s.model_copy() and hash(s) == hash(s.model_copy()) and "page_bytes" not in s.model_dump()

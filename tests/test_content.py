@@ -426,3 +426,28 @@ def test_a_state_key_is_its_groups_own_never_the_group_and_never_another_pools()
     assert km.state(other, "state0").digest != conv.digest
     with pytest.raises(ForeignKeyError):                           # another secret's group
         km.state(key(b"img", tenant="acme", km=KeyMaker(MODEL, "other")), "state0")
+
+
+def test_checked_keys_are_remembered_never_their_forgeries():
+    # a key issued (or checked once) is authentic by a lookup from then on; a copy differing in
+    # any field is still refused, one with fields that do not hash is checked by the HMAC alone,
+    # and a pickled KeyMaker carries no memo
+    import pickle
+
+    km = KeyMaker(MODEL, SECRET)
+    k = key(b"img", km=km)
+    assert k in km._authentic
+    other = key(b"img", km=KeyMaker(MODEL, SECRET))          # issued elsewhere: checked once, then held
+    km._authentic.clear()
+    km.verify(other)
+    assert other in km._authentic and km.is_authentic(k)
+    for forged in (dataclasses.replace(k, tag=bytes(32)), dataclasses.replace(k, modality="audio")):
+        with pytest.raises(ForeignKeyError):
+            km.verify(forged)
+        assert forged not in km._authentic
+    unhashable = dataclasses.replace(k, digest=bytearray(k.digest))
+    assert km.is_authentic(unhashable)
+    with pytest.raises(ForeignKeyError):
+        km.verify(dataclasses.replace(k, digest=bytearray(32)))
+    again = pickle.loads(pickle.dumps(km))
+    assert not again._authentic and again.is_authentic(k)

@@ -53,6 +53,9 @@ def library(name: str) -> ctypes.CDLL | None:
     where native helpers are off or cannot be built here (logged once)."""
     if not enabled():
         return None
+    lib = _loaded.get(name, _loaded)        # loaded before: no lock (a copy's hot path asks)
+    if lib is not _loaded:
+        return lib
     with _lock:
         if name in _loaded:
             return _loaded[name]

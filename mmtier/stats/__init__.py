@@ -45,7 +45,10 @@ class Counters:
         with self._lock:
             self.total[name] += n
             if modality is not None:
-                self.modality.setdefault(modality, Counter())[name] += n
+                per = self.modality.get(modality)
+                if per is None:                  # made once, not a fresh Counter per call
+                    per = self.modality[modality] = Counter()
+                per[name] += n
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
         with self._lock:

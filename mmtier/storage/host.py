@@ -256,7 +256,7 @@ class HostTier(StorageTier):
         if slab is None:
             slab = Slab(spec, self.capacity_bytes // spec.page_bytes, self.pin_memory)
             self._slabs[name] = slab
-        elif slab.spec != spec:
+        elif slab.spec is not spec and slab.spec != spec:     # identity first: pydantic's == costs µs
             raise ShapeError(f"host slab {name!r} has layout {slab.spec.layout_fields()}, "
                              f"got {spec.layout_fields()}")
         return slab
