@@ -10,7 +10,7 @@ of its own, a second one at most); ``"key"``: by the digest itself. The shards s
 an item a holder reports carries its placement in its key's wire form (``"place"``), so a shard
 rebuilt from the holders' inventories takes back the same keys. A wrong placement sends a key
 to a shard that does not have it: a miss, never a wrong hit.
-Routing is client side: a lookup of many digests is one call per shard, all sent at once and
+Routing is client side: a lookup of many addresses is one call per shard, all sent at once and
 awaited together; what concerns a holder as a whole (sync, drop) goes to every shard, a
 holder's items to the shards of their keys. Every call returns a ``Pending``: ``get(timeout)``
 from a thread, ``await`` on a loop; fire-and-forget callers drop it.
@@ -71,6 +71,7 @@ def item_address(item: dict) -> str:
 
 
 def digest_of(address: str) -> str:
+    """The digest of an address: what the shards keep and are asked for."""
     return address.partition("@")[0]
 
 
