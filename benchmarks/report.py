@@ -35,8 +35,10 @@ COMMANDS = {
     "spill": "python -m benchmarks.storage.spill  (6 paired rounds, the writers in turn first)",
     "eviction": "python -m benchmarks.eviction.eviction",
     "cluster": "python -m benchmarks.cluster.cluster",
-    "registry_scale": "python -m benchmarks.cluster.registry_scale  (3 s per cell; shards 1, 2, 4, 8 x 1, 2, 4 client "
-                      "processes)",
+    "registry_scale": "python -m benchmarks.cluster.registry_scale --cell-s 2  (2 s per cell; shards 1, 2, 4, 8 x "
+                      "1, 2, 4 client processes; per-key modes and requests of chains placed by chain vs key hash)",
+    "registry_scale_ab": "python -m benchmarks.cluster.registry_scale --ab 5 --cell-s 2  (requests of chains, 4 and 8 "
+                         "shards, 2 clients, chain and key cells alternated 5 times: medians)",
     "long_context": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 760959 --reserve-gib 8  "
                     "(all 28 layers, what the disk held at --tokens max --reserve-gib 20)",
     "long_context_fp8": "python -m benchmarks.kernels.long_context --preset qwen2.5-vl-7b --tokens 2097152 --dtype float8_e4m3fn "
@@ -139,6 +141,14 @@ HEADLINES = [
       for m, unit in (("single", "calls_per_s"), ("batched", "keys_per_s")) for s in (1, 2, 4, 8)),
     ("registry_scale", "single_s1_c4_p99_ms", "(reported; one key per call, 1 shard, 4 clients)", None),
     ("registry_scale", "single_s4_c4_p99_ms", "(reported; one key per call, 4 shards, 4 clients)", None),
+    *(("registry_scale", f"requests_{p}_s8_c4_{f}", f"(reported; a request a lookup, 8 shards by {p}, 4 clients)", None)
+      for p in ("chain", "key") for f in ("calls_per_request", "requests_per_s", "p99_ms")),
+    *(("registry_scale", f"requests_{p}_s{s}_c4_requests_per_s", f"(reported; 4 clients, {s} shard(s) by {p})", None)
+      for s in (1, 2, 4) for p in ("chain", "key")),
+    *(("registry_scale_ab", f"ab_s{s}_{p}_{f}", f"(reported; median of 5 alternated cells, {s} shards by {p})", None)
+      for s in (4, 8) for p in ("chain", "key") for f in ("requests_per_s", "calls_per_request", "p99_ms")),
+    *(("registry_scale_ab", f"ab_s{s}_chain_over_key_requests", "(reported; by chain over by key hash, medians)", None)
+      for s in (4, 8)),
     ("registry_model", "saturation_rps__e__e1024", ">= 20,000 (modelled; 256 shards by chain, 1,024 engines)",
      lambda v: v >= 2e4),
     ("registry_model", "saturation_rps__c__e1024", ">= 20,000 (modelled; 256 shards by key hash, 1,024 engines)",

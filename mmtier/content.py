@@ -7,6 +7,12 @@ key. Every field is written as ``len(name) name len(value) value`` with 8-byte b
 lengths, so no two distinct field lists share an encoding (``"org_1" + "2345"`` differs from
 ``"org_12345"``). Keys are never truncated.
 
+Beside its identity a key carries a placement (``place``): 8 bytes naming its chain's root
+(``placement`` of the root's digest, a one-way hash of a tenant-salted key), the same for
+every key derived down a chain, so the cluster can keep a chain's keys together (one registry
+call a request). It is not part of the key: not hashed into the digest, not covered by the tag,
+not compared; a wrong one costs the cluster a miss, never a wrong hit.
+
 A key also carries an HMAC tag under the server-side secret, so a cache accepts only keys it (or
 a cache with the same secret) issued: a caller-supplied id is never trusted on its own.
 No torch here: hashlib and hmac only.
@@ -17,12 +23,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 KEY_FORMAT_VERSION = 1
 _DOMAIN = b"mmtier/content-key"
 _AUTHENTIC_MEMO = 1 << 16        # keys a KeyMaker remembers as checked before it starts afresh
+PLACE_BYTES = 8                 # a placement's width: routing only, never identity
 Sharing = Literal["content", "prefix"]
 
 
@@ -75,12 +82,19 @@ def tenant_scope(salt: bytes) -> bytes:
     return hashlib.sha256(b"mmtier/scope" + salt).digest()[:16]
 
 
+def placement(root_digest: bytes) -> bytes:
+    """The placement of a chain whose root has this digest: a one-way hash of it (the root key
+    is tenant-salted, so another tenant can neither guess it nor learn the key from it)."""
+    return hashlib.sha256(b"mmtier/placement" + root_digest).digest()[:PLACE_BYTES]
+
+
 @dataclass(frozen=True)
 class ContentKey:
     """A modality group's identity. ``digest`` is the full 32-byte SHA-256. A prefix-dependent
     key derived from a parent carries the parent's digest (``parent``, covered by the tag), so a
     cache can tell whether a sequence holds the prefix the group's K/V was computed after; a
-    sequence's ``prefix_key`` (a chain key) has none."""
+    sequence's ``prefix_key`` (a chain key) has none. ``place``: its chain root's placement
+    (``None``: unknown, read as a root of its own), beside the identity, never compared."""
 
     digest: bytes
     modality: str
@@ -88,6 +102,7 @@ class ContentKey:
     scope: bytes        # 16 bytes naming the tenant (derived from its salt; not the salt)
     tag: bytes
     parent: bytes | None = None
+    place: bytes | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.digest) != 32 or len(self.tag) != 32 or len(self.scope) != 16:
@@ -96,10 +111,22 @@ class ContentKey:
             raise ValueError(f"sharing must be 'content' or 'prefix', got {self.sharing!r}")
         if self.parent is not None and (self.sharing != "prefix" or len(self.parent) != 32):
             raise ValueError("only a prefix-dependent key has a parent, a 32-byte digest")
+        if self.place is not None and len(self.place) != PLACE_BYTES:
+            raise ValueError(f"a placement is {PLACE_BYTES} bytes")
 
     @property
     def hex(self) -> str:
         return self.digest.hex()
+
+    @property
+    def placement(self) -> bytes:
+        """Its chain root's placement; a key with none is a root of its own."""
+        return self.place if self.place is not None else placement(self.digest)
+
+    @property
+    def address(self) -> str:
+        """``digest@placement`` in hex: what the cluster's registry is asked with (``split_address``)."""
+        return f"{self.digest.hex()}@{self.placement.hex()}"
 
     def __str__(self) -> str:
         return f"{self.modality}:{self.digest.hex()}"
@@ -113,14 +140,23 @@ class ContentKey:
                 "scope": self.scope.hex(), "tag": self.tag.hex()}
         if self.parent is not None:
             wire["parent"] = self.parent.hex()
+        if self.place is not None:
+            wire["place"] = self.place.hex()
         return wire
 
     @classmethod
     def from_wire(cls, d: Mapping[str, str]) -> ContentKey:
-        parent = d.get("parent")
+        parent, place = d.get("parent"), d.get("place")
         return cls(bytes.fromhex(d["digest"]), d["modality"], d["sharing"],  # type: ignore[arg-type]
                    bytes.fromhex(d["scope"]), bytes.fromhex(d["tag"]),
-                   None if parent is None else bytes.fromhex(parent))
+                   None if parent is None else bytes.fromhex(parent),
+                   None if place is None else bytes.fromhex(place))
+
+
+def split_address(address: str) -> tuple[str, str | None]:
+    """``(digest hex, placement hex or None)`` of a ``ContentKey.address`` (or a bare digest)."""
+    digest, _, place = address.partition("@")
+    return digest, place or None
 
 
 class KeyMaker:
@@ -162,14 +198,15 @@ class KeyMaker:
         digest = hashlib.sha256(encode_fields(_DOMAIN, fields)).digest()
         sharing: Sharing = "prefix" if parent is not None else "content"
         return self._make(digest, modality, sharing, tenant_scope(tenant_salt),
-                          None if parent is None else parent.digest)
+                          None if parent is None else parent.digest,
+                          placement(digest) if parent is None else parent.placement)
 
     def chain(self, *, modality: str, chain_digest: bytes, tenant_salt: bytes) -> ContentKey:
         """The key naming a sequence's whole prefix (its running chain digest): a valid parent."""
         digest = hashlib.sha256(encode_fields(b"mmtier/prefix", [
             ("version", str(KEY_FORMAT_VERSION)), ("model", self.model), ("chain", chain_digest),
             ("tenant", tenant_salt)])).digest()
-        return self._make(digest, modality, "prefix", tenant_scope(tenant_salt))
+        return self._make(digest, modality, "prefix", tenant_scope(tenant_salt), place=placement(digest))
 
     def shard(self, key: ContentKey, shard: str) -> ContentKey:
         """The key of one shard of ``key``'s group (``"tp0/2"``: the first half of the KV heads,
@@ -184,22 +221,22 @@ class KeyMaker:
                 ("shard", shard)])).digest()
 
         return self._make(mapped(key.digest), key.modality, key.sharing, key.scope,
-                          None if key.parent is None else mapped(key.parent))
+                          None if key.parent is None else mapped(key.parent), key.placement)
 
     def state(self, key: ContentKey, modality: str) -> ContentKey:
         """The key of the recurrent state a model's Mamba / linear-attention layers hold after
         ``key``'s group (its prefix included), in the pool ``modality``: its own digest, never
-        read as ``key``'s KV; sharing and tenant scope as ``key``'s, no parent."""
+        read as ``key``'s KV; sharing, tenant scope and placement as ``key``'s, no parent."""
         self.verify(key)
         digest = hashlib.sha256(encode_fields(b"mmtier/state", [
             ("version", str(KEY_FORMAT_VERSION)), ("model", self.model), ("key", key.digest),
             ("modality", modality)])).digest()
-        return self._make(digest, modality, key.sharing, key.scope)
+        return self._make(digest, modality, key.sharing, key.scope, place=key.placement)
 
     def _make(self, digest: bytes, modality: str, sharing: Sharing, scope: bytes,
-              parent: bytes | None = None) -> ContentKey:
+              parent: bytes | None = None, place: bytes | None = None) -> ContentKey:
         key = ContentKey(digest, modality, sharing, scope,
-                         self._tag(digest, modality, sharing, scope, parent), parent)
+                         self._tag(digest, modality, sharing, scope, parent), parent, place)
         self._remember(key)
         return key
 

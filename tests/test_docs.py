@@ -102,6 +102,25 @@ def test_the_figures_the_readme_quotes_are_the_committed_results():
     assert demo["vllm_kv_tokens"] * 16 << 10 == 56 << 20 and load["vllm_kv_tokens"] * 16 << 10 == 56 << 20
 
 
+def test_the_registry_figures_the_readme_quotes_are_the_committed_results():
+    """The registry's placement comparison and model figures in the README, against the
+    committed JSON (rounded as the README prints them)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    ab, model = _json("registry_scale_ab"), _json("registry_model")
+    quoted = [
+        f"{ab['ab_s4_chain_calls_per_request']:.2f} calls a request on 4 shards by chain against "
+        f"{ab['ab_s4_key_calls_per_request']:.2f} by key hash",
+        f"{ab['ab_s4_chain_requests_per_s']:.0f} against {ab['ab_s4_key_requests_per_s']:.0f} requests/s "
+        f"({ab['ab_s4_chain_over_key_requests']:.2f}x)",
+        f"on 8 shards {ab['ab_s8_chain_calls_per_request']:.2f} against {ab['ab_s8_key_calls_per_request']:.2f} "
+        f"calls, {ab['ab_s8_chain_over_key_requests']:.2f}x the requests/s",
+        f"~{round(model['saturation_rps__e__e1024'], -2):,.0f} requests/s cluster-wide at 1,024 engines",
+        f"against ~{round(model['saturation_rps__c__e1024'], -2):,.0f} by key hash",
+    ]
+    missing = [text for text in quoted if text not in readme]
+    assert not missing, missing
+
+
 def test_the_retokenization_table_is_the_committed_result():
     """The README's re-tokenization rows against ``benchmarks/results/retokenize.json``."""
     readme, r = (ROOT / "README.md").read_text(), _json("retokenize")

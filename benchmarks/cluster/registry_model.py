@@ -5,8 +5,10 @@ costs (``registry_scale.json`` when it holds them, else ``cluster.json``), of fi
 one actor, a call per key (the worst of today); (b) one actor, each engine's keys batched per
 scheduler step; (c) N shards by key hash, batched per step, a call per shard touched; (d) a
 replica per node, lookups local, fed every ``event_flush_s`` by every node's events; (e) N
-shards by chain (a request's keys on the shard of its first block), batched per step. The
-workload is the Mooncake trace's prompt blocks, each engine behind a location cache of
+shards by chain (a request's keys on the shard of its first block; a shared media group, in
+``media_share`` of the requests as in ``registry_scale``'s, on its own key's shard), batched
+per step: the built design (``registry_placement="chain"``). The workload is the Mooncake
+trace's prompt blocks, each engine behind a location cache of
 ``registry_cache_s``. For each design and engine count it finds the cluster-wide request rate at
 which the registry saturates (its busiest server over ``util_bound`` busy, or p99 lookup
 latency over ``p99_bound_s``) and draws the p99 against the rate at 1,024 engines.
@@ -24,6 +26,7 @@ design a's rate with the latency bound lifted. The target: the registry not the 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import time
@@ -65,6 +68,13 @@ def servers(design: str, engines: int) -> int:
     return shards_for(engines) if design in ("c", "e") else 1
 
 
+def _measured(results: Path, name: str, default: float) -> float:
+    """A figure of ``registry_scale.json`` (the measured workload's), else ``default``."""
+    path = results / "registry_scale.json"
+    v = json.loads(path.read_text()).get(name) if path.exists() else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
 def _sat(design: str, engines: int, cal: Calibration, inp: Inputs, work, cap: float):
     return find_saturation(design, engines, cal, inp, work, servers(design, engines), cap=cap)
 
@@ -79,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     cal = calibrate(args.results, args.server_fraction)
-    inp = Inputs()
+    inp = Inputs(media_share=_measured(args.results, "media_share", 0.0))
     if args.trace.exists():
         work = TraceWork.load(args.trace)
     else:
@@ -90,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         "server_fraction": args.server_fraction, "workload": work.name,
         "keys_per_request": work.keys_per_request(), "step_s": inp.step_s,
         "registry_cache_s": inp.registry_cache_s, "engines_per_node": inp.engines_per_node,
-        "event_flush_s": inp.event_flush_s, "p99_bound_s": inp.p99_bound_s, "util_bound": inp.util_bound,
+        "event_flush_s": inp.event_flush_s, "media_share": inp.media_share, "p99_bound_s": inp.p99_bound_s, "util_bound": inp.util_bound,
         "engine_max_rps": ENGINE_MAX_RPS, "target_rps": TARGET_RPS, "rate_cap_rps": CAP, "seed": inp.seed,
         "engines": ",".join(map(str, engines)),
         "designs": "; ".join(f"{d}: {DESIGN_NAMES[d]}" for d in DESIGNS),

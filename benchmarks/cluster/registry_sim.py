@@ -36,6 +36,8 @@ DESIGN_NAMES = {
     "e": "N shards by chain, batched per step",
 }
 KEY_SPACE = 1 << 22                 # engines' copies of the trace get disjoint key ids
+MEDIA_POOL = 100                    # shared media groups the requests that carry one draw from
+MEDIA_BASE = 1 << 61                # their ids: apart from every engine's trace keys
 
 
 class CalibrationError(ValueError):
@@ -261,6 +263,8 @@ class Inputs:
     steps_per_run: int = 8000       # engine steps simulated per run (sets the window: 0.25-10 s) ...
     requests_per_run: int = 1000    # ... or requests, whichever is longer (a p99 of enough lookups; up to 30 s)
     window_s: float | None = None   # a fixed window instead (the tests)
+    media_share: float = 0.0        # requests that also ask one shared media group (a root of its own:
+                                    # its own key's shard, design e's second call; registry_scale's share)
     seed: int = 0
 
     def window(self, engines: int, rate: float) -> float:
@@ -319,6 +323,14 @@ class _Servers:
         return end
 
 
+def _media(template: int, share: float) -> int | None:
+    """The shared media group request template ``template`` asks for too (``None``: none); the
+    same templates carry one in every design, spread over the pool."""
+    if share <= 0 or (template * 0.6180339887) % 1.0 >= share:
+        return None
+    return MEDIA_BASE + template % MEDIA_POOL
+
+
 def simulate(design: str, engines: int, rate: float, cal: Calibration, inp: Inputs, work,
              shards: int = 1) -> Point:
     """One run: ``engines`` engines sharing ``rate`` requests/s cluster-wide, ``design`` serving.
@@ -326,7 +338,8 @@ def simulate(design: str, engines: int, rate: float, cal: Calibration, inp: Inpu
     a: every key a call of its own to one actor, sent when the request arrives (writes too);
     b / c: once a step each engine sends one call per shard its keys fall in (b: one shard) and
     one write call per shard; e: as c, but a request's keys and writes all go to the shard of its
-    chain's first key (one call per shard its requests' chains fall in); d: one call to its node's
+    chain's first key (one call per shard its requests' chains fall in), a shared media group's
+    (``media_share`` of the requests, one each) on its own key's shard; d: one call to its node's
     replica per step, and every
     ``event_flush_s`` each node sends its stores' events (two keys per new block: the add and an
     eviction's remove) to every replica.
@@ -410,6 +423,10 @@ def simulate(design: str, engines: int, rate: float, cal: Calibration, inp: Inpu
                 for s, i in zip(home, reqs, strict=True):
                     if len(prep.needed[i]):
                         ask[s] = ask.get(s, 0) + len(prep.needed[i])
+                    m = _media(i, inp.media_share) if len(prep.needed[i]) else None
+                    if m is not None:
+                        sm = int(shard_of(np.array([m], dtype=np.int64), n_servers)[0])
+                        ask[sm] = ask.get(sm, 0) + 1
                     if prep.new[i]:
                         put[s] = put.get(s, 0) + 2 * int(prep.new[i])
                 done = now
@@ -423,7 +440,10 @@ def simulate(design: str, engines: int, rate: float, cal: Calibration, inp: Inpu
                 continue
             if asking:
                 keys = np.concatenate([prep.needed[i] + o for i, o in zip(reqs, offset[e][lo:hi].tolist(),
-                                                                          strict=True)])
+                                                                          strict=True)]
+                                      + [np.array([m], dtype=np.int64) for m in
+                                         (_media(i, inp.media_share) for i in reqs if len(prep.needed[i]))
+                                         if m is not None])
                 counts = np.bincount(shard_of(keys, n_servers), minlength=n_servers)
                 done = now
                 for s in np.flatnonzero(counts).tolist():

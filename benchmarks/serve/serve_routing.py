@@ -71,7 +71,7 @@ def decision_s(keyer, registry, messages: list[dict]) -> float:
 
     t0 = time.perf_counter()
     keys = keyer.submit(ChatCompletionRequest(model=MODEL_ID, messages=messages, max_tokens=1)).result(60)
-    registry.lookup(keys.digests()).get(30)
+    registry.lookup(keys.addresses()).get(30)
     return time.perf_counter() - t0
 
 

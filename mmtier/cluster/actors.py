@@ -29,7 +29,7 @@ from .metrics import ActorMetrics
 from .node_labels import node_folder
 from .pool import PoolService
 from .registry import ContentRegistry, HolderInfo
-from .registry_shards import RegistryShards, shard_of
+from .registry_shards import RegistryShards, item_address, shard_of
 from .settings import ClusterSettings
 from .store import NodeStoreService
 from .transfer import export_to_object_store
@@ -154,8 +154,8 @@ class ContentRegistryActor:
             except (ray.exceptions.RayError, asyncio.TimeoutError) as exc:
                 log.warning("registry rebuild: %s did not answer (%s)", name, type(exc).__name__)
                 return
-            n = self.settings.registry_shards
-            inv = [it for it in inv if shard_of(it["key"]["digest"], n) == self.shard]
+            n, place = self.settings.registry_shards, self.settings.registry_placement
+            inv = [it for it in inv if shard_of(item_address(it), n, place) == self.shard]
             self.reg.sync_holder(HolderInfo(**info), inv)
             self._wake(item["key"]["digest"] for item in inv)
 

@@ -68,7 +68,7 @@ class Attacher:
                 if names is not None:
                     st.named[st.chain] = names
                 st.tail_modality = key.modality
-                h.registry.ref([key.hex], 1)
+                h.registry.ref([key.address], 1)
                 return
             raise HolderLostError(f"{key!r}: its holders kept failing")
 
@@ -104,7 +104,7 @@ class Attacher:
         except HolderLostError:
             raise
         except UnknownKeyError:
-            h.forget_evicted(home, [key.hex])          # the registry was stale: a miss
+            h.forget_evicted(home, [key.address])          # the registry was stale: a miss
             raise HolderLostError(f"{key!r} left {home} meanwhile") from None
         if sub is None:
             sub = HomeRun(handle, st.length)
@@ -138,7 +138,7 @@ class Attacher:
         else:
             held = await h.call(h.actor(holder).holds.remote([key.to_wire()]), holder)
             if not held[0]:
-                h.forget_evicted(holder, [key.hex])
+                h.forget_evicted(holder, [key.address])
                 raise HolderLostError(f"{key!r} left {holder} meanwhile")
         st.remotes.append(RemoteAttachment(holder, key, st.length, local_start))
         st.sealed = True

@@ -116,15 +116,15 @@ class Holders:
         return [n for n in names if n in self.actors]
 
     async def lookup(self, keys: Sequence[ContentKey]) -> list[Location | None]:
-        return await self.call(self.registry.lookup([k.hex for k in keys]))
+        return await self.call(self.registry.lookup([k.address for k in keys]))
 
     async def announce(self, holder: str, items: list) -> None:
         """Record in the registry that ``holder`` now holds ``items``."""
         await self.call(self.registry.add(holder, items, info_dict(self.info[holder])))
 
-    def forget_evicted(self, holder: str, digests: list[str]) -> None:
-        if digests:                         # also drops them from the client's lookup cache
-            self.registry.remove(holder, digests)     # ordered after our earlier calls
+    def forget_evicted(self, holder: str, addresses: list[str]) -> None:
+        if addresses:                         # also drops them from the client's lookup cache
+            self.registry.remove(holder, addresses)     # ordered after our earlier calls
 
 
 def _holder_info(name: str) -> HolderInfo:

@@ -154,5 +154,5 @@ class SequenceBook:
     def unref_attached(self, st: SequenceState) -> None:
         """Give back the registry references the sequence's attached groups hold."""
         if st.attached:
-            self.holders.registry.ref([k.hex for k in st.attached], -1)
+            self.holders.registry.ref([k.address for k in st.attached], -1)
             st.attached.clear()

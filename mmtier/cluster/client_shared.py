@@ -63,13 +63,13 @@ class SharedGroups:
 
     async def _put(self, key: ContentKey, node: str | None, method: str, *payload) -> bool:
         h, registry, wire = self.holders, self.holders.registry, key.to_wire()
-        status = await h.call(registry.claim(key.hex, self.client_id, wire))
+        status = await h.call(registry.claim(key.address, self.client_id, wire))
         if status == "pending":           # another client is storing it: wait for that put
             wait = self.settings.lease_ttl_s
-            loc = await h.call(registry.wait_held(key.hex, wait), timeout=wait + self.settings.call_timeout_s)
+            loc = await h.call(registry.wait_held(key.address, wait), timeout=wait + self.settings.call_timeout_s)
             if loc is not None:
                 return False
-            status = await h.call(registry.claim(key.hex, self.client_id, wire))
+            status = await h.call(registry.claim(key.address, self.client_id, wire))
         if status != "granted":
             return False
         target = self.book.least_used(h.pools(node)) if node is not None and h.pools(node) \
@@ -77,11 +77,11 @@ class SharedGroups:
         try:
             item, evicted = await h.call(getattr(h.actor(target), method).remote(wire, *payload), target)
         except BaseException:
-            registry.unclaim(key.hex, self.client_id)
+            registry.unclaim(key.address, self.client_id)
             raise
         h.forget_evicted(target, evicted)
         if item is None:
-            registry.unclaim(key.hex, self.client_id)
+            registry.unclaim(key.address, self.client_id)
             return False
         await h.announce(target, [item])
         return True
@@ -102,7 +102,7 @@ class SharedGroups:
             except HolderLostError:
                 continue
             except UnknownKeyError:
-                h.forget_evicted(holder, [key.hex])
+                h.forget_evicted(holder, [key.address])
                 contradicted = True
         if contradicted:
             raise UnknownKeyError(f"{key!r} left its holders (a stale location: a miss)")

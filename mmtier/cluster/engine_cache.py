@@ -189,7 +189,7 @@ class HostedCache:
         missing = [k for k, h in zip(keys, held) if not h and k not in self._incoming]
         self._elsewhere = {}
         if missing:
-            self._asked = (missing, self.transport.lookup_async([k.hex for k in missing]), calls_left)
+            self._asked = (missing, self.transport.lookup_async([k.address for k in missing]), calls_left)
 
     def end_turn(self) -> None:
         """Land the fetches still in flight; publish this turn's changes in one call."""
@@ -294,7 +294,7 @@ class HostedCache:
             meta, buf = self.transport.land(refs, holder)
             item, evicted = self.host.import_group(key.to_wire(), meta, buf)
         except MMTierError as exc:       # gone meanwhile, holder lost, no room, bad data: a miss
-            self.transport.forget([key.hex])     # a cached location it contradicted: dropped
+            self.transport.forget([key.address])     # a cached location it contradicted: dropped
             self.counters["fetch_failed"] += 1
             self.counters[f"fetch_failed_{type(exc).__name__}"] += 1
             return False

@@ -76,12 +76,12 @@ class RayTransport:
         self.calls["announce"] += 1
         self.registry.sync_holder(info, inventory)
 
-    def lookup_async(self, digests: list[str]):
+    def lookup_async(self, addresses: list[str]):
         """One batched registry lookup, sent now (after what the sender thread still has to
         send, so it never overtakes a publish); ``wait`` reads its answer."""
         self.calls["lookup"] += 1
         self._sent()
-        return self.registry.lookup(digests)
+        return self.registry.lookup(addresses)
 
     def wait(self, ref, n: int) -> list[Location | None]:
         """The lookup's answer; all misses when the registry did not answer in time (the
@@ -91,9 +91,9 @@ class RayTransport:
             self.calls["lookup_failed"] += 1
         return locs if len(locs) == n else [None] * n
 
-    def forget(self, digests: list[str]) -> None:
+    def forget(self, addresses: list[str]) -> None:
         """A holder did not have what a (cached) lookup said it had: ask the registry next time."""
-        self.registry.forget(digests)
+        self.registry.forget(addresses)
 
     def fetch(self, holder: str, wire: dict[str, str]):
         """Start pulling a whole group from ``holder``: ``(meta ref, buffer ref)``; nothing waits.

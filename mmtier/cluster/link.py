@@ -184,7 +184,7 @@ class EngineLink:
         if not missing:
             return held, where
         self.counters["lookups"] += 1
-        for key, loc in zip(missing, self.transport.wait(self.transport.lookup_async([k.hex for k in missing]),
+        for key, loc in zip(missing, self.transport.wait(self.transport.lookup_async([k.address for k in missing]),
                                                          len(missing))):
             if loc is None or not loc.holders:
                 self.counters["lookup_misses"] += 1
@@ -228,7 +228,7 @@ class EngineLink:
             self.cache.import_pages(key, GroupPages.from_wire(meta, buf))
         except (MMTierError, ray.exceptions.RayError) as exc:
             log.warning("mmtier: pull of %r failed (%s: %s); a miss", key, type(exc).__name__, exc)
-            self.transport.forget([key.hex])     # a cached location it contradicted: dropped
+            self.transport.forget([key.address])     # a cached location it contradicted: dropped
             self.counters["pull_failed"] += 1
             return False
         self.counters["pulled"] += 1

@@ -13,7 +13,8 @@ What the cluster asks of a pool, all in wire terms (``ContentKey.to_wire()`` dic
   ``import_group`` takes one, so a group moves between nodes as plain bytes through the object
   store and lands in pages of the same layout.
 
-Every mutating call returns the digests this cache evicted meanwhile (``take_evicted``), so the
+Every mutating call returns the addresses (``ContentKey.address``: digest and placement, what the
+registry routes by) of the groups this cache evicted meanwhile (``take_evicted``), so the
 caller can tell the registry at once. With a disk tier (``cfg.disk_dir``) groups the device must
 give up move to disk whole and stay held here (tier ``"disk"``; attention and export read them
 from there); only groups dropped at the bottom, or whose disk copy failed verification (a miss),
@@ -93,7 +94,7 @@ class PoolService:
 
     # ------------------------------------------------------------------ groups
     def put(self, wire: dict[str, str], k: torch.Tensor, v: torch.Tensor) -> tuple[dict | None, list[str]]:
-        """Store a group; ``(item or None when already held, evicted digests)``."""
+        """Store a group; ``(item or None when already held, evicted addresses)``."""
         key = ContentKey.from_wire(wire)
         with self._lock:
             stored = self.cache.put(key, k, v)
@@ -130,11 +131,11 @@ class PoolService:
             return (self.held_item(key) if stored else None), self.take_evicted()
 
     def drop(self, wires: Sequence[dict[str, str]]) -> list[str]:
-        """Drop unreferenced groups (an explicit move elsewhere); returns the dropped digests."""
+        """Drop unreferenced groups (an explicit move elsewhere); returns the dropped addresses."""
         with self._lock:
             dropped = self.cache.drop_unreferenced([ContentKey.from_wire(w) for w in wires])
             self._known.difference_update(dropped)
-            return [k.hex for k in dropped]
+            return [k.address for k in dropped]
 
     # ------------------------------------------------------------------ sequences
     def create(self, tenant: str) -> SequenceHandle:
@@ -228,7 +229,7 @@ class PoolService:
         return info_item(g)
 
     def take_evicted(self) -> list[str]:
-        """Digests of groups this cache dropped (evicted at the bottom, or a corrupt disk copy
+        """Addresses of groups this cache dropped (evicted at the bottom, or a corrupt disk copy
         forgotten) since the last call; cheap when none were. Groups moved to disk stay."""
         n = self.cache.groups_lost()
         if n == self._evictions_seen:
@@ -237,7 +238,7 @@ class PoolService:
         known = list(self._known)
         gone = [k for k, held in zip(known, self.cache.indexed(known)) if not held]
         self._known.difference_update(gone)
-        return [k.hex for k in gone]
+        return [k.address for k in gone]
 
     def _report_lost(self) -> None:
         """A read found a corrupt copy (the cache forgot the group): tell ``on_lost``."""

@@ -1,8 +1,16 @@
-"""``RegistryShards``: the content index split over ``registry_shards`` registry actors by key.
+"""``RegistryShards``: the content index split over ``registry_shards`` registry actors.
 
-Each shard is a ``ContentRegistryActor`` holding the keys whose digest hashes to it
-(``shard_of``); shard 0 goes by ``registry_name``, shard ``i`` by ``<registry_name>:shard<i>``.
-Routing is client side: a lookup of many digests is one call per shard, all sent at once and
+Each shard is a ``ContentRegistryActor`` holding the keys ``shard_of`` maps to it; shard 0 goes
+by ``registry_name``, shard ``i`` by ``<registry_name>:shard<i>``. Callers name a key by its
+address (``ContentKey.address``: ``digest@placement``, the placement being its chain root's,
+beside the key and not part of it; a bare digest is read as a root of its own). By default
+(``registry_placement="chain"``) a key goes to its placement's shard, so every key of a
+prompt's chain is on one shard and a request's lookup is one call (a shared media group, a root
+of its own, a second one at most); ``"key"``: by the digest itself. The shards see digests only;
+an item a holder reports carries its placement in its key's wire form (``"place"``), so a shard
+rebuilt from the holders' inventories takes back the same keys. A wrong placement sends a key
+to a shard that does not have it: a miss, never a wrong hit.
+Routing is client side: a lookup of many addresses is one call per shard, all sent at once and
 awaited together; what concerns a holder as a whole (sync, drop) goes to every shard, a
 holder's items to the shards of their keys. Every call returns a ``Pending``: ``get(timeout)``
 from a thread, ``await`` on a loop; fire-and-forget callers drop it.
@@ -25,6 +33,8 @@ from typing import Any
 
 import ray
 
+from ..content import placement as placement_of
+from ..content import split_address
 from .registry import HolderInfo, Location
 from .settings import ClusterSettings
 
@@ -33,25 +43,50 @@ _SHARD_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableEr
 _RESOLVE_EVERY_S = 1.0          # how often a dead shard's name is looked up again
 
 
-def shard_of(digest: str, shards: int) -> int:
-    """The shard of a digest: stable across processes and runs (not Python's salted ``hash``)."""
+def shard_of(address: str, shards: int, placement: str = "chain") -> int:
+    """The shard of an address (``digest@placement`` or a bare digest): stable across processes
+    and runs (not Python's salted ``hash``). ``"chain"``: by its placement (a bare digest's is
+    its own, as a root's); ``"key"``: by the digest."""
     if shards == 1:
         return 0
-    try:            # a content digest is SHA-256 hex: its leading 60 bits are already uniform
+    digest, place = split_address(address)
+    if placement == "chain":
+        if place is None:
+            try:
+                place = placement_of(bytes.fromhex(digest)).hex()
+            except ValueError:
+                place = digest
+        digest = place
+    try:            # a digest or a placement is SHA-256 hex: its leading 60 bits are already uniform
         return int(digest[:15], 16) % shards
     except ValueError:                  # any other name: hashed (blake2b is 4x slower)
         return int.from_bytes(hashlib.blake2b(digest.encode(), digest_size=8).digest(), "little") % shards
+
+
+def item_address(item: dict) -> str:
+    """The address of a holder's item (its key's wire form, placement included when known)."""
+    wire = item["key"]
+    place = wire.get("place")
+    return wire["digest"] if place is None else f"{wire['digest']}@{place}"
+
+
+def digest_of(address: str) -> str:
+    """The digest of an address: what the shards keep and are asked for."""
+    return address.partition("@")[0]
 
 
 def shard_name(settings: ClusterSettings, index: int) -> str:
     return settings.registry_name if index == 0 else f"{settings.registry_name}:shard{index}"
 
 
-def split(digests: Sequence[str], shards: int) -> list[list[int]]:
-    """Positions of ``digests`` per shard."""
+def split(addresses: Sequence[str], shards: int, placement: str = "chain") -> list[list[int]]:
+    """Positions of ``addresses`` per shard."""
     parts: list[list[int]] = [[] for _ in range(shards)]
-    for i, d in enumerate(digests):
-        parts[shard_of(d, shards)].append(i)
+    if shards == 1:
+        parts[0] = list(range(len(addresses)))
+        return parts
+    for i, a in enumerate(addresses):
+        parts[shard_of(a, shards, placement)].append(i)
     return parts
 
 
@@ -120,6 +155,7 @@ class RegistryShards:
     def __init__(self, settings: ClusterSettings, handles: list | None = None):
         self.settings = settings
         self.n = settings.registry_shards
+        self.placement = settings.registry_placement
         self._stale: dict[int, float] = {}              # shard -> when it was found dead
         self._handles = list(handles) if handles is not None else [self._resolve(i) for i in range(self.n)]
         if not any(h is not None for h in self._handles):
@@ -159,9 +195,11 @@ class RegistryShards:
         return [self.call(i, method, *args) for i in range(self.n)]
 
     # ------------------------------------------------------------------ lookups
-    def lookup(self, digests: Sequence[str]) -> Pending:
-        """Where each digest's group lives (``None``: nowhere or its shard is down), in order."""
-        digests = list(digests)
+    def lookup(self, addresses: Sequence[str]) -> Pending:
+        """Where each address's group lives (``None``: nowhere, or not on its placement's shard,
+        or that shard is down), in order."""
+        addresses = list(addresses)
+        digests = [digest_of(a) for a in addresses]
         now = time.monotonic()
         out: list[Location | None] = [None] * len(digests)
         ask = list(range(len(digests)))
@@ -175,7 +213,7 @@ class RegistryShards:
                         self.cache_hits += 1
                     else:
                         ask.append(i)
-        parts = [[ask[j] for j in part] for part in split([digests[i] for i in ask], self.n)]
+        parts = [[ask[j] for j in part] for part in split([addresses[i] for i in ask], self.n, self.placement)]
         shards = [s for s in range(self.n) if parts[s]]
         refs = [self.call(s, "lookup", [digests[i] for i in parts[s]]) for s in shards]
 
@@ -196,14 +234,21 @@ class RegistryShards:
                        fallback=lambda j: [None] * len(parts[shards[j]]),
                        timeout=self._bound)
 
-    def forget(self, digests: Sequence[str]) -> None:
+    def forget(self, addresses: Sequence[str]) -> None:
         """Drop cached locations a holder contradicted (it did not hold the group)."""
         with self._lock:
-            for d in digests:
-                self._cache.pop(d, None)
+            for a in addresses:
+                self._cache.pop(digest_of(a), None)
 
-    def wait_held(self, digest: str, timeout_s: float) -> Pending:
-        ref = self.call(shard_of(digest, self.n), "wait_held", digest, timeout_s)
+    def _shard(self, address: str) -> int:
+        return shard_of(address, self.n, self.placement)
+
+    def _split(self, addresses: Sequence[str]) -> list[list[str]]:
+        """The digests of ``addresses`` per shard."""
+        return [[digest_of(addresses[j]) for j in part] for part in split(addresses, self.n, self.placement)]
+
+    def wait_held(self, address: str, timeout_s: float) -> Pending:
+        ref = self.call(self._shard(address), "wait_held", digest_of(address), timeout_s)
         return Pending([ref], lambda a: a[0])
 
     # ------------------------------------------------------------------ holders
@@ -231,17 +276,17 @@ class RegistryShards:
         return Pending([self.call(i, "add", holder, parts[i], info) for i in shards], lambda a: None)
 
     def publish(self, holder: str, items: list[dict], removed: list[str], info: dict) -> Pending:
-        """Groups ``holder`` now holds and those it gave up: one call per shard concerned."""
+        """Groups ``holder`` now holds and those it gave up (addresses): one call per shard concerned."""
         parts = self._items_by_shard(items)
-        gone = [[removed[j] for j in part] for part in split(removed, self.n)]
+        gone = self._split(removed)
         self.forget(removed)
         shards = [i for i in range(self.n) if parts[i] or gone[i]] or [0]
         return Pending([self.call(i, "publish", holder, parts[i], gone[i], info) for i in shards],
                        lambda a: None)
 
-    def remove(self, holder: str, digests: list[str]) -> Pending:
-        self.forget(digests)
-        gone = [[digests[j] for j in part] for part in split(digests, self.n)]
+    def remove(self, holder: str, addresses: list[str]) -> Pending:
+        self.forget(addresses)
+        gone = self._split(addresses)
         shards = [i for i in range(self.n) if gone[i]]
         return Pending([self.call(i, "remove", holder, gone[i]) for i in shards], sum)
 
@@ -256,17 +301,18 @@ class RegistryShards:
         return Pending(self._every("holders"), union, lenient=True, on_fail=self._shard_failed, timeout=self._bound)
 
     # ------------------------------------------------------------------ references and claims
-    def ref(self, digests: list[str], delta: int) -> Pending:
-        parts = [[digests[j] for j in part] for part in split(digests, self.n)]
+    def ref(self, addresses: list[str], delta: int) -> Pending:
+        parts = self._split(addresses)
         shards = [i for i in range(self.n) if parts[i]]
         return Pending([self.call(i, "ref", parts[i], delta) for i in shards], lambda a: None)
 
-    def claim(self, digest: str, claimant: str, wire: dict | None = None) -> Pending:
-        ref = self.call(shard_of(digest, self.n), "claim", digest, claimant, wire)
+    def claim(self, address: str, claimant: str, wire: dict | None = None) -> Pending:
+        ref = self.call(self._shard(address), "claim", digest_of(address), claimant, wire)
         return Pending([ref], lambda a: a[0])
 
-    def unclaim(self, digest: str, claimant: str) -> Pending:
-        return Pending([self.call(shard_of(digest, self.n), "unclaim", digest, claimant)], lambda a: None)
+    def unclaim(self, address: str, claimant: str) -> Pending:
+        return Pending([self.call(self._shard(address), "unclaim", digest_of(address), claimant)],
+                       lambda a: None)
 
     # ------------------------------------------------------------------ the rest
     def config(self) -> Pending:
@@ -290,5 +336,5 @@ class RegistryShards:
     def _items_by_shard(self, items: list[dict]) -> list[list[dict]]:
         parts: list[list[dict]] = [[] for _ in range(self.n)]
         for it in items:
-            parts[shard_of(it["key"]["digest"], self.n)].append(it)
+            parts[self._shard(item_address(it))].append(it)
         return parts

@@ -15,9 +15,14 @@ class ClusterSettings(BaseModel):
     namespace: str = Field("mmtier", min_length=1, description="Ray namespace of every mmtier actor.")
     registry_name: str = Field("mmtier-registry", min_length=1, description="Name of the ContentRegistry actor.")
     registry_shards: int = Field(
-        2, ge=1, description="Registry actors the content index is split over by key (shard 0 is "
+        2, ge=1, description="Registry actors the content index is split over (registry_placement; shard 0 is "
                              "registry_name, shard i registry_name:shard<i>); 2: the most that helped "
                              "on the 2-core machine (benchmarks/results/registry_scale.json).")
+    registry_placement: Literal["chain", "key"] = Field(
+        "chain", description="What picks a key's registry shard: 'chain', the placement its client sends beside "
+                             "it (its chain root's: every key of a prompt's chain on one shard, one call a "
+                             "request); 'key', its digest (a request's keys spread over the shards). See "
+                             "docs/design.md and benchmarks/results/registry_scale.json.")
     registry_cache_s: float = Field(
         0.0, ge=0, description="Seconds a client trusts a location a lookup found (0: ask every time). A stale "
                                "one costs a miss, never a wrong hit: the holder exports only the exact key.")

@@ -124,7 +124,7 @@ class NodeStoreService:
 
     def import_group(self, wire: dict[str, str], meta: dict, buf: np.ndarray) -> tuple[dict | None, list[str]]:
         """Take a group exported by a pool; makes room by spilling least recently used groups
-        to disk (dropping them only at the bottom). ``(item or None when held, dropped digests)``."""
+        to disk (dropping them only at the bottom). ``(item or None when held, dropped addresses)``."""
         key = ContentKey.from_wire(wire)
         self.keys.verify(key)
         spec = self.cfg.spec(key.modality)
@@ -217,7 +217,7 @@ class NodeStoreService:
             return
         self.host.remove(key)
         self.counters["evictions"] += 1
-        evicted.append(key.hex)
+        evicted.append(key.address)
 
     def _write_disk(self, key: ContentKey, spec: ModalitySpec, n: int, pages: torch.Tensor | None,
                     evicted: list[str]) -> bool:
@@ -236,7 +236,7 @@ class NodeStoreService:
                 old, _ = self._disk.popitem(last=False)
                 self.disk.remove(old)
                 self.counters["evictions"] += 1
-                evicted.append(old.hex)
+                evicted.append(old.address)
                 continue
             except (MMTierError, OSError, concurrent.futures.TimeoutError) as exc:
                 log.warning("store %s: spill of %r failed (%s)", self.name, key, exc)
@@ -265,7 +265,7 @@ class NodeStoreService:
             if pages is None:                    # missing or failed verification: a miss
                 n = self._disk.pop(key)
                 self.counters["corrupt_reads"] += 1
-                self._lost([key.hex])
+                self._lost([key.address])
                 raise CorruptDataError(f"{key!r}: the store's disk copy is missing or failed "
                                        f"verification ({n} tokens; a miss, recompute)")
             self._disk.move_to_end(key)
@@ -332,10 +332,10 @@ class NodeStoreService:
                     self.host.remove(key)
                     if self._on_disk_already(key):
                         self.disk.remove(key)
-                    out.append(key.hex)
+                    out.append(key.address)
                 elif self._disk.pop(key, None) is not None:
                     self.disk.remove(key)
-                    out.append(key.hex)
+                    out.append(key.address)
             return out
 
     def stats(self) -> dict:

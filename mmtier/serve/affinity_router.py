@@ -45,7 +45,7 @@ def best_node(keys: RequestKeys, found: Sequence[Location | None], node_of: Mapp
               ) -> str | None:
     """The node that holds most of ``keys.media``, then the longest leading run of
     ``keys.prefix`` (in tokens); ``None`` when no node holds any of them. ``found``: the
-    registry's answer for ``keys.digests()``, in that order; ``node_of``: holder -> node
+    registry's answer for ``keys.addresses()``, in that order; ``node_of``: holder -> node
     (holders it does not name are skipped)."""
     media, prefix = found[:len(keys.media)], found[len(keys.media):]
     score: dict[str, list[int]] = {}
@@ -120,7 +120,7 @@ class MMTierAffinityRouter(PowerOfTwoChoicesRequestRouter):
 
     async def _locate(self, request: Any) -> str | None:
         keys = await asyncio.wrap_future(self._keyer.submit(request))
-        if not keys.digests():
+        if not keys.addresses():
             return None
         registry = self._keyer.transport.registry
         keys, found = await held_chain(keys, registry.lookup)     # through earlier turns' forks

@@ -55,9 +55,9 @@ class RequestKeys:
     prefix: tuple[tuple[ContentKey, int], ...]
     chain: PromptChain | None = field(default=None, compare=False, repr=False)
 
-    def digests(self) -> list[str]:
-        """Every key's digest, media first: the one batched registry lookup."""
-        return [k.hex for k in self.media] + [k.hex for k, _ in self.prefix]
+    def addresses(self) -> list[str]:
+        """Every key's address (digest and placement), media first: the one batched registry lookup."""
+        return [k.address for k in self.media] + [k.address for k, _ in self.prefix]
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ async def held_chain(keys: RequestKeys, lookup: Callable[[list[str]], Awaitable[
     """``keys`` followed as far as the cluster holds the prompt's chain, and the registry's
     answer for them: where the leading run stops inside a text chunk, the longest part of it
     some holder has (a conversation's previous turn, its prompt or its answer, ended there)
-    cuts the prompt there and the run goes on after it. ``lookup``: digests -> the registry's
+    cuts the prompt there and the run goes on after it. ``lookup``: addresses -> the registry's
     ``Location`` (or ``None``) of each. Two lookups per fork, at most ``max_forks`` forks."""
-    found = await lookup(keys.digests())
+    found = await lookup(keys.addresses())
     for _ in range(max_forks):
         prefix = found[len(keys.media):]
         n = next((i for i, loc in enumerate(prefix) if loc is None), None)
@@ -102,12 +102,12 @@ async def held_chain(keys: RequestKeys, lookup: Callable[[list[str]], Awaitable[
         forks = keys.chain.forks(n)
         if not forks:
             break
-        parts = await lookup([k.hex for _, k in forks])
+        parts = await lookup([k.address for _, k in forks])
         i = next((j for j, loc in enumerate(parts) if loc is not None), None)
         if i is None:
             break
         keys = keys.chain.cut(keys.media, forks[i][0])
-        found = await lookup(keys.digests())
+        found = await lookup(keys.addresses())
     return keys, found
 
 

@@ -110,3 +110,19 @@ def test_same_seed_same_run():
     assert runs[0] == runs[1] and runs[2] == runs[3] and runs[4] == runs[5]
     with pytest.raises(ValueError):
         simulate("z", 16, 2000.0, cal, inp, work, 4)
+
+
+def test_shared_media_is_a_second_call_by_chain():
+    """Design e: a request's chain is one call; a shared media group (``media_share`` of the
+    requests) is one more on its own key's shard, unless it falls on the chain's."""
+    cal = Calibration(call_s=3e-4, key_s=7e-6, client_s=1e-3, source="test")
+    work = PoissonWork(keys=30, new=0, seed=6)
+    calls = {}
+    for share in (0.0, 0.3):
+        p = simulate("e", 1, 4.0, cal, Inputs(window_s=200.0, seed=2, media_share=share), work, 64)
+        calls[share] = p.calls_per_s * 200.0 / p.lookups
+    assert calls[0.0] <= 1.0
+    assert 1.0 + 0.3 * 63 / 64 - 0.1 < calls[0.3] < 1.0 + 0.3 + 0.1, calls
+    # key-hash shards: the media key is one more key among ~30 spread over 64 shards
+    c = simulate("c", 1, 4.0, cal, Inputs(window_s=200.0, seed=2, media_share=0.3), work, 64)
+    assert c.calls_per_s * 200.0 / c.lookups > 15

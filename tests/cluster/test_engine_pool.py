@@ -158,7 +158,7 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
            for i in range(dst.cache.pools["vision"].num_pages)]
     for f in one:
         dst.put(f.to_wire(), *(torch.randn(spec.num_layers, 7, spec.num_kv_heads, spec.head_dim),) * 2)
-    assert dst.drop([f.to_wire() for f in one[::2]]) == [f.hex for f in one[::2]]
+    assert dst.drop([f.to_wire() for f in one[::2]]) == [f.address for f in one[::2]]
 
     meta, buf = export_to_object_store(src, key.to_wire())
     assert len(src.cache.leases) == 1
@@ -171,7 +171,7 @@ def test_export_buffer_holds_its_lease_and_imports_land_in_scattered_pages():
     assert len(page_runs(dst.cache.index.groups[key].pages)) > 1    # landed in scattered pages
     got_k, got_v = dst.cache.read_group(key)
     assert torch.equal(got_k, k) and torch.equal(got_v, v)
-    assert src.drop([key.to_wire()]) == [key.hex]
+    assert src.drop([key.to_wire()]) == [key.address]
     with pytest.raises(UnknownKeyError):
         export_to_object_store(src, key.to_wire())
     assert len(src.cache.leases) == 0

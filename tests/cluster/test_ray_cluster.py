@@ -540,7 +540,7 @@ def test_store_spills_host_to_disk_serves_and_adopts_after_restart(tmp_path):
     victim.write_bytes(bytes(raw))
     with pytest.raises(CorruptDataError):
         again.export(groups[1][0].to_wire())
-    assert lost == [groups[1][0].hex] and again.holds([groups[1][0].to_wire()]) == [False]
+    assert lost == [groups[1][0].address] and again.holds([groups[1][0].to_wire()]) == [False]
     again.close()
 
     small = cfg.model_copy(update={"disk_bytes": 3 * (2 * page + 4096)})   # 3 groups on disk
@@ -551,7 +551,7 @@ def test_store_spills_host_to_disk_serves_and_adopts_after_restart(tmp_path):
         _item, evicted = bottom.import_group(key.to_wire(), *_exported(key, *kv(16)))
         keys.append(key)
         dropped += evicted
-    assert dropped == [keys[0].hex, keys[1].hex]         # the oldest leave at the bottom only
+    assert dropped == [keys[0].address, keys[1].address]         # the oldest leave at the bottom only
     assert bottom.holds([k.to_wire() for k in keys]) == [False, False] + [True] * 4
     bottom.close()
     maker.close()

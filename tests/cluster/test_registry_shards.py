@@ -181,7 +181,7 @@ def test_killed_shard_misses_its_keys_until_rebuilt(started):
     try:
         groups = _put_embeddings(cc, 24, b"shard-kill")
         keys = list(groups)
-        by_shard = {s: [k for k in keys if shard_of(k.hex, SHARDS) == s] for s in range(SHARDS)}
+        by_shard = {s: [k for k in keys if shard_of(k.address, SHARDS) == s] for s in range(SHARDS)}
         lost = max(by_shard, key=lambda s: len(by_shard[s]))
         assert by_shard[lost] and len(by_shard[lost]) < len(keys)
         assert all(loc is not None for loc in cc.locate_many(keys))
@@ -189,17 +189,17 @@ def test_killed_shard_misses_its_keys_until_rebuilt(started):
 
         # the client's lookups: the lost shard's keys miss, the others hit, nothing raises
         found = cc.locate_many(keys)
-        assert [loc is None for loc in found] == [shard_of(k.hex, SHARDS) == lost for k in keys]
+        assert [loc is None for loc in found] == [shard_of(k.address, SHARDS) == lost for k in keys]
         for k in keys:
-            if shard_of(k.hex, SHARDS) == lost:
+            if shard_of(k.address, SHARDS) == lost:
                 with pytest.raises(UnknownKeyError):
                     cc.get_embedding(k)
             else:
                 assert torch.equal(cc.get_embedding(k), groups[k])
         # the engine's path (``RayTransport``): the same misses, no exception, a counted failure
         transport = RayTransport(SETTINGS)
-        got = transport.wait(transport.lookup_async([k.hex for k in keys]), len(keys))
-        assert [loc is None for loc in got] == [shard_of(k.hex, SHARDS) == lost for k in keys]
+        got = transport.wait(transport.lookup_async([k.address for k in keys]), len(keys))
+        assert [loc is None for loc in got] == [shard_of(k.address, SHARDS) == lost for k in keys]
         assert transport.calls["lookup_failed"] == 1
         assert cc.registry_stats()["keys"] == len(keys) - len(by_shard[lost])
         # what goes to every shard still reaches the live ones (the lost one rebuilds later)
@@ -231,7 +231,7 @@ def test_stale_cached_location_is_a_miss_never_wrong_bytes(started):
         holder = locs[0].holders[0][0]
         # another client removes the group at its holder and tells the registry
         dropped = ray.get(b.holders.actors[holder].drop.remote([gone.to_wire()]), timeout=30)
-        assert dropped == [gone.hex]
+        assert dropped == [gone.address]
         b.holders.forget_evicted(holder, dropped)
         assert _wait_until(lambda: b.locate(gone) is None, timeout=30)
         assert a.locate(gone) == locs[0]               # a's cache is stale, within its bound

@@ -15,6 +15,7 @@ import pytest
 from mmtier.cache import TieredKVCache
 from mmtier.cluster.registry import ContentRegistry, HolderInfo
 from mmtier.config import CacheConfig
+from mmtier.content import split_address
 from mmtier.engines.vllm.keys import KeyScheme
 from mmtier.serve.affinity_router import best_node
 from mmtier.serve.request_keys import PromptChain, held_chain
@@ -68,13 +69,13 @@ def test_the_router_follows_a_conversation_through_its_previous_prompt_and_answe
     turn2 = p1 + a1 + tokens(20, 5)
     keys = PromptChain(scheme, cache, request(turn2), scheme.plan(cache, request(turn2))).keys(())
 
-    async def lookup(digests):
-        return registry.lookup(digests)
+    async def lookup(addresses):                # a plain registry: digests (a shard router strips them)
+        return registry.lookup([split_address(a)[0] for a in addresses])
 
     node_of = {"store-a": "A", "store-b": "B"}
     # the first chunks only: both nodes hold the first chunk, the second ([32, 64)) nobody (turn
     # 1's prompt ended inside it at 40): a tie, no conversation followed
-    plain = asyncio.run(lookup(keys.digests()))
+    plain = asyncio.run(lookup(keys.addresses()))
     assert plain[0] is not None and plain[1] is None
     followed, found = asyncio.run(held_chain(keys, lookup))
     run = 0
@@ -106,8 +107,8 @@ def test_a_chain_nobody_forked_from_is_left_as_it_was(cache):
     ids = tokens(70, 9)
     keys = PromptChain(scheme, cache, request(ids), scheme.plan(cache, request(ids))).keys(())
 
-    async def lookup(digests):
-        return registry.lookup(digests)
+    async def lookup(addresses):                # a plain registry: digests (a shard router strips them)
+        return registry.lookup([split_address(a)[0] for a in addresses])
 
     followed, found = asyncio.run(held_chain(keys, lookup))
     assert followed == keys and found == [None] * len(keys.prefix)

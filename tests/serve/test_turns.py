@@ -27,6 +27,7 @@ from mmtier.chat.model import dense_chat  # noqa: E402
 from mmtier.cluster.engine_cache import HostedCache  # noqa: E402
 from mmtier.cluster.pool import PoolService  # noqa: E402
 from mmtier.cluster.registry import ContentRegistry, HolderInfo  # noqa: E402
+from mmtier.content import split_address  # noqa: E402
 from mmtier.errors import HolderLostError  # noqa: E402
 from mmtier.serve.config import ModelArgs, Workers  # noqa: E402
 from mmtier.serve.engine_loader import load_engine  # noqa: E402
@@ -159,9 +160,9 @@ class InProcessCluster:
     def forget(self, digests):
         pass                                    # no lookup cache here: the registry answers afresh
 
-    def lookup_async(self, digests):
+    def lookup_async(self, addresses):          # a plain registry: digests (the shard router strips them)
         self.calls["lookup"] += 1
-        return self.registry.lookup(digests)
+        return self.registry.lookup([split_address(a)[0] for a in addresses])
 
     def wait(self, answer, n):
         return answer
@@ -169,7 +170,7 @@ class InProcessCluster:
     def publish_later(self, holder, items, removed, info):
         self.calls["publish"] += 1
         self.registry.add(holder, items, HolderInfo(info["name"], info["node"], info["kind"]))
-        self.registry.remove(holder, removed)
+        self.registry.remove(holder, [split_address(a)[0] for a in removed])
 
     def attach(self, holder, proxy, tenant, wire):
         self.calls["attach"] += 1
