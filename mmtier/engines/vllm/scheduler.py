@@ -21,7 +21,9 @@ the answer's whole blocks end is found by ``_fork``, as a prompt's part is). Eac
 flushed as its last block's KV is written; the last part when the request finishes, is aborted
 or is preempted (vLLM frees its blocks then: the worker reads them at the next step's start,
 before any is written, ``MMTierConnectorMetadata.flush_wait``). Only positions whose KV is
-written are saved: vLLM computes a sampled token's KV in the next step.
+written are saved: vLLM computes a sampled token's KV in the next step. Hybrid models: each
+layer through its own KV cache group's table, recurrent states with the groups
+(``_decode_state``, ``_mark_state``; see ``hybrid``).
 """
 
 from __future__ import annotations
