@@ -34,6 +34,16 @@ each layer's rows read from, and written to, its own group's block; saved where 
 group's end, and a hit ends only where a state is held: the KV of every attention layer up to
 ``e`` and the state at ``e`` restore the request exactly. Other modes are refused with the
 setting to change (``kv_groups``).
+
+Generated tokens (decode saves, ``scheduler._decode_saves``) take the same paths: a decode
+group's layers are read through their own groups' tables when the step after its last block
+starts (within the window: vLLM frees a sliding block once it is a whole window behind the next
+token), and its state with it. In mode ``align`` vLLM keeps the state after ``e`` tokens in
+block ``e // block_size - 1`` from the step that ends at ``e`` until the step after the next is
+scheduled, then frees it: a chunk flushed in the first of those steps reads it there; a
+request that finishes or is preempted later saves its last part with the worker's copy of the
+state taken where a decode step last ended on a block boundary (``state_marks``), or without a
+state (its hit then stops before it).
 """
 
 from __future__ import annotations

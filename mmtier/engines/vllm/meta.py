@@ -47,3 +47,8 @@ class MMTierConnectorMetadata(KVConnectorMetadata):
     # some of their blocks go to other requests this step, so they are read before it writes any
     flushes: list[GroupCopy] = field(default_factory=list)
     flush_wait: bool = False
+    # recurrent layers: the states after some of ``flushes`` (read as the step starts; with no
+    # ``blocks``, the worker's copy of that request's state at that end, from ``state_marks``),
+    # and states where a decode step ended on a block boundary, copied for a later finish
+    flush_states: list[vllm_hybrid.StateCopy] = field(default_factory=list)
+    state_marks: list[vllm_hybrid.StateCopy] = field(default_factory=list)

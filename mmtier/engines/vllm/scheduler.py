@@ -21,7 +21,9 @@ the answer's whole blocks end is found by ``_fork``, as a prompt's part is). Eac
 flushed as its last block's KV is written; the last part when the request finishes, is aborted
 or is preempted (vLLM frees its blocks then: the worker reads them at the next step's start,
 before any is written, ``MMTierConnectorMetadata.flush_wait``). Only positions whose KV is
-written are saved: vLLM computes a sampled token's KV in the next step.
+written are saved: vLLM computes a sampled token's KV in the next step. Hybrid models: each
+layer through its own KV cache group's table, recurrent states with the groups
+(``_decode_state``, ``_mark_state``; see ``hybrid``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class _ReqState:
     pull: Future | None = None     # the cluster pull of the groups it lacked (once per request)
     request: Request | None = None  # vLLM's request (its token ids grow as it generates)
     done: int = 0                  # positions whose KV vLLM wrote by the end of its latest step
+    start: int = 0                 # positions computed when its latest step was scheduled
     decode: bool = True            # its generated tokens are still planned (_decode_saves)
     flush_waits: int = 0           # steps its lookup waited for a flush it would hit
     handoff: vllm_pd.PendingHandoff | None = None   # P/D: the groups its prefill engine named
@@ -86,6 +89,7 @@ class MMTierConnectorScheduler:
         self._async_reqs: set[str] = set()        # hybrid: requests with a load (their blocks wait)
         self.save_decode = setup.save_decode
         self._flushes: list[GroupCopy] = []       # finished requests' last groups, sent next step
+        self._flush_states: list[vllm_hybrid.StateCopy] = []   # recurrent states of decode groups
         self._step = 0                            # build_connector_meta calls so far
         self._flushed_at: dict[ContentKey, int] = {}   # flushed group -> the step it was sent in
         # P/D (``pd``): a consumer never saves prompts; a producer names what it saved
@@ -307,7 +311,7 @@ class MMTierConnectorScheduler:
             saves = self._saves(new.req_id, state, max(done, state.hit))
             meta.saves += saves
             self._state_save(meta, new.req_id, state, saves, done)
-            state.done = done
+            state.done, state.start = done, new.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._reqs.get(req_id)
@@ -326,9 +330,12 @@ class MMTierConnectorScheduler:
             saves = self._saves(req_id, state, max(done, state.hit))
             meta.saves += saves
             self._state_save(meta, req_id, state, saves, done)
-            state.done = done
             # earlier steps wrote the KV of positions [0, num_computed_tokens)
-            meta.flushes += self._decode_saves(req_id, state, cached.num_computed_tokens[i], final=False)
+            written = cached.num_computed_tokens[i]
+            meta.flushes += self._decode_saves(req_id, state, written, final=False)
+            self._mark_state(meta, req_id, state, written)
+            state.done, state.start = done, written
+        meta.flush_states, self._flush_states = self._flush_states, []
         self._flushed_at = {k: at for k, at in self._flushed_at.items() if at >= self._step - 1}
         self._flushed_at.update((op.key, self._step) for op in meta.flushes)
         if meta.flushes:
@@ -367,18 +374,59 @@ class MMTierConnectorScheduler:
         while state.saved < len(state.plan.segments) and state.plan.segments[state.saved].end <= end:
             seg = state.plan.segments[state.saved]
             try:
-                out.append(dataclasses.replace(self._copy(req_id, state, seg, seg.start, seg.end), decode=True))
+                op = dataclasses.replace(self._copy(req_id, state, seg, seg.start, seg.end), decode=True)
+                if self.hybrid is not None and not self._whole_in_attention(op):
+                    raise ShapeError("a sliding window let some of its blocks go")
             except ShapeError as exc:  # its blocks are not all in the table the scheduler saw
                 log.warning("mmtier: decode save of %s [%d, %d) skipped: %s", req_id, seg.start, seg.end, exc)
                 state.decode = False
                 break
+            out.append(op)
             state.saved += 1
+        if self.states and out:
+            self._decode_state(req_id, state, out[-1], written, final)
         if final and new[-1].end % chunk and state.saved == len(state.plan.segments):
             # the part stays out of the plan: a preempted request that resumes goes on to
             # save the whole chunk (a finished one's state goes with it)
             state.plan = RequestPlan(known, state.plan.segments[:-1])
             state.saved -= 1
         return out
+
+    def _whole_in_attention(self, op: GroupCopy) -> bool:
+        """Every attention layer's group holds a block for each of ``op``'s positions."""
+        attention = sorted(set(self.hybrid.layer_group.values()))
+        return bool((op.group_slots[attention] >= 0).all())
+
+    def _decode_state(self, req_id: str, state: _ReqState, op: GroupCopy, written: int, final: bool) -> None:
+        """The recurrent state after the decode group ``op`` (its hit ends only where one is
+        held). In mode 'align' vLLM keeps the state after ``e`` tokens in block ``e // bs - 1``
+        from the step that ends at ``e`` until the schedule after the next step starts (it
+        then frees it): exact where the latest steps ended or started at ``op.end``. Else, at a
+        finish or preemption, the worker's copy taken when a step ended there
+        (``_mark_state``); a non-final flush past its end saves none (a later miss)."""
+        if written == op.end or state.start == op.end:
+            at = self._state_at(req_id, state, op.end)
+            if at is not None and at.whole:
+                self._flush_states.append(at)
+        elif final:
+            self._flush_states.append(vllm_hybrid.StateCopy(req_id, op.key, op.end, ()))
+
+    def _mark_state(self, meta: MMTierConnectorMetadata, req_id: str, state: _ReqState, written: int) -> None:
+        """Where a step ended on a block boundary past the request's saved groups, the worker
+        copies the state there (the last one per request): the state of the part a finish or
+        preemption saves later (``_decode_state``), which vLLM frees a step after."""
+        if not (self.states and self.save_decode and state.decode and written % self.block_size == 0):
+            return
+        segs = state.plan.segments
+        if written <= (segs[-1].end if segs else 0) or written < len(state.request.prompt_token_ids or ()):
+            return
+        index, blocks = written // self.block_size - 1, []
+        for g in self.hybrid.state_groups:
+            table = state.block_ids[g] if g < len(state.block_ids) else []
+            blocks.append(table[index] if index < len(table) and table[index] != vllm_hybrid.NULL_BLOCK else -1)
+        mark = vllm_hybrid.StateCopy(req_id, None, written, tuple(blocks))
+        if mark.whole:
+            meta.state_marks.append(mark)
 
     def _state_save(self, meta: MMTierConnectorMetadata, req_id: str, state: _ReqState,
                     saves: list[GroupCopy], done: int) -> None:
@@ -415,7 +463,8 @@ class MMTierConnectorScheduler:
     def _copy(self, req_id: str, state: _ReqState, seg: Segment, lo: int, hi: int) -> GroupCopy:
         if self.hybrid is not None:       # each layer reads its own group's table
             per_group = vllm_hybrid.group_slots(state.block_ids, lo, hi, self.block_size)
-            return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, per_group[0], (), per_group)
+            blocks = tuple(sorted({int(s) // self.block_size for s in per_group[per_group >= 0].tolist()}))
+            return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, per_group[0], blocks, per_group)
         slots = slots_for(state.block_ids[0], lo, hi, self.block_size)
         blocks = tuple(sorted({int(s) // self.block_size for s in slots}))
         return GroupCopy(req_id, seg.key, seg.start, seg.end, lo, hi, torch.from_numpy(slots), blocks)

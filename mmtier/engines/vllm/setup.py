@@ -105,13 +105,9 @@ class ConnectorSetup:
                      "text chunks of %d blocks", self.hybrid.describe(), self.scheme.chunk_blocks)
         if self.cache.cfg.spec(self.scheme.text_modality).kind != "kv":
             raise ConfigError(f"{self.scheme.text_modality!r} must hold kv payloads", ("mmtier_text_modality",))
-        # the KV of generated tokens, saved as their blocks fill (scheduler._decode_saves)
+        # the KV of generated tokens, saved as their blocks fill (scheduler._decode_saves); with
+        # the hybrid allocator each layer's through its group's table, recurrent states with them
         self.save_decode = save_decode_setting(extra)
-        if self.save_decode and self.hybrid is not None:
-            self.save_decode = False
-            log.info("mmtier: generated tokens' KV is not saved with vLLM's hybrid allocator (%s): a decode "
-                     "group would need each KV cache group's blocks and the recurrent state at its end; "
-                     "prompts are saved as before", self.hybrid.describe())
         if self.save_decode and vllm_config.speculative_config is not None:
             self.save_decode = False
             log.info("mmtier: generated tokens' KV is not saved with speculative decoding (rejected draft "

@@ -79,6 +79,9 @@ class MMTierConnectorWorker:
                                               self.cache.cfg.head_dim, self._read_state, self.hybrid)
                        if self.hybrid is not None else None)
         self._state_views: list[tuple[torch.Tensor, ...]] = []     # the recurrent layers' state tensors
+        # request -> (end, rows): its state where a decode step last ended on a block boundary
+        # (the writer thread's; _flush_states)
+        self._marks: dict[str, tuple[int, list[torch.Tensor]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cfg = self.cache.cfg
@@ -274,20 +277,28 @@ class MMTierConnectorWorker:
         elsewhere they are copied to a stage here, on vLLM's stream. Called as the step starts,
         before vLLM writes any block; with ``flush_wait`` (some of those blocks go to another
         request this step) the reads end before this returns, else before the next step's."""
+        if self.states and (meta.state_marks or meta.flush_states):
+            self._flush_states(meta)
         if not meta.flushes or not self.layers:
             return
         t0 = time.perf_counter()
         cfg, first = self.cache.cfg, next(iter(self.layers.values()))
         staged = []
         for op in meta.flushes:
-            st = self._direct_save(op, first) or self._stage_for(op, first, whole_group=False)
+            st = None
+            if op.group_slots is None:       # hybrid: each layer through its group's table (_copy_out)
+                st = self._direct_save(op, first) or self._stage_for(op, first, whole_group=False)
             if st is None:
                 shape = (cfg.num_layers, op.hi - op.lo, cfg.num_kv_heads, cfg.head_dim)
                 st = _Staged(op, first.new_empty(shape), first.new_empty(shape))
             if not st.direct and first.device.type == "cpu":
                 st.deferred = True
             elif not st.direct:
-                self._copy_out(st)
+                try:
+                    self._copy_out(st)
+                except MMTierError as exc:   # best effort: a later miss
+                    log.warning("mmtier: decode save of %r skipped: %s", op.key, exc)
+                    continue
             staged.append(st)
         event = None
         if first.is_cuda:
@@ -302,6 +313,46 @@ class MMTierConnectorWorker:
         else:
             self._flushing.append(fut)
         self.decode_saves["flush_s"] += time.perf_counter() - t0
+
+    def _flush_states(self, meta: MMTierConnectorMetadata) -> None:
+        """The recurrent states of ``meta.flush_states`` and ``meta.state_marks``, copied out of
+        vLLM's blocks now (before this step moves or frees any), stored by the writer thread
+        after this step's flushes; a mark is kept (in host memory) until its request's finish
+        or preemption saves the part that ends there, or its next mark."""
+        if not self._state_views:
+            return
+        n = len(self._state_views[0])
+
+        def rows(op: vllm_hybrid.StateCopy) -> list[torch.Tensor]:
+            return [vllm_hybrid.state_rows(self._state_views, self.hybrid.layer_blocks(op), i) for i in range(n)]
+
+        marks = [(op.req_id, op.end, rows(op)) for op in meta.state_marks]
+        states = [(op, rows(op) if op.whole else None) for op in meta.flush_states]
+        event = None
+        if self._state_views[0][0].is_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        fut = self._writer.submit(self._store_decode_states, marks, states, event)
+        self._saving.add(fut)
+        fut.add_done_callback(self._saving.discard)
+
+    def _store_decode_states(self, marks: list, states: list, event) -> None:
+        """The writer thread's half of ``_flush_states``: marks kept, states stored (a state op
+        without rows takes its request's mark where it ends there; none else: a later miss)."""
+        if event is not None:
+            event.synchronize()
+        for req_id, end, rows in marks:
+            self._marks[req_id] = (end, [r.cpu() for r in rows])
+        stored = []
+        for op, rows in states:
+            if rows is None:
+                mark = self._marks.get(op.req_id)
+                if mark is None or mark[0] != op.end:
+                    log.debug("mmtier: no state after %d for %s's last decode group: not saved", op.end, op.req_id)
+                    continue
+                rows = mark[1]
+            stored.append((op.key, rows))
+        self._store_states(stored)
 
     def wait_direct_saves(self) -> None:
         """Wait until no save reads vLLM's blocks any more (see the module docstring)."""
@@ -400,7 +451,12 @@ class MMTierConnectorWorker:
         with torch.inference_mode():                 # the slot path's k, v were made in the forward
             for name, layer in self._layer_index.items():
                 kv_layer = self.layers[name]
-                if st.blocks is not None:            # vLLM's blocks as they lie, run by run
+                if st.op.group_slots is not None:    # hybrid: this layer's group's table
+                    slots = st.op.group_slots[self.hybrid.layer_group[name]]
+                    if bool((slots < 0).any()):
+                        raise MMTierError(f"a sliding window let positions of [{st.op.lo}, {st.op.hi}) go")
+                    vllm_copy.gather(kv_layer, slots.to(kv_layer.device), head_dim, st.k[layer], st.v[layer])
+                elif st.blocks is not None:          # vLLM's blocks as they lie, run by run
                     vllm_copy.copy_blocks(kv_layer, st.blocks, st.stage[layer], None)
                 else:
                     vllm_copy.gather(kv_layer, st.op.slots, head_dim, st.k[layer], st.v[layer])
@@ -415,6 +471,10 @@ class MMTierConnectorWorker:
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Hybrid engines: loads done (failed ones among them, which vLLM recomputes) and the
         finished requests whose blocks no load writes any more."""
+        if self.states and finished_req_ids:     # marks dropped after their last flush, on its thread
+            fut = self._writer.submit(lambda done=set(finished_req_ids): [self._marks.pop(r, None) for r in done])
+            self._saving.add(fut)
+            fut.add_done_callback(self._saving.discard)
         if self._async is None:
             return KVConnectorTransferResults()
         released, loaded, failed = self._async.finished(finished_req_ids)
