@@ -87,7 +87,7 @@ class _Engine(PoolHost):
         t0 = time.perf_counter()
         assert self.local.fetch(key, holder)
         seconds = time.perf_counter() - t0
-        assert self.local.drop([key]) == [key.hex]        # room for the next round, not timed
+        assert self.local.drop([key]) == [key.address]    # room for the next round, not timed
         self.local.end_turn()
         return seconds
 

@@ -233,7 +233,7 @@ class HostedCache:
 
     def drop(self, keys: Iterable[ContentKey]) -> list[str]:
         """Let go of unreferenced groups here (the registry learns it with the next publish);
-        returns the digests dropped."""
+        returns the addresses dropped (digest@placement)."""
         dropped = self.host.drop([k.to_wire() for k in keys])
         self._removed += dropped
         return dropped
