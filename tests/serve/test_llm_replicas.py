@@ -43,10 +43,10 @@ def app(tmp_path_factory):
     app.close()
 
 
-def _wait_held(app, digest: str, timeout_s: float = 20.0) -> set[str]:
+def _wait_held(app, address: str, timeout_s: float = 20.0) -> set[str]:
     deadline = time.monotonic() + timeout_s
     while True:
-        nodes = app.holder_nodes([digest])[0]
+        nodes = app.holder_nodes([address])[0]
         if nodes or time.monotonic() > deadline:
             return nodes
         time.sleep(0.5)
@@ -87,8 +87,8 @@ def test_replicas_share_and_route_by_holder(app):
     assert enc[b_node]["encoded"] == 0, enc
     k1 = keys(first)
     assert len(k1.media) == 1 and len(k1.prefix) >= 4
-    assert _wait_held(app, k1.prefix[-1][0].hex) == {a_node}    # the router's keys are the saved ones
-    assert _wait_held(app, k1.media[0].hex) == {a_node}
+    assert _wait_held(app, k1.prefix[-1][0].address) == {a_node}    # the router's keys are the saved ones
+    assert _wait_held(app, k1.media[0].address) == {a_node}
 
     # 2. the next turns go where the conversation lives
     turns, conv, prev = [], first, k1
@@ -97,7 +97,7 @@ def test_replicas_share_and_route_by_holder(app):
                        {"role": "user", "content": text(seed, 40)}]
         answer, prompt_tokens, cached = ask(conv)
         k = keys(conv)
-        turns.append((_wait_held(app, k.prefix[-1][0].hex), cached))
+        turns.append((_wait_held(app, k.prefix[-1][0].address), cached))
         assert cached >= sum(t for _, t in prev.prefix) // BLOCK * BLOCK - BLOCK
         prev = k
     assert [nodes for nodes, _ in turns] == [{a_node}, {a_node}], turns
@@ -132,7 +132,7 @@ def test_replicas_share_and_route_by_holder(app):
     expected = min(sum(t for _, t in k1.prefix), again_tokens - 1) // BLOCK * BLOCK
     assert again_cached == expected > 64
     long_keys = keys(long_conv)
-    assert _wait_held(app, long_keys.prefix[-1][0].hex) == {a_node}   # the long turn ran on A
+    assert _wait_held(app, long_keys.prefix[-1][0].address) == {a_node}   # the long turn ran on A
 
     # 4. another tenant (its cache_salt and item names, as mmtier's ingress sets them) sends the
     #    first chat: its encoder runs wherever it lands, it pulls nothing of A's from the other
@@ -153,8 +153,8 @@ def test_replicas_share_and_route_by_holder(app):
     kb = keyer.submit(ChatCompletionRequest(model=MODEL_ID, messages=body["messages"], max_tokens=8,
                                             cache_salt="salt-b")).result(120)
     assert kb.media[0] != k1.media[0] and kb.media[0].scope != k1.media[0].scope
-    assert _wait_held(app, kb.media[0].hex) == {ran_on}
-    assert _wait_held(app, kb.prefix[-1][0].hex) == {ran_on}
+    assert _wait_held(app, kb.media[0].address) == {ran_on}
+    assert _wait_held(app, kb.prefix[-1][0].address) == {ran_on}
 
 
 def test_best_node_prefers_media_then_the_longest_held_prefix():

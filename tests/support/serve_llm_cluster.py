@@ -182,12 +182,12 @@ class ServeCluster:
 
         return RegistryShards(self.settings)
 
-    def holder_nodes(self, digests: list[str]) -> list[set[str]]:
-        """The nodes whose holders hold each digest (the registry's answer)."""
+    def holder_nodes(self, addresses: list[str]) -> list[set[str]]:
+        """The nodes whose holders hold each address's group (digest@placement: the registry's answer)."""
         reg = self.registry()
         node_of = {h.name: h.node for h in reg.holders().get(60)}
         return [set() if loc is None else {node_of[h] for h, _ in loc.holders if h in node_of}
-                for loc in reg.lookup(digests).get(60)]
+                for loc in reg.lookup(addresses).get(60)]
 
     def close(self) -> None:
         if not self._up:

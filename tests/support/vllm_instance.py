@@ -156,9 +156,9 @@ class VllmInstance:
                 "worker_pulled": self.ec_worker.link.counters["pulled"]}
 
     def digests(self, rid: str, seed: int) -> list[str]:
-        """The content keys of the request's groups, as the registry names them."""
+        """The addresses of the request's groups, as the registry is asked (digest@placement)."""
         req = self.h.request(rid, seed=seed)
         try:
-            return [s.key.hex for s in self.sched._plan(req).plan.segments]
+            return [s.key.address for s in self.sched._plan(req).plan.segments]
         finally:
             self.sched.request_finished(req, [])
