@@ -19,7 +19,6 @@ import json  # noqa: E402
 import secrets  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -32,6 +31,7 @@ from mmtier.cluster import ClusterSettings  # noqa: E402
 from mmtier.cluster.actors import ContentRegistryActor  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards, shard_name, shard_of  # noqa: E402
 from mmtier.content import PLACE_BYTES, KeyMaker, tenant_salt  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -148,15 +148,6 @@ def test_one_call_per_request_per_chain(local_ray, placement):
             ray.kill(a, no_restart=True)
 
 
-def _wait_until(pred, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 def _put_chains(cc, gen) -> tuple[dict[int, list], dict]:
     """Chains of 5 embedding groups, each derived from the one before, on two shards at least."""
     chains: dict[int, list] = {}
@@ -204,7 +195,7 @@ def test_killed_shard_misses_its_chains_whole_then_rebuilds_on_the_same_shard(lo
         # key's placement), on the shard their placement names and on no other
         report = mma.start(CFG, SETTINGS)
         assert report.created == [shard_name(SETTINGS, lost)]
-        assert _wait_until(lambda: all(loc is not None for loc in cc.locate_many(keys)), timeout=60)
+        assert wait_until(lambda: all(loc is not None for loc in cc.locate_many(keys)), timeout=60)
         assert _shard_holds(lost, keys) == [k in chains[lost] for k in keys]
         for s in range(SHARDS):
             if s != lost:

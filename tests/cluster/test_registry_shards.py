@@ -16,7 +16,6 @@ import random  # noqa: E402
 import secrets  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -30,6 +29,7 @@ from mmtier.cluster.actors import ContentRegistryActor  # noqa: E402
 from mmtier.cluster.engine_pool import RayTransport  # noqa: E402
 from mmtier.cluster.registry import ContentRegistry, HolderInfo  # noqa: E402
 from mmtier.cluster.registry_shards import RegistryShards, shard_name, shard_of, split  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -147,15 +147,6 @@ def test_same_answers_as_one_registry(local_ray):
             ray.kill(a, no_restart=True)
 
 
-def _wait_until(pred, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.2)
-    return False
-
-
 @pytest.fixture(scope="module")
 def started(local_ray):
     mma.start(CFG, SETTINGS)
@@ -208,7 +199,7 @@ def test_killed_shard_misses_its_keys_until_rebuilt(started):
         # start() recreates the shard; it rebuilds its part from the holders' inventories
         report = mma.start(CFG, SETTINGS)
         assert report.created == [shard_name(SETTINGS, lost)]
-        assert _wait_until(lambda: all(loc is not None for loc in cc.locate_many(keys)), timeout=60)
+        assert wait_until(lambda: all(loc is not None for loc in cc.locate_many(keys)), timeout=60)
         for k in keys:
             assert torch.equal(cc.get_embedding(k), groups[k])
         assert cc.registry_stats()["keys"] == len(keys)
@@ -233,7 +224,7 @@ def test_stale_cached_location_is_a_miss_never_wrong_bytes(started):
         dropped = ray.get(b.holders.actors[holder].drop.remote([gone.to_wire()]), timeout=30)
         assert dropped == [gone.address]
         b.holders.forget_evicted(holder, dropped)
-        assert _wait_until(lambda: b.locate(gone) is None, timeout=30)
+        assert wait_until(lambda: b.locate(gone) is None, timeout=30)
         assert a.locate(gone) == locs[0]               # a's cache is stale, within its bound
         assert a.holders.registry.cache_hits >= 1
         with pytest.raises(UnknownKeyError):
